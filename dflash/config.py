@@ -1,0 +1,156 @@
+"""The one run config, read by preflight, the memory estimator and the trainer alike.
+
+A run config is a TOML file (see ``configs/``). Unknown keys are rejected, every field
+says what it means and its unit, and validation errors name the field and its range.
+This module imports no torch: preflight reads it in a process that must stay light.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import tomllib
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+DTYPES = ("bfloat16", "float16", "float32")
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class TargetConfig(_Strict):
+    path: str = Field(
+        "smollm2",
+        description="HF model folder (config.json + weights), or 'smollm2' for the embedded default",
+    )
+    dtype: Literal["bfloat16", "float16", "float32"] = Field(
+        "bfloat16", description="dtype the frozen target runs in"
+    )
+    random_init: bool = Field(
+        False, description="build the target from config.json with random weights (benchmarks, tests)"
+    )
+
+
+class DrafterConfig(_Strict):
+    num_layers: int = Field(5, ge=1, le=64, description="drafter decoder layers")
+    block_size: int = Field(32, ge=2, le=128, description="tokens drafted per block (slot 0 = anchor token)")
+    target_layer_ids: list[int] = Field(
+        default_factory=list,
+        description="target layers whose hidden states feed the drafter; empty = spread evenly over [1, L-3]",
+    )
+    mask_token_id: int | None = Field(
+        None, ge=0, description="token id filling the non-anchor slots; None = resolved from the tokenizer"
+    )
+
+
+class DataConfig(_Strict):
+    path: str = Field("data/train", description="folder of Arrow shards with input_ids and loss_mask")
+    token_budget: int = Field(49152, ge=16, description="max padded tokens per batch (tokens)")
+    max_batch_size: int = Field(64, ge=1, description="max sequences per batch")
+    num_buckets: int = Field(16, ge=1, le=1024, description="length buckets for batching")
+    max_length: int | None = Field(
+        None, ge=2, description="samples longer than this (tokens) fail the dataset check; None = token_budget"
+    )
+
+
+class TrainConfig(_Strict):
+    max_anchors: int = Field(1024, ge=1, description="anchors sampled per sequence per step")
+    gamma: float = Field(10.0, gt=0, description="slot weight decay: slot k weighs exp(-(k-1)/gamma)")
+    kl_weight: float = Field(0.0, ge=0.0, le=1.0, description="share of the soft-label KL in the loss (0 = pure CE)")
+    lr: float = Field(6e-4, gt=0, le=1.0, description="peak learning rate")
+    warmup_ratio: float = Field(0.04, ge=0.0, lt=1.0, description="share of steps with linear warmup")
+    weight_decay: float = Field(0.01, ge=0.0, description="AdamW weight decay")
+    grad_clip: float = Field(1.0, ge=0.0, description="max grad norm (0 = off)")
+    epochs: int = Field(6, ge=1, description="passes over the dataset")
+    max_steps: int | None = Field(None, ge=1, description="stop after this many optimizer steps (None = epochs)")
+    loss_chunk: int = Field(8192, ge=16, description="query tokens per logits/loss chunk")
+    log_every: int = Field(10, ge=1, description="steps between metric lines")
+    save_every: int = Field(500, ge=1, description="steps between checkpoints")
+    keep_last: int = Field(3, ge=1, description="checkpoints kept")
+    compile: bool = Field(True, description="torch.compile flex attention on CUDA")
+    seed: int = Field(0, description="seed for init, shuffling and anchors")
+
+
+class TopologyConfig(_Strict):
+    target_gpus: list[str] = Field(
+        default_factory=list, description="GPUs (indices or UUIDs, after CUDA_VISIBLE_DEVICES) running the target"
+    )
+    drafter_gpus: list[str] = Field(
+        default_factory=list, description="GPUs training the drafter; both empty = co-located on one device"
+    )
+
+    @model_validator(mode="after")
+    def _disjoint(self) -> TopologyConfig:
+        both = set(self.target_gpus) & set(self.drafter_gpus)
+        if both:
+            raise ValueError(f"GPUs {sorted(both)} are in both target_gpus and drafter_gpus; give each GPU one role")
+        if bool(self.target_gpus) != bool(self.drafter_gpus):
+            raise ValueError("give both target_gpus and drafter_gpus, or neither (co-located)")
+        return self
+
+
+class RunConfig(_Strict):
+    output_dir: str = Field("runs/default", description="run dir: checkpoints, metrics, preflight report")
+    device: Literal["cuda", "cpu"] = Field("cuda", description="cuda, or cpu (GPU checks are skipped)")
+    profile: str = Field("train-cu128", description="environment profile the run needs (envs/<profile>.toml)")
+    target: TargetConfig = Field(default_factory=TargetConfig)
+    drafter: DrafterConfig = Field(default_factory=DrafterConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    topology: TopologyConfig = Field(default_factory=TopologyConfig)
+
+    def drafter_hash(self) -> str:
+        """Hash of what decides the compiled kernels' shapes (for the compile-cache manifest)."""
+        key = {"drafter": self.drafter.model_dump(), "target": self.target.path, "dtype": self.target.dtype}
+        return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+
+
+class ConfigError(ValueError):
+    """A run config that cannot be read or does not validate; the message is one line."""
+
+
+def _format_validation(err: ValidationError, source: str) -> str:
+    first = err.errors()[0]
+    where = ".".join(str(p) for p in first["loc"]) or "(top level)"
+    msg = first["msg"]
+    if first["type"] == "extra_forbidden":
+        msg = "unknown key (check spelling; see configs/ for the allowed keys)"
+    more = f" (+{len(err.errors()) - 1} more)" if len(err.errors()) > 1 else ""
+    return f"{source}: {where}: {msg}{more}"
+
+
+def load_config(path: str | Path, overrides: dict | None = None) -> RunConfig:
+    """Read a TOML run config, apply dotted overrides ({'train.lr': 1e-4}), validate."""
+    path = Path(path)
+    try:
+        raw = tomllib.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: no such config file") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{path}: not valid TOML: {e}") from None
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read: {e.strerror}") from None
+    return config_from_dict(raw, overrides, source=str(path))
+
+
+def config_from_dict(raw: dict, overrides: dict | None = None, source: str = "config") -> RunConfig:
+    raw = json.loads(json.dumps(raw))  # deep copy
+    for dotted, value in (overrides or {}).items():
+        node = raw
+        *parents, leaf = dotted.split(".")
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = value
+    try:
+        return RunConfig.model_validate(raw)
+    except ValidationError as e:
+        raise ConfigError(_format_validation(e, source)) from None
+
+
+def dump_config(cfg: RunConfig) -> str:
+    """The resolved config as TOML-compatible JSON (written beside every run and checkpoint)."""
+    return json.dumps(cfg.model_dump(), indent=2, sort_keys=True)

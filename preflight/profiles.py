@@ -28,6 +28,9 @@ class Profile(BaseModel):
     cuda: str = Field(description="CUDA major.minor the torch build targets")
     driver_min: str = Field(description="minimum NVIDIA driver for that CUDA")
     compile_cache: str = Field(description="TORCHINDUCTOR_CACHE_DIR (~ expands)")
+    foreign_cuda_allowed: list[str] = Field(
+        default_factory=list, description="reviewed wheels of another CUDA major that carry no CUDA runtime"
+    )
     env: dict[str, str] = Field(default_factory=dict, description="environment variables the profile requires")
 
     @field_validator("cuda")

@@ -1,0 +1,201 @@
+"""Console entry points: dflash-train, dflash-data, dflash-eval.
+
+    uv run dflash-train --config configs/tiny-cpu.toml --fresh
+    uv run dflash-train --config configs/tiny-cpu.toml --resume latest
+    uv run dflash-train --config configs/qwen3-8b-1gpu.toml --warm-cache
+    uv run dflash-data stats data/train
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+import tomllib
+from pathlib import Path
+
+import click
+
+from dflash.config import ConfigError, RunConfig, load_config
+
+CONTEXT = {"help_option_names": ["-h", "--help"]}
+
+
+def parse_overrides(pairs: tuple[str, ...]) -> dict:
+    """`--set train.lr=1e-4` -> {'train.lr': 1e-4}; values are TOML values (strings may be bare)."""
+    out = {}
+    for pair in pairs:
+        if "=" not in pair:
+            raise click.UsageError(f"--set {pair!r}: expected KEY=VALUE, e.g. --set train.lr=1e-4")
+        key, raw = pair.split("=", 1)
+        try:
+            value = tomllib.loads(f"v = {raw}")["v"]
+        except tomllib.TOMLDecodeError:
+            value = raw
+        out[key.strip()] = value
+    return out
+
+
+def parse_waivers(waive: tuple[str, ...], reason: tuple[str, ...]) -> dict[str, str]:
+    if len(waive) != len(reason):
+        raise click.UsageError("give one --reason for each --waive (e.g. --waive env-drift --reason 'device image')")
+    return dict(zip(waive, reason))
+
+
+def _gpu_list(text: str | None) -> list[str] | None:
+    if text is None:
+        return None
+    items = [t.strip() for t in text.split(",") if t.strip()]
+    if not items:
+        raise click.UsageError("GPU list is empty; give e.g. --target-gpus 0,1 --drafter-gpus 2")
+    return items
+
+
+def prepare_output_dir(cfg: RunConfig, resume: str | None, fresh: bool, log=click.echo) -> Path | None:
+    """Enforce the explicit resume/fresh rule. Returns the checkpoint to resume from, or None."""
+    from dflash import checkpoint as ckpt
+
+    existing = ckpt.list_checkpoints(cfg.output_dir)
+    if resume and fresh:
+        raise click.UsageError("--resume and --fresh exclude each other; pick one")
+    if existing and not resume and not fresh:
+        newest = existing[-1]
+        step = int(newest.name[len(ckpt.STEP_PREFIX):])
+        raise click.UsageError(
+            f"{cfg.output_dir} already holds checkpoints (newest {newest.name}, step {step}); "
+            f"say --resume latest to continue it or --fresh to start over")
+    if resume:
+        try:
+            return ckpt.resolve_resume(cfg.output_dir, resume)
+        except ckpt.CheckpointError as e:
+            raise click.UsageError(str(e)) from None
+    if fresh and existing:
+        old = ckpt.checkpoints_dir(cfg.output_dir)
+        kept = old.with_name(f"checkpoints.replaced-{time.strftime('%Y%m%d-%H%M%S')}")
+        old.rename(kept)
+        metrics = Path(cfg.output_dir) / "metrics.jsonl"
+        if metrics.exists():
+            metrics.rename(kept / "metrics.jsonl")
+        log(f"--fresh: previous checkpoints moved to {kept} (nothing deleted)")
+    return None
+
+
+def run_gate(cfg: RunConfig, waivers: dict[str, str], intent: str | None) -> bool:
+    """The in-process preflight gate; prints failing checks. True when training may start."""
+    from preflight.gate import run_preflight
+
+    report = run_preflight(cfg, cfg.profile, waivers, intent)
+    bad = [c for c in report.checks if c.status in ("fail",)]
+    waived = [c for c in report.checks if c.status == "waived"]
+    for c in waived:
+        click.echo(f"preflight: waived {c.id}: {c.summary}", err=True)
+    if bad:
+        for c in bad:
+            click.echo(f"preflight: FAIL {c.id}: {c.summary}" + (f"  fix: {c.fix}" if c.fix else ""), err=True)
+        click.echo(f"refusing to start: {len(bad)} preflight check(s) failed (report: "
+                   f"{Path(cfg.output_dir) / 'preflight.json'}); fix them or waive with --waive ID --reason TEXT",
+                   err=True)
+        return False
+    click.echo(f"preflight: ok ({len(report.checks)} checks, {len(waived)} waived)")
+    return True
+
+
+@click.command(context_settings=CONTEXT)
+@click.option("--config", "config_path", type=click.Path(dir_okay=False, path_type=Path),
+              help="run config TOML (see configs/)")
+@click.option("--demo", is_flag=True, help="the embedded end-to-end demo on CPU (SmolLM2-135M target)")
+@click.option("--resume", help="continue from `latest` or a checkpoint folder")
+@click.option("--fresh", is_flag=True, help="start over; existing checkpoints are moved aside, not deleted")
+@click.option("--set", "sets", multiple=True, metavar="KEY=VALUE", help="override a config field, e.g. train.lr=1e-4")
+@click.option("--max-steps", type=click.IntRange(min=1), help="stop after N optimizer steps")
+@click.option("--output-dir", help="override output_dir")
+@click.option("--target-gpus", help="comma list of GPUs for the frozen target, e.g. 0,1,2,3,4")
+@click.option("--drafter-gpus", help="comma list of GPUs training the drafter, e.g. 5,6,7")
+@click.option("--waive", multiple=True, metavar="CHECK_ID", help="waive a failing preflight check (needs --reason)")
+@click.option("--reason", multiple=True, help="why the matching --waive is acceptable (kept in the report)")
+@click.option("--warm-cache", is_flag=True, help="compile the kernels for the configured shapes and write the "
+              "compile-cache manifest, then exit")
+@click.option("--no-progress", is_flag=True, help="plain log lines instead of a progress bar")
+def train_main(config_path, demo, resume, fresh, sets, max_steps, output_dir, target_gpus, drafter_gpus,
+               waive, reason, warm_cache, no_progress) -> None:
+    """Train a DFlash drafter against a frozen target; refuses to start unless preflight passes."""
+    if demo:
+        from dflash.demo import run_demo
+
+        sys.exit(run_demo())
+    if config_path is None:
+        raise click.UsageError("give --config RUN.toml (see configs/), or --demo")
+    overrides = parse_overrides(sets)
+    if max_steps:
+        overrides["train.max_steps"] = max_steps
+    if output_dir:
+        overrides["output_dir"] = output_dir
+    if target_gpus is not None or drafter_gpus is not None:
+        overrides["topology.target_gpus"] = _gpu_list(target_gpus) or []
+        overrides["topology.drafter_gpus"] = _gpu_list(drafter_gpus) or []
+    try:
+        cfg = load_config(config_path, overrides)
+    except ConfigError as e:
+        raise click.UsageError(str(e)) from None
+    waivers = parse_waivers(waive, reason)
+
+    from dflash.train import set_compile_cache_env
+
+    set_compile_cache_env(cfg.profile)
+    if warm_cache:
+        from dflash.train import warm_cache as do_warm
+
+        sys.exit(do_warm(cfg))
+    resume_from = prepare_output_dir(cfg, resume, fresh)
+    intent = "resume" if resume else "fresh" if fresh else None
+    Path(cfg.output_dir).mkdir(parents=True, exist_ok=True)
+    if not run_gate(cfg, waivers, intent):
+        sys.exit(1)
+    if cfg.topology.target_gpus:
+        from dflash.topology import launch
+
+        sys.exit(launch(cfg, resume_from))
+    from dflash.train import run
+
+    sys.exit(run(cfg, resume_from, progress=False if no_progress else None))
+
+
+@click.group(context_settings=CONTEXT)
+def data_main() -> None:
+    """Prepare, merge and inspect Arrow training shards."""
+
+
+@data_main.command("stats")
+@click.argument("path", type=click.Path(exists=True, file_okay=False))
+@click.option("--token-budget", type=click.IntRange(min=16), default=49152, show_default=True)
+@click.option("--max-batch-size", type=click.IntRange(min=1), default=64, show_default=True)
+@click.option("--num-buckets", type=click.IntRange(min=1), default=16, show_default=True)
+def data_stats(path, token_budget, max_batch_size, num_buckets) -> None:
+    """Samples, tokens, length histogram and the bucket table the trainer would use."""
+    import numpy as np
+
+    from dflash.data import BucketBatchSampler, DatasetError, ShardDataset
+
+    try:
+        ds = ShardDataset(path)
+        lengths = ds.lengths
+        click.echo(f"{path}: {ds.num_samples} samples, {int(lengths.sum())} tokens, "
+                   f"length min {lengths.min()} mean {lengths.mean():.0f} max {lengths.max()}")
+        edges = np.unique(np.quantile(lengths, np.linspace(0, 1, 11)).astype(int))
+        counts, _ = np.histogram(lengths, bins=edges)
+        for lo, hi, n in zip(edges[:-1], edges[1:], counts):
+            click.echo(f"  {lo:>7}-{hi:<7} {n:>9}  {'#' * int(40 * n / max(1, counts.max()))}")
+        sampler = BucketBatchSampler(lengths, token_budget, max_batch_size, num_buckets, 0)
+        for line in sampler.summary():
+            click.echo(line)
+    except DatasetError as e:
+        raise click.ClickException(str(e)) from None
+
+
+@click.command(context_settings=CONTEXT)
+def eval_main() -> None:
+    """Acceptance length of a drafter against its target (speculative decoding)."""
+    raise click.ClickException("dflash-eval is not built yet (see the data/eval issue)")
+
+
+if __name__ == "__main__":
+    train_main()

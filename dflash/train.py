@@ -1,0 +1,273 @@
+"""The co-located trainer: one process, one device (CPU or one GPU), target and drafter together.
+
+Reads as a plain loop: build -> (resume) -> step -> log -> checkpoint -> finish.
+The math of a step lives in dflash.loss.train_step_math; this file owns the run's life.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from dflash import checkpoint as ckpt
+from dflash.config import RunConfig, dump_config
+from dflash.data import BucketBatchSampler, ShardDataset, collate
+from dflash.loss import train_step_math
+from dflash.model import DFlashDrafter, drafter_config_from_target
+from dflash.target import load_target, target_embed_and_head
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def cosine_lr(step: int, total: int, warmup_ratio: float) -> float:
+    """LR multiplier: linear warmup over warmup_ratio of the steps, then cosine to 0."""
+    warmup = max(1, int(round(total * warmup_ratio)))
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+@dataclass
+class StopFlag:
+    """Set by SIGINT/SIGTERM; the loop finishes its step, checkpoints and exits 0."""
+    requested: bool = False
+    signame: str = ""
+    _old: dict = field(default_factory=dict)
+
+    def install(self) -> None:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            self._old[sig] = signal.signal(sig, self._handle)
+
+    def restore(self) -> None:
+        for sig, old in self._old.items():
+            signal.signal(sig, old)
+
+    def _handle(self, signum, frame) -> None:
+        if self.requested:  # second signal: leave now
+            raise KeyboardInterrupt
+        self.requested = True
+        self.signame = signal.Signals(signum).name
+        print(f"\n{self.signame}: finishing this step, then saving a checkpoint (send again to abort)",
+              file=sys.stderr, flush=True)
+
+
+class Trainer:
+    def __init__(self, cfg: RunConfig, resume_from: Path | None = None, log=print):
+        self.cfg, self.log = cfg, log
+        self.out = Path(cfg.output_dir)
+        self.device = torch.device("cuda" if cfg.device == "cuda" else "cpu")
+        self.attn_backend = "flex" if self.device.type == "cuda" else "sdpa"
+        torch.manual_seed(cfg.train.seed)
+
+        self.dataset = ShardDataset(cfg.data.path)
+        self.sampler = BucketBatchSampler(self.dataset.lengths, cfg.data.token_budget, cfg.data.max_batch_size,
+                                          cfg.data.num_buckets, cfg.train.seed)
+        self.total_steps = cfg.train.max_steps or cfg.train.epochs * self.sampler.batches_per_epoch
+
+        self.target = load_target(cfg.target.path, DTYPES[cfg.target.dtype], self.device, cfg.target.random_init)
+        dcfg = drafter_config_from_target(self.target.config, cfg.drafter.num_layers, cfg.drafter.block_size,
+                                          cfg.drafter.target_layer_ids or None, self._mask_token_id())
+        self.drafter = DFlashDrafter(dcfg).to(self.device, torch.float32)
+        self.embed_w, self.head_w = target_embed_and_head(self.target)
+        self.optimizer = torch.optim.AdamW(self.drafter.parameters(), lr=cfg.train.lr,
+                                           weight_decay=cfg.train.weight_decay, betas=(0.9, 0.95),
+                                           fused=self.device.type == "cuda")
+        self.step = 0
+        self.resumed_from = None
+        if resume_from is not None:
+            self._resume(resume_from)
+
+    def _mask_token_id(self) -> int:
+        if self.cfg.drafter.mask_token_id is not None:
+            return self.cfg.drafter.mask_token_id
+        vocab = self.target.config.vocab_size
+        pad = getattr(self.target.config, "pad_token_id", None)
+        # A token the data never asks the drafter to predict: the pad token if there is one, else the last id.
+        return int(pad) if isinstance(pad, int) and 0 <= pad < vocab else vocab - 1
+
+    def _dataset_meta(self) -> dict:
+        return {"path": self.cfg.data.path, "samples": self.dataset.num_samples,
+                "fingerprint": self.dataset.fingerprint}
+
+    def _resume(self, path: Path) -> None:
+        state, meta = ckpt.load_checkpoint(path, self.drafter, self.optimizer, self.device)
+        self.step = int(state["step"])
+        old = meta.get("dataset", {})
+        if old.get("fingerprint") == self.dataset.fingerprint:
+            self.sampler.load_state_dict(state["sampler"])
+        else:
+            self.sampler.load_state_dict({"epoch": state["sampler"]["epoch"], "index": 0})
+            self.log(f"dataset changed since {path.name}: {old.get('samples')} -> {self.dataset.num_samples} "
+                     f"samples; schedule recomputed ({self.total_steps} steps), epoch "
+                     f"{state['sampler']['epoch']} restarts from its first batch")
+        torch.set_rng_state(state["rng_cpu"])
+        if self.device.type == "cuda" and state.get("rng_cuda") is not None:
+            torch.cuda.set_rng_state(state["rng_cuda"])
+        self.resumed_from = path
+        self.log(f"resumed from {path} at step {self.step}")
+
+    def save(self) -> Path:
+        state = {"step": self.step, "sampler": self.sampler.state_dict(), "rng_cpu": torch.get_rng_state(),
+                 "rng_cuda": torch.cuda.get_rng_state() if self.device.type == "cuda" else None}
+        path = ckpt.save_checkpoint(self.out, self.step, self.drafter, self.optimizer, state, self.cfg,
+                                    self._dataset_meta(), self.cfg.train.keep_last)
+        return path
+
+    def _set_lr(self) -> float:
+        lr = self.cfg.train.lr * cosine_lr(self.step, self.total_steps, self.cfg.train.warmup_ratio)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        return lr
+
+    def train_step(self, batch: dict) -> dict:
+        """One optimizer step on one batch; returns plain-float metrics."""
+        cfg = self.cfg
+        lr = self._set_lr()
+        gen = torch.Generator(device=self.device).manual_seed(cfg.train.seed * 1_000_003 + self.step)
+        batch = {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
+        self.optimizer.zero_grad(set_to_none=True)
+        autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=self.device.type == "cuda")
+        with autocast:
+            loss, metrics = train_step_math(self.drafter, self.target, batch, cfg, gen, self.attn_backend)
+        loss.backward()
+        grad_norm = None
+        if cfg.train.grad_clip > 0:
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), cfg.train.grad_clip))
+        self.optimizer.step()
+        self.step += 1
+        out = {k: (float(v) if torch.is_tensor(v) and v.numel() == 1 else
+                   [round(float(x), 4) for x in v] if torch.is_tensor(v) else v) for k, v in metrics.items()}
+        out.update(loss=float(loss.detach()), lr=lr, grad_norm=grad_norm)
+        return out
+
+    def batches(self):
+        pad = getattr(self.target.config, "pad_token_id", None)
+        pad = pad if isinstance(pad, int) else 0
+        for epoch, index, indices in self.sampler:
+            yield epoch, index, collate(self.dataset, indices, pad)
+
+    def print_plan(self) -> None:
+        self.log(f"dataset {self.cfg.data.path}: {self.dataset.num_samples} samples, "
+                 f"{int(self.dataset.lengths.sum())} tokens")
+        for line in self.sampler.summary():
+            self.log(line)
+        d = self.drafter.config
+        n_params = sum(p.numel() for p in self.drafter.parameters())
+        self.log(f"drafter: {d.num_hidden_layers} layers, block {d.block_size}, target layers {d.target_layer_ids}, "
+                 f"{n_params / 1e6:.1f}M trainable params; attention {self.attn_backend} on {self.device}")
+        self.log(f"schedule: {self.total_steps} steps, lr {self.cfg.train.lr} cosine, warmup "
+                 f"{self.cfg.train.warmup_ratio}")
+
+
+def run(cfg: RunConfig, resume_from: Path | None, log=print, progress: bool | None = None) -> int:
+    """Train to the end (or to a signal). Returns the exit code."""
+    out = Path(cfg.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(dump_config(cfg))
+    trainer = Trainer(cfg, resume_from, log=log)
+    trainer.print_plan()
+    metrics_path = out / "metrics.jsonl"
+    stop = StopFlag()
+    stop.install()
+    progress = sys.stderr.isatty() if progress is None else progress
+    bar = None
+    if progress:
+        from tqdm import tqdm
+        bar = tqdm(total=trainer.total_steps, initial=trainer.step, unit="step", dynamic_ncols=True)
+    last_save = trainer.step
+    try:
+        with metrics_path.open("a") as mfile:
+            t0, tokens = time.perf_counter(), 0
+            for epoch, index, batch in trainer.batches():
+                if trainer.step >= trainer.total_steps:
+                    break
+                m = trainer.train_step(batch)
+                tokens += int(batch["lengths"].sum())
+                if trainer.step % cfg.train.log_every == 0 or trainer.step == trainer.total_steps:
+                    if trainer.device.type == "cuda":
+                        torch.cuda.synchronize()
+                    dt = time.perf_counter() - t0
+                    m.update(step=trainer.step, epoch=epoch, tok_per_s=round(tokens / dt, 1),
+                             mem_gib=_mem_gib(trainer.device))
+                    mfile.write(json.dumps(m) + "\n")
+                    mfile.flush()
+                    line = (f"step {trainer.step}/{trainer.total_steps} loss {m['loss']:.4f} "
+                            f"accept {m.get('accept_len', float('nan')):.3f} tok/s {m['tok_per_s']:.0f} "
+                            f"lr {m['lr']:.2e}")
+                    if bar:
+                        bar.set_postfix_str(line.split(" ", 2)[2])
+                    else:
+                        log(line)
+                    t0, tokens = time.perf_counter(), 0
+                if bar:
+                    bar.update(1)
+                if trainer.step % cfg.train.save_every == 0:
+                    trainer.save()
+                    last_save = trainer.step
+                if stop.requested:
+                    break
+        if trainer.step != last_save or not ckpt.list_checkpoints(out):
+            path = trainer.save()
+        else:
+            path = ckpt.list_checkpoints(out)[-1]
+    finally:
+        stop.restore()
+        if bar:
+            bar.close()
+    if stop.requested:
+        log(f"stopped by {stop.signame} at step {trainer.step}; checkpoint {path}")
+        log(f"resume with: dflash-train --config <this config> --resume latest  (output_dir {out})")
+        return 0
+    trainer.drafter.save_pretrained(out / "drafter")
+    log(f"done: {trainer.step} steps; checkpoint {path}; drafter saved to {out / 'drafter'}")
+    return 0
+
+
+def _mem_gib(device: torch.device) -> float | None:
+    if device.type != "cuda":
+        return None
+    return round(torch.cuda.max_memory_allocated(device) / 2**30, 2)
+
+
+def warm_cache(cfg: RunConfig, log=print) -> int:
+    """Compile the kernels for the configured shapes once, then write the cache manifest preflight reads."""
+    from preflight.profiles import load_profile
+
+    profile = load_profile(cfg.profile)
+    if cfg.device != "cuda" or not torch.cuda.is_available():
+        log("warm-cache: nothing to compile on CPU (flex attention is compiled on CUDA only)")
+        return 0
+    cache = profile.compile_cache_path
+    trainer = Trainer(cfg, None, log=log)
+    t0 = time.perf_counter()
+    for _, _, batch in trainer.batches():
+        trainer.train_step(batch)
+        break
+    torch.cuda.synchronize()
+    import triton
+
+    props = torch.cuda.get_device_properties(0)
+    manifest = {"torch": torch.__version__, "triton": triton.__version__, "gpu_name": props.name,
+                "compute_capability": f"{props.major}.{props.minor}", "drafter_hash": cfg.drafter_hash()}
+    cache.mkdir(parents=True, exist_ok=True)
+    (cache / "dflash-manifest.json").write_text(json.dumps(manifest, indent=2))
+    log(f"warm-cache: compiled in {time.perf_counter() - t0:.1f} s; manifest written to {cache}")
+    return 0
+
+
+def set_compile_cache_env(profile_name: str) -> None:
+    """Point inductor at the profile's cache before torch compiles anything."""
+    try:
+        from preflight.profiles import load_profile
+        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(load_profile(profile_name).compile_cache_path))
+    except ValueError:
+        pass

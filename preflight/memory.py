@@ -1,0 +1,677 @@
+"""Per-role analytic GPU memory model of a DFlash run (pure Python, no torch).
+
+Given a run config and the target's HF ``config.json``, say how many bytes one GPU of
+each role needs at its peak, component by component:
+
+- ``target``: the frozen target's forward over a padded batch of ``token_budget`` tokens,
+  keeping only the selected layers' hidden states (and the last hidden state when soft
+  labels are on) to send to the drafter GPUs; it never computes full-vocabulary logits.
+- ``drafter``: a DFlash drafter trained with fp32 master weights, bf16 autocast and AdamW,
+  reading the received features; logits and loss are computed ``loss_chunk`` queries at a time.
+- ``colocated``: both on one GPU (no topology lists): the target forward runs before the
+  drafter step, so only the larger of the two working sets counts; the drafter reuses the
+  target's own embedding and lm_head instead of copies.
+
+Everything that can only be measured (CUDA context, NCCL buffers, allocator
+fragmentation, how many activation tensors the kernels really keep) is a named constant
+in :class:`Calibration`, to be fitted to H200 measurements with :func:`fit_calibration`.
+
+    from dflash.config import load_config
+    from preflight.memory import estimate, role_need_bytes
+    cfg = load_config("configs/qwen3-27b-5t3d.toml")
+    role_need_bytes(cfg, "drafter", "12.8")          # bytes, fragmentation margin included
+    estimate(cfg, "12.8", 95 * 2**30).limits          # largest settings that fit
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Callable, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from dflash.config import ConfigError, RunConfig
+
+GiB = 1024**3
+BF16 = 2  # bytes; autocast dtype of the drafter, frozen embedding/lm_head copies
+FP32 = 4  # bytes; master weights, grads, AdamW states, loss buffers, norm statistics
+INT32 = 4  # bytes; flex attention block-mask indices
+DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+FLEX_BLOCK = 128  # tokens per flex-attention sparse block (both query and key/value side)
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+Role = Literal["target", "drafter", "colocated"]
+Kind = Literal["static", "activation", "fixed", "margin"]
+
+# The embedded default target (target.path = "smollm2"): SmolLM2-135M-Instruct's public
+# shapes, since its weights ship as a GGUF inside a package, without a config.json folder.
+SMOLLM2_CONFIG = {
+    "model_type": "llama",
+    "num_hidden_layers": 30,
+    "hidden_size": 576,
+    "intermediate_size": 1536,
+    "num_attention_heads": 9,
+    "num_key_value_heads": 3,
+    "head_dim": 64,
+    "vocab_size": 49152,
+    "tie_word_embeddings": True,
+}
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """What the analytic model cannot derive; defaults are first guesses until fitted.
+
+    Activation counts are "how many tensors of this width the step keeps alive per token".
+    """
+
+    # CUDA context + cuBLAS/cuDNN workspaces + the torch runtime, per CUDA major (GiB,
+    # outside the caching allocator). CUDA 13 builds measured ~0.2 GiB more in the incident.
+    cuda_context_gib: dict[int, float] = field(default_factory=lambda: {12: 0.5, 13: 0.7})
+    # NCCL communicator buffers on a GPU that sends or receives features (GiB, split mode only).
+    nccl_gib: float = 0.25
+    # Allocator fragmentation: reserved-but-unusable share on top of allocated bytes.
+    fragmentation: float = 0.10
+    # Batches in flight besides the one being worked on (features being sent/received
+    # while the next batch is computed); split mode only.
+    inflight_batches: int = 1
+
+    # Target forward (no grad), live per token inside the busiest layer, in target dtype:
+    target_act_h: float = 2.0  # hidden-width tensors: residual stream + normed input
+    target_act_q: float = 3.0  # query-width (heads*head_dim): q, q after norm+RoPE, attention out
+    target_act_kv: float = 3.0  # kv-width (kv_heads*head_dim): k, k after norm+RoPE, v
+    target_act_i: float = 3.0  # intermediate-width: gate, up, act(gate)*up
+    target_activation_scale: float = 1.0  # fitted multiplier on the target's working set
+
+    # Drafter, saved for backward per query token per layer, in bf16:
+    drafter_act_h: float = 4.0  # input/post-attention norm inputs and outputs
+    drafter_act_q: float = 3.0  # q before norm, q after norm+RoPE, attention out
+    drafter_act_i: float = 4.0  # gate, up, act(gate), act(gate)*up (down_proj input)
+    # ... per key/value token (context + block) per layer, in bf16:
+    drafter_act_kv: float = 3.0  # k before norm, k after norm+RoPE, v
+    # Gradients of one layer's activations live at once during backward (in layers).
+    backward_transient_layers: float = 1.0
+    drafter_activation_scale: float = 1.0  # fitted multiplier on the drafter's activations
+
+    # Loss chunk: fp32 [loss_chunk, vocab] buffers: logits, log-softmax, grad of logits ...
+    loss_fp32_buffers: float = 3.0
+    # ... plus the target's distribution (log-probs and probs) when kl_weight > 0 ...
+    kl_fp32_buffers: float = 2.0
+    # ... plus the bf16 lm_head output before the fp32 upcast.
+    loss_bf16_buffers: float = 1.0
+
+    def context_bytes(self, cuda: str) -> int:
+        major = cuda_major(cuda)
+        if major not in self.cuda_context_gib:
+            known = ", ".join(str(m) for m in sorted(self.cuda_context_gib))
+            raise ValueError(f"no CUDA context calibration for CUDA {cuda} (known majors: {known}); use --cuda 12.8 or 13.0")
+        return int(self.cuda_context_gib[major] * GiB)
+
+
+DEFAULT_CALIBRATION = Calibration()
+
+
+def cuda_major(cuda: str) -> int:
+    if not re.fullmatch(r"\d+(\.\d+)?", cuda.strip()):
+        raise ValueError(f"CUDA version must look like 12.8 or 13.0, got {cuda!r}")
+    return int(cuda.strip().split(".")[0])
+
+
+# --------------------------------------------------------------------------- target shape
+
+
+@dataclass(frozen=True)
+class TargetShape:
+    """The target architecture's sizes, read from its HF config.json."""
+
+    model_type: str
+    num_layers: int
+    hidden: int
+    intermediate: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    tied: bool
+    qk_norm: bool  # Qwen3: RMSNorm over each head's q and k
+    qkv_bias: bool  # Qwen2: bias on q, k, v projections
+
+    @classmethod
+    def from_config(cls, raw: dict, source: str = "config.json") -> TargetShape:
+        try:
+            heads = int(raw["num_attention_heads"])
+            hidden = int(raw["hidden_size"])
+            model_type = str(raw.get("model_type", ""))
+            shape = cls(
+                model_type=model_type,
+                num_layers=int(raw["num_hidden_layers"]),
+                hidden=hidden,
+                intermediate=int(raw["intermediate_size"]),
+                heads=heads,
+                kv_heads=int(raw.get("num_key_value_heads") or heads),
+                head_dim=int(raw.get("head_dim") or hidden // heads),
+                vocab=int(raw["vocab_size"]),
+                tied=bool(raw.get("tie_word_embeddings", False)),
+                qk_norm=model_type.startswith("qwen3"),
+                qkv_bias=bool(raw.get("attention_bias", model_type == "qwen2")),
+            )
+        except KeyError as e:
+            raise ConfigError(f"{source}: missing key {e.args[0]!r}; use an HF config.json of a decoder-only model") from None
+        except (TypeError, ValueError) as e:
+            raise ConfigError(f"{source}: bad value ({e}); use an HF config.json of a decoder-only model") from None
+        if min(shape.num_layers, shape.hidden, shape.intermediate, shape.heads, shape.kv_heads, shape.vocab) < 1:
+            raise ConfigError(f"{source}: sizes must be positive; use an HF config.json of a decoder-only model")
+        return shape
+
+    @property
+    def q_width(self) -> int:
+        return self.heads * self.head_dim
+
+    @property
+    def kv_width(self) -> int:
+        return self.kv_heads * self.head_dim
+
+    def layer_params(self, qk_norm: bool | None = None, qkv_bias: bool | None = None) -> int:
+        """Parameters of one decoder layer (attention + SwiGLU MLP + two RMSNorms)."""
+        qk_norm = self.qk_norm if qk_norm is None else qk_norm
+        qkv_bias = self.qkv_bias if qkv_bias is None else qkv_bias
+        h, q, kv, i = self.hidden, self.q_width, self.kv_width, self.intermediate
+        attn = h * q + 2 * h * kv + q * h
+        if qkv_bias:
+            attn += q + 2 * kv
+        if qk_norm:
+            attn += 2 * self.head_dim
+        return attn + 3 * h * i + 2 * h
+
+    @property
+    def embedding_params(self) -> int:
+        return self.vocab * self.hidden
+
+    @property
+    def params(self) -> int:
+        """All target parameters: embedding, layers, final norm, lm_head unless tied."""
+        head = 0 if self.tied else self.embedding_params
+        return self.embedding_params + self.num_layers * self.layer_params() + self.hidden + head
+
+
+def resolve_target_dir(path: str) -> Path:
+    """target.path as given, else relative to the repository root."""
+    p = Path(path).expanduser()
+    if p.is_absolute() or p.exists():
+        return p
+    return REPO_ROOT / p
+
+
+def load_target_shape(path: str) -> TargetShape:
+    if path == "smollm2":
+        return TargetShape.from_config(SMOLLM2_CONFIG, "smollm2 (embedded)")
+    cfg_file = resolve_target_dir(path) / "config.json"
+    try:
+        raw = json.loads(cfg_file.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"{path}/config.json: not found; set target.path to an HF model folder containing config.json") from None
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{path}/config.json: not valid JSON ({e.msg} at line {e.lineno}); restore the file from the model's source") from None
+    except OSError as e:
+        raise ConfigError(f"{path}/config.json: cannot read ({e.strerror}); check the path and its permissions") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}/config.json: not a JSON object; use an HF config.json")
+    return TargetShape.from_config(raw, f"{path}/config.json")
+
+
+def default_target_layer_ids(num_target_layers: int, n: int) -> list[int]:
+    """n drafter layers read n target layers spread evenly over [1, L-3]; n=1 reads L//2."""
+    if n == 1:
+        return [num_target_layers // 2]
+    lo, hi = 1, num_target_layers - 3
+    return [lo + round(k * (hi - lo) / (n - 1)) for k in range(n)]
+
+
+def num_feature_layers(cfg: RunConfig) -> int:
+    """Target layers whose hidden states feed the drafter (= drafter layers by default)."""
+    return len(cfg.drafter.target_layer_ids) or cfg.drafter.num_layers
+
+
+def drafter_params(cfg: RunConfig, shape: TargetShape) -> int:
+    """Trainable drafter parameters: Qwen3 layers of the target's size, fc, two norms."""
+    n_feat = num_feature_layers(cfg)
+    layers = cfg.drafter.num_layers * shape.layer_params(qk_norm=True, qkv_bias=False)
+    fc = n_feat * shape.hidden * shape.hidden  # n*H -> H, no bias
+    return layers + fc + 2 * shape.hidden  # + context norm + final norm
+
+
+# --------------------------------------------------------------------------- workload
+
+
+class Workload(BaseModel):
+    """The worst-case batch the model assumes (many short sequences maximise queries)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    tokens: int = Field(description="padded tokens in the batch = token_budget")
+    sequences: int = Field(description="sequences in the batch = min(max_batch_size, token_budget // block_size)")
+    seq_len: int = Field(description="assumed tokens per sequence = token_budget // sequences")
+    queries_per_seq: int = Field(description="max_anchors * block_size (anchors padded to max_anchors)")
+    queries: int = Field(description="drafter query tokens in the batch")
+    kv_tokens: int = Field(description="drafter key/value tokens in the batch: context + queries")
+    feature_layers: int = Field(description="target layers whose hidden states are sent")
+    loss_chunk: int = Field(description="query tokens per logits/loss chunk = min(loss_chunk, queries)")
+
+
+def workload(cfg: RunConfig) -> Workload:
+    t, bs = cfg.data.token_budget, cfg.drafter.block_size
+    seqs = max(1, min(cfg.data.max_batch_size, t // bs))  # sequences shorter than a block are ignored
+    per_seq = cfg.train.max_anchors * bs
+    queries = seqs * per_seq
+    return Workload(
+        tokens=t,
+        sequences=seqs,
+        seq_len=t // seqs,
+        queries_per_seq=per_seq,
+        queries=queries,
+        kv_tokens=t + queries,
+        feature_layers=num_feature_layers(cfg),
+        loss_chunk=min(cfg.train.loss_chunk, queries),
+    )
+
+
+# --------------------------------------------------------------------------- components
+
+
+@dataclass(frozen=True)
+class Part:
+    component: str
+    bytes: int
+    kind: Kind  # static: weights/states; activation: scales with the batch; fixed: outside the allocator
+
+
+def _features_bytes(cfg: RunConfig, shape: TargetShape, w: Workload) -> tuple[int, int]:
+    dt = DTYPE_BYTES[cfg.target.dtype]
+    feats = w.tokens * w.feature_layers * shape.hidden * dt
+    last = w.tokens * shape.hidden * dt if cfg.train.kl_weight > 0 else 0
+    return feats, last
+
+
+def target_forward_bytes(cfg: RunConfig, shape: TargetShape, w: Workload, cal: Calibration) -> int:
+    """Live bytes inside the busiest target layer during the no-grad forward."""
+    dt = DTYPE_BYTES[cfg.target.dtype]
+    attn = cal.target_act_q * shape.q_width + cal.target_act_kv * shape.kv_width
+    mlp = cal.target_act_i * shape.intermediate
+    per_token = dt * (cal.target_act_h * shape.hidden + max(attn, mlp) + 2 * shape.head_dim)  # + RoPE cos/sin
+    per_token += FP32 * shape.heads  # attention logsumexp
+    return int(cal.target_activation_scale * w.tokens * per_token)
+
+
+def _target_parts(cfg: RunConfig, shape: TargetShape, w: Workload, cal: Calibration, split: bool) -> list[Part]:
+    dt = DTYPE_BYTES[cfg.target.dtype]
+    feats, last = _features_bytes(cfg, shape, w)
+    parts = [
+        Part(f"target weights ({cfg.target.dtype}, {shape.params / 1e9:.2f} B params)", shape.params * dt, "static"),
+        Part(f"forward working set ({w.tokens} tokens, busiest layer)", target_forward_bytes(cfg, shape, w, cal), "activation"),
+        Part("batch inputs (ids, positions, loss mask)", w.tokens * 24, "activation"),
+        Part(f"selected hidden states ({w.feature_layers} layers x {w.tokens} tokens)", feats, "activation"),
+    ]
+    if last:
+        parts.append(Part("last hidden state (soft labels)", last, "activation"))
+    if split:
+        n = cal.inflight_batches
+        parts.append(Part(f"send buffers ({n} batch{'es' if n != 1 else ''} in flight)", n * (feats + last), "activation"))
+    return parts
+
+
+def _drafter_static_parts(cfg: RunConfig, shape: TargetShape, share_frozen: bool) -> list[Part]:
+    p = drafter_params(cfg, shape)
+    parts = [
+        Part(f"drafter params (fp32 master, {p / 1e6:.0f} M)", FP32 * p, "static"),
+        Part("drafter grads (fp32)", FP32 * p, "static"),
+        Part("AdamW exp_avg + exp_avg_sq (fp32)", 2 * FP32 * p, "static"),
+        Part("bf16 autocast weight copies", BF16 * p, "static"),
+    ]
+    if not share_frozen:
+        parts.append(Part("frozen embedding (bf16)", BF16 * shape.embedding_params, "static"))
+        if not shape.tied:
+            parts.append(Part("frozen lm_head (bf16)", BF16 * shape.embedding_params, "static"))
+    return parts
+
+
+def drafter_layer_bytes(shape: TargetShape, w: Workload, cal: Calibration) -> int:
+    """Activations one drafter layer saves for backward over the whole batch."""
+    per_q = BF16 * (cal.drafter_act_h * shape.hidden + cal.drafter_act_q * shape.q_width + cal.drafter_act_i * shape.intermediate)
+    per_q += FP32 * (shape.heads + shape.heads + 2)  # attention logsumexp, q-norm and 2 layer-norm statistics
+    per_kv = BF16 * cal.drafter_act_kv * shape.kv_width + FP32 * shape.kv_heads  # + k-norm statistics
+    return int(cal.drafter_activation_scale * (w.queries * per_q + w.kv_tokens * per_kv))
+
+
+def _drafter_step_parts(cfg: RunConfig, shape: TargetShape, w: Workload, cal: Calibration) -> list[Part]:
+    n = cfg.drafter.num_layers
+    layer = drafter_layer_bytes(shape, w, cal)
+    h, v = shape.hidden, shape.vocab
+    q_blocks = math.ceil(w.queries_per_seq / FLEX_BLOCK)
+    kv_blocks = math.ceil((w.seq_len + w.queries_per_seq) / FLEX_BLOCK)
+    # kv_indices/full_kv_indices [B,1,Qb,KVb] and q_indices/full_q_indices [B,1,KVb,Qb] + counts
+    mask = w.sequences * INT32 * (4 * q_blocks * kv_blocks + 2 * q_blocks + 2 * kv_blocks)
+    attn_ws = BF16 * (w.queries * shape.q_width + 2 * w.kv_tokens * shape.kv_width) + FP32 * w.queries * shape.heads
+    loss_bufs = cal.loss_fp32_buffers + (cal.kl_fp32_buffers if cfg.train.kl_weight > 0 else 0.0)
+    loss = int(w.loss_chunk * v * (FP32 * loss_bufs + BF16 * cal.loss_bf16_buffers))
+    scale = cal.drafter_activation_scale
+    return [
+        Part("context projection (fc out + norm, bf16)", int(scale * (2 * BF16 * w.tokens * h + FP32 * w.tokens)), "activation"),
+        Part(f"block tokens ({w.queries} queries: ids, positions, labels, weights)", 28 * w.queries, "activation"),
+        Part(f"layer activations ({n} layers x {layer / GiB:.2f} GiB)", n * layer, "activation"),
+        Part("final norm in/out (bf16)", int(scale * (2 * BF16 * w.queries * h + FP32 * w.queries)), "activation"),
+        Part(f"backward transient ({cal.backward_transient_layers:g} layer)", int(cal.backward_transient_layers * layer), "activation"),
+        Part("flex attention backward workspace", int(scale * attn_ws), "activation"),
+        Part(f"flex block mask ({w.sequences} seqs)", mask, "activation"),
+        Part(f"logits + loss chunk ({w.loss_chunk} queries x {v} vocab)", loss, "activation"),
+    ]
+
+
+def _fixed_parts(cuda: str, cal: Calibration, split: bool) -> list[Part]:
+    parts = [Part(f"CUDA context + workspaces (CUDA {cuda})", cal.context_bytes(cuda), "fixed")]
+    if split:
+        parts.append(Part("NCCL buffers", int(cal.nccl_gib * GiB), "fixed"))
+    return parts
+
+
+def is_split(cfg: RunConfig) -> bool:
+    return bool(cfg.topology.target_gpus)
+
+
+def roles(cfg: RunConfig) -> list[Role]:
+    return ["target", "drafter"] if is_split(cfg) else ["colocated"]
+
+
+def role_parts(cfg: RunConfig, shape: TargetShape, role: Role, cuda: str, cal: Calibration = DEFAULT_CALIBRATION) -> list[Part]:
+    """Every component of one GPU of ``role``, the fragmentation margin last."""
+    if role not in ("target", "drafter", "colocated"):
+        raise ValueError(f"unknown role {role!r}; use target, drafter or colocated")
+    split = is_split(cfg)
+    w = workload(cfg)
+    if role == "target":
+        parts = _target_parts(cfg, shape, w, cal, split)
+    elif role == "drafter":
+        feats, last = _features_bytes(cfg, shape, w)
+        held = 1 + (cal.inflight_batches if split else 0)
+        parts = _drafter_static_parts(cfg, shape, share_frozen=False)
+        parts.append(Part(f"received features ({held} batch{'es' if held != 1 else ''})", held * (feats + last), "activation"))
+        parts += _drafter_step_parts(cfg, shape, w, cal)
+    else:
+        target = _target_parts(cfg, shape, w, cal, split=False)
+        forward = next(p for p in target if p.component.startswith("forward working set"))
+        step = _drafter_step_parts(cfg, shape, w, cal)
+        extra = max(0, forward.bytes - sum(p.bytes for p in step))
+        parts = [p for p in target if p is not forward]
+        parts += _drafter_static_parts(cfg, shape, share_frozen=True)
+        parts += step
+        parts.append(Part("target forward beyond the drafter step (runs before it)", extra, "activation"))
+    margin = int(cal.fragmentation * sum(p.bytes for p in parts))
+    parts.append(Part(f"fragmentation margin ({cal.fragmentation:.0%} of allocated)", margin, "margin"))
+    return parts + _fixed_parts(cuda, cal, split and role != "colocated")
+
+
+def role_need_bytes(cfg: RunConfig, role: Role, cuda: str, cal: Calibration = DEFAULT_CALIBRATION) -> int:
+    """Bytes one GPU of ``role`` needs at its peak, fragmentation margin included."""
+    if role == "colocated" and is_split(cfg):
+        raise ValueError("role 'colocated' needs a config without topology lists; use target or drafter")
+    if role in ("target", "drafter") and not is_split(cfg):
+        raise ValueError(f"role {role!r} needs topology.target_gpus and drafter_gpus; this config is co-located, use 'colocated'")
+    shape = load_target_shape(cfg.target.path)
+    return sum(p.bytes for p in role_parts(cfg, shape, role, cuda, cal))
+
+
+# --------------------------------------------------------------------------- estimate + limits
+
+
+class Row(BaseModel):
+    component: str
+    bytes: int
+
+
+class RoleEstimate(BaseModel):
+    role: Role
+    gpus: list[str] = Field(description="GPUs of this role (empty: the one co-located device)")
+    rows: list[Row]
+    total_bytes: int
+    gpu_bytes: int | None
+    headroom_bytes: int | None = Field(description="gpu_bytes - total_bytes; negative: does not fit")
+    fits: bool | None
+
+
+Setting = Literal["token_budget", "max_batch_size", "max_anchors"]
+LimitStatus = Literal["fits", "none_fit", "unbounded", "no_effect"]
+
+
+class Limit(BaseModel):
+    role: Role
+    setting: Setting
+    configured: int
+    value: int | None = Field(description="largest value that fits, the others as configured")
+    status: LimitStatus
+    note: str
+
+
+class Estimate(BaseModel):
+    config: str = Field(description="run config the estimate is for")
+    target: str = Field(description="target architecture summary")
+    cuda: str
+    gpu_bytes: int | None
+    workload: Workload
+    assumption: str
+    roles: list[RoleEstimate]
+    limits: list[Limit]
+    calibration: dict
+
+
+_SETTINGS: dict[Setting, tuple[str, str]] = {
+    "token_budget": ("data", "token_budget"),
+    "max_batch_size": ("data", "max_batch_size"),
+    "max_anchors": ("train", "max_anchors"),
+}
+
+
+def with_setting(cfg: RunConfig, setting: Setting, value: int) -> RunConfig:
+    section, key = _SETTINGS[setting]
+    new = cfg.model_copy(deep=True)
+    setattr(getattr(new, section), key, value)
+    return new
+
+
+def largest_fitting(fits: Callable[[int], bool], lo: int, cap: int) -> tuple[int | None, bool]:
+    """Largest v in [lo, cap] with fits(v), for monotone fits; (None, _) if fits(lo) fails.
+
+    Returns (value, reached_cap). Doubling search, then bisection.
+    """
+    if not fits(lo):
+        return None, False
+    good = lo
+    while True:
+        probe = min(cap, max(good * 2, good + 1))
+        if probe == good:
+            return good, True
+        if not fits(probe):
+            bad = probe
+            break
+        good = probe
+    while bad - good > 1:
+        mid = (good + bad) // 2
+        if fits(mid):
+            good = mid
+        else:
+            bad = mid
+    return good, False
+
+
+def _limit(cfg: RunConfig, shape: TargetShape, role: Role, setting: Setting, cuda: str, gpu: int, cal: Calibration) -> Limit:
+    section, key = _SETTINGS[setting]
+    configured = getattr(getattr(cfg, section), key)
+    if role == "target" and setting != "token_budget":
+        return Limit(role=role, setting=setting, configured=configured, value=None, status="no_effect",
+                     note="the target forward does not depend on it")
+
+    def fits(v: int) -> bool:
+        return sum(p.bytes for p in role_parts(cfg_for(v), shape, role, cuda, cal)) <= gpu
+
+    def cfg_for(v: int) -> RunConfig:
+        return with_setting(cfg, setting, v)
+
+    bs = cfg.drafter.block_size
+    if setting == "token_budget":
+        lo, cap = max(16, bs), 2**40
+    elif setting == "max_batch_size":
+        lo, cap = 1, max(1, cfg.data.token_budget // bs)
+    else:
+        lo, cap = 1, 2**30
+    value, at_cap = largest_fitting(fits, lo, cap)
+    if value is None:
+        note = f"even {setting} = {lo} does not fit; lower another setting or use more GPU memory"
+        return Limit(role=role, setting=setting, configured=configured, value=None, status="none_fit", note=note)
+    if at_cap:
+        note = (f"every value fits: a batch holds at most token_budget // block_size = {cap} sequences"
+                if setting == "max_batch_size" else "fits at any value tried")
+        return Limit(role=role, setting=setting, configured=configured, value=value, status="unbounded", note=note)
+    verdict = "configured value fits" if configured <= value else "configured value does NOT fit"
+    return Limit(role=role, setting=setting, configured=configured, value=value, status="fits", note=verdict)
+
+
+def role_gpus(cfg: RunConfig, role: Role) -> list[str]:
+    return {"target": cfg.topology.target_gpus, "drafter": cfg.topology.drafter_gpus}.get(role, [])
+
+
+def estimate(
+    cfg: RunConfig,
+    cuda: str,
+    gpu_bytes: int | None,
+    cal: Calibration = DEFAULT_CALIBRATION,
+    source: str = "",
+) -> Estimate:
+    """Per-role component table, totals, headroom and the largest settings that fit."""
+    if gpu_bytes is not None and gpu_bytes <= 0:
+        raise ValueError(f"GPU memory must be positive, got {gpu_bytes} bytes")
+    cal.context_bytes(cuda)  # unknown CUDA major: fail before any work
+    shape = load_target_shape(cfg.target.path)
+    w = workload(cfg)
+    role_list = roles(cfg)
+    out: list[RoleEstimate] = []
+    for role in role_list:
+        parts = role_parts(cfg, shape, role, cuda, cal)
+        total = sum(p.bytes for p in parts)
+        headroom = None if gpu_bytes is None else gpu_bytes - total
+        out.append(RoleEstimate(
+            role=role, gpus=role_gpus(cfg, role), rows=[Row(component=p.component, bytes=p.bytes) for p in parts],
+            total_bytes=total, gpu_bytes=gpu_bytes, headroom_bytes=headroom,
+            fits=None if headroom is None else headroom >= 0,
+        ))
+    limits = []
+    if gpu_bytes is not None:
+        for role in role_list:
+            for setting in _SETTINGS:
+                limits.append(_limit(cfg, shape, role, setting, cuda, gpu_bytes, cal))
+    target = (f"{shape.model_type or 'decoder'} {shape.num_layers} layers, hidden {shape.hidden}, "
+              f"intermediate {shape.intermediate}, {shape.heads}/{shape.kv_heads} heads x {shape.head_dim}, "
+              f"vocab {shape.vocab}{', tied' if shape.tied else ''}; {shape.params / 1e9:.2f} B params in {cfg.target.dtype}")
+    assumption = (
+        f"worst case: {w.sequences} sequences x {w.seq_len} tokens = token_budget {w.tokens} "
+        f"(max_batch_size {cfg.data.max_batch_size}, sequences shorter than block {cfg.drafter.block_size} ignored); "
+        f"{cfg.train.max_anchors} anchors x block {cfg.drafter.block_size} = {w.queries_per_seq} queries per sequence, "
+        f"{w.queries} in the batch"
+    )
+    return Estimate(config=source, target=target, cuda=cuda, gpu_bytes=gpu_bytes, workload=w, assumption=assumption,
+                    roles=out, limits=limits, calibration=asdict(cal))
+
+
+# --------------------------------------------------------------------------- calibration fit
+
+
+class Measurement(BaseModel):
+    """One measured peak from a real trainer step on a GPU (tests/data/memory_calibration.json)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    config: dict = Field(description="the run config (as dump_config writes it)")
+    target_config: dict = Field(description="the target's config.json content")
+    role: Role
+    cuda: str = Field(description="CUDA major.minor of the torch build")
+    nvml_used_bytes: int = Field(gt=0, description="peak NVML used memory on the GPU of that role")
+
+
+def _decompose(m: Measurement, cal: Calibration) -> tuple[float, float, float, float]:
+    """(fixed besides context, static, target activations, drafter activations) with scales at 1."""
+    from dflash.config import config_from_dict
+
+    cfg = config_from_dict(m.config, source="measurement")
+    shape = TargetShape.from_config(m.target_config, "measurement target_config")
+    unit = replace(cal, target_activation_scale=1.0, drafter_activation_scale=1.0)
+    parts = role_parts(cfg, shape, m.role, m.cuda, unit)
+    fixed = sum(p.bytes for p in parts if p.kind == "fixed") - unit.context_bytes(m.cuda)
+    static = sum(p.bytes for p in parts if p.kind == "static")
+    act = sum(p.bytes for p in parts if p.kind == "activation")
+    w = workload(cfg)
+    t_act = target_forward_bytes(cfg, shape, w, unit) if m.role == "target" else 0
+    return fixed, static, t_act, act - t_act
+
+
+def _solve(a: list[list[float]], b: list[float]) -> list[float]:
+    """Gaussian elimination with partial pivoting on a small dense system."""
+    n = len(b)
+    m = [row[:] + [b[i]] for i, row in enumerate(a)]
+    for c in range(n):
+        piv = max(range(c, n), key=lambda r: abs(m[r][c]))
+        if abs(m[piv][c]) < 1e-12:
+            raise ValueError("measurements do not determine the calibration; vary token_budget, anchors and roles")
+        m[c], m[piv] = m[piv], m[c]
+        for r in range(n):
+            if r != c:
+                f = m[r][c] / m[c][c]
+                m[r] = [x - f * y for x, y in zip(m[r], m[c])]
+    return [m[i][n] / m[i][i] for i in range(n)]
+
+
+def fit_calibration(measurements: list[Measurement | dict], base: Calibration = DEFAULT_CALIBRATION) -> Calibration:
+    """Least-squares fit of the CUDA context per major and one activation scale per role.
+
+    Model: used = context[major] + fixed + (1 + fragmentation) * (static + s_role * activations);
+    fragmentation and the per-tensor counts stay as in ``base``.
+    """
+    ms = [m if isinstance(m, Measurement) else Measurement.model_validate(m) for m in measurements]
+    majors = sorted({cuda_major(m.cuda) for m in ms})
+    has_t = any(m.role in ("target",) for m in ms)
+    has_d = any(m.role in ("drafter", "colocated") for m in ms)
+    names = [f"ctx{mj}" for mj in majors] + (["s_target"] if has_t else []) + (["s_drafter"] if has_d else [])
+    if len(ms) < len(names):
+        raise ValueError(f"{len(ms)} measurements cannot fit {len(names)} unknowns ({', '.join(names)})")
+    f = 1.0 + base.fragmentation
+    rows, ys = [], []
+    for m in ms:
+        fixed, static, t_act, d_act = _decompose(m, base)
+        x = {f"ctx{cuda_major(m.cuda)}": 1.0, "s_target": f * t_act, "s_drafter": f * d_act}
+        rows.append([x.get(n, 0.0) for n in names])
+        ys.append(m.nvml_used_bytes - fixed - f * static)
+    ata = [[sum(r[i] * r[j] for r in rows) for j in range(len(names))] for i in range(len(names))]
+    aty = [sum(r[i] * y for r, y in zip(rows, ys)) for i in range(len(names))]
+    sol = dict(zip(names, _solve(ata, aty)))
+    ctx = dict(base.cuda_context_gib)
+    ctx.update({mj: sol[f"ctx{mj}"] / GiB for mj in majors})
+    return replace(
+        base,
+        cuda_context_gib=ctx,
+        target_activation_scale=sol.get("s_target", base.target_activation_scale),
+        drafter_activation_scale=sol.get("s_drafter", base.drafter_activation_scale),
+    )
+
+
+def prediction_errors(measurements: list[Measurement | dict], cal: Calibration = DEFAULT_CALIBRATION) -> list[float]:
+    """Relative error (predicted - measured) / measured of each measurement's NVML peak."""
+    from dflash.config import config_from_dict
+
+    errs = []
+    for m in measurements:
+        m = m if isinstance(m, Measurement) else Measurement.model_validate(m)
+        cfg = config_from_dict(m.config, source="measurement")
+        shape = TargetShape.from_config(m.target_config, "measurement target_config")
+        pred = sum(p.bytes for p in role_parts(cfg, shape, m.role, m.cuda, cal))
+        errs.append((pred - m.nvml_used_bytes) / m.nvml_used_bytes)
+    return errs

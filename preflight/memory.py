@@ -287,6 +287,7 @@ class Part:
     component: str
     bytes: int
     kind: Kind  # static: weights/states; activation: scales with the batch; fixed: outside the allocator
+    group: Literal["target", "drafter", ""] = ""  # which fitted activation scale applies
 
 
 def _features_bytes(cfg: RunConfig, shape: TargetShape, w: Workload) -> tuple[int, int]:
@@ -303,7 +304,7 @@ def target_forward_bytes(cfg: RunConfig, shape: TargetShape, w: Workload, cal: C
     mlp = cal.target_act_i * shape.intermediate
     per_token = dt * (cal.target_act_h * shape.hidden + max(attn, mlp) + 2 * shape.head_dim)  # + RoPE cos/sin
     per_token += FP32 * shape.heads  # attention logsumexp
-    return int(cal.target_activation_scale * w.tokens * per_token)
+    return int(w.tokens * per_token)
 
 
 def _target_parts(cfg: RunConfig, shape: TargetShape, w: Workload, cal: Calibration, split: bool) -> list[Part]:
@@ -343,7 +344,7 @@ def drafter_layer_bytes(shape: TargetShape, w: Workload, cal: Calibration) -> in
     per_q = BF16 * (cal.drafter_act_h * shape.hidden + cal.drafter_act_q * shape.q_width + cal.drafter_act_i * shape.intermediate)
     per_q += FP32 * (shape.heads + shape.heads + 2)  # attention logsumexp, q-norm and 2 layer-norm statistics
     per_kv = BF16 * cal.drafter_act_kv * shape.kv_width + FP32 * shape.kv_heads  # + k-norm statistics
-    return int(cal.drafter_activation_scale * (w.queries * per_q + w.kv_tokens * per_kv))
+    return int(w.queries * per_q + w.kv_tokens * per_kv)
 
 
 def _drafter_step_parts(cfg: RunConfig, shape: TargetShape, w: Workload, cal: Calibration) -> list[Part]:
@@ -357,14 +358,13 @@ def _drafter_step_parts(cfg: RunConfig, shape: TargetShape, w: Workload, cal: Ca
     attn_ws = BF16 * (w.queries * shape.q_width + 2 * w.kv_tokens * shape.kv_width) + FP32 * w.queries * shape.heads
     loss_bufs = cal.loss_fp32_buffers + (cal.kl_fp32_buffers if cfg.train.kl_weight > 0 else 0.0)
     loss = int(w.loss_chunk * v * (FP32 * loss_bufs + BF16 * cal.loss_bf16_buffers))
-    scale = cal.drafter_activation_scale
     return [
-        Part("context projection (fc out + norm, bf16)", int(scale * (2 * BF16 * w.tokens * h + FP32 * w.tokens)), "activation"),
+        Part("context projection (fc out + norm, bf16)", 2 * BF16 * w.tokens * h + FP32 * w.tokens, "activation"),
         Part(f"block tokens ({w.queries} queries: ids, positions, labels, weights)", 28 * w.queries, "activation"),
         Part(f"layer activations ({n} layers x {layer / GiB:.2f} GiB)", n * layer, "activation"),
-        Part("final norm in/out (bf16)", int(scale * (2 * BF16 * w.queries * h + FP32 * w.queries)), "activation"),
+        Part("final norm in/out (bf16)", 2 * BF16 * w.queries * h + FP32 * w.queries, "activation"),
         Part(f"backward transient ({cal.backward_transient_layers:g} layer)", int(cal.backward_transient_layers * layer), "activation"),
-        Part("flex attention backward workspace", int(scale * attn_ws), "activation"),
+        Part("flex attention backward workspace", attn_ws, "activation"),
         Part(f"flex block mask ({w.sequences} seqs)", mask, "activation"),
         Part(f"logits + loss chunk ({w.loss_chunk} queries x {v} vocab)", loss, "activation"),
     ]
@@ -385,29 +385,35 @@ def roles(cfg: RunConfig) -> list[Role]:
     return ["target", "drafter"] if is_split(cfg) else ["colocated"]
 
 
+def _scaled(parts: list[Part], group: Literal["target", "drafter"], cal: Calibration) -> list[Part]:
+    """Tag activation parts with their group and apply that group's fitted scale."""
+    scale = cal.target_activation_scale if group == "target" else cal.drafter_activation_scale
+    return [replace(p, bytes=int(scale * p.bytes), group=group) if p.kind == "activation" else p for p in parts]
+
+
 def role_parts(cfg: RunConfig, shape: TargetShape, role: Role, cuda: str, cal: Calibration = DEFAULT_CALIBRATION) -> list[Part]:
-    """Every component of one GPU of ``role``, the fragmentation margin last."""
+    """Every component of one GPU of ``role``, then the fragmentation margin and fixed costs."""
     if role not in ("target", "drafter", "colocated"):
         raise ValueError(f"unknown role {role!r}; use target, drafter or colocated")
     split = is_split(cfg)
     w = workload(cfg)
     if role == "target":
-        parts = _target_parts(cfg, shape, w, cal, split)
+        parts = _scaled(_target_parts(cfg, shape, w, cal, split), "target", cal)
     elif role == "drafter":
         feats, last = _features_bytes(cfg, shape, w)
         held = 1 + (cal.inflight_batches if split else 0)
         parts = _drafter_static_parts(cfg, shape, share_frozen=False)
         parts.append(Part(f"received features ({held} batch{'es' if held != 1 else ''})", held * (feats + last), "activation"))
-        parts += _drafter_step_parts(cfg, shape, w, cal)
+        parts = _scaled(parts + _drafter_step_parts(cfg, shape, w, cal), "drafter", cal)
     else:
-        target = _target_parts(cfg, shape, w, cal, split=False)
+        target = _scaled(_target_parts(cfg, shape, w, cal, split=False), "target", cal)
         forward = next(p for p in target if p.component.startswith("forward working set"))
-        step = _drafter_step_parts(cfg, shape, w, cal)
+        step = _scaled(_drafter_step_parts(cfg, shape, w, cal), "drafter", cal)
         extra = max(0, forward.bytes - sum(p.bytes for p in step))
         parts = [p for p in target if p is not forward]
         parts += _drafter_static_parts(cfg, shape, share_frozen=True)
         parts += step
-        parts.append(Part("target forward beyond the drafter step (runs before it)", extra, "activation"))
+        parts.append(Part("target forward beyond the drafter step (runs before it)", extra, "activation", "target"))
     margin = int(cal.fragmentation * sum(p.bytes for p in parts))
     parts.append(Part(f"fragmentation margin ({cal.fragmentation:.0%} of allocated)", margin, "margin"))
     return parts + _fixed_parts(cuda, cal, split and role != "colocated")
@@ -605,13 +611,12 @@ def _decompose(m: Measurement, cal: Calibration) -> tuple[float, float, float, f
     cfg = config_from_dict(m.config, source="measurement")
     shape = TargetShape.from_config(m.target_config, "measurement target_config")
     unit = replace(cal, target_activation_scale=1.0, drafter_activation_scale=1.0)
-    parts = role_parts(cfg, shape, m.role, m.cuda, unit)
+    parts = [p for p in role_parts(cfg, shape, m.role, m.cuda, unit) if p.kind != "margin"]
     fixed = sum(p.bytes for p in parts if p.kind == "fixed") - unit.context_bytes(m.cuda)
     static = sum(p.bytes for p in parts if p.kind == "static")
-    act = sum(p.bytes for p in parts if p.kind == "activation")
-    w = workload(cfg)
-    t_act = target_forward_bytes(cfg, shape, w, unit) if m.role == "target" else 0
-    return fixed, static, t_act, act - t_act
+    t_act = sum(p.bytes for p in parts if p.kind == "activation" and p.group == "target")
+    d_act = sum(p.bytes for p in parts if p.kind == "activation" and p.group == "drafter")
+    return fixed, static, t_act, d_act
 
 
 def _solve(a: list[list[float]], b: list[float]) -> list[float]:
@@ -633,12 +638,13 @@ def _solve(a: list[list[float]], b: list[float]) -> list[float]:
 def fit_calibration(measurements: list[Measurement | dict], base: Calibration = DEFAULT_CALIBRATION) -> Calibration:
     """Least-squares fit of the CUDA context per major and one activation scale per role.
 
-    Model: used = context[major] + fixed + (1 + fragmentation) * (static + s_role * activations);
-    fragmentation and the per-tensor counts stay as in ``base``.
+    Model: used = context[major] + fixed + (1 + fragmentation) * (static + s_t * target_act + s_d * drafter_act);
+    fragmentation and the per-tensor counts stay as in ``base``. Co-located peaks are linear
+    in the scales only while the drafter step outweighs the target forward (the usual case).
     """
     ms = [m if isinstance(m, Measurement) else Measurement.model_validate(m) for m in measurements]
     majors = sorted({cuda_major(m.cuda) for m in ms})
-    has_t = any(m.role in ("target",) for m in ms)
+    has_t = any(m.role in ("target", "colocated") for m in ms)
     has_d = any(m.role in ("drafter", "colocated") for m in ms)
     names = [f"ctx{mj}" for mj in majors] + (["s_target"] if has_t else []) + (["s_drafter"] if has_d else [])
     if len(ms) < len(names):

@@ -1,0 +1,320 @@
+"""The analytic memory model (preflight/memory.py) and dflash-estimate, on CPU."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from dflash.config import ConfigError, config_from_dict, load_config
+from preflight.estimate_cli import main, parse_size
+from preflight.memory import (
+    GiB,
+    Calibration,
+    TargetShape,
+    default_target_layer_ids,
+    drafter_params,
+    estimate,
+    fit_calibration,
+    load_target_shape,
+    prediction_errors,
+    role_need_bytes,
+    role_parts,
+    with_setting,
+    workload,
+)
+
+REPO = Path(__file__).resolve().parent.parent
+CFG_27B = REPO / "configs/qwen3-27b-5t3d.toml"
+CFG_8B = REPO / "configs/qwen3-8b-1gpu.toml"
+
+TINY_TARGET = {
+    "model_type": "qwen3", "num_hidden_layers": 4, "hidden_size": 64, "intermediate_size": 128,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 1000,
+    "tie_word_embeddings": False,
+}
+
+
+def part(parts, prefix: str) -> int:
+    return next(p.bytes for p in parts if p.component.startswith(prefix))
+
+
+@pytest.fixture
+def tiny(tmp_path):
+    folder = tmp_path / "tiny"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(TINY_TARGET))
+    return config_from_dict({
+        "target": {"path": str(folder), "dtype": "bfloat16", "random_init": True},
+        "drafter": {"num_layers": 1, "block_size": 4},
+        "data": {"token_budget": 64, "max_batch_size": 2},
+        "train": {"max_anchors": 4, "loss_chunk": 16, "kl_weight": 0.0},
+        "topology": {"target_gpus": ["0"], "drafter_gpus": ["1"]},
+    })
+
+
+# ---------------------------------------------------------------- hand-computed cases
+
+
+def test_qwen3_8b_weight_bytes_are_exact_param_count_times_two():
+    shape = load_target_shape("configs/targets/qwen3-8b")
+    per_layer = 2 * 4096 * 4096 + 2 * 4096 * 1024 + 3 * 4096 * 12288 + 2 * 4096 + 2 * 128
+    params = 36 * per_layer + 2 * 151936 * 4096 + 4096  # untied embedding + lm_head, final norm
+    assert params == shape.params == 8_190_735_360
+    cfg = load_config(CFG_8B)
+    assert part(role_parts(cfg, shape, "colocated", "12.8"), "target weights") == 2 * params
+
+
+def test_qwen3_06b_ties_embeddings():
+    shape = load_target_shape("configs/targets/qwen3-0.6b")
+    per_layer = 2 * 1024 * 2048 + 2 * 1024 * 1024 + 3 * 1024 * 3072 + 2 * 1024 + 2 * 128
+    assert shape.tied
+    assert shape.params == 28 * per_layer + 151936 * 1024 + 1024 == 596_049_920
+
+
+def test_drafter_states_are_fp32_adamw_over_exact_params():
+    cfg = load_config(CFG_8B)
+    shape = load_target_shape(cfg.target.path)
+    p = 5 * (2 * 4096 * 4096 + 2 * 4096 * 1024 + 3 * 4096 * 12288 + 2 * 4096 + 256) + 5 * 4096 * 4096 + 2 * 4096
+    assert drafter_params(cfg, shape) == p
+    parts = role_parts(cfg, shape, "colocated", "12.8")
+    assert part(parts, "AdamW") == 8 * p
+    assert part(parts, "drafter grads") == 4 * p
+    assert part(parts, "drafter params") == 4 * p
+
+
+def test_default_target_layers():
+    assert default_target_layer_ids(36, 5) == [1, 9, 17, 25, 33]
+    assert default_target_layer_ids(28, 1) == [14]
+    assert default_target_layer_ids(64, 5)[0] == 1 and default_target_layer_ids(64, 5)[-1] == 61
+
+
+def test_workload_worst_case_is_many_short_sequences():
+    cfg = load_config(CFG_27B)
+    w = workload(cfg)
+    assert (w.sequences, w.seq_len, w.queries_per_seq) == (64, 768, 32768)
+    assert w.queries == 64 * 1024 * 32 and w.kv_tokens == 49152 + w.queries
+    # sequences shorter than a block are ignored: at most token_budget // block_size of them
+    small = with_setting(with_setting(cfg, "token_budget", 256), "max_batch_size", 64)
+    assert workload(small).sequences == 256 // 32
+
+
+def test_tiny_totals_by_hand(tiny):
+    ctx, nccl = int(0.5 * GiB), int(0.25 * GiB)
+    # T=64 tokens, B=min(2, 64//4)=2 sequences of 32, Q=2*4*4=32 queries, KV=64+32=96, 1 feature layer
+    layer_p = (64 * 64 + 2 * 64 * 32 + 64 * 64 + 2 * 16) + 3 * 64 * 128 + 2 * 64
+    target_p = 4 * layer_p + 2 * 1000 * 64 + 64
+    weights = 2 * target_p
+    forward = 64 * (2 * (2 * 64 + max(3 * 64 + 3 * 32, 3 * 128) + 2 * 16) + 4 * 4)
+    inputs = 64 * 24
+    feats = 64 * 1 * 64 * 2
+    alloc = weights + forward + inputs + feats + feats  # + send buffer of one batch in flight
+    assert role_need_bytes(tiny, "target", "12.8") == alloc + int(0.1 * alloc) + ctx + nccl
+
+    p = layer_p + 64 * 64 + 2 * 64
+    static = 18 * p + 2 * (2 * 1000 * 64)  # fp32 params+grads+AdamW, bf16 autocast copies; embedding + lm_head
+    received = 2 * feats
+    context = 2 * 2 * 64 * 64 + 4 * 64
+    tokens = 28 * 32
+    layer = 32 * (2 * (4 * 64 + 3 * 64 + 4 * 128) + 4 * (4 + 4 + 2)) + 96 * (2 * 3 * 32 + 4 * 2)
+    final = 2 * 2 * 32 * 64 + 4 * 32
+    attn_ws = 2 * (32 * 64 + 2 * 96 * 32) + 4 * 32 * 4
+    mask = 2 * 4 * (4 * 1 * 1 + 2 + 2)
+    loss = 16 * 1000 * (4 * 3 + 2 * 1)
+    alloc = static + received + context + tokens + layer + final + layer + attn_ws + mask + loss
+    assert role_need_bytes(tiny, "drafter", "12.8") == alloc + int(0.1 * alloc) + ctx + nccl
+
+
+def test_soft_labels_add_last_hidden_state_and_kl_buffers(tiny):
+    kl = tiny.model_copy(deep=True)
+    kl.train.kl_weight = 0.5
+    extra_target = role_need_bytes(kl, "target", "12.8") - role_need_bytes(tiny, "target", "12.8")
+    extra_drafter = role_need_bytes(kl, "drafter", "12.8") - role_need_bytes(tiny, "drafter", "12.8")
+    last = 64 * 64 * 2
+    assert extra_target == pytest.approx(1.1 * 2 * last, abs=2)  # kept + send buffer, with margin
+    assert extra_drafter == pytest.approx(1.1 * (2 * last + 16 * 1000 * 4 * 2), abs=2)
+
+
+def test_cuda13_costs_its_calibrated_context_more(tiny):
+    diff = role_need_bytes(tiny, "drafter", "13.0") - role_need_bytes(tiny, "drafter", "12.8")
+    assert diff == int(0.7 * GiB) - int(0.5 * GiB)
+    with pytest.raises(ValueError, match="CUDA 11.8"):
+        role_need_bytes(tiny, "drafter", "11.8")
+
+
+def test_role_must_match_topology(tiny):
+    with pytest.raises(ValueError, match="colocated"):
+        role_need_bytes(tiny, "colocated", "12.8")
+    with pytest.raises(ValueError, match="co-located"):
+        role_need_bytes(load_config(CFG_8B), "drafter", "12.8")
+
+
+def test_missing_target_config_is_a_config_error(tmp_path):
+    cfg = config_from_dict({"target": {"path": str(tmp_path / "absent")}})
+    with pytest.raises(ConfigError, match="config.json: not found"):
+        role_need_bytes(cfg, "colocated", "12.8")
+
+
+def test_colocated_shares_frozen_weights_and_overlaps_working_sets():
+    cfg = load_config(CFG_8B)
+    shape = load_target_shape(cfg.target.path)
+    names = [p.component for p in role_parts(cfg, shape, "colocated", "12.8")]
+    assert not any(n.startswith("frozen") for n in names)
+    assert not any(n.startswith("NCCL") for n in names)
+
+
+# ---------------------------------------------------------------- monotonicity
+
+
+@pytest.mark.parametrize("setting, values", [
+    ("max_anchors", [64, 256, 512, 1024]),
+    ("token_budget", [1024, 3072, 8192, 49152]),
+    ("max_batch_size", [1, 2, 8, 64]),
+])
+def test_more_work_needs_more_bytes(setting, values):
+    cfg = with_setting(load_config(CFG_8B), "max_batch_size", 4)
+    needs = [role_need_bytes(with_setting(cfg, setting, v), "colocated", "12.8") for v in values]
+    assert needs == sorted(needs) and needs[0] < needs[-1]
+
+
+def test_target_role_ignores_anchors():
+    cfg = load_config(CFG_27B)
+    a = role_need_bytes(with_setting(cfg, "max_anchors", 16), "target", "12.8")
+    assert a == role_need_bytes(cfg, "target", "12.8")
+    assert role_need_bytes(with_setting(cfg, "max_anchors", 16), "drafter", "12.8") < role_need_bytes(cfg, "drafter", "12.8")
+
+
+# ---------------------------------------------------------------- limits
+
+
+@pytest.mark.parametrize("path, gpu", [(CFG_8B, 80 * GiB), (CFG_27B, 95 * GiB)])
+def test_reported_limits_fit_and_one_more_does_not(path, gpu):
+    cfg = load_config(path)
+    est = estimate(cfg, "12.8", gpu)
+    checked = 0
+    for lim in est.limits:
+        if lim.status != "fits":
+            continue
+        at = role_need_bytes(with_setting(cfg, lim.setting, lim.value), lim.role, "12.8")
+        above = role_need_bytes(with_setting(cfg, lim.setting, lim.value + 1), lim.role, "12.8")
+        assert at <= gpu < above, lim
+        checked += 1
+    assert checked >= 2
+
+
+def test_limits_say_when_even_the_minimum_does_not_fit():
+    est = estimate(load_config(CFG_27B), "12.8", 95 * GiB)
+    lim = {(x.role, x.setting): x for x in est.limits}
+    assert lim["drafter", "token_budget"].status == "none_fit"
+    assert "does not fit" in lim["drafter", "token_budget"].note
+    assert lim["target", "max_anchors"].status == "no_effect"
+    assert lim["target", "token_budget"].status == "fits"
+
+
+def test_batch_size_limit_is_capped_by_token_budget():
+    est = estimate(with_setting(load_config(CFG_8B), "max_anchors", 16), "12.8", 139 * GiB)
+    lim = next(x for x in est.limits if x.setting == "max_batch_size")
+    assert lim.status == "unbounded" and lim.value == 3072 // 16
+
+
+def test_estimate_rows_sum_to_total():
+    est = estimate(load_config(CFG_27B), "12.8", 95 * GiB)
+    assert [r.role for r in est.roles] == ["target", "drafter"]
+    for r in est.roles:
+        assert sum(row.bytes for row in r.rows) == r.total_bytes
+        assert r.headroom_bytes == 95 * GiB - r.total_bytes
+
+
+# ---------------------------------------------------------------- calibration fit
+
+
+def test_fit_calibration_recovers_known_constants(tiny):
+    truth = replace(Calibration(), cuda_context_gib={12: 0.62, 13: 0.7},
+                    target_activation_scale=1.3, drafter_activation_scale=0.8)
+    ms = []
+    for anchors, budget in [(4, 64), (8, 128), (16, 256), (32, 512)]:
+        cfg = with_setting(with_setting(tiny, "max_anchors", anchors), "token_budget", budget)
+        shape = TargetShape.from_config(TINY_TARGET)
+        for role in ("target", "drafter"):
+            used = sum(p.bytes for p in role_parts(cfg, shape, role, "12.8", truth))
+            ms.append({"config": cfg.model_dump(), "target_config": TINY_TARGET, "role": role,
+                       "cuda": "12.8", "nvml_used_bytes": used})
+    fitted = fit_calibration(ms)
+    assert fitted.cuda_context_gib[12] == pytest.approx(0.62, rel=1e-3)
+    assert fitted.drafter_activation_scale == pytest.approx(0.8, rel=1e-3)
+    assert fitted.target_activation_scale == pytest.approx(1.3, rel=1e-2)
+    assert max(abs(e) for e in prediction_errors(ms, fitted)) < 1e-3
+
+
+# ---------------------------------------------------------------- CLI
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("95GiB", 95 * 2**30), ("80GB", 80 * 10**9), ("96000MiB", 96000 * 2**20), ("1.5 TiB", int(1.5 * 2**40)),
+])
+def test_parse_size(text, expected):
+    assert parse_size(text) == expected
+
+
+@pytest.mark.parametrize("text", ["95", "GiB", "-1GiB", "95 parsecs", "0GiB"])
+def test_parse_size_rejects(text):
+    with pytest.raises(ValueError):
+        parse_size(text)
+
+
+def test_cli_27b_prints_both_roles_and_limits():
+    exe = Path(sys.executable).parent / "dflash-estimate"
+    cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "preflight.estimate_cli"]
+    res = subprocess.run([*cmd, "--config", "configs/qwen3-27b-5t3d.toml", "--gpu-memory", "95GiB"],
+                         cwd=REPO, capture_output=True, text=True, timeout=60)
+    out = res.stdout
+    assert res.returncode == 1, res.stderr  # the drafter does not fit
+    assert "target (GPUs 0, 1, 2, 3, 4)" in out and "drafter (GPUs 5, 6, 7)" in out
+    assert "DOES NOT FIT" in out
+    assert "64 sequences x 768 tokens" in out
+    assert "largest settings that fit" in out and "max_anchors" in out
+    assert "CUDA 12.8 (from envs/train-cu128.toml)" in out
+
+
+def test_cli_json_is_one_object_with_the_same_content():
+    res = CliRunner().invoke(main, ["--config", str(CFG_8B), "--gpu-memory", "139GiB", "--json", "--cuda", "13.0"])
+    assert res.exit_code == 0, res.output
+    obj = json.loads(res.output)
+    assert [r["role"] for r in obj["roles"]] == ["colocated"]
+    assert obj["cuda"] == "13.0" and obj["gpu_bytes"] == 139 * GiB
+    assert {x["setting"] for x in obj["limits"]} == {"token_budget", "max_batch_size", "max_anchors"}
+    assert obj["workload"]["queries"] == 512 * 16
+
+
+def test_cli_without_gpu_size_prints_totals_only():
+    res = CliRunner().invoke(main, ["--config", str(CFG_8B)])
+    assert res.exit_code == 0
+    assert "give --gpu-memory SIZE or --from-nvml" in res.output
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--config", "absent.toml"], "no such config file"),
+    (["--config", str(CFG_8B), "--set", "target.path=nowhere/model"], "config.json: not found"),
+    (["--config", str(CFG_8B), "--set", "target.dtype=int4"], "target.dtype"),
+    (["--config", str(CFG_8B), "--set", "data.token_budget=-4096"], "data.token_budget"),
+    (["--config", str(CFG_8B), "--gpu-memory", "95"], "unit"),
+    (["--config", str(CFG_8B), "--gpu-memory", "95GiB", "--from-nvml"], "not both"),
+    (["--config", str(CFG_8B), "--cuda", "11.8"], "CUDA 11.8"),
+])
+def test_cli_bad_input_is_one_line_and_exit_2(args, needle):
+    res = CliRunner().invoke(main, args)
+    assert res.exit_code == 2
+    err = res.stderr.strip()
+    assert len(err.splitlines()) == 1 and needle in err and "Traceback" not in err
+
+
+def test_cli_unreadable_toml_exit_2(tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[data\ntoken_budget = ")
+    res = CliRunner().invoke(main, ["--config", str(bad)])
+    assert res.exit_code == 2 and "not valid TOML" in res.stderr

@@ -1,0 +1,88 @@
+"""dflash-preflight: prove this machine is in the state a run needs, before the run.
+
+    uv run dflash-preflight --profile train-cu128                       # environment only
+    uv run dflash-preflight --profile train-cu128 --config RUN.toml     # + GPUs, run dir, dataset, disk
+    uv run dflash-preflight --profile train-cu128 --json --waive env-drift --reason "vendor image"
+
+Exit codes: 0 no check failed (warnings allowed), 1 a check failed, 2 usage error.
+This process never imports torch and never creates a CUDA context (GPUs are read via NVML).
+"""
+
+from __future__ import annotations
+
+import sys
+
+import click
+
+from preflight.checks import CHECK_IDS, NEEDS_CONFIG
+
+EXIT_OK, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"]}, epilog=f"Check ids: {', '.join(CHECK_IDS)}. "
+               f"Without --config these are skipped: {', '.join(NEEDS_CONFIG)}.")
+@click.option("--profile", "profile_name", required=True, metavar="NAME", help="environment profile (envs/NAME.toml)")
+@click.option("--config", "config_path", metavar="RUN.toml", help="run config; without it only the environment is checked")
+@click.option("--json", "as_json", is_flag=True, help="print exactly one JSON object on stdout")
+@click.option("--waive", multiple=True, metavar="CHECK_ID", help="accept a failing check (repeatable; each needs --reason)")
+@click.option("--reason", multiple=True, metavar="TEXT", help="why the matching --waive is acceptable (kept in the report)")
+@click.option("--resume", is_flag=True, help="the run will resume from its newest checkpoint")
+@click.option("--fresh", is_flag=True, help="the run will start over even if checkpoints exist")
+@click.option("--nvml-fake", metavar="JSON|none", hidden=True, help="replay a recorded NVML snapshot (tests)")
+def command(profile_name, config_path, as_json, waive, reason, resume, fresh, nvml_fake) -> int:
+    """Check the environment profile NAME (and a run config) before training."""
+    from dflash.config import ConfigError, load_config
+    from preflight.gate import build_report, validate_waivers
+    from preflight.nvml import FakeGpuInfo
+    from preflight.profiles import ENVS_DIR, profile_names
+    from preflight.report import render_text, use_colour
+
+    if not (ENVS_DIR / f"{profile_name}.toml").exists():
+        known = ", ".join(profile_names()) or "none"
+        raise click.UsageError(f"unknown profile {profile_name!r} (known: {known})")
+    if len(waive) != len(reason):
+        raise click.UsageError(f"{len(waive)} --waive but {len(reason)} --reason: give one --reason per --waive")
+    if resume and fresh:
+        raise click.UsageError("--resume and --fresh exclude each other; pick one")
+    try:
+        waivers = validate_waivers(dict(zip(waive, reason)))
+    except ValueError as e:
+        raise click.UsageError(str(e)) from None
+    cfg = None
+    if config_path is not None:
+        try:
+            cfg = load_config(config_path)
+        except ConfigError as e:
+            raise click.UsageError(str(e)) from None
+    gpu_info = None
+    if nvml_fake:
+        try:
+            gpu_info = FakeGpuInfo(None) if nvml_fake == "none" else FakeGpuInfo.from_json(nvml_fake)
+        except (OSError, ValueError) as e:
+            raise click.UsageError(f"--nvml-fake {nvml_fake}: {e}") from None
+    intent = "resume" if resume else "fresh" if fresh else None
+    report = build_report(profile_name, cfg, waivers, intent, gpu_info, config_path)
+    if as_json:
+        click.echo(report.to_json())
+    else:
+        click.echo(render_text(report, colour=use_colour(sys.stdout)))
+    return EXIT_OK if report.ok else EXIT_FAIL
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Console entry point: usage errors are one line on stderr and exit 2, never a traceback."""
+    try:
+        code = command.main(args=argv, prog_name="dflash-preflight", standalone_mode=False)
+    except click.exceptions.Exit as e:  # --help
+        sys.exit(e.exit_code)
+    except click.Abort:
+        click.echo("dflash-preflight: aborted", err=True)
+        sys.exit(EXIT_USAGE)
+    except click.ClickException as e:
+        click.echo(f"dflash-preflight: error: {e.format_message()}", err=True)
+        sys.exit(EXIT_USAGE)
+    sys.exit(code if isinstance(code, int) else EXIT_OK)
+
+
+if __name__ == "__main__":
+    main()

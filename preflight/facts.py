@@ -1,0 +1,646 @@
+"""Gather the facts preflight judges: distributions, torch build, env, PATH, libraries, git, disk, GPUs.
+
+Gathering (I/O) is kept apart from judging (``preflight.checks``): ``gather`` fills one
+``Context`` dataclass, and every check is a pure function of it, so tests build a Context
+by hand and assert verdicts. Nothing here imports torch or creates a CUDA context: the torch
+version is read from the file ``torch/version.py`` of the installed distribution, GPUs through
+NVML (``preflight.nvml``).
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import os
+import platform
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from functools import cached_property
+from importlib import metadata
+from pathlib import Path
+
+from packaging.utils import canonicalize_name
+
+from dflash.config import RunConfig
+from preflight.lockfile import LockFile, parse_lock
+from preflight.nvml import GpuInfo, NvmlSnapshot, NvmlUnavailable
+from preflight.profiles import ENVS_DIR, REPO_ROOT, Profile, ProfileError, load_profile, lock_path
+
+# The drafter model source: a debugging hack left in any of these changes what a run trains.
+MODEL_SOURCE_FILES = ("dflash/model.py", "dflash/attention.py", "dflash/loss.py", "dflash/target.py")
+PROJECT_DIST = "dflash"  # the project itself: never drift
+CUDA_LIBS = ("libcudart", "libcublas", "libnccl")  # LD_LIBRARY_PATH libraries tied to a CUDA major
+COMPILE_MANIFEST = "dflash-manifest.json"
+_CKPT_DIR = re.compile(r"^step_(\d{8})$")
+
+
+@dataclass
+class TorchBuild:
+    version: str  # with local label, e.g. "2.10.0+cu128"
+    cuda: str | None  # CUDA the build targets, None for a CPU build
+    source: str  # the file it was read from
+
+
+@dataclass
+class PathEntry:
+    path: str
+    exists: bool
+    python_env: str | None = None  # root of the venv/conda env whose bin dir this is
+    is_self: bool = False  # this interpreter's environment
+
+
+@dataclass
+class LibDir:
+    path: str
+    exists: bool
+    libs: dict[str, int | None] = field(default_factory=dict)  # file name -> CUDA major (None = unknown)
+
+
+@dataclass
+class GpuFacts:
+    snapshot: NvmlSnapshot | None = None
+    error: str | None = None  # why NVML gave nothing
+    cuda_visible_devices: str | None = None
+    queried: bool = True  # False when the run is on CPU and NVML was not asked
+
+
+@dataclass
+class ModelSource:
+    mode: str  # "git" | "record" | "none"
+    commit: str | None = None  # git HEAD, or "dflash==<version>" for RECORD mode
+    modified: list[str] = field(default_factory=list)
+    states: dict[str, str] = field(default_factory=dict)  # modified file -> "modified" | "untracked" | "deleted" | ...
+    diff_stat: str = ""
+    absent: list[str] = field(default_factory=list)  # not present (and not tracked): nothing to verify yet
+    verified: list[str] = field(default_factory=list)
+    error: str | None = None
+
+
+@dataclass
+class CompileCache:
+    path: str
+    exists: bool
+    manifest: dict | None = None
+    error: str | None = None  # manifest unreadable
+    size_bytes: int | None = None
+    env_override: str | None = None  # TORCHINDUCTOR_CACHE_DIR when it points elsewhere
+
+
+@dataclass
+class Checkpoint:
+    step: int
+    path: str
+    meta: dict | None = None
+    error: str | None = None
+    size_bytes: int = 0
+
+
+@dataclass
+class RunDir:
+    path: str
+    exists: bool
+    writable: bool
+    problem: str | None = None  # why it is not usable
+    checkpoints: list[Checkpoint] = field(default_factory=list)  # finished saves, oldest first
+
+    @property
+    def newest(self) -> Checkpoint | None:
+        return self.checkpoints[-1] if self.checkpoints else None
+
+
+@dataclass
+class Shard:
+    name: str
+    rows: int = 0
+    tokens: int = 0
+    max_len: int = 0
+    max_row: int = -1
+    first_row: int = 0  # global index of this shard's first sample
+    over: list[tuple[int, int]] = field(default_factory=list)  # (row, length) of the longest samples over the limit
+    over_count: int = 0
+    mask_mismatch: tuple[int, int, int] | None = None  # (row, input_ids len, loss_mask len)
+    size_bytes: int = 0
+    error: str | None = None
+
+
+@dataclass
+class Dataset:
+    path: str
+    limit: int  # longest sample that can fit a batch (tokens)
+    shards: list[Shard] = field(default_factory=list)
+    error: str | None = None  # the folder itself
+
+    @property
+    def samples(self) -> int:
+        return sum(s.rows for s in self.shards)
+
+    @property
+    def fingerprint(self) -> str:
+        return dataset_fingerprint(self.shards)
+
+
+@dataclass
+class Disk:
+    path: str
+    free_bytes: int | None = None
+    error: str | None = None
+
+
+@dataclass
+class Context:
+    """Everything the checks judge. Every field has a default so tests can state only what matters."""
+
+    profile_name: str
+    profile: Profile | None = None
+    profile_error: str | None = None
+    lock_file: str = ""
+    lock_text: str | None = None  # None: the lock file is missing
+    config: RunConfig | None = None
+    config_path: str | None = None
+    resume_intent: str | None = None  # "resume" | "fresh" | None
+    distributions: dict[str, list[str]] = field(default_factory=dict)  # canonical name -> installed versions
+    torch: TorchBuild | None = None
+    env: dict[str, str] = field(default_factory=dict)
+    path_entries: list[PathEntry] = field(default_factory=list)
+    ld_dirs: list[LibDir] = field(default_factory=list)
+    gpus: GpuFacts = field(default_factory=lambda: GpuFacts(error="NVML not queried"))
+    model_source: ModelSource = field(default_factory=lambda: ModelSource(mode="none"))
+    compile_cache: CompileCache | None = None
+    target_config: dict | None = None  # the target's config.json, when readable
+    run_dir: RunDir | None = None
+    dataset: Dataset | None = None
+    disk: Disk | None = None
+    host: dict = field(default_factory=dict)
+
+    @cached_property
+    def lock(self) -> LockFile | None:
+        return parse_lock(self.lock_text) if self.lock_text is not None else None
+
+
+# ---------------------------------------------------------------- environment
+
+
+def _header(path: Path) -> tuple[str | None, str | None]:
+    """Name and Version from a METADATA/PKG-INFO header (stops at the first blank line: no email parser)."""
+    name = version = None
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            for line in f:
+                if not line.strip():
+                    break
+                if line.startswith("Name:"):
+                    name = line[5:].strip()
+                elif line.startswith("Version:"):
+                    version = line[8:].strip()
+    except OSError:
+        pass
+    return name, version
+
+
+def installed_distributions(paths: list[str] | None = None) -> dict[str, list[str]]:
+    """Canonical name -> versions of every distribution on sys.path (two versions = installed twice)."""
+    out: dict[str, list[str]] = {}
+    seen: set[str] = set()
+    for entry in sys.path if paths is None else paths:
+        real = os.path.realpath(entry or ".")
+        if real in seen or not os.path.isdir(real):
+            continue
+        seen.add(real)
+        try:
+            names = os.listdir(real)
+        except OSError:
+            continue
+        for d in names:
+            if d.endswith(".dist-info"):
+                meta = Path(real, d, "METADATA")
+            elif d.endswith(".egg-info"):
+                meta = Path(real, d, "PKG-INFO") if os.path.isdir(os.path.join(real, d)) else Path(real, d)
+            else:
+                continue
+            name, version = _header(meta)
+            if name and version:
+                out.setdefault(canonicalize_name(name), []).append(version)
+    return out
+
+
+_VERSION_LINE = re.compile(r"^__version__\s*=\s*['\"]([^'\"]+)['\"]", re.M)
+_CUDA_LINE = re.compile(r"^cuda(?:\s*:\s*[^=]+)?\s*=\s*(None|['\"]([^'\"]*)['\"])", re.M)
+
+
+def parse_torch_version_py(text: str) -> tuple[str, str | None] | None:
+    """(version, cuda) from torch/version.py's text, or None when it does not say."""
+    v = _VERSION_LINE.search(text)
+    if not v:
+        return None
+    c = _CUDA_LINE.search(text)
+    return v.group(1), (c.group(2) if c and c.group(2) else None)
+
+
+def torch_build() -> TorchBuild | None:
+    """The installed torch build, read from its files without importing it."""
+    try:
+        dist = metadata.distribution("torch")
+    except metadata.PackageNotFoundError:
+        return None
+    path = Path(dist.locate_file("torch/version.py"))
+    try:
+        parsed = parse_torch_version_py(path.read_text())
+    except OSError:
+        parsed = None
+    if parsed is None:  # no version module: the metadata version has the local label, not the CUDA version
+        local = dist.version.partition("+")[2]
+        m = re.fullmatch(r"cu(\d+)(\d)", local)
+        return TorchBuild(dist.version, f"{m.group(1)}.{m.group(2)}" if m else None, "metadata")
+    return TorchBuild(parsed[0], parsed[1], str(path))
+
+
+def _env_root(bin_dir: Path) -> str | None:
+    """The Python environment (venv or conda) whose bin dir this is, or None."""
+    root = bin_dir.parent
+    if bin_dir.name in ("bin", "Scripts") and ((root / "pyvenv.cfg").is_file() or (root / "conda-meta").is_dir()):
+        return str(root)
+    return None
+
+
+def path_entries(path_value: str, prefix: str) -> list[PathEntry]:
+    me = os.path.realpath(prefix)
+    out = []
+    for raw in path_value.split(os.pathsep):
+        if not raw:
+            continue
+        p = Path(raw)
+        root = _env_root(p) if p.is_dir() else None
+        out.append(PathEntry(raw, p.is_dir(), root, bool(root) and os.path.realpath(root) == me))
+    return out
+
+
+_SONAME = re.compile(r"^(libcudart|libcublas|libnccl)\.so(?:\.(\d+))?")
+_PATH_CUDA = re.compile(r"(?:cuda[-_]?|cu)(\d{2})(?:\.\d+)?(?![\d])", re.I)
+
+
+def scan_lib_dir(path: str) -> LibDir:
+    p = Path(path)
+    if not p.is_dir():
+        return LibDir(path, False)
+    libs: dict[str, int | None] = {}
+    try:
+        names = sorted(os.listdir(p))
+    except OSError:
+        return LibDir(path, True)
+    for name in names:
+        m = _SONAME.match(name)
+        if not m:
+            continue
+        lib, major = m.group(1), m.group(2)
+        if lib == "libnccl" or major is None:  # libnccl.so.2 is NCCL's own major: take the dir's CUDA
+            libs[name] = None
+        else:
+            libs[name] = int(major)
+    if libs:
+        known = {v for v in libs.values() if v is not None}
+        hint = _PATH_CUDA.search(path)
+        fallback = known.pop() if len(known) == 1 else (int(hint.group(1)) if hint else None)
+        libs = {k: (v if v is not None else fallback) for k, v in libs.items()}
+    return LibDir(path, True, libs)
+
+
+# ---------------------------------------------------------------- model source
+
+
+def _git(root: Path, *args: str) -> str:
+    out = subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True, timeout=10)
+    if out.returncode != 0:
+        raise RuntimeError(out.stderr.strip().splitlines()[-1] if out.stderr.strip() else f"git {args[0]} failed")
+    return out.stdout
+
+
+def _is_git_checkout(root: Path) -> bool:
+    if shutil.which("git") is None:
+        return False
+    try:
+        top = _git(root, "rev-parse", "--show-toplevel").strip()
+    except (RuntimeError, OSError, subprocess.SubprocessError):
+        return False
+    return os.path.realpath(top) == os.path.realpath(root)
+
+
+def model_source_git(root: Path, files=MODEL_SOURCE_FILES) -> ModelSource:
+    try:
+        head = _git(root, "rev-parse", "HEAD").strip()
+        porcelain = _git(root, "status", "--porcelain", "--untracked-files=all", "--", *files)
+        stat = _git(root, "diff", "--stat", "HEAD", "--", *files).rstrip()
+        tracked = set(_git(root, "ls-files", "--", *files).split())
+    except (RuntimeError, OSError, subprocess.SubprocessError) as e:
+        return ModelSource(mode="git", error=f"git failed: {e}")
+    codes = {"??": "untracked", "D": "deleted", "A": "added", "R": "renamed", "M": "modified", "T": "type changed"}
+    states: dict[str, str] = {}
+    for line in porcelain.splitlines():
+        if not line.strip():
+            continue
+        xy, path = line[:2], line[3:].strip()
+        states[path] = codes.get(xy) or next((codes[c] for c in xy if c in codes), "modified")
+    modified = sorted(states)
+    absent = [f for f in files if not (root / f).exists() and f not in tracked]
+    verified = [f for f in files if f in tracked and f not in modified]
+    return ModelSource(mode="git", commit=head, modified=modified, states=states, diff_stat=stat, absent=absent,
+                       verified=verified)
+
+
+def model_source_record(files=MODEL_SOURCE_FILES, dist_name: str = PROJECT_DIST) -> ModelSource:
+    """Verify installed files against the distribution's RECORD sha256 hashes."""
+    try:
+        dist = metadata.distribution(dist_name)
+    except metadata.PackageNotFoundError:
+        return ModelSource(mode="none", error=f"not a git checkout and distribution {dist_name!r} is not installed")
+    recorded = {str(f).replace(os.sep, "/"): f for f in (dist.files or [])}
+    src = ModelSource(mode="record", commit=f"{dist_name}=={dist.version}")
+    for rel in files:
+        entry = recorded.get(rel)
+        if entry is None or entry.hash is None:
+            src.absent.append(rel)
+            continue
+        try:
+            digest = hashlib.new(entry.hash.mode, Path(dist.locate_file(entry)).read_bytes()).digest()
+        except OSError:
+            src.modified.append(rel)  # recorded but unreadable or gone
+            continue
+        b64 = base64.urlsafe_b64encode(digest).rstrip(b"=").decode()
+        (src.verified if b64 == entry.hash.value else src.modified).append(rel)
+    src.states = {m: "differs from RECORD" for m in src.modified}
+    return src
+
+
+def model_source(root: Path = REPO_ROOT) -> ModelSource:
+    if _is_git_checkout(root):
+        return model_source_git(root)
+    return model_source_record()
+
+
+def git_commit(root: Path = REPO_ROOT) -> str | None:
+    head = root / ".git" / "HEAD"
+    try:
+        ref = head.read_text().strip()
+    except OSError:
+        return None
+    if ref.startswith("ref: "):
+        try:
+            return (root / ".git" / ref[5:]).read_text().strip()
+        except OSError:
+            packed = root / ".git" / "packed-refs"
+            try:
+                for line in packed.read_text().splitlines():
+                    if line.endswith(" " + ref[5:]):
+                        return line.split()[0]
+            except OSError:
+                return None
+            return None
+    return ref
+
+
+# ---------------------------------------------------------------- run
+
+
+def _dir_size(path: Path, max_entries: int = 50_000) -> int:
+    total, seen, stack = 0, 0, [path]
+    while stack and seen < max_entries:
+        try:
+            with os.scandir(stack.pop()) as it:
+                for e in it:
+                    seen += 1
+                    if e.is_dir(follow_symlinks=False):
+                        stack.append(Path(e.path))
+                    elif e.is_file(follow_symlinks=False):
+                        total += e.stat(follow_symlinks=False).st_size
+        except OSError:
+            continue
+    return total
+
+
+def compile_cache(profile: Profile, env: dict[str, str]) -> CompileCache:
+    path = profile.compile_cache_path
+    override = env.get("TORCHINDUCTOR_CACHE_DIR")
+    if override and os.path.realpath(os.path.expanduser(override)) == os.path.realpath(path):
+        override = None
+    cc = CompileCache(str(path), path.is_dir(), env_override=override)
+    if not cc.exists:
+        return cc
+    cc.size_bytes = _dir_size(path)
+    manifest = path / COMPILE_MANIFEST
+    if manifest.exists():
+        try:
+            data = json.loads(manifest.read_text())
+            if not isinstance(data, dict):
+                raise ValueError("not a JSON object")
+            cc.manifest = data
+        except (OSError, ValueError) as e:
+            cc.error = f"{manifest.name} unreadable: {e}"
+    return cc
+
+
+def _writable(path: Path) -> tuple[bool, str | None]:
+    probe = path
+    while not probe.exists():
+        if probe.parent == probe:
+            return False, f"no existing parent of {path}"
+        probe = probe.parent
+    if not probe.is_dir():
+        return False, f"{probe} exists and is not a directory"
+    if not os.access(probe, os.W_OK | os.X_OK):
+        return False, f"{probe} is not writable by this user"
+    return True, None
+
+
+def run_dir(output_dir: str) -> RunDir:
+    path = Path(output_dir)
+    ok, problem = _writable(path)
+    rd = RunDir(str(path), path.is_dir(), ok, problem)
+    ckpt_root = path / "checkpoints"
+    if not ckpt_root.is_dir():
+        return rd
+    for d in sorted(ckpt_root.iterdir()):
+        m = _CKPT_DIR.match(d.name)
+        if not m or not d.is_dir():  # "*.tmp" = an unfinished save
+            continue
+        ck = Checkpoint(int(m.group(1)), str(d))
+        try:
+            ck.meta = json.loads((d / "meta.json").read_text())
+            if not isinstance(ck.meta, dict):
+                raise ValueError("not a JSON object")
+        except (OSError, ValueError) as e:
+            ck.meta, ck.error = None, f"meta.json unreadable: {e}"
+        rd.checkpoints.append(ck)
+    rd.checkpoints.sort(key=lambda c: c.step)
+    if rd.checkpoints:
+        rd.checkpoints[-1].size_bytes = _dir_size(Path(rd.checkpoints[-1].path))
+    return rd
+
+
+def dataset_fingerprint(shards: list[Shard]) -> str:
+    """Cheap identity of a dataset: shard names, sizes and row counts, as dflash.data.ShardDataset computes it."""
+    described = "\n".join(f"{s.name}:{s.size_bytes}:{s.rows}" for s in shards)
+    return hashlib.sha256(described.encode()).hexdigest()[:16]
+
+
+def _list_lengths(column):
+    import numpy as np
+    import pyarrow.compute as pc
+
+    return np.asarray(pc.fill_null(pc.list_value_length(column), 0).to_numpy(zero_copy_only=False), dtype=np.int64)
+
+
+def scan_shard(path: Path, limit: int, first_row: int, keep: int = 3) -> Shard:
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.ipc as ipc
+
+    shard = Shard(path.name, first_row=first_row, size_bytes=path.stat().st_size)
+    try:
+        with pa.memory_map(str(path)) as source:
+            table = ipc.open_file(source).read_all()
+            names = table.schema.names
+            missing = [c for c in ("input_ids", "loss_mask") if c not in names]
+            if missing:
+                shard.error = f"no column {' or '.join(missing)} (columns: {', '.join(names) or 'none'})"
+                return shard
+            for col in ("input_ids", "loss_mask"):
+                t = table.schema.field(col).type
+                if not (pa.types.is_list(t) or pa.types.is_large_list(t)) or not pa.types.is_integer(t.value_type):
+                    shard.error = f"column {col} is {t}, expected a list of integers"
+                    return shard
+            ids = _list_lengths(table.column("input_ids"))
+            mask = _list_lengths(table.column("loss_mask"))
+    except (pa.ArrowException, OSError, ValueError) as e:
+        shard.error = f"not a readable Arrow IPC file: {str(e).splitlines()[0][:160]}"
+        return shard
+    shard.rows = int(ids.size)
+    shard.tokens = int(ids.sum())
+    if ids.size:
+        shard.max_row = int(ids.argmax())
+        shard.max_len = int(ids[shard.max_row])
+        over = np.nonzero(ids > limit)[0]
+        shard.over_count = int(over.size)
+        if over.size:
+            worst = over[np.argsort(-ids[over], kind="stable")[:keep]]
+            shard.over = [(int(r), int(ids[r])) for r in worst]
+        bad = np.nonzero(ids != mask)[0]
+        if bad.size:
+            r = int(bad[0])
+            shard.mask_mismatch = (r, int(ids[r]), int(mask[r]))
+    return shard
+
+
+def dataset(cfg: RunConfig) -> Dataset:
+    limit = cfg.data.token_budget if cfg.data.max_length is None else min(cfg.data.token_budget, cfg.data.max_length)
+    ds = Dataset(cfg.data.path, limit)
+    root = Path(cfg.data.path)
+    if root.is_file() and root.suffix == ".arrow":
+        paths = [root]
+    elif root.is_dir():
+        paths = sorted(p for p in root.glob("*.arrow") if not p.name.startswith(".") and p.is_file())
+    else:
+        ds.error = f"{root} is not a folder of *.arrow shards" if root.exists() else f"{root} does not exist"
+        return ds
+    first = 0
+    for path in paths:
+        shard = scan_shard(path, limit, first)
+        first += shard.rows
+        ds.shards.append(shard)
+    if not ds.shards:
+        ds.error = f"no *.arrow shards in {root}"
+    return ds
+
+
+def disk(output_dir: str) -> Disk:
+    probe = Path(output_dir)
+    while not probe.exists() and probe.parent != probe:
+        probe = probe.parent
+    try:
+        return Disk(str(probe), shutil.disk_usage(probe).free)
+    except OSError as e:
+        return Disk(str(probe), error=str(e))
+
+
+def target_config(cfg: RunConfig) -> dict | None:
+    path = Path(cfg.target.path) / "config.json"
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+# ---------------------------------------------------------------- all together
+
+
+def gpu_facts(provider: GpuInfo | None, env: dict[str, str]) -> GpuFacts:
+    cvd = env.get("CUDA_VISIBLE_DEVICES")
+    if provider is None:
+        return GpuFacts(error="NVML not queried (device = cpu)", cuda_visible_devices=cvd, queried=False)
+    try:
+        return GpuFacts(snapshot=provider.snapshot(), cuda_visible_devices=cvd)
+    except NvmlUnavailable as e:
+        return GpuFacts(error=str(e), cuda_visible_devices=cvd)
+
+
+def host_info(gpus: GpuFacts, root: Path = REPO_ROOT) -> dict:
+    snap = gpus.snapshot
+    return {
+        "hostname": socket.gethostname(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "executable": sys.executable,
+        "prefix": sys.prefix,
+        "cpus": os.cpu_count(),
+        "pid": os.getpid(),
+        "git_commit": git_commit(root),
+        "nvidia_driver": snap.driver_version if snap else None,
+        "cuda_driver": snap.cuda_driver_version if snap else None,
+        "gpus": len(snap.gpus) if snap else 0,
+        "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+
+
+def gather(
+    profile_name: str,
+    config: RunConfig | None = None,
+    resume_intent: str | None = None,
+    gpu_info: GpuInfo | None = None,
+    config_path: str | None = None,
+    envs_dir: Path = ENVS_DIR,
+    root: Path = REPO_ROOT,
+    environ: dict[str, str] | None = None,
+) -> Context:
+    """Collect every fact. ``gpu_info`` None = do not query NVML (use it when device = cpu)."""
+    env = dict(os.environ if environ is None else environ)
+    ctx = Context(profile_name=profile_name, config=config, config_path=config_path, resume_intent=resume_intent, env=env)
+    try:
+        ctx.profile = load_profile(profile_name, envs_dir)
+    except ProfileError as e:
+        ctx.profile_error = str(e)
+    lock = lock_path(profile_name, envs_dir)
+    ctx.lock_file = f"{envs_dir.name}/{lock.name}"
+    try:
+        ctx.lock_text = lock.read_text()
+    except OSError:
+        ctx.lock_text = None
+    ctx.distributions = installed_distributions()
+    ctx.torch = torch_build()
+    ctx.path_entries = path_entries(env.get("PATH", ""), sys.prefix)
+    ctx.ld_dirs = [scan_lib_dir(p) for p in env.get("LD_LIBRARY_PATH", "").split(os.pathsep) if p]
+    ctx.gpus = gpu_facts(gpu_info, env)
+    ctx.model_source = model_source(root)
+    if ctx.profile is not None:
+        ctx.compile_cache = compile_cache(ctx.profile, env)
+    if config is not None:
+        ctx.target_config = target_config(config)
+        ctx.run_dir = run_dir(config.output_dir)
+        ctx.dataset = dataset(config)
+        ctx.disk = disk(config.output_dir)
+    ctx.host = host_info(ctx.gpus, root)
+    return ctx

@@ -2,9 +2,9 @@
 
 Run (from the repository root):
 
-    uv run python bench/data_load.py                       # 1.1M samples, mean ~2,826 tokens (~12 GB)
+    uv run python bench/data_load.py                       # 1.1M samples, mean ~2,826 tokens (~15 GB)
     uv run python bench/data_load.py --samples 100000 --out .cache/bench-small
-    uv run python bench/data_load.py --mean-length 300      # same sample count, ~1.3 GB on disk
+    uv run python bench/data_load.py --mean-length 300      # same sample count, ~1.6 GB on disk
     uv run python bench/data_load.py --clean                # delete the generated data afterwards
 
 The synthetic shards are written once under --out (default .cache/bench-data, git-ignored) and

@@ -253,27 +253,40 @@ class Workload(BaseModel):
     model_config = ConfigDict(frozen=True)
 
     tokens: int = Field(description="padded tokens in the batch = token_budget")
-    sequences: int = Field(description="sequences in the batch = min(max_batch_size, token_budget // block_size)")
-    seq_len: int = Field(description="assumed tokens per sequence = token_budget // sequences")
-    queries_per_seq: int = Field(description="max_anchors * block_size (anchors padded to max_anchors)")
+    sequences: int = Field(description="rows in the worst-case batch (at most max_batch_size and token_budget // block_size)")
+    seq_len: int = Field(description="padded row length = token_budget // sequences")
+    anchors_per_seq: int = Field(description="min(max_anchors, seq_len - 1): anchors a need a + 1 inside the row")
+    queries_per_seq: int = Field(description="anchors_per_seq * block_size")
     queries: int = Field(description="drafter query tokens in the batch")
-    kv_tokens: int = Field(description="drafter key/value tokens in the batch: context + queries")
+    kv_tokens: int = Field(description="drafter key/value tokens in the batch: padded context + queries")
     feature_layers: int = Field(description="target layers whose hidden states are sent")
     loss_chunk: int = Field(description="query tokens per logits/loss chunk = min(loss_chunk, queries)")
 
 
 def workload(cfg: RunConfig) -> Workload:
-    t, bs = cfg.data.token_budget, cfg.drafter.block_size
-    seqs = max(1, min(cfg.data.max_batch_size, t // bs))  # sequences shorter than a block are ignored
-    per_seq = cfg.train.max_anchors * bs
-    queries = seqs * per_seq
+    """The batch shape with the most drafter queries that token_budget and max_batch_size allow.
+
+    Rows are padded to the longest (rows x length <= token_budget) and every row's anchors are
+    padded to the batch's largest eligible count, capped by max_anchors; a row of length S has
+    at most S - 1 eligible anchors. Rows shorter than a block are ignored.
+    """
+    t, bs, a_max = cfg.data.token_budget, cfg.drafter.block_size, cfg.train.max_anchors
+    best = (0, 1)
+    for rows in range(1, max(1, min(cfg.data.max_batch_size, t // bs)) + 1):
+        anchors = max(1, min(a_max, t // rows - 1))
+        best = max(best, (rows * anchors, rows))
+    rows = best[1]
+    seq_len = t // rows
+    anchors = max(1, min(a_max, seq_len - 1))
+    queries = rows * anchors * bs
     return Workload(
         tokens=t,
-        sequences=seqs,
-        seq_len=t // seqs,
-        queries_per_seq=per_seq,
+        sequences=rows,
+        seq_len=seq_len,
+        anchors_per_seq=anchors,
+        queries_per_seq=anchors * bs,
         queries=queries,
-        kv_tokens=t + queries,
+        kv_tokens=rows * seq_len + queries,
         feature_layers=num_feature_layers(cfg),
         loss_chunk=min(cfg.train.loss_chunk, queries),
     )
@@ -580,10 +593,10 @@ def estimate(
               f"intermediate {shape.intermediate}, {shape.heads}/{shape.kv_heads} heads x {shape.head_dim}, "
               f"vocab {shape.vocab}{', tied' if shape.tied else ''}; {shape.params / 1e9:.2f} B params in {cfg.target.dtype}")
     assumption = (
-        f"worst case: {w.sequences} sequences x {w.seq_len} tokens = token_budget {w.tokens} "
+        f"worst case: {w.sequences} sequences x {w.seq_len} tokens (padded) <= token_budget {w.tokens} "
         f"(max_batch_size {cfg.data.max_batch_size}, sequences shorter than block {cfg.drafter.block_size} ignored); "
-        f"{cfg.train.max_anchors} anchors x block {cfg.drafter.block_size} = {w.queries_per_seq} queries per sequence, "
-        f"{w.queries} in the batch"
+        f"{w.anchors_per_seq} anchors (max_anchors {cfg.train.max_anchors}, at most seq_len - 1) x block "
+        f"{cfg.drafter.block_size} = {w.queries_per_seq} queries per sequence, {w.queries} in the batch"
     )
     return Estimate(config=source, target=target, cuda=cuda, gpu_bytes=gpu_bytes, workload=w, assumption=assumption,
                     roles=out, limits=limits, calibration=asdict(cal))

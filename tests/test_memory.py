@@ -97,11 +97,16 @@ def test_default_target_layers():
 def test_workload_worst_case_is_many_short_sequences():
     cfg = load_config(CFG_27B)
     w = workload(cfg)
-    assert (w.sequences, w.seq_len, w.queries_per_seq) == (64, 768, 32768)
-    assert w.queries == 64 * 1024 * 32 and w.kv_tokens == 49152 + w.queries
+    # rows of S padded tokens hold at most S - 1 anchors: 48 x 1023 beats 64 x 767 and 47 x 1024
+    assert (w.sequences, w.seq_len, w.anchors_per_seq) == (48, 1024, 1023)
+    assert w.queries == 48 * 1023 * 32 > 64 * 767 * 32 and w.kv_tokens == 48 * 1024 + w.queries
+    long_rows = workload(with_setting(cfg, "max_anchors", 256))
+    assert (long_rows.sequences, long_rows.anchors_per_seq, long_rows.queries) == (64, 256, 64 * 256 * 32)
     # sequences shorter than a block are ignored: at most token_budget // block_size of them
-    small = with_setting(with_setting(cfg, "token_budget", 256), "max_batch_size", 64)
-    assert workload(small).sequences == 256 // 32
+    small = with_setting(with_setting(cfg, "token_budget", 256), "max_anchors", 4)
+    assert (workload(small).sequences, workload(small).queries) == (256 // 32, 8 * 4 * 32)
+    # one long row beats many short ones when anchors are plentiful: 1 x 255 > 8 x 31
+    assert workload(with_setting(cfg, "token_budget", 256)).queries == 255 * 32
 
 
 def test_tiny_totals_by_hand(tiny):
@@ -210,8 +215,9 @@ def test_reported_limits_fit_and_one_more_does_not(path, gpu):
 def test_limits_say_when_even_the_minimum_does_not_fit():
     est = estimate(load_config(CFG_27B), "12.8", 95 * GiB)
     lim = {(x.role, x.setting): x for x in est.limits}
-    assert lim["drafter", "token_budget"].status == "none_fit"
-    assert "does not fit" in lim["drafter", "token_budget"].note
+    assert lim["drafter", "max_batch_size"].status == "none_fit"
+    assert "even max_batch_size = 1 does not fit" in lim["drafter", "max_batch_size"].note
+    assert lim["drafter", "token_budget"].status == "fits" and lim["drafter", "token_budget"].value < 49152
     assert lim["target", "max_anchors"].status == "no_effect"
     assert lim["target", "token_budget"].status == "fits"
 
@@ -276,7 +282,7 @@ def test_cli_27b_prints_both_roles_and_limits():
     assert res.returncode == 1, res.stderr  # the drafter does not fit
     assert "target (GPUs 0, 1, 2, 3, 4)" in out and "drafter (GPUs 5, 6, 7)" in out
     assert "DOES NOT FIT" in out
-    assert "64 sequences x 768 tokens" in out
+    assert "48 sequences x 1024 tokens" in out and "1023 anchors" in out
     assert "largest settings that fit" in out and "max_anchors" in out
     assert "CUDA 12.8 (from envs/train-cu128.toml)" in out
 

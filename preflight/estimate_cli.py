@@ -108,7 +108,7 @@ def format_estimate(est: Estimate, cuda_source: str = "") -> str:
         value = {"none_fit": "none", "no_effect": "-"}.get(lim.status, str(lim.value))
         if lim.status == "unbounded":
             value = f">={lim.value}"
-        lines.append(f"  {lim.role:<10}{lim.setting:<16}{lim.configured:>11}{value:>12}  {lim.note}")
+        lines.append(f"  {lim.role:<10}{lim.setting:<16}{lim.configured:>11} {value:>11}  {lim.note}")
     return "\n".join(lines)
 
 

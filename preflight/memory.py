@@ -543,14 +543,16 @@ def _limit(cfg: RunConfig, shape: TargetShape, role: Role, setting: Setting, cud
     elif setting == "max_batch_size":
         lo, cap = 1, max(1, cfg.data.token_budget // bs)
     else:
-        lo, cap = 1, 2**30
+        lo, cap = 1, max(1, cfg.data.token_budget - 1)  # a row never has more eligible anchors
     value, at_cap = largest_fitting(fits, lo, cap)
     if value is None:
         note = f"even {setting} = {lo} does not fit; lower another setting or use more GPU memory"
         return Limit(role=role, setting=setting, configured=configured, value=None, status="none_fit", note=note)
     if at_cap:
-        note = (f"every value fits: a batch holds at most token_budget // block_size = {cap} sequences"
-                if setting == "max_batch_size" else "fits at any value tried")
+        note = {
+            "max_batch_size": f"every value fits: a batch holds at most token_budget // block_size = {cap} sequences",
+            "max_anchors": f"every value fits: a row of token_budget tokens has at most {cap} eligible anchors",
+        }.get(setting, "fits at any value tried")
         return Limit(role=role, setting=setting, configured=configured, value=value, status="unbounded", note=note)
     verdict = "configured value fits" if configured <= value else "configured value does NOT fit"
     return Limit(role=role, setting=setting, configured=configured, value=value, status="fits", note=verdict)

@@ -226,6 +226,8 @@ def test_batch_size_limit_is_capped_by_token_budget():
     est = estimate(with_setting(load_config(CFG_8B), "max_anchors", 16), "12.8", 139 * GiB)
     lim = next(x for x in est.limits if x.setting == "max_batch_size")
     assert lim.status == "unbounded" and lim.value == 3072 // 16
+    anchors = next(x for x in estimate(load_config(CFG_8B), "12.8", 139 * GiB).limits if x.setting == "max_anchors")
+    assert anchors.status == "unbounded" and anchors.value == 3071  # a 3072-token row has 3071 eligible anchors
 
 
 def test_estimate_rows_sum_to_total():

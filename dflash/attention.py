@@ -1,0 +1,143 @@
+"""DFlash training attention: who may see whom, and the two kernels that enforce it.
+
+Key/value layout per row: [context (S positions) ; block 0 ; block 1 ; ... ; block A-1],
+queries: [block 0 ; ... ; block A-1], each block `block_size` slots. A query in block j sees
+context positions strictly before anchor_j (the anchor's own hidden state would leak the
+answer) that are not padding, and every slot of its own block (non-causal). Invalid
+(padding) anchors see only their own block: harmless, and they carry zero loss weight.
+
+Two backends with identical semantics:
+  flex: a BlockMask without a per-head dimension, for flex_attention (CUDA, compiled).
+  sdpa: a dense boolean [B, 1, Q, S+Q] mask for F.scaled_dot_product_attention (CPU, tests).
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
+
+Backend = Literal["flex", "sdpa"]
+BACKENDS = ("flex", "sdpa")
+
+
+@dataclass
+class TrainMask:
+    """What `attend` needs: the backend and its mask (BlockMask or dense bool)."""
+
+    backend: Backend
+    mask: BlockMask | torch.Tensor
+    q_len: int
+    kv_len: int
+
+
+def _effective_anchors(anchors_BA: torch.Tensor, valid_BA: torch.Tensor) -> torch.Tensor:
+    # An invalid anchor acts as anchor 0: its block sees no context at all.
+    return torch.where(valid_BA, anchors_BA, torch.zeros_like(anchors_BA))
+
+
+def _check_inputs(anchors_BA, valid_BA, seq_len, block_size, backend, context_valid_BS):
+    if backend not in BACKENDS:
+        raise ValueError(f"attention backend must be one of {BACKENDS}, got {backend!r}")
+    if block_size < 1:
+        raise ValueError(f"block_size must be >= 1, got {block_size}")
+    if anchors_BA.shape != valid_BA.shape or anchors_BA.dim() != 2:
+        raise ValueError(f"anchors {tuple(anchors_BA.shape)} and valid {tuple(valid_BA.shape)} must both be [B, A]")
+    if context_valid_BS is not None and context_valid_BS.shape != (anchors_BA.shape[0], seq_len):
+        raise ValueError(
+            f"context_valid must be [B, S] = [{anchors_BA.shape[0]}, {seq_len}], got {tuple(context_valid_BS.shape)}"
+        )
+
+
+def build_train_mask(
+    anchors_BA: torch.Tensor,
+    valid_BA: torch.Tensor,
+    seq_len: int,
+    block_size: int,
+    device: torch.device | str,
+    backend: Backend,
+    context_valid_BS: torch.Tensor | None = None,
+) -> TrainMask:
+    """The DFlash training mask for queries [A*block_size] over keys [seq_len + A*block_size]."""
+    _check_inputs(anchors_BA, valid_BA, seq_len, block_size, backend, context_valid_BS)
+    device = torch.device(device)
+    anchor_BA = _effective_anchors(anchors_BA.to(device), valid_BA.to(device).bool())
+    if context_valid_BS is None:
+        context_valid_BS = torch.ones(anchor_BA.shape[0], seq_len, dtype=torch.bool, device=device)
+    context_valid_BS = context_valid_BS.to(device).bool()
+    q_len = anchor_BA.shape[1] * block_size
+    kv_len = seq_len + q_len
+    if backend == "sdpa":
+        mask = _dense_mask(anchor_BA, context_valid_BS, seq_len, block_size)
+    else:
+        mask = _block_mask(anchor_BA, context_valid_BS, seq_len, block_size, device)
+    return TrainMask(backend, mask, q_len, kv_len)
+
+
+def _dense_mask(anchor_BA, context_valid_BS, seq_len, block_size) -> torch.Tensor:
+    B, A = anchor_BA.shape
+    device = anchor_BA.device
+    pos_S = torch.arange(seq_len, device=device)
+    anchor_BQ = anchor_BA.repeat_interleave(block_size, dim=1)
+    sees_context_BQS = (pos_S[None, None, :] < anchor_BQ[:, :, None]) & context_valid_BS[:, None, :]
+    block_Q = torch.arange(A * block_size, device=device) // block_size
+    own_block_QQ = block_Q[:, None] == block_Q[None, :]
+    sees_block_BQQ = own_block_QQ.expand(B, -1, -1)
+    return torch.cat([sees_context_BQS, sees_block_BQQ], dim=2)[:, None]
+
+
+def _block_mask(anchor_BA, context_valid_BS, seq_len, block_size, device) -> BlockMask:
+    B, A = anchor_BA.shape
+    last_ctx = seq_len - 1
+
+    def dflash_mask_mod(b, h, q_idx, kv_idx):
+        q_block = q_idx // block_size
+        is_ctx = kv_idx < seq_len
+        ctx_ok = context_valid_BS[b, torch.clamp(kv_idx, max=last_ctx)]
+        sees_ctx = is_ctx & ctx_ok & (kv_idx < anchor_BA[b, q_block])
+        sees_own = (~is_ctx) & ((kv_idx - seq_len) // block_size == q_block)
+        return sees_ctx | sees_own
+
+    return create_block_mask(
+        dflash_mask_mod,
+        B=B,
+        H=None,
+        Q_LEN=A * block_size,
+        KV_LEN=seq_len + A * block_size,
+        device=device,
+        _compile=device.type == "cuda",
+    )
+
+
+_compiled_flex = None
+_compile_lock = threading.Lock()
+
+
+def _flex_for(device: torch.device):
+    """flex_attention, compiled once per process on CUDA; eager (unfused, slow) elsewhere."""
+    global _compiled_flex
+    if device.type != "cuda":
+        return flex_attention
+    with _compile_lock:
+        if _compiled_flex is None:
+            _compiled_flex = torch.compile(flex_attention)
+    return _compiled_flex
+
+
+def attend(q_BHQD: torch.Tensor, k_BKLD: torch.Tensor, v_BKLD: torch.Tensor, mask: TrainMask) -> torch.Tensor:
+    """Masked attention, q [B, Hq, Q, D] over k/v [B, Hkv, S+Q, D] (GQA when Hkv < Hq) -> [B, Hq, Q, D]."""
+    assert q_BHQD.shape[2] == mask.q_len and k_BKLD.shape[2] == mask.kv_len, (
+        q_BHQD.shape,
+        k_BKLD.shape,
+        mask.q_len,
+        mask.kv_len,
+    )
+    gqa = q_BHQD.shape[1] != k_BKLD.shape[1]
+    if mask.backend == "sdpa":
+        return F.scaled_dot_product_attention(q_BHQD, k_BKLD, v_BKLD, attn_mask=mask.mask, enable_gqa=gqa)
+    flex = _flex_for(q_BHQD.device)
+    return flex(q_BHQD, k_BKLD, v_BKLD, block_mask=mask.mask, enable_gqa=gqa)

@@ -1,0 +1,293 @@
+"""Anchors, block inputs, slot weights, and the chunked DFlash loss with its metrics.
+
+A step samples anchors among positions a with loss_mask[a] and loss_mask[a+1]; block j holds
+the real token at anchor_j in slot 0 and the mask token elsewhere; slot k predicts
+input_ids[anchor_j + k] with weight exp(-(k-1)/gamma) (slot 0: weight 0).
+
+The loss never materialises [tokens, vocab] at once: `_ChunkedLMHeadLoss` walks the weighted
+tokens chunk by chunk through the frozen lm_head and, when a gradient is needed, computes the
+gradient w.r.t. the drafter hidden states in the same pass (the lm_head is frozen, so that is
+the only gradient). Backward then only scales the stored gradient: no logits are kept or
+recomputed, and peak memory is a few [chunk, vocab] float32 buffers.
+
+`train_step_math` chains a whole step's math: target features -> anchors -> block inputs ->
+embed -> mask -> drafter -> loss. Sequences are right-padded: context positions are 0..S-1.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from dflash.attention import Backend, build_train_mask
+from dflash.model import DFlashDrafter
+from dflash.target import target_embed_and_head, target_features
+
+
+def sample_anchors(
+    loss_mask_BS: torch.Tensor, max_anchors: int, block_size: int, generator: torch.Generator | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Up to max_anchors sorted anchors per row [B, A] and their validity [B, A] (padding anchors are 0, invalid).
+
+    Eligible: a with loss_mask[a] and loss_mask[a+1] (so a + 1 is inside the sequence). Labels
+    of a block that run past the sequence end are masked by `block_inputs`, so block_size does
+    not restrict the anchors; it is checked for sanity only.
+    """
+    if max_anchors < 1:
+        raise ValueError(f"max_anchors must be >= 1, got {max_anchors}")
+    if block_size < 2:
+        raise ValueError(f"block_size must be >= 2, got {block_size}")
+    mask_BS = loss_mask_BS.bool()
+    B, S = mask_BS.shape
+    device = mask_BS.device
+    if S < 2:
+        zeros = torch.zeros(B, 1, dtype=torch.long, device=device)
+        return zeros, zeros.bool()
+    eligible_BS = mask_BS[:, :-1] & mask_BS[:, 1:]
+    count_B = eligible_BS.sum(dim=1)
+    A = max(1, min(max_anchors, int(count_B.max())))
+    gen_device = generator.device if generator is not None else device
+    keys_BS = torch.rand(eligible_BS.shape, generator=generator, device=gen_device).to(device)
+    keys_BS = keys_BS.masked_fill(~eligible_BS, 2.0)  # ineligible positions sort last
+    picked_BA = keys_BS.topk(A, dim=1, largest=False).indices
+    valid_BA = torch.arange(A, device=device)[None, :] < count_B[:, None]
+    picked_BA = torch.where(valid_BA, picked_BA, S).sort(dim=1).values  # the sorted valid ones come first
+    return torch.where(valid_BA, picked_BA, 0), valid_BA
+
+
+def block_inputs(
+    input_ids_BS: torch.Tensor,
+    anchors_BA: torch.Tensor,
+    block_size: int,
+    mask_token_id: int,
+    loss_mask_BS: torch.Tensor | None = None,
+    valid_BA: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(block token ids, labels, label validity, RoPE positions), each [B, A*block_size].
+
+    Slot k of block j: label input_ids[anchor_j + k], valid inside the sequence, where the loss
+    mask is 1 (if given) and the anchor is valid (if given); position anchor_j + k.
+    """
+    B, S = input_ids_BS.shape
+    A = anchors_BA.shape[1]
+    pos_BAk = anchors_BA[:, :, None] + torch.arange(block_size, device=anchors_BA.device)
+    safe_BQ = pos_BAk.clamp(max=S - 1).reshape(B, A * block_size)
+    labels_BQ = input_ids_BS.gather(1, safe_BQ)
+    valid_BAk = pos_BAk < S
+    if loss_mask_BS is not None:
+        valid_BAk &= loss_mask_BS.bool().gather(1, safe_BQ).view(B, A, block_size)
+    if valid_BA is not None:
+        valid_BAk &= valid_BA.bool()[:, :, None]
+    block_ids_BAk = torch.full_like(labels_BQ, mask_token_id).view(B, A, block_size)
+    block_ids_BAk[:, :, 0] = labels_BQ.view(B, A, block_size)[:, :, 0]
+    flat = lambda t: t.reshape(B, A * block_size)  # noqa: E731
+    return flat(block_ids_BAk), labels_BQ, flat(valid_BAk), flat(pos_BAk)
+
+
+def slot_weights(block_size: int, gamma: float) -> torch.Tensor:
+    """[block_size] float32: 0 for slot 0 (the given anchor token), exp(-(k-1)/gamma) for k >= 1."""
+    if gamma <= 0:
+        raise ValueError(f"gamma must be > 0, got {gamma}")
+    k = torch.arange(block_size, dtype=torch.float32)
+    w = torch.exp(-(k - 1) / gamma)
+    w[0] = 0.0
+    return w
+
+
+class _ChunkedLMHeadLoss(torch.autograd.Function):
+    """Sum over tokens of w * [(1-kl) * CE + kl * KL(target || drafter)], divided by `norm`.
+
+    Returns (loss, ce_sum, kl_sum, correct_M); only loss carries a gradient, to hidden_MH.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden_MH, head_VH, labels_M, weight_M, target_MH, kl_weight, chunk, norm):
+        want_grad = ctx.needs_input_grad[0]
+        grad_MH = torch.empty_like(hidden_MH) if want_grad else None
+        ce_sum = hidden_MH.new_zeros((), dtype=torch.float32)
+        kl_sum = hidden_MH.new_zeros((), dtype=torch.float32)
+        correct_M = torch.zeros_like(labels_M, dtype=torch.bool)
+        with torch.autocast(hidden_MH.device.type, enabled=False):
+            for start in range(0, hidden_MH.shape[0], chunk):
+                sl = slice(start, start + chunk)
+                t_cH = target_MH[sl] if target_MH is not None else None
+                ce_c, kl_c, correct_M[sl], grad_cH = _chunk_loss(
+                    hidden_MH[sl], head_VH, labels_M[sl], weight_M[sl] / norm, t_cH, kl_weight, want_grad
+                )
+                ce_sum += (weight_M[sl] * ce_c).sum()
+                if kl_c is not None:
+                    kl_sum += (weight_M[sl] * kl_c).sum()
+                if want_grad:
+                    grad_MH[sl] = grad_cH
+        ctx.save_for_backward(grad_MH)
+        ctx.mark_non_differentiable(ce_sum, kl_sum, correct_M)
+        loss = ((1.0 - kl_weight) * ce_sum + kl_weight * kl_sum) / norm
+        return loss, ce_sum, kl_sum, correct_M
+
+    @staticmethod
+    def backward(ctx, g_loss, _g_ce, _g_kl, _g_correct):
+        (grad_MH,) = ctx.saved_tensors
+        return grad_MH * g_loss.to(grad_MH.dtype), None, None, None, None, None, None, None
+
+
+def _chunk_loss(h_cH, head_VH, labels_c, w_c, t_cH, kl_weight, want_grad):
+    """Per-token CE and KL of one chunk, argmax correctness, and d(sum w*loss)/dh if wanted."""
+    logp_cV = (h_cH.to(head_VH.dtype) @ head_VH.T).float()
+    correct_c = logp_cV.argmax(dim=-1) == labels_c
+    logp_cV -= logp_cV.logsumexp(dim=-1, keepdim=True)
+    ce_c = -logp_cV.gather(1, labels_c[:, None]).squeeze(1)
+    kl_c = target_p_cV = None
+    if t_cH is not None and kl_weight > 0:
+        target_logp_cV = (t_cH.to(head_VH.dtype) @ head_VH.T).float().log_softmax(dim=-1)
+        target_p_cV = target_logp_cV.exp()
+        kl_c = (target_p_cV * target_logp_cV.sub_(logp_cV)).sum(dim=-1)
+        del target_logp_cV
+    if not want_grad:
+        return ce_c, kl_c, correct_c, None
+    # d loss / d logits = p - (1-kl) * onehot(label) - kl * p_target, times the token weight.
+    grad_cV = logp_cV.exp_()
+    rows = torch.arange(labels_c.shape[0], device=labels_c.device)
+    grad_cV[rows, labels_c] -= (1.0 - kl_weight) if target_p_cV is not None else 1.0
+    if target_p_cV is not None:
+        grad_cV.sub_(target_p_cV, alpha=kl_weight)
+    grad_cV.mul_(w_c[:, None].float())
+    grad_cH = (grad_cV.to(head_VH.dtype) @ head_VH).to(h_cH.dtype)
+    return ce_c, kl_c, correct_c, grad_cH
+
+
+def _check_loss_inputs(hidden_BQH, head_VH, labels_BQ, weight_BQ, block_size, chunk, target_hidden_BQH, kl_weight):
+    B, Q, H = hidden_BQH.shape
+    if Q % block_size:
+        raise ValueError(f"query length {Q} is not a multiple of block_size {block_size}")
+    if labels_BQ.shape != (B, Q) or weight_BQ.shape != (B, Q):
+        raise ValueError(f"labels {tuple(labels_BQ.shape)} and weight {tuple(weight_BQ.shape)} must be [B, Q] = [{B}, {Q}]")
+    if head_VH.shape[1] != H:
+        raise ValueError(f"lm_head weight {tuple(head_VH.shape)} does not match hidden size {H}")
+    if head_VH.requires_grad:
+        raise ValueError("the lm_head weight must be frozen (requires_grad=False): the chunked loss gives it no gradient")
+    if chunk < 1:
+        raise ValueError(f"loss chunk must be >= 1, got {chunk}")
+    if not 0.0 <= kl_weight <= 1.0:
+        raise ValueError(f"kl_weight must be in [0, 1], got {kl_weight}")
+    if kl_weight > 0 and target_hidden_BQH is None:
+        raise ValueError("kl_weight > 0 needs target_hidden_BQH (the target's last hidden state per slot)")
+    if target_hidden_BQH is not None and target_hidden_BQH.shape != hidden_BQH.shape:
+        raise ValueError(f"target_hidden {tuple(target_hidden_BQH.shape)} must match hidden {tuple(hidden_BQH.shape)}")
+
+
+def dflash_loss(
+    hidden_BQH: torch.Tensor,
+    lm_head_weight: torch.Tensor,
+    labels_BQ: torch.Tensor,
+    weight_BQ: torch.Tensor,
+    block_size: int,
+    chunk: int,
+    target_hidden_BQH: torch.Tensor | None = None,
+    kl_weight: float = 0.0,
+) -> tuple[torch.Tensor, dict]:
+    """Weighted CE (blended with forward KL when kl_weight > 0) over the weighted tokens, and metrics.
+
+    loss = [(1 - kl_weight) * sum w*CE + kl_weight * sum w*KL] / sum w. Only tokens with w > 0
+    go through the lm_head, `chunk` of them at a time.
+    """
+    _check_loss_inputs(hidden_BQH, lm_head_weight, labels_BQ, weight_BQ, block_size, chunk, target_hidden_BQH, kl_weight)
+    B, Q, H = hidden_BQH.shape
+    weight_N = weight_BQ.reshape(-1).float()
+    idx_M = weight_N.nonzero().squeeze(1)
+    norm = max(float(weight_N.sum()), 1e-6)
+    use_kl = kl_weight > 0
+    target_MH = target_hidden_BQH.reshape(-1, H).index_select(0, idx_M) if use_kl else None
+    loss, ce_sum, kl_sum, correct_M = _ChunkedLMHeadLoss.apply(
+        hidden_BQH.reshape(-1, H).index_select(0, idx_M),
+        lm_head_weight,
+        labels_BQ.reshape(-1).index_select(0, idx_M),
+        weight_N.index_select(0, idx_M),
+        target_MH,
+        float(kl_weight),
+        chunk,
+        norm,
+    )
+    correct_BQ = torch.zeros(B * Q, dtype=torch.bool, device=hidden_BQH.device)
+    correct_BQ[idx_M] = correct_M
+    metrics = block_metrics(correct_BQ.view(B, Q), weight_BQ > 0, block_size)
+    metrics.update(loss=float(loss), ce=float(ce_sum) / norm, kl=float(kl_sum) / norm if use_kl else 0.0)
+    return loss, metrics
+
+
+@torch.no_grad()
+def block_metrics(correct_BQ: torch.Tensor, valid_BQ: torch.Tensor, block_size: int) -> dict:
+    """Per-slot accuracy (slots 1..bs-1) and the simulated acceptance length 1 + sum_k prod_{i<=k} correct_i.
+
+    A slot that is not valid counts as wrong (the chain stops); the acceptance length averages
+    over blocks whose slot 1 is valid.
+    """
+    B, Q = correct_BQ.shape
+    ok_BAk = (correct_BQ & valid_BQ).view(B, Q // block_size, block_size)[:, :, 1:]
+    valid_BAk = valid_BQ.view(B, Q // block_size, block_size)[:, :, 1:]
+    per_slot_k = ok_BAk.sum(dim=(0, 1)) / valid_BAk.sum(dim=(0, 1)).clamp_min(1)
+    blocks_BA = valid_BAk[:, :, 0]
+    accepted_BA = 1 + ok_BAk.long().cumprod(dim=-1).sum(dim=-1)
+    n_blocks = int(blocks_BA.sum())
+    accept_len = float(accepted_BA[blocks_BA].float().mean()) if n_blocks else 0.0
+    n_tokens = int(valid_BAk.sum())
+    return {
+        "acc": float(ok_BAk.sum()) / max(n_tokens, 1),
+        "acc_slot": [float(a) for a in per_slot_k],
+        "accept_len": accept_len,
+        "blocks": n_blocks,
+        "tokens": n_tokens,
+    }
+
+
+def _batch_field(batch, name: str, required: bool = True):
+    value = batch.get(name) if isinstance(batch, dict) else getattr(batch, name, None)
+    if value is None and required:
+        raise ValueError(f"batch has no {name!r}")
+    return value
+
+
+def target_hidden_for_slots(last_BSH: torch.Tensor, query_pos_BQ: torch.Tensor) -> torch.Tensor:
+    """The target's last hidden state that predicts each slot's label: position (anchor + k) - 1."""
+    S, H = last_BSH.shape[1], last_BSH.shape[2]
+    src_BQ = (query_pos_BQ - 1).clamp(0, S - 1)
+    return last_BSH.gather(1, src_BQ[:, :, None].expand(-1, -1, H))
+
+
+def train_step_math(
+    drafter: DFlashDrafter,
+    target: torch.nn.Module,
+    batch,
+    cfg,
+    generator: torch.Generator | None,
+    attn_backend: Backend,
+) -> tuple[torch.Tensor, dict]:
+    """Loss (with a graph to the drafter) and metrics for one batch {input_ids, loss_mask[, attention_mask]} [B, S]."""
+    dcfg, tcfg = drafter.config, cfg.train
+    input_ids_BS = _batch_field(batch, "input_ids")
+    loss_mask_BS = _batch_field(batch, "loss_mask")
+    attention_mask_BS = _batch_field(batch, "attention_mask", required=False)
+    B, S = input_ids_BS.shape
+    device = input_ids_BS.device
+    bs = dcfg.block_size
+
+    want_last = tcfg.kl_weight > 0
+    context_BSF, last_BSH = target_features(target, input_ids_BS, attention_mask_BS, dcfg.target_layer_ids, want_last)
+    anchors_BA, valid_BA = sample_anchors(loss_mask_BS, tcfg.max_anchors, bs, generator)
+    block_ids_BQ, labels_BQ, label_valid_BQ, query_pos_BQ = block_inputs(
+        input_ids_BS, anchors_BA, bs, dcfg.mask_token_id, loss_mask_BS=loss_mask_BS, valid_BA=valid_BA
+    )
+    embed_VH, head_VH = target_embed_and_head(target)
+    noise_BQH = F.embedding(block_ids_BQ, embed_VH)
+    context_valid_BS = attention_mask_BS.bool() if attention_mask_BS is not None else None
+    attn = build_train_mask(anchors_BA, valid_BA, S, bs, device, attn_backend, context_valid_BS=context_valid_BS)
+    context_pos_BS = torch.arange(S, device=device).expand(B, S)
+    hidden_BQH = drafter(context_BSF, noise_BQH, context_pos_BS, query_pos_BQ, attn)
+
+    A = anchors_BA.shape[1]
+    weight_BQ = slot_weights(bs, tcfg.gamma).to(device).repeat(A)[None, :] * label_valid_BQ
+    target_hidden_BQH = target_hidden_for_slots(last_BSH, query_pos_BQ) if want_last else None
+    loss, metrics = dflash_loss(
+        hidden_BQH, head_VH, labels_BQ, weight_BQ, bs, tcfg.loss_chunk, target_hidden_BQH, tcfg.kl_weight
+    )
+    metrics["anchors"] = int(valid_BA.sum())
+    return loss, metrics

@@ -1,0 +1,351 @@
+"""The DFlash drafter: a few Qwen3-style layers that draft a whole block at once.
+
+Queries are the block tokens (slot 0 = the real anchor token, the rest the mask token),
+embedded with the frozen target's embedding. Keys and values are the same projections
+applied to [context ; block], where context = RMSNorm(fc(selected target hidden states)).
+The output goes through the frozen target's lm_head (see dflash/loss.py); neither the
+embedding nor the lm_head is a drafter parameter.
+
+Saved as a Hugging Face-style folder (config.json + model.safetensors) with the parameter
+names and config fields public DFlash drafters use, so DFlash-aware serving stacks load it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from dflash.attention import TrainMask, attend
+
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.safetensors"
+ARCHITECTURE = "DFlashDraftModel"
+
+
+def default_target_layer_ids(num_target_layers: int, n: int) -> list[int]:
+    """n target layers spread evenly over [1, L-3]; n == 1 takes the middle layer L // 2."""
+    if n < 1:
+        raise ValueError(f"need at least one target layer, got n={n}")
+    if n == 1:
+        return [num_target_layers // 2]
+    first, last = 1, num_target_layers - 3
+    if last - first + 1 < n:
+        raise ValueError(
+            f"cannot spread {n} distinct layers over [1, {last}] of a {num_target_layers}-layer target; "
+            f"use fewer drafter layers or give target_layer_ids explicitly"
+        )
+    step = (last - first) / (n - 1)
+    return [int(math.floor(first + i * step + 0.5)) for i in range(n)]
+
+
+@dataclass
+class DrafterConfig:
+    """Shapes of the drafter; the transformer sizes are the target's."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    vocab_size: int
+    num_hidden_layers: int
+    block_size: int
+    target_layer_ids: list[int]
+    mask_token_id: int
+    num_target_layers: int
+    max_position_embeddings: int = 32768
+    extra: dict = field(default_factory=dict)  # unknown config.json fields, kept on save
+
+    def __post_init__(self):
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_key_value_heads})"
+            )
+        if not 0 <= self.mask_token_id < self.vocab_size:
+            raise ValueError(f"mask_token_id {self.mask_token_id} is outside the vocabulary [0, {self.vocab_size})")
+        if self.block_size < 2:
+            raise ValueError(f"block_size must be >= 2 (slot 0 is the anchor), got {self.block_size}")
+        bad = [i for i in self.target_layer_ids if not 0 <= i < self.num_target_layers]
+        if bad or not self.target_layer_ids:
+            raise ValueError(
+                f"target_layer_ids {self.target_layer_ids} must be non-empty and within [0, {self.num_target_layers - 1}]"
+            )
+
+    def to_hf_dict(self, dtype: torch.dtype) -> dict:
+        n = self.num_hidden_layers
+        out = dict(self.extra)
+        out.update(
+            architectures=[ARCHITECTURE],
+            model_type="qwen3",
+            block_size=self.block_size,
+            dflash_config={"target_layer_ids": list(self.target_layer_ids), "mask_token_id": self.mask_token_id},
+            num_target_layers=self.num_target_layers,
+            hidden_size=self.hidden_size,
+            intermediate_size=self.intermediate_size,
+            num_attention_heads=self.num_attention_heads,
+            num_key_value_heads=self.num_key_value_heads,
+            head_dim=self.head_dim,
+            num_hidden_layers=n,
+            vocab_size=self.vocab_size,
+            rms_norm_eps=self.rms_norm_eps,
+            rope_theta=self.rope_theta,
+            rope_parameters={"rope_theta": self.rope_theta, "rope_type": "default"},
+            max_position_embeddings=self.max_position_embeddings,
+            hidden_act="silu",
+            attention_bias=False,
+            attention_dropout=0.0,
+            is_causal=False,
+            layer_types=["full_attention"] * n,
+            use_sliding_window=False,
+            sliding_window=None,
+            max_window_layers=n,
+            tie_word_embeddings=False,
+            use_cache=False,
+            initializer_range=0.02,
+            dtype=str(dtype).removeprefix("torch."),
+        )
+        return out
+
+    @classmethod
+    def from_hf_dict(cls, raw: dict) -> DrafterConfig:
+        raw = dict(raw)
+        dflash = raw.get("dflash_config") or {}
+
+        def pick(name, default=None):
+            value = dflash.get(name, raw.get(name, default))
+            if value is None:
+                raise ValueError(f"drafter config.json has no {name!r} (top level or in dflash_config)")
+            return value
+
+        if "sliding_attention" in (raw.get("layer_types") or []):
+            raise ValueError("sliding-window DFlash drafters are not supported by this trainer")
+        rope = raw.get("rope_parameters") or {}
+        known = set(cls.__dataclass_fields__) | {"dflash_config", "rope_parameters"}
+        return cls(
+            hidden_size=pick("hidden_size"),
+            intermediate_size=pick("intermediate_size"),
+            num_attention_heads=pick("num_attention_heads"),
+            num_key_value_heads=pick("num_key_value_heads", raw.get("num_attention_heads")),
+            head_dim=pick("head_dim", raw["hidden_size"] // raw["num_attention_heads"]),
+            rms_norm_eps=pick("rms_norm_eps", 1e-6),
+            rope_theta=float(rope.get("rope_theta", raw.get("rope_theta", 10000.0))),
+            vocab_size=pick("vocab_size"),
+            num_hidden_layers=pick("num_hidden_layers"),
+            block_size=pick("block_size"),
+            target_layer_ids=list(pick("target_layer_ids")),
+            mask_token_id=pick("mask_token_id"),
+            num_target_layers=pick("num_target_layers"),
+            max_position_embeddings=pick("max_position_embeddings", 32768),
+            extra={k: v for k, v in raw.items() if k not in known and k not in _WRITTEN_KEYS},
+        )
+
+
+# Fields to_hf_dict always writes itself; never carried over as "extra".
+_WRITTEN_KEYS = {
+    "architectures", "model_type", "hidden_act", "attention_bias", "attention_dropout", "is_causal",
+    "layer_types", "use_sliding_window", "sliding_window", "max_window_layers", "tie_word_embeddings",
+    "use_cache", "initializer_range", "dtype", "torch_dtype", "transformers_version",
+}  # fmt: skip
+
+
+def _target_value(cfg, name, default=None):
+    if isinstance(cfg, dict):
+        return cfg.get(name, default)
+    return getattr(cfg, name, default)
+
+
+def drafter_config_from_target(
+    target_hf_config,
+    num_layers: int,
+    block_size: int,
+    target_layer_ids: list[int] | None = None,
+    mask_token_id: int | None = None,
+) -> DrafterConfig:
+    """A drafter config sized like the target (an HF config object or its config.json dict)."""
+    if mask_token_id is None:
+        raise ValueError("mask_token_id is required (the token id filling the non-anchor slots)")
+    get = lambda name, default=None: _target_value(target_hf_config, name, default)  # noqa: E731
+    hidden, heads = get("hidden_size"), get("num_attention_heads")
+    num_target_layers = get("num_hidden_layers")
+    rope = get("rope_parameters") or {}
+    return DrafterConfig(
+        hidden_size=hidden,
+        intermediate_size=get("intermediate_size"),
+        num_attention_heads=heads,
+        num_key_value_heads=get("num_key_value_heads") or heads,
+        head_dim=get("head_dim") or hidden // heads,
+        rms_norm_eps=get("rms_norm_eps", 1e-6),
+        rope_theta=float(rope.get("rope_theta", get("rope_theta", 10000.0))),
+        vocab_size=get("vocab_size"),
+        num_hidden_layers=num_layers,
+        block_size=block_size,
+        target_layer_ids=list(target_layer_ids or default_target_layer_ids(num_target_layers, num_layers)),
+        mask_token_id=mask_token_id,
+        num_target_layers=num_target_layers,
+        max_position_embeddings=get("max_position_embeddings", 32768),
+    )
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (self.weight.float() * x32).to(x.dtype)
+
+
+def rope_cos_sin(pos_BL: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
+    """cos, sin [B, L, 1, D] for the half-split (rotate_half) RoPE convention of Qwen3."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=pos_BL.device, dtype=torch.float32) / head_dim)
+    angles_BLd = pos_BL.float()[..., None] * inv_freq
+    angles_BLD = torch.cat([angles_BLd, angles_BLd], dim=-1)
+    return angles_BLD.cos().to(dtype)[:, :, None], angles_BLD.sin().to(dtype)[:, :, None]
+
+
+def apply_rope(x_BLHD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x_BLHD.chunk(2, dim=-1)
+    return x_BLHD * cos + torch.cat([-x2, x1], dim=-1) * sin
+
+
+class DrafterAttention(nn.Module):
+    """Q from the block; K/V from [context ; block] through the same k/v projections."""
+
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        H, D = cfg.hidden_size, cfg.head_dim
+        self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, D
+        self.q_proj = nn.Linear(H, self.n_heads * D, bias=False)
+        self.k_proj = nn.Linear(H, self.n_kv * D, bias=False)
+        self.v_proj = nn.Linear(H, self.n_kv * D, bias=False)
+        self.o_proj = nn.Linear(self.n_heads * D, H, bias=False)
+        self.q_norm = RMSNorm(D, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(D, cfg.rms_norm_eps)
+
+    def forward(self, x_BQH, ctx_BSH, rope_q, rope_kv, attn: TrainMask):
+        B, Q, _ = x_BQH.shape
+        L = ctx_BSH.shape[1] + Q
+        q_BQhD = self.q_norm(self.q_proj(x_BQH).view(B, Q, self.n_heads, self.head_dim))
+        k_BLkD = torch.cat([self.k_proj(ctx_BSH), self.k_proj(x_BQH)], dim=1).view(B, L, self.n_kv, self.head_dim)
+        v_BLkD = torch.cat([self.v_proj(ctx_BSH), self.v_proj(x_BQH)], dim=1).view(B, L, self.n_kv, self.head_dim)
+        q_BQhD = apply_rope(q_BQhD, *rope_q)
+        k_BLkD = apply_rope(self.k_norm(k_BLkD), *rope_kv)
+        out_BhQD = attend(q_BQhD.transpose(1, 2), k_BLkD.transpose(1, 2), v_BLkD.transpose(1, 2), attn)
+        return self.o_proj(out_BhQD.transpose(1, 2).reshape(B, Q, self.n_heads * self.head_dim))
+
+
+class DrafterMLP(nn.Module):
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DrafterLayer(nn.Module):
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = DrafterAttention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = DrafterMLP(cfg)
+
+    def forward(self, x_BQH, ctx_BSH, rope_q, rope_kv, attn):
+        x_BQH = x_BQH + self.self_attn(self.input_layernorm(x_BQH), ctx_BSH, rope_q, rope_kv, attn)
+        return x_BQH + self.mlp(self.post_attention_layernorm(x_BQH))
+
+
+def _to_param_dtype(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    # Under autocast the matmuls pick their dtype; otherwise inputs must match the weights.
+    return x if torch.is_autocast_enabled(x.device.type) else x.to(weight.dtype)
+
+
+class DFlashDrafter(nn.Module):
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        self.config = cfg
+        H = cfg.hidden_size
+        self.fc = nn.Linear(len(cfg.target_layer_ids) * H, H, bias=False)
+        self.hidden_norm = RMSNorm(H, cfg.rms_norm_eps)
+        self.layers = nn.ModuleList(DrafterLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(H, cfg.rms_norm_eps)
+        self.apply(self._init_weights)
+
+    @staticmethod
+    def _init_weights(module: nn.Module):
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, std=0.02)
+
+    def forward(
+        self,
+        context_BSF: torch.Tensor,
+        noise_emb_BQH: torch.Tensor,
+        context_pos_BS: torch.Tensor,
+        query_pos_BQ: torch.Tensor,
+        attn: TrainMask,
+    ) -> torch.Tensor:
+        """Drafter hidden states [B, Q, H] for the block tokens (before the target's lm_head)."""
+        F_expected = self.fc.in_features
+        if context_BSF.shape[-1] != F_expected:
+            raise ValueError(
+                f"context has {context_BSF.shape[-1]} features, the drafter expects {F_expected} "
+                f"({len(self.config.target_layer_ids)} target layers x hidden {self.config.hidden_size})"
+            )
+        ctx_BSH = self.hidden_norm(self.fc(_to_param_dtype(context_BSF, self.fc.weight)))
+        x_BQH = _to_param_dtype(noise_emb_BQH, self.fc.weight)
+        cfg = self.config
+        rope_dtype = torch.get_autocast_dtype(x_BQH.device.type) if torch.is_autocast_enabled(x_BQH.device.type) else x_BQH.dtype
+        rope_q = rope_cos_sin(query_pos_BQ, cfg.head_dim, cfg.rope_theta, rope_dtype)
+        rope_ctx = rope_cos_sin(context_pos_BS, cfg.head_dim, cfg.rope_theta, rope_dtype)
+        rope_kv = tuple(torch.cat([c, q], dim=1) for c, q in zip(rope_ctx, rope_q))
+        for layer in self.layers:
+            x_BQH = layer(x_BQH, ctx_BSH, rope_q, rope_kv, attn)
+        return self.norm(x_BQH)
+
+    def save_pretrained(self, out_dir: str | Path, dtype: torch.dtype | None = None) -> Path:
+        """Write config.json + model.safetensors; dtype None keeps the parameters' dtype."""
+        out_dir = Path(out_dir)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        dtype = dtype or self.fc.weight.dtype
+        tensors = {k: v.detach().to(dtype).contiguous().cpu() for k, v in self.state_dict().items()}
+        save_file(tensors, str(out_dir / WEIGHTS_FILE), metadata={"format": "pt"})
+        (out_dir / CONFIG_FILE).write_text(json.dumps(self.config.to_hf_dict(dtype), indent=2, sort_keys=True) + "\n")
+        return out_dir
+
+    @classmethod
+    def from_pretrained(
+        cls, path: str | Path, device: torch.device | str = "cpu", dtype: torch.dtype | None = None
+    ) -> DFlashDrafter:
+        """Load a drafter folder; dtype None keeps the stored dtype."""
+        path = Path(path)
+        for name in (CONFIG_FILE, WEIGHTS_FILE):
+            if not (path / name).is_file():
+                raise ValueError(f"{path} is not a drafter folder: {name} is missing")
+        raw = json.loads((path / CONFIG_FILE).read_text())
+        if raw.get("architectures") not in (None, [ARCHITECTURE]):
+            raise ValueError(f"{path / CONFIG_FILE}: architectures {raw['architectures']}, expected [{ARCHITECTURE!r}]")
+        state = load_file(str(path / WEIGHTS_FILE), device=str(device))
+        with torch.device(device):
+            model = cls(DrafterConfig.from_hf_dict(raw))
+        stored = next(iter(state.values())).dtype
+        model.to(dtype or stored)
+        missing, unexpected = model.load_state_dict(state, strict=False)
+        if missing or unexpected:
+            raise ValueError(f"{path / WEIGHTS_FILE}: missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}")
+        return model

@@ -1,0 +1,80 @@
+"""The two attention paths agree, and no block can see its anchor's or any later context position."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dflash.attention import attend, build_train_mask
+
+pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+
+B, S, BS, HQ, HKV, D = 2, 24, 4, 4, 2, 16
+
+
+def _case(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    anchors = torch.tensor([[0, 5, 11, 20], [3, 9, 0, 0]])
+    valid = torch.tensor([[True, True, True, True], [True, True, False, False]])
+    context_valid = torch.ones(B, S, dtype=torch.bool)
+    context_valid[1, 14:] = False  # row 1 is 14 tokens long
+    Q = anchors.shape[1] * BS
+    q = torch.randn(B, HQ, Q, D, generator=g, dtype=torch.float64)
+    k = torch.randn(B, HKV, S + Q, D, generator=g, dtype=torch.float64)
+    v = torch.randn(B, HKV, S + Q, D, generator=g, dtype=torch.float64)
+    return anchors, valid, context_valid, q, k, v
+
+
+def _run(backend, anchors, valid, context_valid, q, k, v):
+    q, k, v = (t.float().clone().requires_grad_(True) for t in (q, k, v))
+    mask = build_train_mask(anchors, valid, S, BS, "cpu", backend, context_valid_BS=context_valid)
+    out = attend(q, k, v, mask)
+    (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
+    return out.detach(), q.grad, k.grad, v.grad
+
+
+def test_flex_and_sdpa_agree_on_outputs_and_grads():
+    case = _case()
+    flex = _run("flex", *case)
+    sdpa = _run("sdpa", *case)
+    for name, a, b in zip(("out", "dq", "dk", "dv"), flex, sdpa):
+        diff = (a - b).abs().max().item()
+        assert diff < 1e-5, f"{name}: flex vs sdpa max abs diff {diff:.3e}"
+
+
+def test_dense_mask_rules():
+    anchors, valid, context_valid, *_ = _case()
+    m = build_train_mask(anchors, valid, S, BS, "cpu", "sdpa", context_valid_BS=context_valid).mask[:, 0]
+    # Row 0, block 2 (anchor 11): context 0..10 visible, 11.. not; its own block only.
+    q = 2 * BS
+    assert m[0, q, :11].all() and not m[0, q, 11:S].any()
+    assert m[0, q, S + 2 * BS : S + 3 * BS].all() and m[0, q, S:].sum() == BS
+    # Row 1, invalid block 2: no context at all, only its own block.
+    assert not m[1, q, :S].any() and m[1, q, S + 2 * BS : S + 3 * BS].all()
+    # Padded context (row 1 beyond 14) is never visible.
+    assert not m[1, :, 14:S].any()
+
+
+@pytest.mark.parametrize("backend", ["flex", "sdpa"])
+def test_block_output_ignores_context_at_or_after_its_anchor(backend):
+    anchors, valid, context_valid, q, k, v = _case()
+    mask = build_train_mask(anchors, valid, S, BS, "cpu", backend, context_valid_BS=context_valid)
+    base = attend(q.float(), k.float(), v.float(), mask)
+    row, block, anchor = 0, 1, int(anchors[0, 1])
+    rows = slice(block * BS, (block + 1) * BS)
+    for pos in range(S):
+        k2, v2 = k.float().clone(), v.float().clone()
+        k2[row, :, pos] += 3.0
+        v2[row, :, pos] += 3.0
+        out = attend(q.float(), k2, v2, mask)
+        changed = (out[row, :, rows] - base[row, :, rows]).abs().max().item()
+        if pos >= anchor:
+            assert changed == 0.0, f"block with anchor {anchor} changed by {changed} when context {pos} moved"
+        else:
+            assert changed > 1e-4, f"block with anchor {anchor} ignored visible context {pos}"
+
+
+def test_bad_backend_is_a_clear_error():
+    anchors, valid, *_ = _case()
+    with pytest.raises(ValueError, match="backend"):
+        build_train_mask(anchors, valid, S, BS, "cpu", "flash")

@@ -1,0 +1,143 @@
+"""Drafter shapes and layout, target feature extraction, and exact save/load round trips."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from dflash.attention import build_train_mask
+from dflash.loss import block_inputs
+from dflash.model import DFlashDrafter, default_target_layer_ids, drafter_config_from_target
+from dflash.target import load_target, target_embed_and_head, target_features
+
+
+def test_default_target_layer_ids():
+    assert default_target_layer_ids(36, 5) == [1, 9, 17, 25, 33]  # Qwen3-8B
+    assert default_target_layer_ids(40, 4) == [1, 13, 25, 37]
+    assert default_target_layer_ids(36, 1) == [18]
+    assert default_target_layer_ids(6, 3) == [1, 2, 3]
+    with pytest.raises(ValueError, match="cannot spread 4"):
+        default_target_layer_ids(6, 4)
+
+
+def _drafter(target, layers=2, block_size=4, seed=0):
+    torch.manual_seed(seed)
+    cfg = drafter_config_from_target(target.config, layers, block_size, mask_token_id=255)
+    return DFlashDrafter(cfg)
+
+
+def _inputs(target, drafter, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    B, S, bs = 2, 20, drafter.config.block_size
+    ids = torch.randint(0, 250, (B, S), generator=g)
+    anchors = torch.tensor([[2, 7, 13], [4, 10, 15]])
+    valid = torch.ones_like(anchors, dtype=torch.bool)
+    ctx, _ = target_features(target, ids, None, drafter.config.target_layer_ids, want_last=False)
+    block_ids, _, _, qpos = block_inputs(ids, anchors, bs, drafter.config.mask_token_id)
+    embed, _ = target_embed_and_head(target)
+    noise = torch.nn.functional.embedding(block_ids, embed)
+    cpos = torch.arange(S).expand(B, S)
+    return ctx, noise, cpos, qpos, anchors, valid
+
+
+def test_config_from_target(tiny_target):
+    cfg = drafter_config_from_target(tiny_target.config, 3, 8, mask_token_id=255)
+    assert (cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim) == (64, 4, 2, 16)
+    assert cfg.target_layer_ids == [1, 2, 3] and cfg.num_target_layers == 6 and cfg.block_size == 8
+    with pytest.raises(ValueError, match="mask_token_id"):
+        drafter_config_from_target(tiny_target.config, 3, 8, mask_token_id=256)
+
+
+def test_target_features_match_hf_hidden_states(tiny_target):
+    ids = torch.randint(0, 256, (2, 12))
+    am = torch.ones(2, 12, dtype=torch.long)
+    am[1, 9:] = 0
+    hs = tiny_target(ids, attention_mask=am, output_hidden_states=True).hidden_states
+    layer_ids = [0, 2, 5]
+    ctx, last = target_features(tiny_target, ids, am, layer_ids, want_last=True)
+    want = torch.cat([hs[i + 1] for i in layer_ids], dim=-1)
+    assert (ctx - want).abs().max() < 1e-5 and (last - hs[-1]).abs().max() < 1e-5
+
+
+def test_target_features_stop_early_and_skip_lm_head(tiny_target):
+    calls = []
+    hooks = [
+        tiny_target.model.layers[4].register_forward_hook(lambda *a: calls.append("layer4")),
+        tiny_target.lm_head.register_forward_hook(lambda *a: calls.append("lm_head")),
+    ]
+    try:
+        ctx, last = target_features(tiny_target, torch.randint(0, 256, (1, 8)), None, [1, 3], want_last=False)
+    finally:
+        for h in hooks:
+            h.remove()
+    assert calls == [] and last is None and ctx.shape == (1, 8, 128)
+
+
+def test_drafter_parameters_follow_public_layout(tiny_target):
+    names = set(_drafter(tiny_target, layers=1).state_dict())
+    layer = "layers.0."
+    expected = {"fc.weight", "hidden_norm.weight", "norm.weight"} | {
+        layer + n
+        for n in (
+            "input_layernorm.weight", "post_attention_layernorm.weight",
+            "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.o_proj.weight",
+            "self_attn.q_norm.weight", "self_attn.k_norm.weight",
+            "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight",
+        )
+    }  # fmt: skip
+    assert names == expected
+
+
+def test_drafter_forward_shape_and_no_leak_from_anchor(tiny_target):
+    drafter = _drafter(tiny_target)
+    ctx, noise, cpos, qpos, anchors, valid = _inputs(tiny_target, drafter)
+    mask = build_train_mask(anchors, valid, ctx.shape[1], 4, "cpu", "sdpa")
+    out = drafter(ctx, noise, cpos, qpos, mask)
+    assert out.shape == (2, 12, 64)
+    # Moving the anchor's own hidden state (or later ones) must not move its block.
+    ctx2 = ctx.clone()
+    ctx2[0, 7:] += 1.0
+    out2 = drafter(ctx2, noise, cpos, qpos, mask)
+    assert (out2[0, 4:8] - out[0, 4:8]).abs().max() == 0  # block 1, anchor 7
+    assert (out2[0, :4] - out[0, :4]).abs().max() == 0  # block 0 (anchor 2) is also blind to 7..
+    assert (out2[0, 8:] - out[0, 8:]).abs().max() > 1e-4  # block 2 (anchor 13) sees 7..12
+    assert torch.equal(out2[1], out[1])
+    ctx2[0, 6] += 1.0
+    assert (drafter(ctx2, noise, cpos, qpos, mask)[0, 4:8] - out[0, 4:8]).abs().max() > 1e-4
+
+
+def test_save_load_round_trip(tiny_target, tmp_path):
+    drafter = _drafter(tiny_target)
+    drafter.save_pretrained(tmp_path / "d")
+    raw = json.loads((tmp_path / "d" / "config.json").read_text())
+    assert raw["architectures"] == ["DFlashDraftModel"] and raw["model_type"] == "qwen3"
+    assert raw["block_size"] == 4 and raw["num_target_layers"] == 6
+    assert raw["dflash_config"] == {"target_layer_ids": [1, 3], "mask_token_id": 255}
+    loaded = DFlashDrafter.from_pretrained(tmp_path / "d")
+    assert loaded.config == drafter.config
+    for k, v in drafter.state_dict().items():
+        assert torch.equal(v, loaded.state_dict()[k]), k
+    ctx, noise, cpos, qpos, anchors, valid = _inputs(tiny_target, drafter)
+    mask = build_train_mask(anchors, valid, ctx.shape[1], 4, "cpu", "sdpa")
+    assert torch.equal(drafter(ctx, noise, cpos, qpos, mask), loaded(ctx, noise, cpos, qpos, mask))
+    loaded.save_pretrained(tmp_path / "again")
+    assert (tmp_path / "again" / "config.json").read_text() == (tmp_path / "d" / "config.json").read_text()
+
+
+def test_from_pretrained_names_the_missing_file(tmp_path):
+    with pytest.raises(ValueError, match="model.safetensors is missing"):
+        (tmp_path / "config.json").write_text("{}")
+        DFlashDrafter.from_pretrained(tmp_path)
+
+
+def test_load_target_from_folder_and_random(tiny_target, tmp_path):
+    tiny_target.save_pretrained(tmp_path / "t")
+    loaded = load_target(tmp_path / "t", "float32", "cpu")
+    assert not any(p.requires_grad for p in loaded.parameters()) and not loaded.training
+    assert torch.equal(loaded.lm_head.weight, tiny_target.lm_head.weight)
+    rand = load_target(tmp_path / "t", "bfloat16", "cpu", random_init=True)
+    assert rand.lm_head.weight.dtype == torch.bfloat16 and not torch.equal(rand.lm_head.weight.float(), loaded.lm_head.weight)
+    with pytest.raises(ValueError, match="no config.json"):
+        load_target(tmp_path / "nope", "float32", "cpu")

@@ -104,8 +104,8 @@ class _ChunkedLMHeadLoss(torch.autograd.Function):
     def forward(ctx, hidden_MH, head_VH, labels_M, weight_M, target_MH, kl_weight, chunk, norm):
         want_grad = ctx.needs_input_grad[0]
         grad_MH = torch.empty_like(hidden_MH) if want_grad else None
-        ce_sum = hidden_MH.new_zeros((), dtype=torch.float32)
-        kl_sum = hidden_MH.new_zeros((), dtype=torch.float32)
+        ce_sum = hidden_MH.new_zeros((), dtype=_math_dtype(head_VH))
+        kl_sum = torch.zeros_like(ce_sum)
         correct_M = torch.zeros_like(labels_M, dtype=torch.bool)
         with torch.autocast(hidden_MH.device.type, enabled=False):
             for start in range(0, hidden_MH.shape[0], chunk):
@@ -130,15 +130,21 @@ class _ChunkedLMHeadLoss(torch.autograd.Function):
         return grad_MH * g_loss.to(grad_MH.dtype), None, None, None, None, None, None, None
 
 
+def _math_dtype(head_VH: torch.Tensor) -> torch.dtype:
+    # Softmax math in float32 at least (bf16 logits are upcast), float64 stays float64.
+    return torch.promote_types(head_VH.dtype, torch.float32)
+
+
 def _chunk_loss(h_cH, head_VH, labels_c, w_c, t_cH, kl_weight, want_grad):
     """Per-token CE and KL of one chunk, argmax correctness, and d(sum w*loss)/dh if wanted."""
-    logp_cV = (h_cH.to(head_VH.dtype) @ head_VH.T).float()
+    dtype = _math_dtype(head_VH)
+    logp_cV = (h_cH.to(head_VH.dtype) @ head_VH.T).to(dtype)
     correct_c = logp_cV.argmax(dim=-1) == labels_c
     logp_cV -= logp_cV.logsumexp(dim=-1, keepdim=True)
     ce_c = -logp_cV.gather(1, labels_c[:, None]).squeeze(1)
     kl_c = target_p_cV = None
     if t_cH is not None and kl_weight > 0:
-        target_logp_cV = (t_cH.to(head_VH.dtype) @ head_VH.T).float().log_softmax(dim=-1)
+        target_logp_cV = (t_cH.to(head_VH.dtype) @ head_VH.T).to(dtype).log_softmax(dim=-1)
         target_p_cV = target_logp_cV.exp()
         kl_c = (target_p_cV * target_logp_cV.sub_(logp_cV)).sum(dim=-1)
         del target_logp_cV
@@ -150,7 +156,7 @@ def _chunk_loss(h_cH, head_VH, labels_c, w_c, t_cH, kl_weight, want_grad):
     grad_cV[rows, labels_c] -= (1.0 - kl_weight) if target_p_cV is not None else 1.0
     if target_p_cV is not None:
         grad_cV.sub_(target_p_cV, alpha=kl_weight)
-    grad_cV.mul_(w_c[:, None].float())
+    grad_cV.mul_(w_c[:, None].to(dtype))
     grad_cH = (grad_cV.to(head_VH.dtype) @ head_VH).to(h_cH.dtype)
     return ce_c, kl_c, correct_c, grad_cH
 
@@ -192,7 +198,7 @@ def dflash_loss(
     """
     _check_loss_inputs(hidden_BQH, lm_head_weight, labels_BQ, weight_BQ, block_size, chunk, target_hidden_BQH, kl_weight)
     B, Q, H = hidden_BQH.shape
-    weight_N = weight_BQ.reshape(-1).float()
+    weight_N = weight_BQ.reshape(-1).to(_math_dtype(lm_head_weight))
     idx_M = weight_N.nonzero().squeeze(1)
     norm = max(float(weight_N.sum()), 1e-6)
     use_kl = kl_weight > 0
@@ -210,7 +216,7 @@ def dflash_loss(
     correct_BQ = torch.zeros(B * Q, dtype=torch.bool, device=hidden_BQH.device)
     correct_BQ[idx_M] = correct_M
     metrics = block_metrics(correct_BQ.view(B, Q), weight_BQ > 0, block_size)
-    metrics.update(loss=float(loss), ce=float(ce_sum) / norm, kl=float(kl_sum) / norm if use_kl else 0.0)
+    metrics.update(loss=float(loss.detach()), ce=float(ce_sum) / norm, kl=float(kl_sum) / norm if use_kl else 0.0)
     return loss, metrics
 
 

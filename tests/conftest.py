@@ -14,6 +14,8 @@ def tiny_target():
     cfg = Qwen3Config(
         vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,
         num_key_value_heads=2, head_dim=16, max_position_embeddings=512, tie_word_embeddings=False,
+        # Larger than HF's 0.02 so the random lm_head can express confident predictions, like a trained one.
+        initializer_range=0.1,
     )  # fmt: skip
     torch.manual_seed(0)
     model = Qwen3ForCausalLM(cfg).eval()

@@ -1,0 +1,150 @@
+"""Anchors, labels, weights, the chunked loss against a plain reference, metrics, and a loss that falls."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from dflash.config import config_from_dict
+from dflash.loss import block_inputs, block_metrics, dflash_loss, sample_anchors, slot_weights, train_step_math
+from dflash.model import DFlashDrafter, drafter_config_from_target
+
+
+def test_sample_anchors_are_eligible_sorted_and_padded():
+    mask = torch.zeros(3, 12, dtype=torch.int8)
+    mask[0, 2:12] = 1  # eligible 2..10
+    mask[1, 5:8] = 1  # eligible 5, 6
+    mask[2, 4] = 1  # lone position: nothing eligible
+    g = torch.Generator().manual_seed(0)
+    anchors, valid = sample_anchors(mask, 4, 4, g)
+    assert anchors.shape == (3, 4)
+    assert valid.tolist() == [[True] * 4, [True, True, False, False], [False] * 4]
+    row0 = anchors[0].tolist()
+    assert row0 == sorted(set(row0)) and all(2 <= a <= 10 for a in row0)
+    assert anchors[1, :2].tolist() == [5, 6] and anchors[2].tolist() == [0] * 4
+    again, _ = sample_anchors(mask, 4, 4, torch.Generator().manual_seed(0))
+    assert torch.equal(anchors, again)
+    many, valid_many = sample_anchors(mask, 100, 4, g)
+    assert many.shape[1] == 9 and sorted(many[0].tolist()) == list(range(2, 11)) and valid_many[0].all()
+
+
+def test_block_inputs_slots_labels_positions():
+    ids = torch.arange(100, 110)[None]  # S = 10
+    loss_mask = torch.ones(1, 10, dtype=torch.int8)
+    loss_mask[0, 8] = 0
+    anchors = torch.tensor([[1, 7]])
+    valid = torch.tensor([[True, True]])
+    block_ids, labels, label_valid, qpos = block_inputs(ids, anchors, 4, 99, loss_mask_BS=loss_mask, valid_BA=valid)
+    assert block_ids.tolist() == [[101, 99, 99, 99, 107, 99, 99, 99]]
+    assert labels[0, :4].tolist() == [101, 102, 103, 104] and labels[0, 4:6].tolist() == [107, 108]
+    assert qpos.tolist() == [[1, 2, 3, 4, 7, 8, 9, 10]]
+    # Slot at 8 is masked by loss_mask, slot at 10 is past the end.
+    assert label_valid.tolist() == [[True] * 4 + [True, False, True, False]]
+
+
+def test_slot_weights():
+    w = slot_weights(5, 2.0)
+    assert w[0] == 0 and w[1] == 1
+    assert torch.allclose(w[2:], torch.tensor([math.exp(-0.5), math.exp(-1.0), math.exp(-1.5)]))
+
+
+def _reference_loss(hidden, head, labels, weight, target_hidden, kl_weight):
+    logits = hidden @ head.T
+    ce = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="none")
+    total = weight.flatten().sum()
+    loss = (weight.flatten() * ce).sum() / total
+    if kl_weight > 0:
+        t_logp = (target_hidden @ head.T).log_softmax(-1).flatten(0, 1)
+        kl = (t_logp.exp() * (t_logp - logits.log_softmax(-1).flatten(0, 1))).sum(-1)
+        loss = (1 - kl_weight) * loss + kl_weight * (weight.flatten() * kl).sum() / total
+    return loss
+
+
+@pytest.mark.parametrize("kl_weight", [0.0, 0.5, 1.0])
+@pytest.mark.parametrize("chunk", [1, 5, 16, 1000])
+def test_chunked_loss_matches_reference(chunk, kl_weight):
+    g = torch.Generator().manual_seed(1)
+    B, A, bs, H, V = 2, 3, 4, 16, 50
+    hidden = torch.randn(B, A * bs, H, generator=g, dtype=torch.float64)
+    target_hidden = torch.randn(B, A * bs, H, generator=g, dtype=torch.float64)
+    head = torch.randn(V, H, generator=g, dtype=torch.float64) * 0.5
+    labels = torch.randint(0, V, (B, A * bs), generator=g)
+    weight = slot_weights(bs, 3.0).double().repeat(A)[None].expand(B, -1).clone()
+    weight[1, -bs:] = 0  # an invalid block
+    h1, h2 = hidden.clone().requires_grad_(True), hidden.clone().requires_grad_(True)
+    loss, metrics = dflash_loss(h1, head, labels, weight, bs, chunk, target_hidden, kl_weight)
+    ref = _reference_loss(h2, head, labels, weight, target_hidden, kl_weight)
+    loss.backward()
+    ref.backward()
+    assert abs(loss.item() - ref.item()) < 1e-9, f"loss {loss.item()} vs reference {ref.item()}"
+    diff = (h1.grad - h2.grad).abs().max().item()
+    assert diff < 1e-9, f"grad max abs diff {diff:.3e}"
+    assert h1.grad[:, ::bs].abs().max() == 0  # slot 0 carries no weight
+    assert metrics["loss"] == pytest.approx(ref.item())
+
+
+def test_loss_without_grad_and_with_no_weight():
+    h = torch.randn(1, 8, 4)
+    head = torch.randn(10, 4)
+    labels = torch.zeros(1, 8, dtype=torch.long)
+    loss, m = dflash_loss(h, head, labels, torch.zeros(1, 8), 4, 16)
+    assert loss.item() == 0 and m["blocks"] == 0 and m["accept_len"] == 0.0
+    with pytest.raises(ValueError, match="frozen"):
+        dflash_loss(h, head.requires_grad_(True), labels, torch.ones(1, 8), 4, 16)
+
+
+def test_acceptance_length_by_hand():
+    # Two blocks of 4 (slots 1..3 scored): block 0 right, right, wrong -> 1 + 2 = 3;
+    # block 1 wrong, right, right -> 1 + 0 = 1; mean 2. Slot accuracy: 1/2, 1, 1/2.
+    correct = torch.tensor([[False, True, True, False, True, False, True, True]])
+    valid = torch.tensor([[False, True, True, True, False, True, True, True]])
+    m = block_metrics(correct, valid, 4)
+    assert m["accept_len"] == 2.0 and m["blocks"] == 2
+    assert m["acc_slot"] == [0.5, 1.0, 0.5] and m["acc"] == pytest.approx(4 / 6)
+    # An invalid slot stops the chain: block 0 with slot 2 invalid -> 1 + 1.
+    valid[0, 2] = False
+    assert block_metrics(correct, valid, 4)["accept_len"] == (2 + 1) / 2
+
+
+def test_acceptance_length_from_logits():
+    V, H = 6, 6
+    head = torch.eye(V, H)
+    labels = torch.tensor([[0, 1, 2, 3]])
+    hidden = torch.nn.functional.one_hot(torch.tensor([[0, 1, 2, 5]]), V).float() * 5  # slot 3 predicts 5, not 3
+    weight = slot_weights(4, 2.0)[None]
+    _, m = dflash_loss(hidden, head, labels, weight, 4, 2)
+    assert m["accept_len"] == 3.0 and m["acc_slot"] == [1.0, 1.0, 0.0]
+
+
+# With soft labels the floor is the target's own entropy, so the blended loss falls less far.
+@pytest.mark.parametrize("kl_weight, ratio", [(0.0, 0.6), (0.5, 0.75)])
+def test_loss_falls_over_30_steps(tiny_target, kl_weight, ratio):
+    cfg = config_from_dict(
+        {"drafter": {"num_layers": 1, "block_size": 4},
+         "train": {"max_anchors": 8, "gamma": 4.0, "kl_weight": kl_weight, "loss_chunk": 16}}
+    )  # fmt: skip
+    torch.manual_seed(0)
+    dcfg = drafter_config_from_target(tiny_target.config, 1, 4, mask_token_id=255)
+    drafter = DFlashDrafter(dcfg)
+    start = torch.tensor([[3], [40]])
+    input_ids = (start + 3 * torch.arange(24)) % 250  # arithmetic sequences: learnable
+    loss_mask = torch.ones(2, 24, dtype=torch.int8)
+    loss_mask[:, :6] = 0
+    attention_mask = torch.ones(2, 24, dtype=torch.long)
+    input_ids[1, 20:], loss_mask[1, 20:], attention_mask[1, 20:] = 0, 0, 0  # right padding
+    batch = {"input_ids": input_ids, "loss_mask": loss_mask, "attention_mask": attention_mask}
+    opt = torch.optim.AdamW(drafter.parameters(), lr=1e-2)
+    losses = []
+    for step in range(30):
+        gen = torch.Generator().manual_seed(step)
+        loss, metrics = train_step_math(drafter, tiny_target, batch, cfg, gen, "sdpa")
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert metrics["anchors"] == 16 and len(metrics["acc_slot"]) == 3
+    first, last = sum(losses[:3]) / 3, sum(losses[-3:]) / 3
+    assert last < ratio * first, f"loss did not fall clearly: first {first:.3f}, last {last:.3f}"

@@ -316,7 +316,7 @@ def scan_lib_dir(path: str) -> LibDir:
 def _git(root: Path, *args: str) -> str:
     out = subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True, timeout=10)
     if out.returncode != 0:
-        raise RuntimeError(out.stderr.strip().splitlines()[-1] if out.stderr.strip() else f"git {args[0]} failed")
+        raise RuntimeError(out.stderr.strip().splitlines()[0] if out.stderr.strip() else f"git {args[0]} failed")
     return out.stdout
 
 
@@ -377,8 +377,15 @@ def model_source_record(files=MODEL_SOURCE_FILES, dist_name: str = PROJECT_DIST)
 
 
 def model_source(root: Path = REPO_ROOT) -> ModelSource:
+    """Against git HEAD in a checkout; else (or in a checkout without commits) against the RECORD hashes."""
     if _is_git_checkout(root):
-        return model_source_git(root)
+        src = model_source_git(root)
+        if src.error is None:
+            return src
+        record = model_source_record()
+        if record.verified or record.modified:
+            return record
+        return src
     return model_source_record()
 
 
@@ -465,7 +472,7 @@ def run_dir(output_dir: str) -> RunDir:
         return rd
     for d in sorted(ckpt_root.iterdir()):
         m = _CKPT_DIR.match(d.name)
-        if not m or not d.is_dir():  # "*.tmp" = an unfinished save
+        if not m or not d.is_dir() or not (d / "meta.json").exists():  # "*.tmp" or no meta.json: unfinished save
             continue
         ck = Checkpoint(int(m.group(1)), str(d))
         try:

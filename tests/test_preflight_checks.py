@@ -1,0 +1,480 @@
+"""Preflight checks as pure functions: feed facts, assert verdicts (pass and fail path of every check)."""
+
+from __future__ import annotations
+
+import copy
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from dflash.config import config_from_dict
+from preflight import checks
+from preflight.checks import CHECK_IDS, NEEDS_CONFIG, run_checks
+from preflight.facts import (
+    Checkpoint, CompileCache, Context, Dataset, Disk, GpuFacts, LibDir, ModelSource, PathEntry, RunDir, Shard,
+    TorchBuild,
+)
+from preflight.nvml import NO_DRIVER, snapshot_from_dict
+from preflight.profiles import load_profile
+
+FIXTURE = Path(__file__).parent / "data" / "nvml_fake_8gpu.json"
+GiB = 1024**3
+MiB = 1024**2
+LOCK = "".join(f"{pin} \\\n    --hash=sha256:{i:02x}\n" for i, pin in enumerate(
+    ["click==8.5.1", "nvidia-cuda-runtime-cu12==12.8.90", "nvidia-nccl-cu12==2.27.5", "torch==2.10.0", "triton==3.6.0"]))
+INSTALLED = {"click": ["8.5.1"], "nvidia-cuda-runtime-cu12": ["12.8.90"], "nvidia-nccl-cu12": ["2.27.5"],
+             "torch": ["2.10.0+cu128"], "triton": ["3.6.0"], "dflash": ["0.1.0"]}
+SPLIT = {"target_gpus": ["0", "1", "2", "3", "4"], "drafter_gpus": ["5", "6", "7"]}
+
+
+def recorded(idle: bool = True) -> dict:
+    d = json.loads(FIXTURE.read_text())
+    if idle:
+        for g in d["gpus"]:
+            g["processes"] = []
+            g["memory_free"] = g["memory_total"] - 560 * MiB
+    return d
+
+
+def make_ctx(tmp_path: Path, config: dict | None = None, gpus: dict | None = None, cvd: str | None = None) -> Context:
+    """A machine on which every check passes: 8 idle H200s, the locked stack, a warm cache, clean source."""
+    profile = load_profile("train-cu128")
+    raw = {"output_dir": str(tmp_path / "run"), "data": {"path": str(tmp_path / "data"), "token_budget": 4096},
+           "topology": SPLIT}
+    raw.update(config or {})
+    cfg = config_from_dict(raw)
+    venv = tmp_path / "venv"
+    snap = snapshot_from_dict(gpus if gpus is not None else recorded())
+    ctx = Context(
+        profile_name="train-cu128", profile=profile, lock_file="envs/train-cu128.lock", lock_text=LOCK, config=cfg,
+        config_path="run.toml", distributions=copy.deepcopy(INSTALLED),
+        torch=TorchBuild("2.10.0+cu128", "12.8", "torch/version.py"),
+        env={"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"},
+        path_entries=[PathEntry(str(venv / "bin"), True, str(venv), True), PathEntry(str(tmp_path / "sys"), True)],
+        gpus=GpuFacts(snapshot=snap, cuda_visible_devices=cvd),
+        model_source=ModelSource("git", commit="0123456789abcdef", verified=["dflash/model.py", "dflash/loss.py"]),
+        compile_cache=CompileCache(str(tmp_path / "cache"), True, size_bytes=353_000_000, manifest={
+            "torch": "2.10.0+cu128", "triton": "3.6.0", "gpu_name": "NVIDIA H200", "compute_capability": "9.0",
+            "drafter_hash": cfg.drafter_hash()}),
+        run_dir=RunDir(cfg.output_dir, False, True),
+        dataset=Dataset(cfg.data.path, 4096, shards=[
+            Shard("a.arrow", rows=600, tokens=900_000, max_len=3000, max_row=7),
+            Shard("b.arrow", rows=400, tokens=500_000, max_len=4000, max_row=12, first_row=600)]),
+        disk=Disk(cfg.output_dir, free_bytes=500 * GiB),
+        host={"pid": 4242},
+    )
+    return ctx
+
+
+def by_id(results, check_id):
+    return next(r for r in results if r.id == check_id)
+
+
+def test_healthy_machine_passes_every_check(tmp_path):
+    results = run_checks(make_ctx(tmp_path))
+    assert [r.id for r in results] == list(CHECK_IDS)
+    assert {r.id: r.status for r in results} == {i: "pass" for i in CHECK_IDS}
+    assert all(r.fix is None for r in results)
+
+
+def test_without_config_run_checks_skip_and_say_so(tmp_path):
+    ctx = make_ctx(tmp_path)
+    ctx.config = None
+    results = run_checks(ctx)
+    skipped = [r.id for r in results if r.status == "skip"]
+    assert skipped == list(NEEDS_CONFIG) == ["gpu-memory", "gpu-processes", "run-dir", "dataset", "disk"]
+    assert all("--config" in by_id(results, i).summary for i in NEEDS_CONFIG)
+    assert by_id(results, "gpu-visibility").status == "pass"  # still proves NVML is reachable
+
+
+# ---------------------------------------------------------------- profile
+
+
+def test_profile_fails_without_lock(tmp_path):
+    ctx = make_ctx(tmp_path)
+    ctx.lock_text = None
+    r = checks.check_profile(ctx)
+    assert r.status == "fail" and "envs/train-cu128.lock is missing" in r.summary
+    assert r.fix == "uv run dflash-lock write"
+
+
+def test_profile_fails_on_invalid_lock_and_wrong_profile(tmp_path):
+    ctx = make_ctx(tmp_path)
+    ctx.lock_text = LOCK.replace("torch==2.10.0", "torch==2.11.0")
+    r = checks.check_profile(ctx)
+    assert r.status == "fail" and "torch==2.11.0" in r.summary
+    ctx = make_ctx(tmp_path, config={"profile": "infer-cu130"})
+    r = checks.check_profile(ctx)
+    assert r.status == "fail" and "asks for profile infer-cu130" in r.summary
+
+
+def test_profile_that_did_not_load_fails_and_dependent_checks_skip(tmp_path):
+    ctx = make_ctx(tmp_path)
+    ctx.profile, ctx.profile_error = None, "train-cu128.toml: cuda: cuda must be major.minor like 12.8, got '12'"
+    results = run_checks(ctx)
+    assert by_id(results, "profile").status == "fail"
+    assert {by_id(results, i).status for i in checks.NEEDS_PROFILE} == {"skip"}
+
+
+# ---------------------------------------------------------------- torch-build
+
+
+def test_torch_build_cuda13_swap_fails_naming_both(tmp_path):
+    ctx = make_ctx(tmp_path)
+    ctx.torch = TorchBuild("2.11.0+cu130", "13.0", "torch/version.py")
+    r = checks.check_torch_build(ctx)
+    assert r.status == "fail"
+    assert r.summary == "torch 2.11.0+cu130 (CUDA 13.0) installed; profile train-cu128 locks 2.10.0 (CUDA 12.8)"
+    assert r.fix == "uv sync --frozen --no-default-groups --group train-cu128 --group demo --group dev"
+
+
+def test_torch_build_same_version_other_cuda_and_missing_fail(tmp_path):
+    ctx = make_ctx(tmp_path)
+    ctx.torch = TorchBuild("2.10.0+cu126", "12.6", "torch/version.py")
+    assert checks.check_torch_build(ctx).status == "fail"
+    ctx.torch = None
+    r = checks.check_torch_build(ctx)
+    assert r.status == "fail" and "torch is not installed" in r.summary
+
+
+# ---------------------------------------------------------------- env-drift
+
+
+def test_env_drift_gpu_stack_fails_other_warns(tmp_path):
+    ctx = make_ctx(tmp_path)
+    ctx.distributions["sglang"] = ["0.5.23"]
+    ctx.distributions["triton"] = ["3.5.1"]
+    r = checks.check_env_drift(ctx)
+    assert r.status == "fail"
+    assert "sglang 0.5.23 not in lock" in r.summary and "triton 3.5.1 installed (lock 3.6.0)" in r.summary
+    assert r.fix == "uv sync --frozen --no-default-groups --group train-cu128 --group demo --group dev"
+    ctx = make_ctx(tmp_path)
+    ctx.distributions["rich"] = ["15.0.0"]
+    del ctx.distributions["click"]
+    r = checks.check_env_drift(ctx)
+    assert r.status == "warn"
+    assert r.data["missing"] == [{"name": "click", "locked": "8.5.1"}]
+    assert r.data["not_in_lock"] == [{"name": "rich", "installed": "15.0.0"}]
+
+
+def test_env_drift_project_is_never_drift_and_local_label_matches(tmp_path):
+    ctx = make_ctx(tmp_path)
+    ctx.distributions["dflash"] = ["9.9.9"]
+    r = checks.check_env_drift(ctx)
+    assert r.status == "pass", r.summary  # torch 2.10.0+cu128 satisfies the lock's torch==2.10.0
+    ctx.distributions["click"] = ["8.5.1", "8.1.0"]  # two dist-infos: a pip install over uv's
+    assert checks.check_env_drift(ctx).status == "warn"
+
+
+# ---------------------------------------------------------------- cuda-libs
+
+
+def test_cuda_libs_foreign_wheel_and_ld_path_fail(tmp_path):
+    ctx = make_ctx(tmp_path)
+    ctx.distributions["nvidia-cuda-runtime"] = ["13.0.96"]
+    ctx.distributions["nvidia-nccl-cu13"] = ["2.28.3"]
+    good, bad = str(tmp_path / "cu12" / "lib"), str(tmp_path / "cuda-13.0" / "lib64")
+    ctx.ld_dirs = [LibDir(good, True, {"libcudart.so.12": 12}), LibDir(bad, True, {"libcudart.so.13": 13, "libnccl.so.2": 13})]
+    r = checks.check_cuda_libs(ctx)
+    assert r.status == "fail"
+    assert "nvidia-cuda-runtime 13.0.96 is a CUDA 13 wheel" in r.summary
+    assert r.data["foreign_ld_dirs"] == [bad]
+    assert f"export LD_LIBRARY_PATH={good}" in r.fix
+
+
+def test_cuda_libs_old_driver_and_no_driver_fail_cpu_skips_driver(tmp_path):
+    old = recorded()
+    old["cuda_driver_version"], old["driver_version"] = "12.4", "550.54.15"
+    r = checks.check_cuda_libs(make_ctx(tmp_path, gpus=old))
+    assert r.status == "fail" and "supports CUDA 12.4 < profile's 12.8" in r.summary
+    ctx = make_ctx(tmp_path)
+    ctx.gpus = GpuFacts(error=NO_DRIVER)
+    r = checks.check_cuda_libs(ctx)
+    assert r.status == "fail" and NO_DRIVER in r.summary
+    ctx = make_ctx(tmp_path, config={"device": "cpu"})
+    ctx.gpus = GpuFacts(error="NVML not queried (device = cpu)", queried=False)
+    assert checks.check_cuda_libs(ctx).status == "pass"
+
+
+# ---------------------------------------------------------------- gpu-visibility
+
+
+def test_gpu_visibility_no_driver_fails_cpu_skips(tmp_path):
+    ctx = make_ctx(tmp_path)
+    ctx.gpus = GpuFacts(error=NO_DRIVER)
+    for check in (checks.check_gpu_visibility, checks.check_gpu_memory, checks.check_gpu_processes):
+        r = check(ctx)
+        assert r.status == "fail" and r.summary == "no NVIDIA driver (NVML not found)"
+    ctx = make_ctx(tmp_path, config={"device": "cpu"})
+    ctx.gpus = GpuFacts(error="NVML not queried (device = cpu)", queried=False)
+    for check in (checks.check_gpu_visibility, checks.check_gpu_memory, checks.check_gpu_processes,
+                  checks.check_compile_cache):
+        assert check(ctx).status == "skip"
+
+
+def test_gpu_visibility_hidden_gpu_fails(tmp_path):
+    ctx = make_ctx(tmp_path, cvd="0,1,2,3,4,5")  # GPUs 6 and 7 hidden: the config's drafters 6, 7 do not exist
+    r = checks.check_gpu_visibility(ctx)
+    assert r.status == "fail"
+    assert "GPU 6 is not visible (6 visible after CUDA_VISIBLE_DEVICES)" in r.summary
+
+
+def test_gpu_visibility_maps_uuids_through_cuda_visible_devices(tmp_path):
+    d = recorded()
+    u = [g["uuid"] for g in d["gpus"]]
+    cvd = ",".join(u[::-1])  # reversed order: CUDA index 0 is NVML GPU 7
+    topo = {"target_gpus": ["0", "1"], "drafter_gpus": [u[0][:12]]}  # UUID prefix of NVML GPU 0 = CUDA index 7
+    ctx = make_ctx(tmp_path, config={"topology": topo}, cvd=cvd)
+    r = checks.check_gpu_visibility(ctx)
+    assert r.status == "pass", r.summary
+    assigned = {a["name"]: a["uuid"] for a in r.data["assigned"]}
+    assert assigned == {"0": u[7], "1": u[6], u[0][:12]: u[0]}
+    clash = {"target_gpus": ["7"], "drafter_gpus": [u[0]]}  # CUDA 7 *is* NVML GPU 0 under this mapping
+    r = checks.check_gpu_visibility(make_ctx(tmp_path, config={"topology": clash}, cvd=cvd))
+    assert r.status == "fail" and "are the same GPU" in r.summary
+
+
+def test_gpu_visibility_uuid_hidden_by_cvd(tmp_path):
+    u = [g["uuid"] for g in recorded()["gpus"]]
+    ctx = make_ctx(tmp_path, config={"topology": {"target_gpus": ["0"], "drafter_gpus": [u[3]]}}, cvd="0,1")
+    r = checks.check_gpu_visibility(ctx)
+    assert r.status == "fail" and "exists (NVML index 3) but CUDA_VISIBLE_DEVICES hides it" in r.summary
+
+
+# ---------------------------------------------------------------- gpu-memory
+
+
+def test_gpu_memory_memory_model_passes_and_reports_each_gpu(tmp_path):
+    r = checks.check_gpu_memory(make_ctx(tmp_path))
+    assert r.status == "pass", r.summary
+    assert len(r.data["gpus"]) == 8
+    assert all(g["headroom_bytes"] == g["free_bytes"] - g["need_bytes"] for g in r.data["gpus"])
+
+
+def test_gpu_memory_fails_when_need_exceeds_free(tmp_path):
+    busy = recorded()
+    busy["gpus"][5]["memory_free"] = int(4.57 * GiB)  # the incident: 4.57 GiB free on a drafter GPU
+
+    def need(ctx, roles):
+        return (int(4.74 * GiB) if roles == ["drafter"] else 40 * GiB), "test model"
+
+    r = checks.check_gpu_memory(make_ctx(tmp_path, gpus=busy), need_fn=need)
+    assert r.status == "fail"
+    assert "drafter GPU 5" in r.summary and "need 4.7 GiB, free 4.6 GiB, short 0.2 GiB" in r.summary
+    assert "dflash-estimate" in r.fix
+
+
+def test_gpu_memory_falls_back_to_simple_model(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "preflight.memory", None)  # import fails -> simple model
+    r = checks.check_gpu_memory(make_ctx(tmp_path))
+    assert r.data["model"] == "simple model" and "[simple model]" in r.summary
+    ctx = make_ctx(tmp_path, config={"topology": {"target_gpus": [], "drafter_gpus": []}})
+    r = checks.check_gpu_memory(ctx)
+    assert [g["roles"] for g in r.data["gpus"]] == [["target", "drafter"]]  # co-located: GPU 0, both roles
+
+
+# ---------------------------------------------------------------- gpu-processes
+
+
+def test_gpu_processes_fails_naming_pid_name_and_mib(tmp_path):
+    r = checks.check_gpu_processes(make_ctx(tmp_path, gpus=recorded(idle=False)))
+    assert r.status == "fail"
+    assert "GPU 6: pid 48219 python3 -m sglang.launch_server (121,240 MiB)" in r.summary
+    assert r.fix.startswith("stop them") and "kill 48219 48220" in r.fix
+    assert [p["pid"] for p in r.data["processes"]] == [48219, 48220]
+
+
+def test_gpu_processes_ignores_unassigned_gpus_and_itself(tmp_path):
+    topo = {"target_gpus": ["0", "1", "2"], "drafter_gpus": ["3", "4"]}
+    r = checks.check_gpu_processes(make_ctx(tmp_path, config={"topology": topo}, gpus=recorded(idle=False)))
+    assert r.status == "pass"
+    d = recorded()
+    d["gpus"][0]["processes"] = [{"pid": 4242, "name": "dflash-train", "used_bytes": 0}]
+    assert checks.check_gpu_processes(make_ctx(tmp_path, gpus=d)).status == "pass"
+
+
+# ---------------------------------------------------------------- compile-cache
+
+
+def test_compile_cache_cold_warns_with_warm_command(tmp_path):
+    ctx = make_ctx(tmp_path)
+    ctx.compile_cache = CompileCache(str(tmp_path / "cache"), False)
+    r = checks.check_compile_cache(ctx)
+    assert r.status == "warn" and r.summary.startswith("cold:")
+    assert r.fix == "dflash-train --config run.toml --warm-cache"
+
+
+def test_compile_cache_mismatch_warns_naming_field(tmp_path):
+    ctx = make_ctx(tmp_path)
+    ctx.compile_cache.manifest["torch"] = "2.11.0+cu130"
+    r = checks.check_compile_cache(ctx)
+    assert r.status == "warn" and "torch 2.11.0+cu130 -> 2.10.0+cu128" in r.summary
+    ctx = make_ctx(tmp_path)
+    ctx.config = ctx.config.model_copy(update={"drafter": ctx.config.drafter.model_copy(update={"block_size": 16})})
+    r = checks.check_compile_cache(ctx)  # the manifest was written for block_size 32
+    assert r.status == "warn" and "drafter_hash" in r.summary
+
+
+# ---------------------------------------------------------------- model-source
+
+
+def test_model_source_modified_fails_naming_file_and_stat(tmp_path):
+    ctx = make_ctx(tmp_path)
+    ctx.model_source = ModelSource("git", commit="0123456789abcdef", modified=["dflash/model.py"],
+                                   states={"dflash/model.py": "modified"},
+                                   diff_stat=" dflash/model.py | 4 +++-\n 1 file changed, 3 insertions(+), 1 deletion(-)",
+                                   verified=["dflash/loss.py"])
+    r = checks.check_model_source(ctx)
+    assert r.status == "fail"
+    assert "dflash/model.py (modified)" in r.summary and "1 file changed" in r.summary
+    assert "0123456789ab" in r.summary and r.data["commit"] == "0123456789abcdef"
+    assert r.fix.startswith("git stash push --include-untracked -- dflash/model.py")
+
+
+def test_model_source_record_mode(tmp_path):
+    ctx = make_ctx(tmp_path)
+    ctx.model_source = ModelSource("record", commit="dflash==0.1.0", modified=["dflash/loss.py"],
+                                   states={"dflash/loss.py": "differs from RECORD"}, verified=["dflash/model.py"])
+    r = checks.check_model_source(ctx)
+    assert r.status == "fail" and "dflash==0.1.0" in r.summary and "reinstall-package dflash" in r.fix
+    ctx.model_source = ModelSource("record", commit="dflash==0.1.0", verified=["dflash/model.py"])
+    assert checks.check_model_source(ctx).status == "pass"
+
+
+# ---------------------------------------------------------------- run-dir
+
+
+def _with_checkpoint(ctx, step=690, config_over=None, samples=1000, fingerprint=None):
+    saved = ctx.config.model_dump()
+    for dotted, v in (config_over or {}).items():
+        sec, key = dotted.split(".")
+        saved[sec][key] = v
+    meta = {"step": step, "config": saved,
+            "dataset": {"path": ctx.config.data.path, "samples": samples,
+                        "fingerprint": fingerprint or ctx.dataset.fingerprint}}
+    ctx.run_dir.checkpoints = [Checkpoint(500, "ckpt/step_00000500"), Checkpoint(step, f"ckpt/step_{step:08d}", meta)]
+    return ctx
+
+
+def test_run_dir_with_checkpoints_needs_intent(tmp_path):
+    ctx = _with_checkpoint(make_ctx(tmp_path))
+    r = checks.check_run_dir(ctx)
+    assert r.status == "fail"
+    assert "newest step_00000690 (step 690)" in r.summary
+    assert "--resume" in r.fix and "--fresh" in r.fix
+    ctx.resume_intent = "fresh"
+    assert checks.check_run_dir(ctx).status == "pass"
+    ctx.resume_intent = "resume"
+    r = checks.check_run_dir(ctx)
+    assert r.status == "pass" and "step 690" in r.summary
+
+
+def test_run_dir_resume_incompatible_fails(tmp_path):
+    ctx = _with_checkpoint(make_ctx(tmp_path), config_over={"drafter.block_size": 16, "target.path": "other-27b"})
+    ctx.resume_intent = "resume"
+    r = checks.check_run_dir(ctx)
+    assert r.status == "fail"
+    assert "drafter.block_size 16 -> 32" in r.summary and "target.path 'other-27b' -> 'smollm2'" in r.summary
+
+
+def test_run_dir_resume_reports_changed_dataset(tmp_path):
+    ctx = _with_checkpoint(make_ctx(tmp_path), samples=902_000, fingerprint="0" * 16)
+    ctx.resume_intent = "resume"
+    r = checks.check_run_dir(ctx)
+    assert r.status == "warn" and "902,000 -> 1,000 samples" in r.summary
+    assert r.data["dataset"]["old_samples"] == 902_000 and r.data["dataset"]["new_samples"] == 1000
+
+
+def test_run_dir_unwritable_and_resume_without_checkpoint_fail(tmp_path):
+    ctx = make_ctx(tmp_path)
+    ctx.resume_intent = "resume"
+    r = checks.check_run_dir(ctx)
+    assert r.status == "fail" and "no finished checkpoint" in r.summary
+    ctx.run_dir = RunDir(ctx.config.output_dir, True, False, "run is not writable by this user")
+    r = checks.check_run_dir(ctx)
+    assert r.status == "fail" and "not writable" in r.summary
+
+
+# ---------------------------------------------------------------- dataset
+
+
+def test_dataset_sample_over_budget_fails_naming_shard_row_length(tmp_path):
+    ctx = make_ctx(tmp_path)
+    ctx.dataset.shards[1] = Shard("b.arrow", rows=400, tokens=600_000, max_len=52_000, max_row=12, first_row=600,
+                                  over=[(12, 52_000), (30, 5_000)], over_count=2)
+    r = checks.check_dataset(ctx)
+    assert r.status == "fail"
+    assert "b.arrow row 12 (sample 612) with 52,000 tokens > token_budget 4,096" in r.summary
+    assert "2 sample(s) can never fit a batch" in r.summary
+    assert r.data["over_limit"][0] == {"shard": "b.arrow", "row": 12, "index": 612, "length": 52_000}
+
+
+def test_dataset_corrupt_shard_and_missing_folder_fail(tmp_path):
+    ctx = make_ctx(tmp_path)
+    ctx.dataset.shards.append(Shard("c.arrow", error="not a readable Arrow IPC file: Not an Arrow file"))
+    r = checks.check_dataset(ctx)
+    assert r.status == "fail" and "c.arrow: not a readable Arrow IPC file" in r.summary
+    ctx.dataset = Dataset(ctx.config.data.path, 4096, error="data does not exist")
+    assert checks.check_dataset(ctx).status == "fail"
+
+
+def test_dataset_pass_reports_counts(tmp_path):
+    r = checks.check_dataset(make_ctx(tmp_path))
+    assert r.status == "pass" and "1,000 samples" in r.summary and r.data["longest"]["index"] == 612
+
+
+# ---------------------------------------------------------------- disk
+
+
+def test_disk_fails_when_checkpoints_do_not_fit(tmp_path):
+    ctx = make_ctx(tmp_path)
+    ctx.disk = Disk(ctx.config.output_dir, free_bytes=10 * MiB)
+    r = checks.check_disk(ctx)
+    assert r.status == "fail" and r.data["checkpoints_to_write"] == 4  # keep_last 3 + the one being written
+    ctx.run_dir.checkpoints = [Checkpoint(690, "ckpt/step_00000690", size_bytes=2 * GiB)]
+    ctx.disk = Disk(ctx.config.output_dir, free_bytes=7 * GiB)
+    r = checks.check_disk(ctx)
+    assert r.status == "fail" and r.data["need_bytes"] == 8 * GiB and "size of step_00000690" in r.summary
+    ctx.resume_intent = "resume"  # the kept one already counts
+    assert checks.check_disk(ctx).status == "pass"
+
+
+# ---------------------------------------------------------------- env-vars
+
+
+def test_env_vars_required_variable_fails(tmp_path):
+    ctx = make_ctx(tmp_path)
+    ctx.env = {}
+    r = checks.check_env_vars(ctx)
+    assert r.status == "fail" and "PYTORCH_CUDA_ALLOC_CONF unset" in r.summary
+    assert r.fix == "export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"
+
+
+def test_env_vars_polluted_path_warns_naming_entries(tmp_path):
+    ctx = make_ctx(tmp_path)
+    other = str(tmp_path / "sglang-env" / "bin")
+    gone = str(tmp_path / "gone" / "bin")
+    ctx.path_entries.insert(0, PathEntry(other, True, str(tmp_path / "sglang-env")))
+    ctx.path_entries.append(PathEntry(gone, False))
+    r = checks.check_env_vars(ctx)
+    assert r.status == "warn"
+    assert other in r.summary and gone in r.summary
+    assert r.data["path_other_envs"] == [other] and other not in r.fix
+
+
+def test_crashing_check_becomes_a_failure_not_a_traceback(tmp_path, monkeypatch):
+    def boom(ctx):
+        raise KeyError("x")
+
+    monkeypatch.setitem(checks.CHECKS, "disk", boom)
+    r = by_id(run_checks(make_ctx(tmp_path)), "disk")
+    assert r.status == "fail" and "check crashed: KeyError" in r.summary
+
+
+@pytest.mark.parametrize("check_id", CHECK_IDS)
+def test_every_check_result_validates_as_report_schema(tmp_path, check_id):
+    r = checks.CHECKS[check_id](make_ctx(tmp_path))
+    assert r.id == check_id
+    json.dumps(r.model_dump())  # data is JSON-serialisable

@@ -1,0 +1,219 @@
+"""dflash-preflight as a user runs it: exact exit codes, check ids, JSON schema, waivers, the gate."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.ipc as ipc
+import pytest
+
+from dflash.config import config_from_dict
+from preflight.checks import CHECK_IDS, NEEDS_CONFIG
+from preflight.cli import main
+from preflight.gate import run_preflight
+from preflight.nvml import FakeGpuInfo
+from preflight.report import Report
+
+REPO = Path(__file__).resolve().parent.parent
+FIXTURE = REPO / "tests" / "data" / "nvml_fake_8gpu.json"
+# Checks whose verdict depends on this checkout and venv, not on what a test sets up.
+ENV_DEPENDENT = ("profile", "torch-build", "env-drift", "model-source")
+
+
+@pytest.fixture(autouse=True)
+def clean_env(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))  # compile cache under a fresh home: cold
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    monkeypatch.delenv("LD_LIBRARY_PATH", raising=False)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+
+
+def run(capsys, *args: str) -> tuple[int, str, str]:
+    with pytest.raises(SystemExit) as e:
+        main(list(args))
+    out, err = capsys.readouterr()
+    return e.value.code, out, err
+
+
+def write_run(tmp_path: Path, **over) -> Path:
+    data = tmp_path / "data"
+    data.mkdir(exist_ok=True)
+    ids = pa.array([list(range(n)) for n in (50, 300, 120)], type=pa.list_(pa.int32()))
+    mask = pa.array([[1] * n for n in (50, 300, 120)], type=pa.list_(pa.int8()))
+    table = pa.table({"input_ids": ids, "loss_mask": mask})
+    with pa.OSFile(str(data / "shard-00000.arrow"), "wb") as sink, ipc.new_file(sink, table.schema) as w:
+        w.write_table(table)
+    lines = [f'output_dir = "{tmp_path / "run"}"', f'device = "{over.pop("device", "cuda")}"',
+             "[data]", f'path = "{data}"', f"token_budget = {over.pop('token_budget', 1024)}"]
+    if "topology" in over:
+        t = over.pop("topology")
+        lines += ["[topology]", f"target_gpus = {json.dumps(t[0])}", f"drafter_gpus = {json.dumps(t[1])}"]
+    path = tmp_path / "run.toml"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def statuses(out: str) -> dict[str, str]:
+    return {c["id"]: c["status"] for c in json.loads(out)["checks"]}
+
+
+# ---------------------------------------------------------------- usage errors: exit 2, one line
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--profile", "nope"], "unknown profile 'nope' (known: infer-cu130, train-cu128)"),
+    (["--profile", "train-cu128", "--config", "missing.toml"], "missing.toml: no such config file"),
+    (["--profile", "train-cu128", "--waive", "gpu-memroy", "--reason", "x"], "--waive gpu-memroy: unknown check id"),
+    (["--profile", "train-cu128", "--waive", "disk"], "1 --waive but 0 --reason"),
+    (["--profile", "train-cu128", "--resume", "--fresh"], "--resume and --fresh exclude each other"),
+    ([], "Missing option '--profile'"),
+])
+def test_usage_errors_exit_2_with_one_line(capsys, args, message):
+    code, out, err = run(capsys, *args)
+    assert code == 2 and out == ""
+    assert err.count("\n") == 1 and err.startswith("dflash-preflight: error: ") and message in err
+    assert "Traceback" not in err
+
+
+def test_invalid_config_is_a_usage_error(capsys, tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[drafter]\nblok_size = 16\n")
+    code, _, err = run(capsys, "--profile", "train-cu128", "--config", str(bad))
+    assert code == 2 and "drafter.blok_size: unknown key" in err and err.count("\n") == 1
+
+
+# ---------------------------------------------------------------- JSON and exit codes
+
+
+def test_json_without_config_has_every_check_and_skips_run_checks(capsys):
+    code, out, _ = run(capsys, "--profile", "train-cu128", "--json", "--nvml-fake", str(FIXTURE))
+    report = json.loads(out)  # exactly one JSON object
+    assert set(report) == {"profile", "ok", "checks", "host"} and report["profile"] == "train-cu128"
+    assert [c["id"] for c in report["checks"]] == list(CHECK_IDS)
+    for c in report["checks"]:
+        assert set(c) == {"id", "status", "summary", "fix", "data"}
+        assert c["status"] in ("pass", "warn", "fail", "skip", "waived")
+    st = statuses(out)
+    assert [i for i in CHECK_IDS if st[i] == "skip"] == list(NEEDS_CONFIG)
+    assert st["gpu-visibility"] == "pass" and st["compile-cache"] == "warn"
+    assert report["ok"] == (code == 0) and code == (1 if "fail" in st.values() else 0)
+
+
+def test_no_driver_fails_gpu_checks_exit_1(capsys, tmp_path):
+    code, out, _ = run(capsys, "--profile", "train-cu128", "--json", "--nvml-fake", "none",
+                       "--config", str(write_run(tmp_path)))
+    assert code == 1
+    checks = {c["id"]: c for c in json.loads(out)["checks"]}
+    for i in ("gpu-visibility", "gpu-memory", "gpu-processes"):
+        assert checks[i]["status"] == "fail" and checks[i]["summary"] == "no NVIDIA driver (NVML not found)"
+
+
+def test_cpu_run_skips_gpu_checks(capsys, tmp_path):
+    code, out, _ = run(capsys, "--profile", "train-cu128", "--json", "--nvml-fake", "none",
+                       "--config", str(write_run(tmp_path, device="cpu")))
+    st = statuses(out)
+    assert {st[i] for i in ("gpu-visibility", "gpu-memory", "gpu-processes", "compile-cache")} == {"skip"}
+    assert {st[i] for i in ("run-dir", "dataset", "disk", "env-vars", "cuda-libs")} == {"pass"}
+
+
+def test_busy_gpus_fail_and_waivers_turn_exit_to_0(capsys, tmp_path):
+    cfg = write_run(tmp_path, topology=(["0", "1", "2", "3", "4"], ["5", "6", "7"]))
+    code, out, _ = run(capsys, "--profile", "train-cu128", "--json", "--nvml-fake", str(FIXTURE), "--config", str(cfg))
+    assert code == 1
+    report = json.loads(out)
+    st = statuses(out)
+    assert st["gpu-processes"] == "fail" and st["gpu-visibility"] == "pass" and st["dataset"] == "pass"
+    failing = [c["id"] for c in report["checks"] if c["status"] == "fail"]
+    assert set(failing) <= {"gpu-processes", *ENV_DEPENDENT}
+    waive = [a for i in failing for a in ("--waive", i, "--reason", f"test: {i} accepted")]
+    code, out, _ = run(capsys, "--profile", "train-cu128", "--json", "--nvml-fake", str(FIXTURE), "--config", str(cfg),
+                       *waive)
+    assert code == 0
+    report = json.loads(out)
+    assert report["ok"] is True
+    proc = next(c for c in report["checks"] if c["id"] == "gpu-processes")
+    assert proc["status"] == "waived" and "48219" in proc["summary"]  # the finding is kept
+    assert proc["data"]["waiver"] == {"reason": "test: gpu-processes accepted", "status": "fail"}
+
+
+def test_existing_checkpoints_need_resume_or_fresh(capsys, tmp_path):
+    cfg = write_run(tmp_path, device="cpu")
+    ck = tmp_path / "run" / "checkpoints" / "step_00000690"
+    ck.mkdir(parents=True)
+    saved = config_from_dict({"output_dir": str(tmp_path / "run"), "device": "cpu"}).model_dump()
+    (ck / "meta.json").write_text(json.dumps({"step": 690, "config": saved,
+                                              "dataset": {"path": "x", "samples": 902000, "fingerprint": "f"}}))
+    base = ("--profile", "train-cu128", "--json", "--config", str(cfg))
+    _, out, _ = run(capsys, *base)
+    run_dir = next(c for c in json.loads(out)["checks"] if c["id"] == "run-dir")
+    assert run_dir["status"] == "fail" and "step_00000690 (step 690)" in run_dir["summary"]
+    _, out, _ = run(capsys, *base, "--fresh")
+    assert statuses(out)["run-dir"] == "pass"
+    _, out, _ = run(capsys, *base, "--resume")
+    run_dir = next(c for c in json.loads(out)["checks"] if c["id"] == "run-dir")
+    assert run_dir["status"] == "warn" and "902,000 -> 3 samples" in run_dir["summary"]
+
+
+def test_human_output_lines_fixes_verdict_and_no_colour_off_tty(capsys, tmp_path):
+    code, out, _ = run(capsys, "--profile", "train-cu128", "--nvml-fake", "none")
+    lines = out.splitlines()
+    assert "\x1b[" not in out
+    assert lines[0].startswith("PASS   profile") or lines[0].startswith("FAIL   profile")
+    gpu = next(i for i, line in enumerate(lines) if " gpu-visibility " in line)
+    assert lines[gpu].startswith("FAIL") and "no NVIDIA driver (NVML not found)" in lines[gpu]
+    assert lines[gpu + 1].strip().startswith("fix: ")
+    assert lines[-1].startswith("preflight train-cu128: FAILED") and "gpu-visibility" in lines[-1] and code == 1
+
+
+# ---------------------------------------------------------------- gate
+
+
+def test_gate_writes_report_and_validates_waivers(tmp_path):
+    cfg = config_from_dict({"output_dir": str(tmp_path / "run"), "device": "cpu",
+                            "data": {"path": str(tmp_path / "nodata")}})
+    report = run_preflight(cfg, "train-cu128", {"dataset": "data arrives later"}, None)
+    saved = Report.model_validate_json((tmp_path / "run" / "preflight.json").read_text())
+    assert saved == report
+    ds = report.by_id("dataset")
+    assert ds.status == "waived" and ds.data["waiver"]["status"] == "fail" and "does not exist" in ds.summary
+    with pytest.raises(ValueError, match="unknown check id"):
+        run_preflight(cfg, "train-cu128", {"dataset-x": "typo"}, None)
+
+
+def test_gate_fails_on_busy_gpus(tmp_path):
+    cfg = config_from_dict({"output_dir": str(tmp_path / "run"), "data": {"path": str(tmp_path / "nodata")},
+                            "topology": {"target_gpus": ["6"], "drafter_gpus": ["7"]}})
+    report = run_preflight(cfg, "train-cu128", {}, "fresh", gpu_info=FakeGpuInfo.from_json(FIXTURE))
+    assert not report.ok and report.by_id("gpu-processes").status == "fail"
+
+
+# ---------------------------------------------------------------- the real process
+
+
+def test_real_process_json_exit_code_and_never_imports_torch(tmp_path):
+    """Runs the real command in a fresh interpreter: one JSON object, exact exit code, torch never imported."""
+    code = ("import sys, runpy\n"
+            "sys.argv = ['dflash-preflight', '--profile', 'train-cu128', '--json', '--nvml-fake', 'none']\n"
+            "try:\n    runpy.run_module('preflight.cli', run_name='__main__')\n"
+            "except SystemExit as e:\n    rc = e.code\n"
+            "print('TORCH_IMPORTED' if 'torch' in sys.modules else 'NO_TORCH', file=sys.stderr)\n"
+            "sys.exit(rc)\n")
+    env = dict(os.environ, HOME=str(tmp_path), PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True")
+    p = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+    assert p.stderr.strip().splitlines()[-1] == "NO_TORCH"
+    report = json.loads(p.stdout)
+    assert [c["id"] for c in report["checks"]] == list(CHECK_IDS)
+    assert p.returncode == 1 and report["ok"] is False  # no driver: gpu-visibility fails
+
+
+def test_real_process_usage_error(tmp_path):
+    p = subprocess.run([sys.executable, "-m", "preflight.cli", "--profile", "nope"], cwd=REPO,
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2 and p.stdout == ""
+    assert p.stderr == "dflash-preflight: error: unknown profile 'nope' (known: infer-cu130, train-cu128)\n"

@@ -1,0 +1,229 @@
+"""Fact gathering: torch version without importing torch, dist-infos, PATH, libraries, git, checkpoints, shards."""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import shutil
+import subprocess
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.ipc as ipc
+import pytest
+
+from dflash.config import config_from_dict
+from preflight import facts
+from preflight.nvml import FakeGpuInfo
+
+FIXTURE = Path(__file__).parent / "data" / "nvml_fake_8gpu.json"
+
+
+def test_parse_torch_version_py():
+    text = ("from typing import Optional\n__version__ = '2.11.0+cu130'\ndebug = False\n"
+            "cuda: Optional[str] = '13.0'\nhip: Optional[str] = None\n")
+    assert facts.parse_torch_version_py(text) == ("2.11.0+cu130", "13.0")
+    assert facts.parse_torch_version_py("__version__ = '2.10.0+cpu'\ncuda: Optional[str] = None\n") == ("2.10.0+cpu", None)
+    assert facts.parse_torch_version_py("nothing here") is None
+
+
+def test_torch_build_reads_installed_version_module():
+    tb = facts.torch_build()
+    assert tb is not None and tb.source.endswith("version.py")
+    assert tb.version.startswith("2.10.0") and tb.cuda == "12.8"
+
+
+def _dist_info(site: Path, name: str, version: str) -> None:
+    d = site / f"{name.replace('-', '_')}-{version}.dist-info"
+    d.mkdir(parents=True)
+    (d / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n\nLong: description\nName: not-this\n")
+
+
+def test_installed_distributions_finds_each_and_duplicates(tmp_path):
+    a, b = tmp_path / "a", tmp_path / "b"
+    _dist_info(a, "Flash-Attn", "2.8.3")
+    _dist_info(a, "torch", "2.11.0+cu130")
+    _dist_info(b, "torch", "2.10.0+cu128")
+    got = facts.installed_distributions([str(a), str(b), str(tmp_path / "missing")])
+    assert got == {"flash-attn": ["2.8.3"], "torch": ["2.11.0+cu130", "2.10.0+cu128"]}
+
+
+def test_installed_distributions_matches_this_environment():
+    got = facts.installed_distributions()
+    assert "dflash" in got and "pydantic" in got and "torch" in got
+
+
+def test_path_entries_mark_python_envs(tmp_path):
+    me, other, plain = tmp_path / "me", tmp_path / "other", tmp_path / "plain"
+    for root in (me, other):
+        (root / "bin").mkdir(parents=True)
+        (root / "pyvenv.cfg").write_text("home = x\n")
+    plain.mkdir()
+    conda = tmp_path / "conda"
+    (conda / "bin").mkdir(parents=True)
+    (conda / "conda-meta").mkdir()
+    path = ":".join([str(other / "bin"), str(conda / "bin"), str(me / "bin"), str(plain), str(tmp_path / "gone")])
+    entries = facts.path_entries(path, str(me))
+    assert [(e.exists, e.python_env is not None, e.is_self) for e in entries] == [
+        (True, True, False), (True, True, False), (True, True, True), (True, False, False), (False, False, False)]
+
+
+def test_scan_lib_dir_reads_cuda_major(tmp_path):
+    d13 = tmp_path / "cuda-13.0" / "lib64"
+    d13.mkdir(parents=True)
+    for name in ("libcudart.so.13", "libcudart.so.13.0.96", "libnccl.so.2", "libfoo.so"):
+        (d13 / name).write_text("")
+    lib = facts.scan_lib_dir(str(d13))
+    assert lib.exists and lib.libs == {"libcudart.so.13": 13, "libcudart.so.13.0.96": 13, "libnccl.so.2": 13}
+    nccl_only = tmp_path / "nccl-cu12"
+    nccl_only.mkdir()
+    (nccl_only / "libnccl.so.2").write_text("")
+    assert facts.scan_lib_dir(str(nccl_only)).libs == {"libnccl.so.2": 12}  # from the dir name
+    assert not facts.scan_lib_dir(str(tmp_path / "nope")).exists
+
+
+@pytest.mark.skipif(shutil.which("git") is None, reason="git not installed")
+def test_model_source_git_names_modified_and_untracked(tmp_path):
+    git = ["git", "-C", str(tmp_path), "-c", "user.name=t", "-c", "user.email=t@example.com"]
+    subprocess.run(["git", "init", "-q", str(tmp_path)], check=True)
+    (tmp_path / "dflash").mkdir()
+    (tmp_path / "dflash" / "model.py").write_text("x = 1\n")
+    (tmp_path / "dflash" / "attention.py").write_text("y = 1\n")
+    subprocess.run([*git, "add", "."], check=True)
+    subprocess.run([*git, "commit", "-q", "-m", "init"], check=True)
+    clean = facts.model_source(tmp_path)
+    assert clean.mode == "git" and not clean.modified and clean.verified == ["dflash/model.py", "dflash/attention.py"]
+    assert sorted(clean.absent) == ["dflash/loss.py", "dflash/target.py"]
+    (tmp_path / "dflash" / "model.py").write_text("x = 1\nimport pdb; pdb.set_trace()\n")
+    (tmp_path / "dflash" / "loss.py").write_text("hack = True\n")
+    src = facts.model_source(tmp_path)
+    assert src.states == {"dflash/model.py": "modified", "dflash/loss.py": "untracked"}
+    assert "1 file changed" in src.diff_stat and src.commit and len(src.commit) == 40
+
+
+def test_model_source_record_verifies_hashes(tmp_path, monkeypatch):
+    site = tmp_path / "site"
+    pkg = site / "fakeproj"
+    pkg.mkdir(parents=True)
+    (pkg / "model.py").write_text("x = 1\n")
+    (pkg / "loss.py").write_text("y = 1\n")
+
+    def h(data: bytes) -> str:
+        return "sha256=" + base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
+
+    info = site / "fakeproj-1.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: fakeproj\nVersion: 1.0\n")
+    model_hash, loss_hash = h(b"x = 1\n"), h(b"y = 1\n")
+    (info / "RECORD").write_text(f"fakeproj/model.py,{model_hash},6\nfakeproj/loss.py,{loss_hash},6\n")
+    monkeypatch.syspath_prepend(str(site))
+    files = ("fakeproj/model.py", "fakeproj/loss.py", "fakeproj/target.py")
+    ok = facts.model_source_record(files, "fakeproj")
+    assert ok.mode == "record" and ok.verified == ["fakeproj/model.py", "fakeproj/loss.py"] and not ok.modified
+    assert ok.absent == ["fakeproj/target.py"] and ok.commit == "fakeproj==1.0"
+    (pkg / "loss.py").write_text("y = 2  # hack\n")
+    assert facts.model_source_record(files, "fakeproj").modified == ["fakeproj/loss.py"]
+
+
+def _ckpt(root: Path, step: int, meta: dict | str | None) -> Path:
+    d = root / "checkpoints" / f"step_{step:08d}"
+    d.mkdir(parents=True)
+    if meta is not None:
+        (d / "meta.json").write_text(meta if isinstance(meta, str) else json.dumps(meta))
+    (d / "drafter.safetensors").write_bytes(b"\0" * 1000)
+    return d
+
+
+def test_run_dir_lists_finished_checkpoints(tmp_path):
+    run = tmp_path / "run"
+    _ckpt(run, 500, {"step": 500})
+    _ckpt(run, 690, {"step": 690, "config": {}})
+    (run / "checkpoints" / "step_00000700.tmp").mkdir()  # unfinished save: ignored
+    _ckpt(run, 800, None)  # no meta.json: not a finished checkpoint (the trainer ignores it too)
+    rd = facts.run_dir(str(run))
+    assert rd.writable and [c.step for c in rd.checkpoints] == [500, 690]
+    assert rd.newest.meta == {"step": 690, "config": {}} and rd.newest.size_bytes >= 1000
+    _ckpt(run, 900, "{not json")
+    rd = facts.run_dir(str(run))
+    assert rd.newest.step == 900 and rd.newest.meta is None and "meta.json unreadable" in rd.newest.error
+
+
+def test_run_dir_not_writable_when_parent_is_a_file(tmp_path):
+    (tmp_path / "file").write_text("")
+    rd = facts.run_dir(str(tmp_path / "file" / "run"))
+    assert not rd.writable and "is not a directory" in rd.problem
+
+
+def _shard(path: Path, lengths: list[int], mask_lengths: list[int] | None = None, columns=("input_ids", "loss_mask")):
+    ids = pa.array([list(range(n)) for n in lengths], type=pa.list_(pa.int32()))
+    mask = pa.array([[1] * n for n in (mask_lengths or lengths)], type=pa.list_(pa.int8()))
+    table = pa.table(dict(zip(columns, [ids, mask])))
+    with pa.OSFile(str(path), "wb") as sink, ipc.new_file(sink, table.schema) as w:
+        w.write_table(table)
+
+
+def _cfg(tmp_path: Path, **data):
+    return config_from_dict({"output_dir": str(tmp_path / "run"), "data": {"path": str(tmp_path / "data"), **data}})
+
+
+def test_dataset_counts_and_finds_samples_that_never_fit(tmp_path):
+    (tmp_path / "data").mkdir()
+    _shard(tmp_path / "data" / "shard-00000.arrow", [10, 20, 30])
+    _shard(tmp_path / "data" / "shard-00001.arrow", [5, 70, 40, 90])
+    ds = facts.dataset(_cfg(tmp_path, token_budget=64))
+    assert ds.error is None and ds.samples == 7 and ds.limit == 64
+    s1 = ds.shards[1]
+    assert (s1.first_row, s1.max_len, s1.max_row, s1.over_count, s1.over) == (3, 90, 3, 2, [(3, 90), (1, 70)])
+    assert facts.dataset(_cfg(tmp_path, token_budget=128, max_length=35)).limit == 35
+
+
+def test_dataset_fingerprint_matches_the_trainer(tmp_path):
+    from dflash.data import ShardDataset
+
+    (tmp_path / "data").mkdir()
+    _shard(tmp_path / "data" / "a.arrow", [10, 20])
+    _shard(tmp_path / "data" / "b.arrow", [30])
+    assert facts.dataset(_cfg(tmp_path)).fingerprint == ShardDataset(tmp_path / "data").fingerprint
+
+
+def test_dataset_corrupt_shards_are_named(tmp_path):
+    (tmp_path / "data").mkdir()
+    _shard(tmp_path / "data" / "a.arrow", [10, 20])
+    (tmp_path / "data" / "b.arrow").write_bytes(b"ARROW1 truncated garbage")
+    _shard(tmp_path / "data" / "c.arrow", [10], columns=("input_ids", "labels"))
+    _shard(tmp_path / "data" / "d.arrow", [10, 12], mask_lengths=[10, 11])
+    shards = {s.name: s for s in facts.dataset(_cfg(tmp_path)).shards}
+    assert shards["a.arrow"].error is None
+    assert shards["b.arrow"].error.startswith("not a readable Arrow IPC file")
+    assert shards["c.arrow"].error == "no column loss_mask (columns: input_ids, labels)"
+    assert shards["d.arrow"].mask_mismatch == (1, 12, 11)
+    assert facts.dataset(_cfg(tmp_path / "nowhere")).error.endswith("does not exist")
+
+
+def test_compile_cache_reads_manifest(tmp_path, monkeypatch):
+    from preflight.profiles import load_profile
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    profile = load_profile("train-cu128")
+    cold = facts.compile_cache(profile, {})
+    assert not cold.exists and cold.path == str(tmp_path / ".cache/dflash/inductor/train-cu128")
+    Path(cold.path).mkdir(parents=True)
+    (Path(cold.path) / "dflash-manifest.json").write_text(json.dumps({"torch": "2.10.0+cu128"}))
+    warm = facts.compile_cache(profile, {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "elsewhere")})
+    assert warm.exists and warm.manifest == {"torch": "2.10.0+cu128"} and warm.env_override
+
+
+def test_gather_builds_a_full_context(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "data").mkdir()
+    _shard(tmp_path / "data" / "a.arrow", [10, 20])
+    env = {"PATH": str(tmp_path), "LD_LIBRARY_PATH": str(tmp_path), "CUDA_VISIBLE_DEVICES": "1,0"}
+    ctx = facts.gather("train-cu128", _cfg(tmp_path), "fresh", FakeGpuInfo.from_json(FIXTURE), environ=env)
+    assert ctx.profile.name == "train-cu128" and ctx.torch.cuda == "12.8"
+    assert ctx.gpus.snapshot and len(ctx.gpus.snapshot.gpus) == 8 and ctx.gpus.cuda_visible_devices == "1,0"
+    assert ctx.dataset.samples == 2 and ctx.run_dir.checkpoints == [] and ctx.disk.free_bytes > 0
+    assert ctx.host["gpus"] == 8 and ctx.host["nvidia_driver"] == "570.133.20"
+    nogpu = facts.gather("train-cu128", None, None, FakeGpuInfo(None), environ=env)
+    assert nogpu.gpus.snapshot is None and nogpu.gpus.error == "no NVIDIA driver (NVML not found)"
+    assert nogpu.run_dir is None and nogpu.dataset is None

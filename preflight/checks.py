@@ -704,7 +704,8 @@ def check_env_vars(ctx: Context) -> CheckResult:
         return _r("env-vars", "fail", f"profile {p.name} requires {said}", f"export {fail_fix}", **data)
     notes = []
     if shadow:
-        notes.append(f"PATH has bin dirs of other Python environments ahead of this one: {_listing(shadow, 3)}")
+        where = "ahead of this one" if data["self_on_path"] else "and not this one's"
+        notes.append(f"PATH has bin dirs of other Python environments {where}: {_listing(shadow, 3)}")
     if missing_dirs:
         notes.append(f"PATH entries that do not exist: {_listing(missing_dirs, 3)}")
     if notes:

@@ -144,3 +144,14 @@ def test_real_nvml_when_present():
     assert snap.driver_version and snap.cuda_driver_version.count(".") == 1
     for g in snap.gpus:
         assert g.uuid.startswith(("GPU-", "MIG-")) and 0 <= g.memory_free <= g.memory_total
+
+
+def test_recorded_h200_report_matches_the_schema():
+    """The real-NVML run recorded on an H200 (torch swapped to the CUDA 13.0 build) still parses as a Report."""
+    from preflight.checks import CHECK_IDS
+    from preflight.report import Report
+
+    report = Report.model_validate_json((DATA / "preflight_h200_run.json").read_text())
+    assert [c.id for c in report.checks] == list(CHECK_IDS) and report.ok is False
+    assert report.by_id("torch-build").summary.startswith("torch 2.11.0+cu130 (CUDA 13.0) installed")
+    assert report.by_id("gpu-visibility").status == "pass" and report.host["nvidia_driver"] == "580.159.04"

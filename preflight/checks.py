@@ -485,13 +485,15 @@ def check_model_source(ctx: Context) -> CheckResult:
 
 
 def _default_layer_ids(ctx: Context, n: int) -> list[int] | None:
+    """The target layers an empty drafter.target_layer_ids resolves to, or None when unknown."""
     layers = _dims(ctx).get("num_hidden_layers") if ctx.config else None
     if not layers:
         return None
-    if n == 1:
-        return [layers // 2]
-    lo, hi = 1, layers - 3
-    return [lo + round(k * (hi - lo) / (n - 1)) for k in range(n)]
+    try:
+        from preflight.memory import default_target_layer_ids
+    except ImportError:
+        return None
+    return default_target_layer_ids(layers, n)
 
 
 def _incompatible(ctx: Context, saved: dict) -> list[str]:
@@ -551,8 +553,8 @@ def check_run_dir(ctx: Context) -> CheckResult:
         data["dataset"] = {"old_samples": old.get("samples"), "new_samples": ds.samples,
                            "old_path": old.get("path"), "new_path": ds.path}
         if old.get("samples") != ds.samples:
-            changes.append(f"{old.get('samples') if old.get('samples') is not None else '?':,} -> {ds.samples:,} samples"
-                           if isinstance(old.get("samples"), int) else f"? -> {ds.samples:,} samples")
+            was = f"{old['samples']:,}" if isinstance(old.get("samples"), int) else "?"
+            changes.append(f"{was} -> {ds.samples:,} samples")
         elif old.get("fingerprint") and old.get("fingerprint") != ds.fingerprint:
             changes.append(f"same {ds.samples:,} samples but other shards (fingerprint {old['fingerprint']} -> {ds.fingerprint})")
         if old.get("path") and old.get("path") != ds.path:
@@ -652,10 +654,18 @@ def checkpoint_bytes(ctx: Context) -> tuple[int | None, str]:
     newest = ctx.run_dir.newest if ctx.run_dir else None
     if newest is not None and newest.size_bytes:
         return newest.size_bytes, f"size of {os.path.basename(newest.path)}"
-    d = _dims(ctx)
-    if not d.get("hidden_size"):
-        return None, f"target config.json not readable at {ctx.config.target.path}"
-    return _drafter_params(ctx.config, d) * 12, "estimate: drafter params x 12 B (fp32 weights, AdamW m and v)"
+    basis = "estimate: drafter params x 12 B (fp32 weights, AdamW m and v)"
+    try:
+        from preflight.memory import drafter_params, load_target_shape
+    except ImportError:
+        d = _dims(ctx)
+        if not d.get("hidden_size"):
+            return None, f"target config.json not readable at {ctx.config.target.path}"
+        return _drafter_params(ctx.config, d) * 12, basis
+    try:
+        return drafter_params(ctx.config, load_target_shape(ctx.config.target.path)) * 12, basis
+    except ValueError as e:
+        return None, str(e)
 
 
 def check_disk(ctx: Context) -> CheckResult:

@@ -478,3 +478,25 @@ def test_every_check_result_validates_as_report_schema(tmp_path, check_id):
     r = checks.CHECKS[check_id](make_ctx(tmp_path))
     assert r.id == check_id
     json.dumps(r.model_dump())  # data is JSON-serialisable
+
+
+def test_run_dir_resolved_layer_ids_are_compatible(tmp_path):
+    from preflight.memory import default_target_layer_ids
+
+    resolved = default_target_layer_ids(30, 5)  # SmolLM2: 30 layers, 5 drafter layers
+    ctx = _with_checkpoint(make_ctx(tmp_path), config_over={"drafter.target_layer_ids": resolved})
+    ctx.resume_intent = "resume"
+    assert checks.check_run_dir(ctx).status == "pass"  # [] in the config resolves to the saved list
+    ctx = _with_checkpoint(make_ctx(tmp_path), config_over={"drafter.target_layer_ids": [1, 2, 3, 4, 5]})
+    ctx.resume_intent = "resume"
+    r = checks.check_run_dir(ctx)
+    assert r.status == "fail" and "drafter.target_layer_ids [1, 2, 3, 4, 5] -> []" in r.summary
+
+
+def test_disk_unknown_target_warns_and_simple_estimate_without_memory_model(tmp_path, monkeypatch):
+    ctx = make_ctx(tmp_path, config={"target": {"path": str(tmp_path / "no-model")}})
+    r = checks.check_disk(ctx)
+    assert r.status == "warn" and "checkpoint size unknown" in r.summary
+    monkeypatch.setitem(sys.modules, "preflight.memory", None)
+    r = checks.check_disk(make_ctx(tmp_path))
+    assert r.status == "pass" and 0 < r.data["checkpoint_bytes"] < GiB

@@ -22,7 +22,7 @@ from preflight.report import Report
 REPO = Path(__file__).resolve().parent.parent
 FIXTURE = REPO / "tests" / "data" / "nvml_fake_8gpu.json"
 # Checks whose verdict depends on this checkout and venv, not on what a test sets up.
-ENV_DEPENDENT = ("profile", "torch-build", "env-drift", "model-source")
+ENV_DEPENDENT = ("profile", "torch-build", "env-drift", "cuda-libs", "model-source")
 
 
 @pytest.fixture(autouse=True)
@@ -119,7 +119,9 @@ def test_cpu_run_skips_gpu_checks(capsys, tmp_path):
                        "--config", str(write_run(tmp_path, device="cpu")))
     st = statuses(out)
     assert {st[i] for i in ("gpu-visibility", "gpu-memory", "gpu-processes", "compile-cache")} == {"skip"}
-    assert {st[i] for i in ("run-dir", "dataset", "disk", "env-vars", "cuda-libs")} == {"pass"}
+    assert {st[i] for i in ("run-dir", "dataset", "disk", "env-vars")} == {"pass"}
+    cuda_libs = next(c for c in json.loads(out)["checks"] if c["id"] == "cuda-libs")
+    assert "NVML" not in cuda_libs["summary"]  # the driver is not asked for on a CPU run
 
 
 def test_busy_gpus_fail_and_waivers_turn_exit_to_0(capsys, tmp_path):

@@ -191,10 +191,72 @@ def data_stats(path, token_budget, max_batch_size, num_buckets) -> None:
         raise click.ClickException(str(e)) from None
 
 
+class InputError(click.ClickException):
+    """Bad input to a data/eval command: one line, exit 2."""
+
+    exit_code = 2
+
+
+@data_main.command("prepare")
+@click.option("--target", default="smollm2", show_default=True, help="HF model folder, or smollm2 (embedded)")
+@click.option("--prompts", default="chitchat", show_default=True, help="chitchat, held-out, or a .txt/.jsonl file")
+@click.option("--out", required=True, type=click.Path(file_okay=False, path_type=Path), help="output folder")
+@click.option("--max-new-tokens", type=click.IntRange(min=1), default=256, show_default=True)
+@click.option("--limit", type=click.IntRange(min=1), help="first N prompts only")
+@click.option("--batch-size", type=click.IntRange(min=1), default=16, show_default=True, help="prompts per generate call")
+@click.option("--shard-size", type=click.IntRange(min=1), default=64, show_default=True, help="samples per shard")
+@click.option("--engine", type=click.Choice(["transformers", "sglang"]), default="transformers", show_default=True)
+@click.option("--device", default="auto", show_default=True, help="auto, cpu or cuda (transformers engine)")
+def data_prepare(target, prompts, out, max_new_tokens, limit, batch_size, shard_size, engine, device) -> None:
+    """Greedy completions of the target -> Arrow shards (resumable: finished shards are kept)."""
+    from dflash.prepare import PrepareError, PrepareSettings, prepare
+    from dflash.prompts import PromptError
+
+    try:
+        prepare(PrepareSettings(target, prompts, out, max_new_tokens, limit, batch_size, shard_size, engine, device),
+                log=click.echo)
+    except (PrepareError, PromptError) as e:
+        raise InputError(str(e)) from None
+
+
+@data_main.command("merge")
+@click.argument("inputs", nargs=-1, required=True, type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.option("--out", required=True, type=click.Path(path_type=Path), help="merged output folder (must not exist)")
+@click.option("--overwrite", is_flag=True, help="replace an existing --out")
+def data_merge(inputs, out, overwrite) -> None:
+    """Copy the shards of several datasets into one new folder; inputs stay untouched."""
+    from dflash.prepare import PrepareError, merge
+
+    try:
+        merge(list(inputs), out, overwrite, log=click.echo)
+    except PrepareError as e:
+        raise InputError(str(e)) from None
+
+
 @click.command(context_settings=CONTEXT)
-def eval_main() -> None:
-    """Acceptance length of a drafter against its target (speculative decoding)."""
-    raise click.ClickException("dflash-eval is not built yet (see the data/eval issue)")
+@click.option("--target", default="smollm2", show_default=True, help="HF model folder, or smollm2 (embedded)")
+@click.option("--drafter", required=True, type=click.Path(exists=True, file_okay=False, path_type=Path),
+              help="run dir (output_dir) or drafter folder (config.json + model.safetensors)")
+@click.option("--prompts", default="held-out", show_default=True, help="held-out, chitchat, or a .txt/.jsonl file")
+@click.option("--block-size", type=click.IntRange(min=2), help="tokens per drafted block (default: the drafter's)")
+@click.option("--max-new-tokens", type=click.IntRange(min=1), default=64, show_default=True)
+@click.option("--limit", type=click.IntRange(min=1), default=16, show_default=True, help="first N prompts")
+@click.option("--device", default="cpu", show_default=True, help="cpu or cuda")
+@click.option("--json", "json_out", type=click.Path(dir_okay=False, path_type=Path), help="also write the report here")
+def eval_main(target, drafter, prompts, block_size, max_new_tokens, limit, device, json_out) -> None:
+    """Acceptance length of a drafter against its target (greedy speculative decoding, checked lossless)."""
+    from dflash.eval import EvalError, evaluate, print_report
+    from dflash.prompts import PromptError
+
+    try:
+        report = evaluate(target, drafter, prompts, block_size, max_new_tokens, limit, device, log=click.echo)
+    except (EvalError, PromptError) as e:
+        raise InputError(str(e)) from None
+    print_report(report, log=click.echo)
+    if json_out:
+        json_out.write_text(report.to_json())
+    if not report.lossless:
+        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,118 @@
+"""User prompts: the embedded chitchat set (train / held-out by conversation) or a file.
+
+    load_prompts("chitchat")     # train split of the chitchat-dataset package (real human chats)
+    load_prompts("held-out")     # its held-out split: conversations never seen in training
+    load_prompts("my.txt")       # one prompt per non-empty line
+    load_prompts("my.jsonl")     # one JSON object per line with a "prompt" field (or a JSON string)
+
+The chitchat split is by conversation: a conversation is held out when the first byte of the
+sha256 of its id is below HELD_OUT_BYTE, so the split never depends on file order, Python's
+hash seed or the machine. Each conversation's turns become single-turn prompts, ordered turn 0
+of every conversation first, then turn 1, ... so any prefix of the list is spread over many
+conversations.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import json
+from pathlib import Path
+
+CHITCHAT = "chitchat"
+HELD_OUT = "held-out"
+CHITCHAT_DISTRIBUTION = "chitchat-dataset"
+HELD_OUT_BYTE = 13  # 13/256 ~ 5% of conversations are held out
+MIN_CHARS, MAX_CHARS = 20, 400  # turns outside this length (characters) make poor prompts
+
+
+class PromptError(ValueError):
+    """Prompts that cannot be used; the message is one line naming the source and the fix."""
+
+
+def chitchat_json() -> Path:
+    """dataset.json inside the installed chitchat-dataset distribution (its module is not imported)."""
+    try:
+        dist = importlib.metadata.distribution(CHITCHAT_DISTRIBUTION)
+    except importlib.metadata.PackageNotFoundError:
+        raise PromptError(f"--prompts chitchat needs the package {CHITCHAT_DISTRIBUTION} (demo group); run `uv sync`") from None
+    found = [f for f in dist.files or [] if str(f).endswith("dataset.json")]
+    if not found or not Path(dist.locate_file(found[0])).is_file():
+        raise PromptError(f"{CHITCHAT_DISTRIBUTION} {dist.version} has no dataset.json; reinstall it with `uv sync`")
+    return Path(dist.locate_file(found[0]))
+
+
+def is_held_out(conversation_id: str) -> bool:
+    return hashlib.sha256(conversation_id.encode()).digest()[0] < HELD_OUT_BYTE
+
+
+def chitchat_prompts(held_out: bool) -> list[str]:
+    data = json.loads(chitchat_json().read_text())
+    ids = sorted((cid for cid in data if is_held_out(cid) == held_out),
+                 key=lambda cid: hashlib.sha256(cid.encode()).hexdigest())
+    per_conv = []
+    for cid in ids:
+        turns = (" ".join(u["text"].strip() for u in msg).strip() for msg in data[cid]["messages"])
+        per_conv.append([t for t in turns if MIN_CHARS <= len(t) <= MAX_CHARS])
+    prompts, depth = [], max((len(t) for t in per_conv), default=0)
+    for k in range(depth):
+        prompts += [turns[k] for turns in per_conv if k < len(turns)]
+    return prompts
+
+
+def file_prompts(path: Path) -> list[str]:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise PromptError(f"{path}: no such prompt file (give a .txt/.jsonl file, 'chitchat' or 'held-out')") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise PromptError(f"{path}: cannot read it as UTF-8 text ({e})") from None
+    lines = [(i + 1, line.strip()) for i, line in enumerate(text.splitlines()) if line.strip()]
+    if path.suffix == ".jsonl":
+        prompts = []
+        for lineno, line in lines:
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise PromptError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
+            prompt = row.get("prompt") if isinstance(row, dict) else row
+            if not isinstance(prompt, str):
+                raise PromptError(f"{path}:{lineno}: expected a JSON string or an object with a \"prompt\" string")
+            prompts.append(prompt)
+    else:
+        prompts = [line for _, line in lines]
+    prompts = [p for p in prompts if p.strip()]
+    if not prompts:
+        raise PromptError(f"{path}: the prompt file holds no prompts (one per line, or JSONL with \"prompt\")")
+    return prompts
+
+
+def load_prompts(spec: str, limit: int | None = None) -> list[str]:
+    """Prompts from 'chitchat', 'held-out' or a file; the first `limit` of them if given."""
+    if spec == CHITCHAT:
+        prompts = chitchat_prompts(held_out=False)
+    elif spec == HELD_OUT:
+        prompts = chitchat_prompts(held_out=True)
+    else:
+        prompts = file_prompts(Path(spec))
+    return prompts[:limit] if limit is not None else prompts
+
+
+def chat_prompt_ids(tokenizer, prompt: str) -> list[int]:
+    """Token ids of one user turn in the tokenizer's chat template, ending with the assistant header.
+
+    A tokenizer without a chat template (tiny test tokenizers) gets the plain encoded text.
+    """
+    if getattr(tokenizer, "chat_template", None):
+        out = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                            tokenize=True, return_dict=True)
+        return list(out["input_ids"])
+    return list(tokenizer(prompt)["input_ids"])
+
+
+def source_fingerprint(prompts: list[str]) -> str:
+    """Hash of a prompt list (recorded in manifests so a resume never mixes two prompt sets)."""
+    h = hashlib.sha256()
+    for p in prompts:
+        h.update(hashlib.sha256(p.encode()).digest())
+    return h.hexdigest()[:16]

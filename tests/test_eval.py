@@ -1,0 +1,111 @@
+"""dflash-eval: speculative decoding must reproduce target-only greedy decoding token for token."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from dflash.cli import eval_main
+from dflash.eval import Decoder, EvalError, evaluate_drafters, find_drafter_folder, load_eval_target
+from dflash.model import DFlashDrafter, drafter_config_from_target
+from dflash.prompts import chat_prompt_ids
+from tinylm import tiny_target_folder, words
+
+MASK_ID = 5  # "<mask>" in the tiny tokenizer
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    return tmp_path_factory.mktemp("eval")
+
+
+def _drafter(model, block_size=4, seed=0):
+    torch.manual_seed(seed)
+    cfg = drafter_config_from_target(model.config, 1, block_size, mask_token_id=MASK_ID)
+    return DFlashDrafter(cfg).eval()
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_random_drafter_is_lossless(root, arch):
+    model, tok = load_eval_target(str(tiny_target_folder(root, arch)), "cpu")
+    prompts = [words(3 + i, start=i) for i in range(3)]
+    reports = evaluate_drafters(model, tok, {"random": _drafter(model)}, prompts, None, 24, progress=False)
+    r = reports["random"]
+    assert r.lossless, r.mismatches
+    assert r.new_tokens > 0 and r.verify_steps > 0
+    assert 1.0 <= r.mean_accept_len <= 4.0
+    assert sum(r.histogram.values()) == r.verify_steps
+
+
+class _Oracle:
+    """Drafts the target's true greedy continuation, wrong from slot `wrong_at` on (None: never)."""
+
+    def __init__(self, reference: list[int], prompt_len: int, wrong_at: int | None):
+        self.reference, self.prompt_len, self.wrong_at = reference, prompt_len, wrong_at
+
+    def __call__(self, ctx_SF, last, block_size):
+        done = ctx_SF.shape[0] - self.prompt_len + 1  # tokens generated so far (incl. `last`)
+        true = (self.reference[done:] + [0] * block_size)[: block_size - 1]
+        if self.wrong_at is not None:
+            true = true[: self.wrong_at] + [(t + 1) % 64 for t in true[self.wrong_at:]]
+        return true
+
+
+@pytest.mark.parametrize("wrong_at, expect", [(None, 4), (0, 1), (2, 3)])
+def test_cache_rollback_keeps_output_exact(root, monkeypatch, wrong_at, expect):
+    """Accepting all, none or part of a block: output still equals greedy, acceptance is as drafted."""
+    model, tok = load_eval_target(str(tiny_target_folder(root, "llama")), "cpu")
+    prompt = chat_prompt_ids(tok, words(6))
+    base = Decoder(model, None, [tok.eos_token_id])
+    reference, _ = base.greedy(prompt, 30)
+    dec = Decoder(model, _drafter(model), [tok.eos_token_id])
+    monkeypatch.setattr(dec, "draft", _Oracle(reference, len(prompt), wrong_at))
+    tokens, accept = dec.speculative(prompt, 30, 4)
+    assert tokens == reference
+    assert all(a == expect for a in accept[:-1]), accept  # the last step may run past the end
+
+
+def test_detects_a_lossy_decoder(root, monkeypatch):
+    """A verify step that accepts a wrong draft must be reported, not hidden."""
+    model, tok = load_eval_target(str(tiny_target_folder(root, "llama")), "cpu")
+
+    def lossy(self, prompt, max_new, block_size):
+        tokens, accept = real(self, prompt, max_new, block_size)
+        return [(tokens[0] + 1) % 64] + tokens[1:], accept
+
+    real = Decoder.speculative
+    monkeypatch.setattr(Decoder, "speculative", lossy)
+    r = evaluate_drafters(model, tok, {"d": _drafter(model)}, [words(4)], None, 8, progress=False)["d"]
+    assert not r.lossless
+    assert "token 0" in r.mismatches[0]
+
+
+def test_cli_reports_and_exit_codes(root, tmp_path):
+    target = tiny_target_folder(root, "llama")
+    model, _ = load_eval_target(str(target), "cpu")
+    run = tmp_path / "run"
+    _drafter(model).save_pretrained(run / "drafter")
+    prompts = tmp_path / "p.txt"
+    prompts.write_text(f"{words(4)}\n{words(5, 3)}\n")
+    out = tmp_path / "r.json"
+    res = CliRunner().invoke(eval_main, ["--target", str(target), "--drafter", str(run), "--prompts", str(prompts),
+                                         "--max-new-tokens", "12", "--json", str(out)])
+    assert res.exit_code == 0, res.output
+    assert "mean acceptance length" in res.output and "lossless: " in res.output
+    assert json.loads(out.read_text())["lossless"] is True
+    assert find_drafter_folder(run) == run / "drafter"
+
+    res = CliRunner().invoke(eval_main, ["--target", str(target), "--drafter", str(tmp_path), "--prompts",
+                                         str(prompts)])
+    assert res.exit_code == 2
+    assert "not a drafter folder" in res.output
+
+
+def test_drafter_of_another_target_is_refused(root):
+    llama, tok = load_eval_target(str(tiny_target_folder(root, "llama")), "cpu")
+    cfg = drafter_config_from_target(dict(llama.config.to_dict(), num_hidden_layers=8), 1, 4, mask_token_id=MASK_ID)
+    with pytest.raises(EvalError, match="does not belong to this target"):
+        evaluate_drafters(llama, tok, {"x": DFlashDrafter(cfg)}, [words(3)], None, 4, progress=False)

@@ -95,10 +95,11 @@ def _block_mask(anchor_BA, context_valid_BS, seq_len, block_size, device) -> Blo
     last_ctx = seq_len - 1
 
     def dflash_mask_mod(b, h, q_idx, kv_idx):
+        # Kernels may evaluate this on indices past the end (partial tiles): keep reads in bounds.
         q_block = q_idx // block_size
         is_ctx = kv_idx < seq_len
         ctx_ok = context_valid_BS[b, torch.clamp(kv_idx, max=last_ctx)]
-        sees_ctx = is_ctx & ctx_ok & (kv_idx < anchor_BA[b, q_block])
+        sees_ctx = is_ctx & ctx_ok & (kv_idx < anchor_BA[b, torch.clamp(q_block, max=A - 1)])
         sees_own = (~is_ctx) & ((kv_idx - seq_len) // block_size == q_block)
         return sees_ctx | sees_own
 

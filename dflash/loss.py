@@ -138,13 +138,14 @@ def _math_dtype(head_VH: torch.Tensor) -> torch.dtype:
 def _chunk_loss(h_cH, head_VH, labels_c, w_c, t_cH, kl_weight, want_grad):
     """Per-token CE and KL of one chunk, argmax correctness, and d(sum w*loss)/dh if wanted."""
     dtype = _math_dtype(head_VH)
-    logp_cV = (h_cH.to(head_VH.dtype) @ head_VH.T).to(dtype)
-    correct_c = logp_cV.argmax(dim=-1) == labels_c
-    logp_cV -= logp_cV.logsumexp(dim=-1, keepdim=True)
+    logits_cV = h_cH.to(head_VH.dtype) @ head_VH.T
+    correct_c = logits_cV.argmax(dim=-1) == labels_c
+    logp_cV = torch.log_softmax(logits_cV, dim=-1, dtype=dtype)  # one fused pass, upcast inside
+    del logits_cV
     ce_c = -logp_cV.gather(1, labels_c[:, None]).squeeze(1)
     kl_c = target_p_cV = None
     if t_cH is not None and kl_weight > 0:
-        target_logp_cV = (t_cH.to(head_VH.dtype) @ head_VH.T).to(dtype).log_softmax(dim=-1)
+        target_logp_cV = torch.log_softmax(t_cH.to(head_VH.dtype) @ head_VH.T, dim=-1, dtype=dtype)
         target_p_cV = target_logp_cV.exp()
         kl_c = (target_p_cV * target_logp_cV.sub_(logp_cV)).sum(dim=-1)
         del target_logp_cV

@@ -185,8 +185,7 @@ def data_stats(path, token_budget, max_batch_size, num_buckets) -> None:
         for lo, hi, n in zip(edges[:-1], edges[1:], counts):
             click.echo(f"  {lo:>7}-{hi:<7} {n:>9}  {'#' * int(40 * n / max(1, counts.max()))}")
         sampler = BucketBatchSampler(lengths, token_budget, max_batch_size, num_buckets, 0)
-        for line in sampler.summary():
-            click.echo(line)
+        click.echo(sampler.summary())
     except DatasetError as e:
         raise click.ClickException(str(e)) from None
 

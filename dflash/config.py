@@ -59,6 +59,10 @@ class DataConfig(_Strict):
 
 class TrainConfig(_Strict):
     max_anchors: int = Field(1024, ge=1, description="anchors sampled per sequence per step")
+    batch_anchors: int | None = Field(
+        None, ge=1, description="cap on anchors summed over a batch (None = max_anchors per sequence, uncapped); "
+        "bounds the drafter's query tokens per step to batch_anchors x block_size",
+    )
     gamma: float = Field(10.0, gt=0, description="slot weight decay: slot k weighs exp(-(k-1)/gamma)")
     kl_weight: float = Field(0.0, ge=0.0, le=1.0, description="share of the soft-label KL in the loss (0 = pure CE)")
     lr: float = Field(6e-4, gt=0, le=1.0, description="peak learning rate")

@@ -25,7 +25,11 @@ from dflash.target import target_embed_and_head, target_features
 
 
 def sample_anchors(
-    loss_mask_BS: torch.Tensor, max_anchors: int, block_size: int, generator: torch.Generator | None = None
+    loss_mask_BS: torch.Tensor,
+    max_anchors: int,
+    block_size: int,
+    generator: torch.Generator | None = None,
+    batch_anchors: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Up to max_anchors sorted anchors per row [B, A] and their validity [B, A] (padding anchors are 0, invalid).
 
@@ -49,8 +53,16 @@ def sample_anchors(
     gen_device = generator.device if generator is not None else device
     keys_BS = torch.rand(eligible_BS.shape, generator=generator, device=gen_device).to(device)
     keys_BS = keys_BS.masked_fill(~eligible_BS, 2.0)  # ineligible positions sort last
-    picked_BA = keys_BS.topk(A, dim=1, largest=False).indices
+    keys_BA, picked_BA = keys_BS.topk(A, dim=1, largest=False)
     valid_BA = torch.arange(A, device=device)[None, :] < count_B[:, None]
+    if batch_anchors is not None and int(valid_BA.sum()) > batch_anchors:
+        # keep a uniform random subset of batch_anchors over the whole batch: the smallest keys win
+        threshold = keys_BA[valid_BA].kthvalue(batch_anchors).values
+        valid_BA = valid_BA & (keys_BA <= threshold)
+        order_BA = torch.argsort((~valid_BA).to(torch.int8), dim=1, stable=True)
+        picked_BA, valid_BA = picked_BA.gather(1, order_BA), valid_BA.gather(1, order_BA)
+        A = max(1, int(valid_BA.sum(dim=1).max()))
+        picked_BA, valid_BA = picked_BA[:, :A], valid_BA[:, :A]
     picked_BA = torch.where(valid_BA, picked_BA, S).sort(dim=1).values  # the sorted valid ones come first
     return torch.where(valid_BA, picked_BA, 0), valid_BA
 
@@ -279,7 +291,7 @@ def train_step_math(
 
     want_last = tcfg.kl_weight > 0
     context_BSF, last_BSH = target_features(target, input_ids_BS, attention_mask_BS, dcfg.target_layer_ids, want_last)
-    anchors_BA, valid_BA = sample_anchors(loss_mask_BS, tcfg.max_anchors, bs, generator)
+    anchors_BA, valid_BA = sample_anchors(loss_mask_BS, tcfg.max_anchors, bs, generator, tcfg.batch_anchors)
     block_ids_BQ, labels_BQ, label_valid_BQ, query_pos_BQ = block_inputs(
         input_ids_BS, anchors_BA, bs, dcfg.mask_token_id, loss_mask_BS=loss_mask_BS, valid_BA=valid_BA
     )

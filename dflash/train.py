@@ -158,8 +158,7 @@ class Trainer:
     def print_plan(self) -> None:
         self.log(f"dataset {self.cfg.data.path}: {self.dataset.num_samples} samples, "
                  f"{int(self.dataset.lengths.sum())} tokens")
-        for line in self.sampler.summary():
-            self.log(line)
+        self.log(self.sampler.summary())
         d = self.drafter.config
         n_params = sum(p.numel() for p in self.drafter.parameters())
         self.log(f"drafter: {d.num_hidden_layers} layers, block {d.block_size}, target layers {d.target_layer_ids}, "

@@ -148,3 +148,21 @@ def test_loss_falls_over_30_steps(tiny_target, kl_weight, ratio):
     assert metrics["anchors"] == 16 and len(metrics["acc_slot"]) == 3
     first, last = sum(losses[:3]) / 3, sum(losses[-3:]) / 3
     assert last < ratio * first, f"loss did not fall clearly: first {first:.3f}, last {last:.3f}"
+
+
+def test_batch_anchor_cap_bounds_total_and_keeps_rows_sorted():
+    from dflash.loss import sample_anchors
+
+    mask = torch.ones(6, 40, dtype=torch.int8)
+    mask[2, 20:] = 0
+    gen = torch.Generator().manual_seed(3)
+    anchors, valid = sample_anchors(mask, 16, 4, gen, batch_anchors=30)
+    assert int(valid.sum()) == 30
+    for row in range(6):
+        got = anchors[row][valid[row]]
+        assert torch.equal(got, got.sort().values) and got.unique().numel() == got.numel()
+        assert bool(valid[row, : int(valid[row].sum())].all())  # valid anchors first
+        assert int(valid[row].sum()) <= 16
+    assert bool((anchors[2][valid[2]] < 19).all())
+    uncapped, v2 = sample_anchors(mask, 16, 4, torch.Generator().manual_seed(3))
+    assert int(v2.sum()) == 16 * 5 + 16

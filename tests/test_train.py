@@ -1,0 +1,157 @@
+"""The co-located trainer end to end on CPU: a real tiny Qwen3 target, real Arrow shards, real processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from dflash import checkpoint as ckpt
+from dflash.data import write_shard
+from dflash.model import DFlashDrafter
+from dflash.train import Trainer, cosine_lr, run
+from trainkit import tiny_config
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def write_toml(raw: dict, path: Path) -> Path:
+    lines = []
+    for key, value in raw.items():
+        if not isinstance(value, dict):
+            lines.append(f"{key} = {json.dumps(value)}")
+    for key, value in raw.items():
+        if isinstance(value, dict):
+            lines.append(f"[{key}]")
+            lines += [f"{k} = {json.dumps(v)}" for k, v in value.items()]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def train_cmd(config: Path, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "dflash.cli", "--config", str(config), "--no-progress",
+            "--waive", "model-source", "--reason", "tests run on a working tree",
+            "--waive", "env-vars", "--reason", "CPU test run", *extra]
+
+
+def test_cosine_schedule_warms_up_then_decays():
+    lrs = [cosine_lr(s, 100, 0.1) for s in range(100)]
+    assert lrs[0] == pytest.approx(0.1) and lrs[9] == pytest.approx(1.0)
+    assert all(a >= b for a, b in zip(lrs[9:], lrs[10:])) and lrs[-1] < 0.01
+
+
+def test_loss_falls_over_30_steps(tmp_path):
+    cfg, _ = tiny_config(tmp_path, max_steps=30)
+    assert run(cfg, None, log=lambda *_: None, progress=False) == 0
+    m = metrics(Path(cfg.output_dir))
+    assert [r["step"] for r in m] == list(range(1, 31))
+    first = sum(r["loss"] for r in m[:3]) / 3
+    last = sum(r["loss"] for r in m[-3:]) / 3
+    assert last < 0.7 * first, f"loss {first:.3f} -> {last:.3f}"
+    assert m[-1]["accept_len"] > m[0]["accept_len"]
+    assert (Path(cfg.output_dir) / "drafter" / "model.safetensors").exists()
+
+
+def test_checkpoint_reloads_into_drafter_and_fresh_process(tmp_path):
+    cfg, _ = tiny_config(tmp_path, max_steps=10)
+    run(cfg, None, log=lambda *_: None, progress=False)
+    latest = ckpt.list_checkpoints(cfg.output_dir)[-1]
+    assert latest.name == "step_00000010"
+    meta = json.loads((latest / "meta.json").read_text())
+    assert meta["step"] == 10 and meta["config"]["drafter"]["block_size"] == 4
+    assert meta["dataset"]["samples"] == 64 and meta["lock_sha256"]
+    # in this process: the trainer's weights and the saved folder agree exactly
+    trainer = Trainer(cfg, latest, log=lambda *_: None)
+    loaded = DFlashDrafter.from_pretrained(latest / "drafter")
+    for (name, a), (_, b) in zip(trainer.drafter.state_dict().items(), loaded.state_dict().items()):
+        assert torch.equal(a, b.to(a.dtype)), name
+    assert trainer.step == 10
+    # in a fresh process
+    code = ("import sys,torch; from dflash.model import DFlashDrafter; "
+            "d=DFlashDrafter.from_pretrained(sys.argv[1]); "
+            "print(sum(float(p.double().sum()) for p in d.parameters()))")
+    out = subprocess.run([sys.executable, "-c", code, str(latest / "drafter")], capture_output=True, text=True,
+                         cwd=REPO, check=True).stdout
+    expect = sum(float(p.detach().double().sum()) for p in loaded.parameters())
+    assert float(out) == pytest.approx(expect, rel=1e-12)
+
+
+def test_resume_after_kill_matches_uninterrupted(tmp_path):
+    """SIGKILL mid-run, resume from the last checkpoint: the next steps' metrics equal an uninterrupted run."""
+    ref_cfg, _ = tiny_config(tmp_path / "ref", max_steps=20, save_every=5)
+    run(ref_cfg, None, log=lambda *_: None, progress=False)
+    ref = {r["step"]: r for r in metrics(Path(ref_cfg.output_dir))}
+
+    cfg, raw = tiny_config(tmp_path / "killed", max_steps=20, save_every=5)
+    config = write_toml(raw, tmp_path / "run.toml")
+    proc = subprocess.Popen(train_cmd(config, "--fresh"), cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    run_dir = Path(cfg.output_dir)
+    deadline = time.time() + 120
+    while time.time() < deadline and not any(c.name == "step_00000010" for c in ckpt.list_checkpoints(run_dir)):
+        assert proc.poll() is None, proc.stdout.read()
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    saved = ckpt.list_checkpoints(run_dir)[-1]
+    step = int(saved.name.split("_")[1])
+    assert 10 <= step < 20
+    out = subprocess.run(train_cmd(config, "--resume", "latest"), cwd=REPO, capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert f"resumed from {saved}" in out.stdout
+    after = [r for r in metrics(run_dir) if r["step"] > step]
+    resumed = {r["step"]: r for r in after[-(20 - step):]}
+    assert sorted(resumed) == list(range(step + 1, 21))
+    for s, r in resumed.items():
+        assert r["loss"] == pytest.approx(ref[s]["loss"], rel=1e-5, abs=1e-6), s
+        assert r["accept_len"] == pytest.approx(ref[s]["accept_len"], rel=1e-6)
+
+
+def test_sigterm_finishes_step_checkpoints_and_exits_zero(tmp_path):
+    cfg, raw = tiny_config(tmp_path, max_steps=5000, save_every=1000)
+    config = write_toml(raw, tmp_path / "run.toml")
+    proc = subprocess.Popen(train_cmd(config, "--fresh"), cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    metrics_file = Path(cfg.output_dir) / "metrics.jsonl"
+    deadline = time.time() + 120
+    while time.time() < deadline and not (metrics_file.exists() and metrics_file.stat().st_size > 0):
+        assert proc.poll() is None, proc.stdout.read()
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 0, out
+    assert "stopped by SIGTERM" in out and "--resume latest" in out
+    last = ckpt.list_checkpoints(cfg.output_dir)[-1]
+    assert int(last.name.split("_")[1]) == metrics(Path(cfg.output_dir))[-1]["step"]
+
+
+def test_refuses_without_resume_or_fresh_when_checkpoints_exist(tmp_path):
+    cfg, raw = tiny_config(tmp_path, max_steps=2, save_every=1)
+    run(cfg, None, log=lambda *_: None, progress=False)
+    config = write_toml(raw, tmp_path / "run.toml")
+    out = subprocess.run(train_cmd(config), cwd=REPO, capture_output=True, text=True)
+    assert out.returncode == 2
+    assert "step_00000002" in out.stderr and "--resume latest" in out.stderr and "--fresh" in out.stderr
+    assert [c.name for c in ckpt.list_checkpoints(cfg.output_dir)] == ["step_00000001", "step_00000002"]
+
+
+def test_corrupt_shard_names_the_file(tmp_path):
+    cfg, raw = tiny_config(tmp_path, max_steps=2)
+    shard = sorted(Path(cfg.data.path).glob("*.arrow"))[1]
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    config = write_toml(raw, tmp_path / "run.toml")
+    out = subprocess.run(train_cmd(config), cwd=REPO, capture_output=True, text=True)
+    assert out.returncode == 1
+    assert shard.name in out.stderr
+    assert "Traceback" not in out.stderr

@@ -281,6 +281,30 @@ def train_step_math(
     attn_backend: Backend,
 ) -> tuple[torch.Tensor, dict]:
     """Loss (with a graph to the drafter) and metrics for one batch {input_ids, loss_mask[, attention_mask]} [B, S]."""
+    context_BSF, last_BSH = target_step(target, batch, drafter.config.target_layer_ids, cfg.train.kl_weight > 0)
+    embed_VH, head_VH = target_embed_and_head(target)
+    return drafter_step_math(drafter, embed_VH, head_VH, batch, context_BSF, last_BSH, cfg, generator, attn_backend)
+
+
+def target_step(target: torch.nn.Module, batch, layer_ids: list[int], want_last: bool):
+    """The target role's work for one batch: (context features [B, S, n*H], last hidden [B, S, H] | None)."""
+    input_ids_BS = _batch_field(batch, "input_ids")
+    attention_mask_BS = _batch_field(batch, "attention_mask", required=False)
+    return target_features(target, input_ids_BS, attention_mask_BS, layer_ids, want_last)
+
+
+def drafter_step_math(
+    drafter: DFlashDrafter,
+    embed_VH: torch.Tensor,
+    head_VH: torch.Tensor,
+    batch,
+    context_BSF: torch.Tensor,
+    last_BSH: torch.Tensor | None,
+    cfg,
+    generator: torch.Generator | None,
+    attn_backend: Backend,
+) -> tuple[torch.Tensor, dict]:
+    """The drafter role's math for one batch, given the target's features (co-located or received)."""
     dcfg, tcfg = drafter.config, cfg.train
     input_ids_BS = _batch_field(batch, "input_ids")
     loss_mask_BS = _batch_field(batch, "loss_mask")
@@ -288,14 +312,14 @@ def train_step_math(
     B, S = input_ids_BS.shape
     device = input_ids_BS.device
     bs = dcfg.block_size
-
     want_last = tcfg.kl_weight > 0
-    context_BSF, last_BSH = target_features(target, input_ids_BS, attention_mask_BS, dcfg.target_layer_ids, want_last)
+    if want_last and last_BSH is None:
+        raise ValueError("kl_weight > 0 needs the target's last hidden state")
+
     anchors_BA, valid_BA = sample_anchors(loss_mask_BS, tcfg.max_anchors, bs, generator, tcfg.batch_anchors)
     block_ids_BQ, labels_BQ, label_valid_BQ, query_pos_BQ = block_inputs(
         input_ids_BS, anchors_BA, bs, dcfg.mask_token_id, loss_mask_BS=loss_mask_BS, valid_BA=valid_BA
     )
-    embed_VH, head_VH = target_embed_and_head(target)
     noise_BQH = F.embedding(block_ids_BQ, embed_VH)
     context_valid_BS = attention_mask_BS.bool() if attention_mask_BS is not None else None
     attn = build_train_mask(anchors_BA, valid_BA, S, bs, device, attn_backend, context_valid_BS=context_valid_BS)

@@ -71,6 +71,9 @@ class TrainConfig(_Strict):
     grad_clip: float = Field(1.0, ge=0.0, description="max grad norm (0 = off)")
     epochs: int = Field(6, ge=1, description="passes over the dataset")
     max_steps: int | None = Field(None, ge=1, description="stop after this many optimizer steps (None = epochs)")
+    grad_accum: int = Field(
+        1, ge=1, le=1024, description="batches per optimizer step when co-located (split runs: one per drafter GPU)"
+    )
     loss_chunk: int = Field(8192, ge=16, description="query tokens per logits/loss chunk")
     log_every: int = Field(10, ge=1, description="steps between metric lines")
     save_every: int = Field(500, ge=1, description="steps between checkpoints")
@@ -86,6 +89,8 @@ class TopologyConfig(_Strict):
     drafter_gpus: list[str] = Field(
         default_factory=list, description="GPUs training the drafter; both empty = co-located on one device"
     )
+    queue_depth: int = Field(2, ge=1, le=64, description="batches a target rank may have in flight per send queue")
+    timeout_s: int = Field(300, ge=10, description="seconds a rank waits on a peer before the run is failed")
 
     @model_validator(mode="after")
     def _disjoint(self) -> TopologyConfig:

@@ -305,7 +305,7 @@ def drafter_step_math(
     attn_backend: Backend,
 ) -> tuple[torch.Tensor, dict]:
     """The drafter role's math for one batch, given the target's features (co-located or received)."""
-    dcfg, tcfg = drafter.config, cfg.train
+    dcfg, tcfg = getattr(drafter, "module", drafter).config, cfg.train  # plain or DDP-wrapped
     input_ids_BS = _batch_field(batch, "input_ids")
     loss_mask_BS = _batch_field(batch, "loss_mask")
     attention_mask_BS = _batch_field(batch, "attention_mask", required=False)

@@ -1,7 +1,7 @@
 """The co-located trainer: one process, one device (CPU or one GPU), target and drafter together.
 
 Reads as a plain loop: build -> (resume) -> step -> log -> checkpoint -> finish.
-The math of a step lives in dflash.loss.train_step_math; this file owns the run's life.
+The math of a step lives in dflash.loss; this file owns the run's life.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import torch
 from dflash import checkpoint as ckpt
 from dflash.config import RunConfig, dump_config
 from dflash.data import BucketBatchSampler, ShardDataset, collate
-from dflash.loss import train_step_math
+from dflash.loss import drafter_step_math, target_step
 from dflash.model import DFlashDrafter, drafter_config_from_target
 from dflash.target import load_target, target_embed_and_head
 
@@ -60,6 +60,45 @@ class StopFlag:
               file=sys.stderr, flush=True)
 
 
+def anchor_generator(cfg: RunConfig, device: torch.device, batch_index: int) -> torch.Generator:
+    """Anchors depend only on (seed, global batch index): resumes and split runs draw the same ones."""
+    return torch.Generator(device=device).manual_seed(cfg.train.seed * 1_000_003 + batch_index)
+
+
+def micro_step(drafter, embed_w, head_w, batch: dict, cfg: RunConfig, device, attn_backend: str, batch_index: int,
+               target=None, context=None):
+    """Forward + loss for one batch (graph kept for backward). Features come from `target` or `context`."""
+    batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda"):
+        if context is None:
+            layer_ids = getattr(drafter, "module", drafter).config.target_layer_ids
+            context = target_step(target, batch, layer_ids, cfg.train.kl_weight > 0)
+        context_BSF, last_BSH = context
+        return drafter_step_math(drafter, embed_w, head_w, batch, context_BSF, last_BSH, cfg,
+                                 anchor_generator(cfg, device, batch_index), attn_backend)
+
+
+def average_metrics(parts: list[tuple[float, dict]]) -> dict:
+    """Mean loss and metrics over a step's batches (lists averaged element-wise)."""
+    out: dict = {"loss": sum(loss for loss, _ in parts) / len(parts)}
+    for key, value in parts[0][1].items():
+        values = [m[key] for _, m in parts]
+        if isinstance(value, list):
+            out[key] = [round(sum(col) / len(col), 4) for col in zip(*values)]
+        elif isinstance(value, (int, float)):
+            out[key] = sum(values) / len(values)
+    return out
+
+
+def resolve_mask_token_id(cfg: RunConfig, target_config) -> int:
+    if cfg.drafter.mask_token_id is not None:
+        return cfg.drafter.mask_token_id
+    vocab = target_config.vocab_size
+    pad = getattr(target_config, "pad_token_id", None)
+    # A token the data never asks the drafter to predict: the pad token if there is one, else the last id.
+    return int(pad) if isinstance(pad, int) and 0 <= pad < vocab else vocab - 1
+
+
 class Trainer:
     def __init__(self, cfg: RunConfig, resume_from: Path | None = None, log=print):
         self.cfg, self.log = cfg, log
@@ -71,7 +110,8 @@ class Trainer:
         self.dataset = ShardDataset(cfg.data.path)
         self.sampler = BucketBatchSampler(self.dataset.lengths, cfg.data.token_budget, cfg.data.max_batch_size,
                                           cfg.data.num_buckets, cfg.train.seed)
-        self.total_steps = cfg.train.max_steps or cfg.train.epochs * self.sampler.batches_per_epoch
+        self.accum = cfg.train.grad_accum
+        self.total_steps = cfg.train.max_steps or cfg.train.epochs * self.sampler.batches_per_epoch // self.accum
 
         self.target = load_target(cfg.target.path, DTYPES[cfg.target.dtype], self.device, cfg.target.random_init)
         dcfg = drafter_config_from_target(self.target.config, cfg.drafter.num_layers, cfg.drafter.block_size,
@@ -87,12 +127,7 @@ class Trainer:
             self._resume(resume_from)
 
     def _mask_token_id(self) -> int:
-        if self.cfg.drafter.mask_token_id is not None:
-            return self.cfg.drafter.mask_token_id
-        vocab = self.target.config.vocab_size
-        pad = getattr(self.target.config, "pad_token_id", None)
-        # A token the data never asks the drafter to predict: the pad token if there is one, else the last id.
-        return int(pad) if isinstance(pad, int) and 0 <= pad < vocab else vocab - 1
+        return resolve_mask_token_id(self.cfg, self.target.config)
 
     def _dataset_meta(self) -> dict:
         return {"path": self.cfg.data.path, "samples": self.dataset.num_samples,
@@ -128,25 +163,23 @@ class Trainer:
             group["lr"] = lr
         return lr
 
-    def train_step(self, batch: dict) -> dict:
-        """One optimizer step on one batch; returns plain-float metrics."""
-        cfg = self.cfg
+    def train_step(self, batches: list[dict], first_batch_index: int) -> dict:
+        """One optimizer step over grad_accum batches; returns plain-float metrics (means over the batches)."""
         lr = self._set_lr()
-        gen = torch.Generator(device=self.device).manual_seed(cfg.train.seed * 1_000_003 + self.step)
-        batch = {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
         self.optimizer.zero_grad(set_to_none=True)
-        autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=self.device.type == "cuda")
-        with autocast:
-            loss, metrics = train_step_math(self.drafter, self.target, batch, cfg, gen, self.attn_backend)
-        loss.backward()
+        parts = []
+        for i, batch in enumerate(batches):
+            loss, m = micro_step(self.drafter, self.embed_w, self.head_w, batch, self.cfg, self.device,
+                                 self.attn_backend, first_batch_index + i, target=self.target)
+            (loss / len(batches)).backward()
+            parts.append((float(loss.detach()), m))
         grad_norm = None
-        if cfg.train.grad_clip > 0:
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), cfg.train.grad_clip))
+        if self.cfg.train.grad_clip > 0:
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), self.cfg.train.grad_clip))
         self.optimizer.step()
         self.step += 1
-        out = {k: (float(v) if torch.is_tensor(v) and v.numel() == 1 else
-                   [round(float(x), 4) for x in v] if torch.is_tensor(v) else v) for k, v in metrics.items()}
-        out.update(loss=float(loss.detach()), lr=lr, grad_norm=grad_norm)
+        out = average_metrics(parts)
+        out.update(lr=lr, grad_norm=grad_norm)
         return out
 
     def batches(self):
@@ -186,11 +219,13 @@ def run(cfg: RunConfig, resume_from: Path | None, log=print, progress: bool | No
     try:
         with metrics_path.open("a") as mfile:
             t0, tokens = time.perf_counter(), 0
-            for epoch, index, batch in trainer.batches():
-                if trainer.step >= trainer.total_steps:
-                    break
-                m = trainer.train_step(batch)
-                tokens += int(batch["lengths"].sum())
+            stream = trainer.batches()
+            while trainer.step < trainer.total_steps:
+                group = [next(stream) for _ in range(trainer.accum)]
+                epoch = group[-1][0]
+                batches = [b for _, _, b in group]
+                m = trainer.train_step(batches, trainer.step * trainer.accum)
+                tokens += sum(int(b["lengths"].sum()) for b in batches)
                 if trainer.step % cfg.train.log_every == 0 or trainer.step == trainer.total_steps:
                     if trainer.device.type == "cuda":
                         torch.cuda.synchronize()
@@ -248,9 +283,8 @@ def warm_cache(cfg: RunConfig, log=print) -> int:
     cache = profile.compile_cache_path
     trainer = Trainer(cfg, None, log=log)
     t0 = time.perf_counter()
-    for _, _, batch in trainer.batches():
-        trainer.train_step(batch)
-        break
+    _, _, batch = next(trainer.batches())
+    trainer.train_step([batch], 0)
     torch.cuda.synchronize()
     import triton
 

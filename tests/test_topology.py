@@ -1,0 +1,102 @@
+"""Split topology on CPU over gloo: 1 target + 2 drafter processes, real torch.distributed."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from dflash.topology import Role, physical_gpu, roles_for, suggest_split
+from dflash.train import run
+from test_train import metrics, train_cmd, write_toml
+from trainkit import tiny_config
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def split_raw(raw: dict, targets=("0",), drafters=("1", "2")) -> dict:
+    raw = json.loads(json.dumps(raw))
+    raw["topology"] = {"target_gpus": list(targets), "drafter_gpus": list(drafters), "timeout_s": 30}
+    return raw
+
+
+def test_roles_by_rank_for_the_incident_split():
+    from dflash.config import config_from_dict
+
+    cfg = config_from_dict({"topology": {"target_gpus": ["0", "1", "2", "3", "4"], "drafter_gpus": ["5", "6", "7"]}})
+    roles = roles_for(cfg)
+    assert [(r.rank, r.name, r.index) for r in roles] == [
+        (0, "drafter", 0), (1, "drafter", 1), (2, "drafter", 2),
+        (3, "target", 0), (4, "target", 1), (5, "target", 2), (6, "target", 3), (7, "target", 4)]
+    # batch k: target k % 5 computes it, drafter k % 3 trains it at step k // 3
+    pairs = {(3 + k % 5, k % 3) for k in range(15)}
+    assert len(pairs) == 15  # every target feeds every drafter over 15 batches: no idle pair
+
+
+def test_physical_gpu_maps_through_cuda_visible_devices():
+    assert physical_gpu("1", "4,5,6") == "5"
+    assert physical_gpu("GPU-abc", "4,5") == "GPU-abc"
+    assert physical_gpu("3", None) == "3"
+    with pytest.raises(ValueError, match="not visible"):
+        physical_gpu("3", "0,1")
+
+
+def test_suggested_split_balances_rates():
+    assert suggest_split(8, 10_000, 6_000) == (3, 5)
+    assert suggest_split(8, 30_000, 6_000) == (1, 7)
+    assert suggest_split(2, 1, 1) == (1, 1)
+
+
+def test_one_target_two_drafters_match_colocated_and_replicas_stay_identical(tmp_path):
+    ref_cfg, _ = tiny_config(tmp_path / "ref", max_steps=6, grad_accum=2)
+    run(ref_cfg, None, log=lambda *_: None, progress=False)
+    ref = metrics(Path(ref_cfg.output_dir))
+
+    cfg, raw = tiny_config(tmp_path / "split", max_steps=6)
+    config = write_toml(split_raw(raw), tmp_path / "split.toml")
+    env = dict(os.environ, DFLASH_CHECK_REPLICAS="1")
+    out = subprocess.run(train_cmd(config, "--fresh"), cwd=REPO, capture_output=True, text=True, env=env,
+                         timeout=300)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    got = metrics(Path(cfg.output_dir))
+    assert [r["step"] for r in got] == list(range(1, 7))
+    for a, b in zip(got, ref):
+        assert a["replica_max_diff"] == 0.0, a
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-4), (a["step"], a["loss"], b["loss"])
+    assert "suggested split for 8 GPUs" in out.stdout
+    assert (Path(cfg.output_dir) / "drafter" / "model.safetensors").exists()
+
+
+def test_killing_a_rank_ends_the_run_with_a_clear_message(tmp_path):
+    cfg, raw = tiny_config(tmp_path, max_steps=100000, save_every=3)
+    config = write_toml(split_raw(raw), tmp_path / "split.toml")
+    proc = subprocess.Popen(train_cmd(config, "--fresh"), cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    run_dir = Path(cfg.output_dir)
+    deadline = time.time() + 180
+    while time.time() < deadline and not ((run_dir / "metrics.jsonl").exists()
+                                          and len((run_dir / "metrics.jsonl").read_text().splitlines()) >= 4):
+        assert proc.poll() is None, proc.stdout.read()
+        time.sleep(0.1)
+    ranks = json.loads((run_dir / "ranks.json").read_text())
+    target = next(r for r in ranks if r["role"] == "target")
+    t0 = time.time()
+    os.kill(target["pid"], signal.SIGKILL)
+    out, _ = proc.communicate(timeout=60)
+    assert time.time() - t0 < 60
+    assert proc.returncode == 1, out[-2000:]
+    assert f"rank {target['rank']} (target, GPU {target['gpu']}) was killed by SIGKILL" in out
+    for r in ranks:  # nobody left behind
+        with pytest.raises(ProcessLookupError):
+            os.kill(r["pid"], 0)
+    from dflash import checkpoint as ckpt
+    from dflash.model import DFlashDrafter
+
+    latest = ckpt.list_checkpoints(run_dir)[-1]
+    DFlashDrafter.from_pretrained(latest / "drafter")  # still loadable

@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 import tomllib
@@ -79,6 +80,23 @@ def prepare_output_dir(cfg: RunConfig, resume: str | None, fresh: bool, log=clic
     return None
 
 
+def apply_profile_env(profile_name: str) -> None:
+    """Set the variables the profile requires where the shell left them unset (before torch loads).
+
+    A value the user set differently is left alone, so the env-vars check still reports it.
+    """
+    from preflight.profiles import ProfileError, load_profile
+
+    try:
+        required = load_profile(profile_name).env
+    except ProfileError:
+        return  # the profile check reports it
+    for key, value in required.items():
+        if key not in os.environ:
+            os.environ[key] = value
+            click.echo(f"profile {profile_name}: set {key}={value}")
+
+
 def run_gate(cfg: RunConfig, waivers: dict[str, str], intent: str | None) -> bool:
     """The in-process preflight gate; prints failing checks. True when training may start."""
     from preflight.gate import run_preflight
@@ -138,6 +156,7 @@ def train_main(config_path, demo, resume, fresh, sets, max_steps, output_dir, ta
         raise click.UsageError(str(e)) from None
     waivers = parse_waivers(waive, reason)
 
+    apply_profile_env(cfg.profile)
     from dflash.train import set_compile_cache_env
 
     set_compile_cache_env(cfg.profile)

@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# The split-topology runs on a 2x H200 device machine (device image: torch 2.11.0+cu130, no uv).
+#   bash bench/device_split.sh            # writes logs and JSON under $OUT (default .cache/out)
+# 1) Qwen3-8B-shaped target on GPU 0 feeding a 5-layer drafter on GPU 1 (block 16, 512 anchors, 1x3072 tokens)
+# 2) the incident's 27B-class run scaled to 1 target + 1 drafter (block 32, 1024 anchors, 49152-token batches)
+set -uo pipefail
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 PYTHONPATH=${PYTHONPATH:-.}
+OUT=${OUT:-.cache/out}; mkdir -p "$OUT"
+W=(--waive torch-build --reason "device image ships torch 2.11.0+cu130, not the profile's build"
+   --waive env-drift --reason "device image is not a uv environment of this project"
+   --waive cuda-libs --reason "device image carries CUDA 13 wheels")
+watch_start() { nvidia-smi --query-gpu=index,memory.used --format=csv,noheader,nounits -lms 250 > "$OUT/$1" & SMI=$!; }
+watch_stop() { kill $SMI; python3 - "$OUT/$1" <<'PY'
+import sys, collections
+peak = collections.defaultdict(int)
+for line in open(sys.argv[1]):
+    parts = [x.strip() for x in line.split(",")]
+    if len(parts) == 2 and parts[1].isdigit():
+        peak[parts[0]] = max(peak[parts[0]], int(parts[1]))
+print(sys.argv[1].rsplit("/", 1)[-1], "NVML peak used MiB per GPU:", dict(peak))
+PY
+}
+python3 bench/make_synthetic.py --out .cache/syn-3072 --samples 2048 --length 3072
+python3 -m preflight.cli --profile train-cu128 --config configs/qwen3-8b-1t1d.toml --fresh --json "${W[@]}" \
+  > "$OUT/preflight_8b_1t1d.json"; echo "preflight rc=$?"
+python3 -m preflight.estimate_cli --config configs/qwen3-8b-1t1d.toml --from-nvml > "$OUT/estimate_8b_1t1d.txt" 2>&1
+echo "=== 8B 1+1 $(date +%T)"
+watch_start nvml_8b_1t1d.csv
+python3 -m dflash.cli --config configs/qwen3-8b-1t1d.toml --fresh --max-steps ${STEPS_8B:-150} --no-progress \
+  "${W[@]}" 2>&1 | tee "$OUT/train_8b_1t1d.log" | grep -v Warning
+watch_stop nvml_8b_1t1d.csv
+cp runs/qwen3-8b-1t1d/metrics.jsonl "$OUT/metrics_8b_1t1d.jsonl"
+echo "=== 27B 1+1 $(date +%T)"
+python3 bench/make_synthetic.py --out .cache/syn-2816 --samples 400 --length 2816
+python3 -m preflight.estimate_cli --config configs/qwen3-27b-5t3d.toml --set topology.target_gpus=[\"0\"] \
+  --set topology.drafter_gpus=[\"1\"] --from-nvml > "$OUT/estimate_27b_1t1d.txt" 2>&1
+watch_start nvml_27b_1t1d.csv
+python3 -m dflash.cli --config configs/qwen3-27b-5t3d.toml --target-gpus 0 --drafter-gpus 1 \
+  --set data.path=\".cache/syn-2816\" --set output_dir=\"runs/qwen3-27b-1t1d\" --set train.log_every=5 \
+  --fresh --max-steps ${STEPS_27B:-25} --no-progress "${W[@]}" --waive gpu-memory --reason "measuring it" \
+  2>&1 | tee "$OUT/train_27b_1t1d.log" | grep -v Warning
+watch_stop nvml_27b_1t1d.csv
+cp runs/qwen3-27b-1t1d/metrics.jsonl "$OUT/metrics_27b_1t1d.jsonl"

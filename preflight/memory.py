@@ -84,25 +84,31 @@ class Calibration:
     target_act_h: float = 2.0  # hidden-width tensors: residual stream + normed input
     target_act_q: float = 3.0  # query-width (heads*head_dim): q, q after norm+RoPE, attention out
     target_act_kv: float = 3.0  # kv-width (kv_heads*head_dim): k, k after norm+RoPE, v
-    target_act_i: float = 3.0  # intermediate-width: gate, up, act(gate)*up
+    target_act_i: float = 3.0  # intermediate-width: act(gate), up, act(gate)*up (MLP under no_grad)
+    # A padded batch makes HF build a [rows, 1, S, S] boolean attention mask that SDPA turns
+    # into an additive bf16 mask per layer: bytes per mask element (1 bool + 2 bf16 + 1 not()).
+    target_mask_bytes: float = 4.0
     target_activation_scale: float = 1.0  # fitted multiplier on the target's working set
 
-    # Drafter, saved for backward per query token per layer, in bf16:
-    drafter_act_h: float = 4.0  # input/post-attention norm inputs and outputs
-    drafter_act_q: float = 3.0  # q before norm, q after norm+RoPE, attention out
-    drafter_act_i: float = 4.0  # gate, up, act(gate), act(gate)*up (down_proj input)
-    # ... per key/value token (context + block) per layer, in bf16:
-    drafter_act_kv: float = 3.0  # k before norm, k after norm+RoPE, v
+    # Drafter, saved for backward per query token per layer, in bf16 units (2 bytes; the
+    # RMSNorms save their fp32 input copy and fp32 normalised value, 2 x 4 bytes = 4 units):
+    drafter_act_h: float = 10.0  # input and post-attention RMSNorm: 2 x (4 fp32 units + bf16 output)
+    drafter_act_q: float = 6.0  # q_norm fp32 pair (4), q after RoPE (1), attention output (1)
+    drafter_act_i: float = 4.0  # gate, act(gate), up, act(gate)*up (down_proj input)
+    # ... per key/value token (context + block) per layer, in bf16 units:
+    drafter_act_kv: float = 6.0  # k_norm fp32 pair (4), k after RoPE (1), v (1)
     # Gradients of one layer's activations live at once during backward (in layers).
     backward_transient_layers: float = 1.0
     drafter_activation_scale: float = 1.0  # fitted multiplier on the drafter's activations
 
-    # Loss chunk: fp32 [loss_chunk, vocab] buffers: logits, log-softmax, grad of logits ...
-    loss_fp32_buffers: float = 3.0
-    # ... plus the target's distribution (log-probs and probs) when kl_weight > 0 ...
-    kl_fp32_buffers: float = 2.0
-    # ... plus the bf16 lm_head output before the fp32 upcast.
+    # Loss chunk (dflash/loss.py _ChunkedLMHeadLoss), per [chunk, vocab] element at its peak:
+    # CE: fp32 log-probs (turned in place into the logits' gradient) + one bf16 buffer (the
+    # lm_head output before log_softmax, then the gradient cast back for the matmul) ...
+    loss_fp32_buffers: float = 1.0
     loss_bf16_buffers: float = 1.0
+    # ... with kl_weight > 0: target log-probs, target probs and their product, all fp32, live
+    # together with the drafter's log-probs (the bf16 buffer is gone by then).
+    kl_fp32_buffers: float = 3.0
 
     def context_bytes(self, cuda: str) -> int:
         major = cuda_major(cuda)
@@ -255,12 +261,32 @@ class Workload(BaseModel):
     tokens: int = Field(description="padded tokens in the batch = token_budget")
     sequences: int = Field(description="rows in the worst-case batch (at most max_batch_size and token_budget // block_size)")
     seq_len: int = Field(description="padded row length = token_budget // sequences")
-    anchors_per_seq: int = Field(description="min(max_anchors, seq_len - 1): anchors a need a + 1 inside the row")
+    anchors_per_seq: int = Field(description="anchor slots per row: the batch's largest per-row count, which all rows are padded to")
     queries_per_seq: int = Field(description="anchors_per_seq * block_size")
-    queries: int = Field(description="drafter query tokens in the batch")
+    queries: int = Field(description="drafter query tokens in the batch (padding anchors included: they run through the layers)")
+    valid_anchors: int = Field(description="anchors that carry a loss: min(batch_anchors, rows x min(max_anchors, seq_len - 1))")
+    loss_tokens: int = Field(description="query tokens through the lm_head: valid_anchors x (block_size - 1); slot 0 weighs 0")
     kv_tokens: int = Field(description="drafter key/value tokens in the batch: padded context + queries")
     feature_layers: int = Field(description="target layers whose hidden states are sent")
-    loss_chunk: int = Field(description="query tokens per logits/loss chunk = min(loss_chunk, queries)")
+    loss_chunk: int = Field(description="query tokens per logits/loss chunk = min(loss_chunk, loss_tokens)")
+
+
+def padded_anchors_per_row(eligible_per_row: int, rows: int, batch_anchors: int | None) -> int:
+    """Anchor slots per row once train.batch_anchors keeps a uniform random subset over the batch.
+
+    dflash.loss.sample_anchors keeps the batch_anchors smallest random keys over all rows, then
+    pads every row to the largest kept count. Each row's count is hypergeometric with mean
+    batch_anchors / rows; the worst case allows three standard deviations above it.
+    """
+    total = rows * eligible_per_row
+    if batch_anchors is None or total <= batch_anchors:
+        return eligible_per_row
+    if rows == 1:
+        return batch_anchors
+    mean = batch_anchors / rows
+    frac = batch_anchors / total
+    sd = math.sqrt(mean * (1 - 1 / rows) * (1 - frac) * total / max(1, total - 1))
+    return max(1, min(eligible_per_row, math.ceil(mean + 3 * sd)))
 
 
 def workload(cfg: RunConfig) -> Workload:
@@ -268,17 +294,22 @@ def workload(cfg: RunConfig) -> Workload:
 
     Rows are padded to the longest (rows x length <= token_budget) and every row's anchors are
     padded to the batch's largest eligible count, capped by max_anchors; a row of length S has
-    at most S - 1 eligible anchors. Rows shorter than a block are ignored.
+    at most S - 1 eligible anchors. train.batch_anchors caps the anchors with a loss over the
+    batch; rows are still padded to the largest kept count. Rows shorter than a block are ignored.
     """
     t, bs, a_max = cfg.data.token_budget, cfg.drafter.block_size, cfg.train.max_anchors
+    cap = cfg.train.batch_anchors
     best = (0, 1)
     for rows in range(1, max(1, min(cfg.data.max_batch_size, t // bs)) + 1):
-        anchors = max(1, min(a_max, t // rows - 1))
-        best = max(best, (rows * anchors, rows))
+        eligible = max(1, min(a_max, t // rows - 1))
+        best = max(best, (rows * padded_anchors_per_row(eligible, rows, cap), rows))
     rows = best[1]
     seq_len = t // rows
-    anchors = max(1, min(a_max, seq_len - 1))
+    eligible = max(1, min(a_max, seq_len - 1))
+    anchors = padded_anchors_per_row(eligible, rows, cap)
+    valid = min(rows * eligible, cap) if cap is not None else rows * eligible
     queries = rows * anchors * bs
+    loss_tokens = valid * (bs - 1)
     return Workload(
         tokens=t,
         sequences=rows,
@@ -286,9 +317,11 @@ def workload(cfg: RunConfig) -> Workload:
         anchors_per_seq=anchors,
         queries_per_seq=anchors * bs,
         queries=queries,
+        valid_anchors=valid,
+        loss_tokens=loss_tokens,
         kv_tokens=rows * seq_len + queries,
         feature_layers=num_feature_layers(cfg),
-        loss_chunk=min(cfg.train.loss_chunk, queries),
+        loss_chunk=max(1, min(cfg.train.loss_chunk, loss_tokens)),
     )
 
 
@@ -310,7 +343,7 @@ def _features_bytes(cfg: RunConfig, shape: TargetShape, w: Workload) -> tuple[in
     return feats, last
 
 
-def target_forward_bytes(cfg: RunConfig, shape: TargetShape, w: Workload, cal: Calibration) -> int:
+def target_layer_bytes(cfg: RunConfig, shape: TargetShape, w: Workload, cal: Calibration) -> int:
     """Live bytes inside the busiest target layer during the no-grad forward."""
     dt = DTYPE_BYTES[cfg.target.dtype]
     attn = cal.target_act_q * shape.q_width + cal.target_act_kv * shape.kv_width
@@ -320,12 +353,41 @@ def target_forward_bytes(cfg: RunConfig, shape: TargetShape, w: Workload, cal: C
     return int(w.tokens * per_token)
 
 
+def padding_mask_elements(cfg: RunConfig) -> int:
+    """Elements of the largest [rows, 1, S, S] attention mask the HF target builds for a padded batch.
+
+    A single row is never padded (HF then skips the mask); with rows >= 2 of padded length
+    token_budget // rows the mask has token_budget^2 / rows elements, largest at 2 rows.
+    """
+    if cfg.data.max_batch_size < 2:
+        return 0
+    half = cfg.data.token_budget // 2
+    return 2 * half * half
+
+
+def target_forward_bytes(cfg: RunConfig, shape: TargetShape, w: Workload, cal: Calibration) -> int:
+    """The target forward's peak beyond the returned features (dflash.target.target_features).
+
+    Without soft labels the forward stops after the deepest selected layer: inside it, the
+    other n - 1 captured layer outputs are alive with the layer's working set and the padding
+    mask. At the end the n captured outputs and their concatenation (the returned features,
+    counted as their own part) are alive together. With soft labels the forward runs every
+    layer with all n captured outputs alive.
+    """
+    dt = DTYPE_BYTES[cfg.target.dtype]
+    one_feature = w.tokens * shape.hidden * dt
+    held_in_layer = 0 if cfg.train.kl_weight > 0 else 1  # the deepest layer is still being computed
+    in_layer = target_layer_bytes(cfg, shape, w, cal) + int(cal.target_mask_bytes * padding_mask_elements(cfg))
+    return max(in_layer - held_in_layer * one_feature, w.feature_layers * one_feature)
+
+
 def _target_parts(cfg: RunConfig, shape: TargetShape, w: Workload, cal: Calibration, split: bool) -> list[Part]:
     dt = DTYPE_BYTES[cfg.target.dtype]
     feats, last = _features_bytes(cfg, shape, w)
     parts = [
         Part(f"target weights ({cfg.target.dtype}, {shape.params / 1e9:.2f} B params)", shape.params * dt, "static"),
-        Part(f"forward working set ({w.tokens} tokens, busiest layer)", target_forward_bytes(cfg, shape, w, cal), "activation"),
+        Part(f"forward working set ({w.tokens} tokens: busiest layer + padding mask, or the features' concatenation)",
+             target_forward_bytes(cfg, shape, w, cal), "activation"),
         Part("batch inputs (ids, positions, loss mask)", w.tokens * 24, "activation"),
         Part(f"selected hidden states ({w.feature_layers} layers x {w.tokens} tokens)", feats, "activation"),
     ]
@@ -341,15 +403,29 @@ def _drafter_static_parts(cfg: RunConfig, shape: TargetShape, share_frozen: bool
     p = drafter_params(cfg, shape)
     parts = [
         Part(f"drafter params (fp32 master, {p / 1e6:.0f} M)", FP32 * p, "static"),
-        Part("drafter grads (fp32)", FP32 * p, "static"),
         Part("AdamW exp_avg + exp_avg_sq (fp32)", 2 * FP32 * p, "static"),
-        Part("bf16 autocast weight copies", BF16 * p, "static"),
     ]
     if not share_frozen:
         parts.append(Part("frozen embedding (bf16)", BF16 * shape.embedding_params, "static"))
         if not shape.tied:
             parts.append(Part("frozen lm_head (bf16)", BF16 * shape.embedding_params, "static"))
     return parts
+
+
+def _step_only_parts(cfg: RunConfig, shape: TargetShape, step_activation_bytes: int) -> list[Part]:
+    """bf16 weight copies (forward + backward) vs fp32 grads (end of backward, then the optimizer).
+
+    zero_grad(set_to_none=True) frees the grads before every step, and backward frees the
+    activations and the autocast copies as it allocates the grads: the peak is the larger of
+    (copies + activations) during the step and the grads after it.
+    """
+    p = drafter_params(cfg, shape)
+    copies = BF16 * p
+    grads_beyond = max(0, FP32 * p - copies - step_activation_bytes)
+    return [
+        Part("bf16 autocast weight copies (forward to backward)", copies, "static"),
+        Part("drafter grads (fp32) beyond the step's freed activations", grads_beyond, "static"),
+    ]
 
 
 def drafter_layer_bytes(shape: TargetShape, w: Workload, cal: Calibration) -> int:
@@ -363,23 +439,37 @@ def drafter_layer_bytes(shape: TargetShape, w: Workload, cal: Calibration) -> in
 def _drafter_step_parts(cfg: RunConfig, shape: TargetShape, w: Workload, cal: Calibration) -> list[Part]:
     n = cfg.drafter.num_layers
     layer = drafter_layer_bytes(shape, w, cal)
-    h, v = shape.hidden, shape.vocab
+    h, v, d = shape.hidden, shape.vocab, shape.head_dim
     q_blocks = math.ceil(w.queries_per_seq / FLEX_BLOCK)
     kv_blocks = math.ceil((w.seq_len + w.queries_per_seq) / FLEX_BLOCK)
     # kv_indices/full_kv_indices [B,1,Qb,KVb] and q_indices/full_q_indices [B,1,KVb,Qb] + counts
     mask = w.sequences * INT32 * (4 * q_blocks * kv_blocks + 2 * q_blocks + 2 * kv_blocks)
     attn_ws = BF16 * (w.queries * shape.q_width + 2 * w.kv_tokens * shape.kv_width) + FP32 * w.queries * shape.heads
-    loss_bufs = cal.loss_fp32_buffers + (cal.kl_fp32_buffers if cfg.train.kl_weight > 0 else 0.0)
-    loss = int(w.loss_chunk * v * (FP32 * loss_bufs + BF16 * cal.loss_bf16_buffers))
+    kl = cfg.train.kl_weight > 0
+    m = w.loss_tokens
+    # _ChunkedLMHeadLoss: the selected hidden states [M, H] and their gradient, computed in the
+    # forward pass and kept for backward; with soft labels the target's last hidden state is
+    # gathered per query [Q, H] and then selected [M, H].
+    loss_inputs = 2 * BF16 * m * h + (BF16 * (w.queries + m) * h if kl else 0)
+    if kl:
+        per_elem = FP32 * (cal.loss_fp32_buffers + cal.kl_fp32_buffers)
+    else:
+        per_elem = FP32 * cal.loss_fp32_buffers + BF16 * cal.loss_bf16_buffers
+    chunk = int(w.loss_chunk * v * per_elem)
+    rope = BF16 * 2 * d * (2 * w.queries + 2 * w.tokens)  # cos+sin for queries, context, and [context; queries]
     return [
-        Part("context projection (fc out + norm, bf16)", 2 * BF16 * w.tokens * h + FP32 * w.tokens, "activation"),
-        Part(f"block tokens ({w.queries} queries: ids, positions, labels, weights)", 28 * w.queries, "activation"),
+        Part("context projection (fc out, hidden norm fp32 pair + bf16 out)", (2 * FP32 + BF16) * w.tokens * h + FP32 * w.tokens,
+             "activation"),
+        Part(f"block tokens ({w.queries} queries: ids, labels, weights, embeddings, RoPE)",
+             w.queries * (40 + BF16 * h) + rope, "activation"),
         Part(f"layer activations ({n} layers x {layer / GiB:.2f} GiB)", n * layer, "activation"),
-        Part("final norm in/out (bf16)", 2 * BF16 * w.queries * h + FP32 * w.queries, "activation"),
+        Part("final norm (fp32 pair + bf16 out)", (2 * FP32 + BF16) * w.queries * h + FP32 * w.queries, "activation"),
         Part(f"backward transient ({cal.backward_transient_layers:g} layer)", int(cal.backward_transient_layers * layer), "activation"),
         Part("flex attention backward workspace", attn_ws, "activation"),
         Part(f"flex block mask ({w.sequences} seqs)", mask, "activation"),
-        Part(f"logits + loss chunk ({w.loss_chunk} queries x {v} vocab)", loss, "activation"),
+        Part(f"loss inputs ({m} weighted queries: hidden + its gradient{', target hidden' if kl else ''})", loss_inputs,
+             "activation"),
+        Part(f"logits + loss chunk ({w.loss_chunk} queries x {v} vocab)", chunk, "activation"),
     ]
 
 
@@ -417,15 +507,18 @@ def role_parts(cfg: RunConfig, shape: TargetShape, role: Role, cuda: str, cal: C
         held = 1 + (cal.inflight_batches if split else 0)
         parts = _drafter_static_parts(cfg, shape, share_frozen=False)
         parts.append(Part(f"received features ({held} batch{'es' if held != 1 else ''})", held * (feats + last), "activation"))
-        parts = _scaled(parts + _drafter_step_parts(cfg, shape, w, cal), "drafter", cal)
+        step = _scaled(_drafter_step_parts(cfg, shape, w, cal), "drafter", cal)
+        parts = _scaled(parts, "drafter", cal)
+        parts += _step_only_parts(cfg, shape, sum(p.bytes for p in step)) + step
     else:
         target = _scaled(_target_parts(cfg, shape, w, cal, split=False), "target", cal)
         forward = next(p for p in target if p.component.startswith("forward working set"))
         step = _scaled(_drafter_step_parts(cfg, shape, w, cal), "drafter", cal)
-        extra = max(0, forward.bytes - sum(p.bytes for p in step))
+        step_only = _step_only_parts(cfg, shape, sum(p.bytes for p in step))
+        extra = max(0, forward.bytes - sum(p.bytes for p in step + step_only))
         parts = [p for p in target if p is not forward]
         parts += _drafter_static_parts(cfg, shape, share_frozen=True)
-        parts += step
+        parts += step_only + step
         parts.append(Part("target forward beyond the drafter step (runs before it)", extra, "activation", "target"))
     margin = int(cal.fragmentation * sum(p.bytes for p in parts))
     parts.append(Part(f"fragmentation margin ({cal.fragmentation:.0%} of allocated)", margin, "margin"))
@@ -597,8 +690,10 @@ def estimate(
     assumption = (
         f"worst case: {w.sequences} sequences x {w.seq_len} tokens (padded) <= token_budget {w.tokens} "
         f"(max_batch_size {cfg.data.max_batch_size}, sequences shorter than block {cfg.drafter.block_size} ignored); "
-        f"{w.anchors_per_seq} anchors (max_anchors {cfg.train.max_anchors}, at most seq_len - 1) x block "
-        f"{cfg.drafter.block_size} = {w.queries_per_seq} queries per sequence, {w.queries} in the batch"
+        f"{w.anchors_per_seq} anchors (max_anchors {cfg.train.max_anchors}, at most seq_len - 1"
+        f"{f', batch_anchors {cfg.train.batch_anchors} over the batch, rows padded to the largest' if cfg.train.batch_anchors else ''}"
+        f") x block {cfg.drafter.block_size} = {w.queries_per_seq} queries per sequence, {w.queries} in the batch, "
+        f"{w.loss_tokens} through the lm_head"
     )
     return Estimate(config=source, target=target, cuda=cuda, gpu_bytes=gpu_bytes, workload=w, assumption=assumption,
                     roles=out, limits=limits, calibration=asdict(cal))
@@ -654,7 +749,7 @@ def fit_calibration(measurements: list[Measurement | dict], base: Calibration = 
     """Least-squares fit of the CUDA context per major and one activation scale per role.
 
     Model: used = context[major] + fixed + (1 + fragmentation) * (static + s_t * target_act + s_d * drafter_act);
-    fragmentation and the per-tensor counts stay as in ``base``. Co-located peaks are linear
+    fragmentation and the per-tensor counts stay as in ``base``; relative errors are minimised. Co-located peaks are linear
     in the scales only while the drafter step outweighs the target forward (the usual case).
     """
     ms = [m if isinstance(m, Measurement) else Measurement.model_validate(m) for m in measurements]
@@ -669,8 +764,10 @@ def fit_calibration(measurements: list[Measurement | dict], base: Calibration = 
     for m in ms:
         fixed, static, t_act, d_act = _decompose(m, base)
         x = {f"ctx{cuda_major(m.cuda)}": 1.0, "s_target": f * t_act, "s_drafter": f * d_act}
-        rows.append([x.get(n, 0.0) for n in names])
-        ys.append(m.nvml_used_bytes - fixed - f * static)
+        # Weighted by 1 / measured: the fit minimises relative errors, which the ±10% test checks.
+        wt = 1.0 / m.nvml_used_bytes
+        rows.append([wt * x.get(n, 0.0) for n in names])
+        ys.append(wt * (m.nvml_used_bytes - fixed - f * static))
     ata = [[sum(r[i] * r[j] for r in rows) for j in range(len(names))] for i in range(len(names))]
     aty = [sum(r[i] * y for r, y in zip(rows, ys)) for i in range(len(names))]
     sol = dict(zip(names, _solve(ata, aty)))

@@ -1,0 +1,370 @@
+"""Measure each role's GPU memory peak for the memory model (preflight/memory.py) to be fitted against.
+
+Every (configuration, role) runs in a fresh subprocess, so peaks never mix:
+- target role: the frozen target (random init on the GPU from config.json) and three
+  ``dflash.loss.target_step`` calls over a padded batch filling token_budget (the memory
+  model's worst target batch: 2 rows, the second one padded, when max_batch_size >= 2);
+- drafter role: DFlashDrafter + frozen bf16 embedding / lm_head tensors + fused AdamW, and
+  three real steps (``dflash.loss.drafter_step_math`` under bf16 autocast, backward, grad
+  clipping, optimizer step) on random target features of the memory model's worst batch shape.
+Recorded per measurement: torch max_memory_allocated / max_memory_reserved, the GPU's NVML used
+memory at its peak (sampled in a thread during the steps and after each; nothing subtracted)
+and before the worker started, with the run config, the target's config.json, torch/CUDA
+versions and the GPU name, in the format ``preflight.memory.Measurement`` reads.
+
+Run (from the repository root; no install needed besides the packages):
+
+    PYTHONPATH=. python3 bench/memory_calibration.py --out out/          # ~5 min on one H200
+    PYTHONPATH=. python3 bench/memory_calibration.py --out out/ --only 8b-48k-a1024-b32-d1
+    PYTHONPATH=. python3 bench/memory_calibration.py --device cpu --tiny --out /tmp/cal   # smoke run
+    PYTHONPATH=. python3 bench/memory_calibration.py --fit tests/data/memory_calibration.json
+
+--budget-s stops launching workers once the next one would not finish in time (recorded as
+skipped); --timeout-s bounds each worker. The JSON is rewritten after every measurement.
+--fit reads a measurement file, prints each prediction error with the committed Calibration,
+then the fitted constants (paste them into preflight/memory.py's Calibration defaults).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from bench.common import Nvml, NvmlPeak, environment, gib, gpu_uuid, is_oom, tiny_target_dir, write_json  # noqa: E402
+
+STEPS = 3
+
+T06, T8, T27 = "configs/targets/qwen3-0.6b", "configs/targets/qwen3-8b", "configs/targets/qwen3-27b"
+
+
+def _cfg(target, budget, batch, anchors, block, layers, **train) -> dict:
+    return {
+        "target": {"path": target, "dtype": "bfloat16", "random_init": True},
+        "drafter": {"num_layers": layers, "block_size": block},
+        "data": {"token_budget": budget, "max_batch_size": batch},
+        "train": {"max_anchors": anchors, **train},
+    }
+
+
+# name -> run config (co-located topology: one role per process, no send buffers, no NCCL).
+CONFIGS = {
+    "8b-16k-a512-b16-d5": _cfg(T8, 16384, 2, 512, 16, 5),
+    "8b-48k-a1024-b32-d1": _cfg(T8, 49152, 1, 1024, 32, 1),
+    "0.6b-48k-a1024-b16-d5-cap4096": _cfg(T06, 49152, 64, 1024, 16, 5, batch_anchors=4096),
+    "8b-32k-a256-b32-d3-kl": _cfg(T8, 32768, 4, 256, 32, 3, kl_weight=0.5),
+    "0.6b-8k-a256-b16-d1": _cfg(T06, 8192, 1, 256, 16, 1),
+    "0.6b-16k-a512-b32-d3": _cfg(T06, 16384, 8, 512, 32, 3),
+    "27b-16k-d5": _cfg(T27, 16384, 1, 512, 32, 5),
+}
+# Priority order: every target role first (no compilation, ~15 s each), then the drafter roles
+# (each compiles flex attention), the most different shapes first.
+PLAN = [(n, "target") for n in CONFIGS] + [
+    (n, "drafter") for n in ("8b-48k-a1024-b32-d1", "0.6b-48k-a1024-b16-d5-cap4096", "8b-32k-a256-b32-d3-kl",
+                             "8b-16k-a512-b16-d5", "0.6b-8k-a256-b16-d1", "0.6b-16k-a512-b32-d3")
+]
+TINY_PLAN = [("tiny-a", "target"), ("tiny-a", "drafter"), ("tiny-b-kl", "target"), ("tiny-b-kl", "drafter")]
+
+
+def tiny_configs(target: str) -> dict:
+    return {
+        "tiny-a": _cfg(target, 256, 1, 16, 4, 1) | {"device": "cpu"},
+        "tiny-b-kl": _cfg(target, 256, 4, 8, 8, 2, kl_weight=0.5, loss_chunk=32, batch_anchors=12) | {"device": "cpu"},
+    }
+
+
+# --------------------------------------------------------------------------- worker (one role)
+
+
+def worker(spec: dict) -> dict:
+    import torch
+
+    from dflash.config import config_from_dict
+
+    device = torch.device(spec["device"])
+    raw = spec["config"]
+    if device.type == "cpu":
+        raw = json.loads(json.dumps(raw))
+        raw.setdefault("target", {})["dtype"] = "float32"  # CPU: no fast bf16 matmuls
+    cfg = config_from_dict(raw, {"device": device.type}, source=spec["name"])
+    nvml = Nvml(enabled=device.type == "cuda")
+    start_used = nvml.used()
+    if device.type == "cuda":
+        torch.cuda.init()
+        nvml = Nvml(gpu_uuid(torch), enabled=True)
+    t0 = time.perf_counter()
+    steps = []
+    with NvmlPeak(nvml) as peak:
+        run = _target_role if spec["role"] == "target" else _drafter_role
+        shape = run(cfg, device, steps, nvml, torch)
+    result = {
+        "nvml_used_bytes": max([peak.peak or 0] + [s["nvml_used_bytes"] or 0 for s in steps]) or None,
+        "max_allocated_bytes": int(torch.cuda.max_memory_allocated()) if device.type == "cuda" else None,
+        "max_reserved_bytes": int(torch.cuda.max_memory_reserved()) if device.type == "cuda" else None,
+        "nvml_process_used_bytes": nvml.process_used(),
+        "nvml_worker_start_bytes": start_used,
+        "batch": shape,
+        "steps": steps,
+        "worker_s": round(time.perf_counter() - t0, 2),
+    }
+    return result
+
+
+def _record(steps: list, nvml: Nvml, torch, device, t0: float, **extra) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    steps.append({
+        "s": round(time.perf_counter() - t0, 3),
+        "max_allocated_bytes": int(torch.cuda.max_memory_allocated()) if device.type == "cuda" else None,
+        "max_reserved_bytes": int(torch.cuda.max_memory_reserved()) if device.type == "cuda" else None,
+        "nvml_used_bytes": nvml.used(),
+        **extra,
+    })
+
+
+def _target_role(cfg, device, steps, nvml, torch) -> dict:
+    from dflash.loss import target_step
+    from dflash.model import drafter_config_from_target
+    from dflash.target import DTYPES, load_target
+    from dflash.train import resolve_mask_token_id
+
+    t0 = time.perf_counter()
+    target = load_target(cfg.target.path, DTYPES[cfg.target.dtype], device, random_init=True)
+    tconf = target.config
+    layer_ids = drafter_config_from_target(tconf, cfg.drafter.num_layers, cfg.drafter.block_size,
+                                           cfg.drafter.target_layer_ids or None,
+                                           resolve_mask_token_id(cfg, tconf)).target_layer_ids
+    _record(steps, nvml, torch, device, t0, phase="weights")
+    # The memory model's worst target batch: 2 rows of token_budget // 2, the second padded
+    # (HF then builds the [rows, 1, S, S] mask); one unpadded row when max_batch_size is 1.
+    rows = min(2, cfg.data.max_batch_size)
+    seq = cfg.data.token_budget // rows
+    g = torch.Generator(device="cpu").manual_seed(0)
+    ids = torch.randint(1, tconf.vocab_size - 1, (rows, seq), generator=g)
+    attention = torch.ones(rows, seq, dtype=torch.long)
+    if rows > 1:
+        attention[-1, seq - max(1, seq // 8):] = 0
+        ids[-1, seq - max(1, seq // 8):] = 0
+    batch = {"input_ids": ids.to(device), "attention_mask": attention.to(device)}
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
+    for i in range(STEPS):
+        with torch.no_grad(), autocast:
+            context, last = target_step(target, batch, layer_ids, cfg.train.kl_weight > 0)
+        _record(steps, nvml, torch, device, t0, phase=f"step {i}", features=list(context.shape))
+        del context, last
+    return {"rows": rows, "seq_len": seq, "padded": rows > 1, "layer_ids": layer_ids}
+
+
+def _drafter_role(cfg, device, steps, nvml, torch) -> dict:
+    from transformers import AutoConfig
+
+    from dflash.loss import drafter_step_math
+    from dflash.model import DFlashDrafter, drafter_config_from_target
+    from dflash.target import DTYPES
+    from dflash.train import anchor_generator, resolve_mask_token_id
+    from preflight.memory import workload
+
+    t0 = time.perf_counter()
+    tconf = AutoConfig.from_pretrained(cfg.target.path)
+    dcfg = drafter_config_from_target(tconf, cfg.drafter.num_layers, cfg.drafter.block_size,
+                                      cfg.drafter.target_layer_ids or None, resolve_mask_token_id(cfg, tconf))
+    drafter = DFlashDrafter(dcfg).to(device, torch.float32)
+    dtype = DTYPES[cfg.target.dtype]
+    V, H = tconf.vocab_size, tconf.hidden_size
+    embed = (torch.randn(V, H, device=device, dtype=dtype) * 0.02).requires_grad_(False)
+    tied = bool(getattr(tconf, "tie_word_embeddings", False))
+    head = embed if tied else (torch.randn(V, H, device=device, dtype=dtype) * 0.02).requires_grad_(False)
+    optimizer = torch.optim.AdamW(drafter.parameters(), lr=cfg.train.lr, weight_decay=cfg.train.weight_decay,
+                                  betas=(0.9, 0.95), fused=device.type == "cuda")
+    w = workload(cfg)
+    rows, seq = w.sequences, w.seq_len
+    g = torch.Generator(device="cpu").manual_seed(0)
+    batch = {
+        "input_ids": torch.randint(1, V - 1, (rows, seq), generator=g).to(device),
+        "loss_mask": torch.ones(rows, seq, dtype=torch.int8, device=device),
+        "attention_mask": torch.ones(rows, seq, dtype=torch.long, device=device),
+    }
+    n_feat = len(dcfg.target_layer_ids)
+    context = (torch.randn(rows, seq, n_feat * H, device=device, dtype=dtype) * 0.5)
+    last = torch.randn(rows, seq, H, device=device, dtype=dtype) if cfg.train.kl_weight > 0 else None
+    backend = "flex" if device.type == "cuda" else "sdpa"
+    _record(steps, nvml, torch, device, t0, phase="setup")
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
+    for i in range(STEPS):
+        optimizer.zero_grad(set_to_none=True)
+        with autocast:
+            loss, metrics = drafter_step_math(drafter, embed, head, batch, context, last, cfg,
+                                              anchor_generator(cfg, device, i), backend)
+        loss.backward()
+        if cfg.train.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(drafter.parameters(), cfg.train.grad_clip)
+        optimizer.step()
+        _record(steps, nvml, torch, device, t0, phase=f"step {i}", loss=float(loss.detach()),
+                anchors=int(metrics["anchors"]))
+        del loss
+    return {"rows": rows, "seq_len": seq, "workload": w.model_dump(), "layer_ids": dcfg.target_layer_ids}
+
+
+def worker_main(spec_json: str) -> int:
+    spec = json.loads(spec_json)
+    try:
+        out = {"ok": True, **worker(spec)}
+    except Exception as e:
+        out = {"ok": False, "oom": is_oom(e), "error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:400],
+               "traceback": traceback.format_exc()[-3000:]}
+    print("RESULT " + json.dumps(out), flush=True)
+    return 0
+
+
+# --------------------------------------------------------------------------- driver
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", help="folder for memory_calibration.json")
+    ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    ap.add_argument("--tiny", action="store_true", help="tiny Qwen3 target and shapes (CPU smoke run; memory numbers null)")
+    ap.add_argument("--only", action="append", default=[], help="run only this configuration name (repeatable)")
+    ap.add_argument("--roles", default="target,drafter", help="comma list of roles to measure")
+    ap.add_argument("--budget-s", type=float, default=330.0, help="stop launching workers past this wall time")
+    ap.add_argument("--timeout-s", type=float, default=180.0, help="wall limit of one worker")
+    ap.add_argument("--fit", metavar="JSON", help="no measuring: fit and print the calibration for this file")
+    ap.add_argument("--worker", metavar="SPEC", help=argparse.SUPPRESS)
+    return ap.parse_args(argv)
+
+
+def run_worker(spec: dict, timeout: float) -> dict:
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", json.dumps(spec)]
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    t0 = time.perf_counter()
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=str(REPO), env=env)
+    except subprocess.TimeoutExpired as e:
+        tail = (e.stderr or b"")[-2000:]
+        return {"ok": False, "oom": False, "error": f"worker timed out after {timeout:.0f} s",
+                "stderr_tail": tail.decode(errors="replace") if isinstance(tail, bytes) else tail,
+                "wall_s": round(time.perf_counter() - t0, 1)}
+    wall = round(time.perf_counter() - t0, 1)
+    for line in reversed(proc.stdout.splitlines()):
+        if line.startswith("RESULT "):
+            return {**json.loads(line[len("RESULT "):]), "wall_s": wall}
+    text = proc.stderr[-2000:]
+    return {"ok": False, "oom": is_oom(text), "error": f"worker exited {proc.returncode} without a result",
+            "stderr_tail": text, "wall_s": wall}
+
+
+def measure_all(args) -> int:
+    import torch  # versions only: this process never touches the GPU
+
+    if args.device == "cuda" and args.tiny:
+        print("--tiny is for --device cpu", file=sys.stderr)
+        return 2
+    out_dir = Path(args.out or tempfile.mkdtemp(prefix="dflash-cal-"))
+    out_path = out_dir / "memory_calibration.json"
+    if args.tiny:
+        configs = tiny_configs(str(tiny_target_dir(out_dir / "targets")))
+        plan = TINY_PLAN
+    else:
+        configs, plan = CONFIGS, PLAN
+    roles = set(args.roles.split(","))
+    plan = [(n, r) for n, r in plan if r in roles and (not args.only or n in args.only)]
+    if args.only and not plan:
+        print(f"--only {args.only}: no such configuration; known: {', '.join(configs)}", file=sys.stderr)
+        return 2
+    env = environment(torch, args.device)
+    nvml = Nvml(enabled=args.device == "cuda")
+    env["gpu_nvml_total_bytes"] = nvml.total()
+    doc = {"command": env["command"], "env": env, "steps_per_measurement": STEPS, "measurements": []}
+    t_start = time.perf_counter()
+    guess = {"target": 30.0, "drafter": 60.0}  # seconds per worker until one has been timed
+    taken: dict[str, list[float]] = {"target": [], "drafter": []}
+    for name, role in plan:
+        cfg = configs[name]
+        target_config = json.loads((REPO / cfg["target"]["path"] / "config.json").read_text())  # absolute paths stay
+        entry = {"name": name, "role": role, "config": None, "target_config": target_config,
+                 "cuda": torch.version.cuda or "none", "gpu": env["gpu"], "torch": torch.__version__}
+        elapsed = time.perf_counter() - t_start
+        left = args.budget_s - elapsed
+        expect = max(taken[role]) if taken[role] else guess[role]
+        if left < expect:
+            entry.update(ok=False, skipped=True, error=f"skipped: {left:.0f} s of --budget-s left, a {role} worker takes ~{expect:.0f} s")
+            print(f"[{name} / {role}] {entry['error']}", flush=True)
+            doc["measurements"].append(entry)
+            write_json(out_path, doc)
+            continue
+        from dflash.config import config_from_dict
+
+        entry["config"] = config_from_dict(cfg, {"device": args.device}, source=name).model_dump()
+        entry["nvml_baseline_bytes"] = nvml.used()
+        print(f"[{name} / {role}] running ({elapsed:.0f} s elapsed)", flush=True)
+        spec = {"name": name, "role": role, "device": args.device, "config": cfg}
+        result = run_worker(spec, min(args.timeout_s, max(10.0, left)))
+        entry.update(result)
+        if result.get("ok"):
+            taken[role].append(result["wall_s"])
+            print(f"[{name} / {role}] {result['wall_s']} s: NVML used {gib(result['nvml_used_bytes'])} GiB, "
+                  f"reserved {gib(result['max_reserved_bytes'])}, allocated {gib(result['max_allocated_bytes'])}", flush=True)
+        else:
+            print(f"[{name} / {role}] FAILED{' (out of memory)' if result.get('oom') else ''}: {result['error']}\n"
+                  f"{result.get('traceback') or result.get('stderr_tail') or ''}", flush=True)
+        doc["measurements"].append(entry)
+        write_json(out_path, doc)
+    write_json(out_path, doc)
+    print(f"\nwrote {out_path} ({time.perf_counter() - t_start:.0f} s)")
+    print_table(doc["measurements"])
+    return 0 if all(m.get("ok") or m.get("skipped") for m in doc["measurements"]) else 1
+
+
+def print_table(measurements: list[dict]) -> None:
+    from preflight.memory import DEFAULT_CALIBRATION, fit_calibration, prediction_errors
+
+    usable = [m for m in measurements if m.get("ok") and m.get("nvml_used_bytes")]
+    errs = prediction_errors(usable, DEFAULT_CALIBRATION) if usable else []
+    err_of = {id(m): e for m, e in zip(usable, errs)}
+    print(f"\n{'configuration':<32} {'role':<8} {'alloc GiB':>9} {'reserved':>9} {'NVML GiB':>9} {'baseline':>9} "
+          f"{'model err':>9} {'wall s':>7}")
+    for m in measurements:
+        if not m.get("ok"):
+            print(f"{m['name']:<32} {m['role']:<8} {'skipped' if m.get('skipped') else 'FAILED'}: {m.get('error', '')}")
+            continue
+        e = err_of.get(id(m))
+        print(f"{m['name']:<32} {m['role']:<8} {gib(m.get('max_allocated_bytes')):>9} {gib(m.get('max_reserved_bytes')):>9} "
+              f"{gib(m.get('nvml_used_bytes')):>9} {gib(m.get('nvml_baseline_bytes')):>9} "
+              f"{'-' if e is None else f'{e:+.1%}':>9} {m.get('wall_s', 0):>7}")
+    if len(usable) >= 3:
+        try:
+            fitted = fit_calibration(usable)
+        except ValueError as e:
+            print(f"\nno fit: {e}")
+            return
+        after = prediction_errors(usable, fitted)
+        print(f"\nfitted: cuda_context_gib={ {k: round(v, 4) for k, v in fitted.cuda_context_gib.items()} } "
+              f"target_activation_scale={fitted.target_activation_scale:.4f} "
+              f"drafter_activation_scale={fitted.drafter_activation_scale:.4f}")
+        print("errors with the fitted constants: " + ", ".join(f"{m['name']}/{m['role']} {e:+.1%}" for m, e in zip(usable, after)))
+        print(f"max |error|: committed {max(abs(x) for x in errs):.1%}, fitted {max(abs(x) for x in after):.1%}")
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.worker:
+        return worker_main(args.worker)
+    if args.fit:
+        doc = json.loads(Path(args.fit).read_text())
+        print_table(doc["measurements"])
+        return 0
+    return measure_all(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

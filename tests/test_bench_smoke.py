@@ -1,0 +1,47 @@
+"""CPU smoke runs of the GPU measurement scripts (bench/train_step.py, bench/memory_calibration.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _run(args: list[str], tmp_path: Path) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    return subprocess.run([sys.executable, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=170)
+
+
+@pytest.mark.slow
+def test_train_step_bench_sweeps_on_cpu(tmp_path):
+    out = tmp_path / "train_step.json"
+    proc = _run(["bench/train_step.py", "--device", "cpu", "--tiny", "--sweep", "--warmup", "1", "--steps", "2",
+                 "--data", str(tmp_path / "data"), "--json", str(out)], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = json.loads(out.read_text())["results"]
+    assert [r["name"] for r in results] == ["512x16", "1024x32"]
+    for r in results:
+        assert r["ok"] and r["step_ms"] > 0 and r["tokens_per_s"] > 0 and r["max_allocated_bytes"] is None
+        assert r["drafter_step_ms"] == pytest.approx(r["step_ms"] - r["target_forward_ms"], abs=0.02)
+    assert "vs SpecForge" in proc.stdout
+
+
+@pytest.mark.slow
+def test_memory_calibration_runs_both_roles_on_cpu(tmp_path):
+    proc = _run(["bench/memory_calibration.py", "--device", "cpu", "--tiny", "--only", "tiny-b-kl", "--out", str(tmp_path)],
+                tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    doc = json.loads((tmp_path / "memory_calibration.json").read_text())
+    assert "memory_calibration.py" in doc["command"] and doc["env"]["torch"]
+    ms = doc["measurements"]
+    assert [(m["role"], m["ok"]) for m in ms] == [("target", True), ("drafter", True)]
+    for m in ms:
+        assert m["nvml_used_bytes"] is None and len(m["steps"]) >= 3
+        assert m["config"]["train"]["kl_weight"] == 0.5 and m["target_config"]["model_type"] == "qwen3"
+    assert ms[1]["steps"][-1]["anchors"] <= 12  # train.batch_anchors caps the anchors over the batch

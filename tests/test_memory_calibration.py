@@ -1,0 +1,50 @@
+"""The memory model against measured H200 peaks (tests/data/memory_calibration.json).
+
+The file comes from `bench/memory_calibration.py` on a GPU (command, versions and GPU inside);
+the committed Calibration defaults in preflight/memory.py were fitted to it. Nothing is fitted
+here beyond checking that the committed constants are still that fit.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from preflight.memory import DEFAULT_CALIBRATION, fit_calibration, prediction_errors
+
+DATA = Path(__file__).resolve().parent / "data" / "memory_calibration.json"
+
+
+def _measurements() -> list[dict]:
+    if not DATA.is_file():
+        pytest.skip(f"{DATA.name} not committed yet: run bench/memory_calibration.py on an H200 and copy its output there")
+    doc = json.loads(DATA.read_text())
+    ms = [m for m in doc["measurements"] if m.get("ok") and m.get("nvml_used_bytes")]
+    if not ms:
+        pytest.skip(f"{DATA.name} holds no successful GPU measurement")
+    return ms
+
+
+def test_file_says_how_it_was_made():
+    doc = json.loads(DATA.read_text()) if DATA.is_file() else pytest.skip(f"{DATA.name} not committed yet")
+    assert "memory_calibration.py" in doc["command"]
+    assert doc["env"]["torch"] and doc["env"]["cuda"] and doc["env"]["gpu"]
+
+
+def test_every_nvml_peak_is_predicted_within_10_percent():
+    ms = _measurements()
+    errs = prediction_errors(ms, DEFAULT_CALIBRATION)
+    table = "\n".join(f"{m['name']:<32} {m['role']:<8} measured {m['nvml_used_bytes'] / 2**30:7.2f} GiB  error {e:+.1%}"
+                      for m, e in zip(ms, errs))
+    assert max(abs(e) for e in errs) <= 0.10, f"prediction errors beyond ±10%:\n{table}"
+
+
+def test_committed_constants_are_the_fit_of_the_file():
+    ms = _measurements()
+    fitted = fit_calibration(ms)
+    for major, gib in fitted.cuda_context_gib.items():
+        assert DEFAULT_CALIBRATION.cuda_context_gib[major] == pytest.approx(gib, abs=0.02), major
+    assert DEFAULT_CALIBRATION.target_activation_scale == pytest.approx(fitted.target_activation_scale, rel=0.02)
+    assert DEFAULT_CALIBRATION.drafter_activation_scale == pytest.approx(fitted.drafter_activation_scale, rel=0.02)

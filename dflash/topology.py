@@ -279,8 +279,8 @@ def _target_main(run: _Run, share_group) -> int:
         batch = {key: v.to(run.device) for key, v in batch.items()}
         with torch.no_grad():
             context, last = target_step(target, batch, layer_ids, want_last)
-        if run.cuda:
-            torch.cuda.synchronize()
+        if run.cuda:  # this stream only: a device-wide sync would also wait for our queued NCCL sends
+            torch.cuda.current_stream(run.device).synchronize()
         compute_s = time.perf_counter() - t0
         dst = k % role.n_drafters
         stats = torch.tensor([compute_s, wait_s, float(batch["lengths"].sum())], dtype=torch.float64)
@@ -320,10 +320,13 @@ class _Inbox:
 
     @staticmethod
     def take(posted) -> tuple[list[torch.Tensor], float]:
+        """Wait until the batch has arrived; returns the buffers and the seconds spent waiting."""
         handles, bufs = posted
         t0 = time.perf_counter()
         for h in handles:
             h.wait()
+        if bufs[0].is_cuda:  # NCCL's wait() only orders streams; sync to see the real arrival time
+            torch.cuda.current_stream(bufs[0].device).synchronize()
         return bufs, time.perf_counter() - t0
 
 

@@ -35,7 +35,8 @@ def sample_anchors(
 
     Eligible: a with loss_mask[a] and loss_mask[a+1] (so a + 1 is inside the sequence). Labels
     of a block that run past the sequence end are masked by `block_inputs`, so block_size does
-    not restrict the anchors; it is checked for sanity only.
+    not restrict the anchors; it is checked for sanity only. With batch_anchors, the batch's
+    total is split over rows as evenly as their eligible counts allow (`anchor_quotas`).
     """
     if max_anchors < 1:
         raise ValueError(f"max_anchors must be >= 1, got {max_anchors}")
@@ -53,18 +54,39 @@ def sample_anchors(
     gen_device = generator.device if generator is not None else device
     keys_BS = torch.rand(eligible_BS.shape, generator=generator, device=gen_device).to(device)
     keys_BS = keys_BS.masked_fill(~eligible_BS, 2.0)  # ineligible positions sort last
-    keys_BA, picked_BA = keys_BS.topk(A, dim=1, largest=False)
-    valid_BA = torch.arange(A, device=device)[None, :] < count_B[:, None]
-    if batch_anchors is not None and int(valid_BA.sum()) > batch_anchors:
-        # keep a uniform random subset of batch_anchors over the whole batch: the smallest keys win
-        threshold = keys_BA[valid_BA].kthvalue(batch_anchors).values
-        valid_BA = valid_BA & (keys_BA <= threshold)
-        order_BA = torch.argsort((~valid_BA).to(torch.int8), dim=1, stable=True)
-        picked_BA, valid_BA = picked_BA.gather(1, order_BA), valid_BA.gather(1, order_BA)
-        A = max(1, int(valid_BA.sum(dim=1).max()))
-        picked_BA, valid_BA = picked_BA[:, :A], valid_BA[:, :A]
+    cap_B = count_B.clamp(max=max_anchors)
+    if batch_anchors is not None and int(cap_B.sum()) > batch_anchors:
+        cap_B = anchor_quotas(cap_B, batch_anchors)
+        A = max(1, int(cap_B.max()))
+    picked_BA = keys_BS.topk(A, dim=1, largest=False).indices
+    valid_BA = torch.arange(A, device=device)[None, :] < cap_B[:, None]
     picked_BA = torch.where(valid_BA, picked_BA, S).sort(dim=1).values  # the sorted valid ones come first
     return torch.where(valid_BA, picked_BA, 0), valid_BA
+
+
+def anchor_quotas(cap_B: torch.Tensor, budget: int) -> torch.Tensor:
+    """Split `budget` anchors over rows as evenly as their caps allow (water-filling).
+
+    Even quotas keep the padded [B, A] anchor layout tight: A is about budget / B, not the
+    largest of B random counts, so few padded queries go through the drafter.
+    """
+    caps = cap_B.tolist()
+    lo, hi = 0, max(caps)
+    while lo < hi:  # smallest level q with sum(min(cap, q)) >= budget
+        mid = (lo + hi) // 2
+        if sum(min(c, mid) for c in caps) >= budget:
+            hi = mid
+        else:
+            lo = mid + 1
+    quota = [min(c, lo - 1) for c in caps] if lo > 0 else [0] * len(caps)
+    left = budget - sum(quota)
+    for b, c in enumerate(caps):  # rows that can take one more, in order, until the budget is met
+        if left == 0:
+            break
+        if c >= lo and quota[b] < c:
+            quota[b] += 1
+            left -= 1
+    return torch.tensor(quota, dtype=cap_B.dtype, device=cap_B.device)
 
 
 def block_inputs(

@@ -273,21 +273,15 @@ class Workload(BaseModel):
 
 
 def padded_anchors_per_row(eligible_per_row: int, rows: int, batch_anchors: int | None) -> int:
-    """Anchor slots per row once train.batch_anchors keeps a uniform random subset over the batch.
+    """Anchor slots per row once train.batch_anchors caps the batch's anchors.
 
-    dflash.loss.sample_anchors keeps the batch_anchors smallest random keys over all rows, then
-    pads every row to the largest kept count. Each row's count is hypergeometric with mean
-    batch_anchors / rows; the worst case allows three standard deviations above it.
+    dflash.loss.sample_anchors splits batch_anchors over the rows as evenly as their eligible
+    counts allow (water-filling), so with equal rows every row holds ceil(batch_anchors / rows).
     """
     total = rows * eligible_per_row
     if batch_anchors is None or total <= batch_anchors:
         return eligible_per_row
-    if rows == 1:
-        return batch_anchors
-    mean = batch_anchors / rows
-    frac = batch_anchors / total
-    sd = math.sqrt(mean * (1 - 1 / rows) * (1 - frac) * total / max(1, total - 1))
-    return max(1, min(eligible_per_row, math.ceil(mean + 3 * sd)))
+    return max(1, min(eligible_per_row, math.ceil(batch_anchors / rows)))
 
 
 def workload(cfg: RunConfig) -> Workload:

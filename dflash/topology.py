@@ -211,7 +211,10 @@ class _Run:
                 self.sampler.load_state_dict({"epoch": self.resume_state["sampler"]["epoch"], "index": 0})
         from transformers import AutoConfig
 
-        self.target_config = AutoConfig.from_pretrained(cfg.target.path)
+        from dflash.train import target_folder
+
+        self.target_path = target_folder(cfg.target.path)
+        self.target_config = AutoConfig.from_pretrained(self.target_path)
         self.wire_dtype = DTYPES[cfg.target.dtype]
 
     def batch_stream(self):
@@ -258,7 +261,7 @@ def _target_main(run: _Run, share_group) -> int:
     signal.signal(signal.SIGTERM, lambda *_: os._exit(0))  # targets hold no state worth saving
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher or torchrun decides when targets stop
     cfg, role = run.cfg, run.role
-    target = load_target(cfg.target.path, DTYPES[cfg.target.dtype], run.device, cfg.target.random_init)
+    target = load_target(run.target_path, DTYPES[cfg.target.dtype], run.device, cfg.target.random_init)
     if role.index == 0:
         embed, head = target_embed_and_head(target)
         dist.broadcast(embed.contiguous(), src=role.n_drafters, group=share_group)

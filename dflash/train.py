@@ -90,6 +90,15 @@ def average_metrics(parts: list[tuple[float, dict]]) -> dict:
     return out
 
 
+def target_folder(path: str, log=print) -> str:
+    """The target's HF folder: `smollm2` names the embedded default (converted once, then cached)."""
+    if path == "smollm2":
+        from dflash.smollm2 import resolve_target
+
+        return str(resolve_target(path, log=log))
+    return path
+
+
 def resolve_mask_token_id(cfg: RunConfig, target_config) -> int:
     if cfg.drafter.mask_token_id is not None:
         return cfg.drafter.mask_token_id
@@ -113,7 +122,8 @@ class Trainer:
         self.accum = cfg.train.grad_accum
         self.total_steps = cfg.train.max_steps or cfg.train.epochs * self.sampler.batches_per_epoch // self.accum
 
-        self.target = load_target(cfg.target.path, DTYPES[cfg.target.dtype], self.device, cfg.target.random_init)
+        self.target = load_target(target_folder(cfg.target.path, log), DTYPES[cfg.target.dtype], self.device,
+                                  cfg.target.random_init)
         dcfg = drafter_config_from_target(self.target.config, cfg.drafter.num_layers, cfg.drafter.block_size,
                                           cfg.drafter.target_layer_ids or None, self._mask_token_id())
         self.drafter = DFlashDrafter(dcfg).to(self.device, torch.float32)

@@ -21,3 +21,7 @@ def tiny_target():
     model = Qwen3ForCausalLM(cfg).eval()
     model.requires_grad_(False)
     return model
+
+
+def pytest_addoption(parser):
+    parser.addoption("--update-golden", action="store_true", help="rewrite tests/data/golden_tiny_loss.json")

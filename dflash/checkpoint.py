@@ -40,7 +40,7 @@ def list_checkpoints(output_dir: str | Path) -> list[Path]:
     if not root.is_dir():
         return []
     done = [p for p in root.iterdir() if p.is_dir() and p.name.startswith(STEP_PREFIX)
-            and not p.name.endswith(".tmp") and (p / "meta.json").exists()]
+            and p.name[len(STEP_PREFIX):].isdigit() and (p / "meta.json").exists()]
     return sorted(done, key=lambda p: int(p.name[len(STEP_PREFIX):]))
 
 
@@ -94,7 +94,8 @@ def save_checkpoint(output_dir: str | Path, step: int, drafter, optimizer, train
         shutil.rmtree(final)
     tmp.rename(final)
     for old in list_checkpoints(output_dir)[:-keep_last]:
-        shutil.rmtree(old, ignore_errors=True)
+        if old != final:  # never the one just written
+            shutil.rmtree(old, ignore_errors=True)
     return final
 
 

@@ -66,18 +66,37 @@ def prepare_output_dir(cfg: RunConfig, resume: str | None, fresh: bool, log=clic
             f"say --resume latest to continue it or --fresh to start over")
     if resume:
         try:
-            return ckpt.resolve_resume(cfg.output_dir, resume)
+            path = ckpt.resolve_resume(cfg.output_dir, resume)
         except ckpt.CheckpointError as e:
             raise click.UsageError(str(e)) from None
-    if fresh and existing:
-        old = ckpt.checkpoints_dir(cfg.output_dir)
-        kept = old.with_name(f"checkpoints.replaced-{time.strftime('%Y%m%d-%H%M%S')}")
-        old.rename(kept)
-        metrics = Path(cfg.output_dir) / "metrics.jsonl"
-        if metrics.exists():
-            metrics.rename(kept / "metrics.jsonl")
-        log(f"--fresh: previous checkpoints moved to {kept} (nothing deleted)")
+        newer = [c for c in existing if int(c.name[len(ckpt.STEP_PREFIX):]) > int(path.name[len(ckpt.STEP_PREFIX):])]
+        if newer and path.parent == ckpt.checkpoints_dir(cfg.output_dir):
+            aside = _aside(Path(cfg.output_dir), "checkpoints.abandoned")
+            aside.mkdir()
+            for c in newer:
+                c.rename(aside / c.name)
+            log(f"--resume {path.name}: {len(newer)} newer checkpoint(s) moved to {aside}, so `latest` "
+                "stays this run's (nothing deleted)")
+        return path
+    if fresh:
+        out = Path(cfg.output_dir)
+        leftovers = [p for p in (ckpt.checkpoints_dir(out), out / "metrics.jsonl", out / "drafter") if p.exists()]
+        if leftovers:
+            aside = _aside(out, "replaced")
+            aside.mkdir()
+            for p in leftovers:
+                p.rename(aside / p.name)
+            log(f"--fresh: previous {', '.join(p.name for p in leftovers)} moved to {aside} (nothing deleted)")
     return None
+
+
+def _aside(out: Path, stem: str) -> Path:
+    """A new, unused folder name under the run dir for things moved out of the way."""
+    base = out / f"{stem}-{time.strftime('%Y%m%d-%H%M%S')}"
+    path, n = base, 1
+    while path.exists():
+        path, n = base.with_name(f"{base.name}.{n}"), n + 1
+    return path
 
 
 def apply_profile_env(profile_name: str) -> None:
@@ -173,9 +192,14 @@ def train_main(config_path, demo, resume, fresh, sets, max_steps, output_dir, ta
         from dflash.topology import launch
 
         sys.exit(launch(cfg, resume_from))
-    from dflash.train import run
+    from dflash.data import DatasetError
+    from dflash.train import RunError, run
 
-    sys.exit(run(cfg, resume_from, progress=False if no_progress else None))
+    try:
+        code = run(cfg, resume_from, progress=False if no_progress else None)
+    except (RunError, DatasetError) as e:
+        raise click.ClickException(str(e)) from None
+    sys.exit(code)
 
 
 @click.group(context_settings=CONTEXT)

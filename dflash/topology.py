@@ -110,23 +110,38 @@ def launch(cfg: RunConfig, resume_from: Path | None, log=print) -> int:
     roles = roles_for(cfg)
     port = _free_port()
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    gpus = [physical_gpu(gpu_of(cfg, r), visible) for r in roles] if cfg.device == "cuda" else [None] * len(roles)
     procs: list[subprocess.Popen] = []
-    for role in roles:
-        env = dict(os.environ, RANK=str(role.rank), WORLD_SIZE=str(role.world), LOCAL_RANK=str(role.rank),
-                   LOCAL_WORLD_SIZE=str(role.world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        if cfg.device == "cuda":
-            env["CUDA_VISIBLE_DEVICES"] = physical_gpu(gpu_of(cfg, role), visible)
-        cmd = [sys.executable, "-m", "dflash.topology", "--config-json", str(cfg_path)]
-        if resume_from is not None:
-            cmd += ["--resume", str(resume_from)]
-        # own session: a terminal's Ctrl-C reaches only the launcher, which stops the drafters cleanly
-        procs.append(subprocess.Popen(cmd, env=env, start_new_session=True))
+    stop = {"sig": None}
+    old_handlers = {s: signal.signal(s, lambda signum, _f: stop.update(sig=signum))
+                    for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    try:
+        _spawn(cfg, roles, gpus, port, cfg_path, resume_from, procs)
+    except BaseException:
+        _terminate(procs)
+        raise
+    finally:
+        for s, h in old_handlers.items():
+            signal.signal(s, h)
     (out / "ranks.json").write_text(json.dumps(
         [{"rank": r.rank, "role": r.name, "gpu": gpu_of(cfg, r), "pid": p.pid} for r, p in zip(roles, procs)]))
     log(f"launched {len(roles)} processes: drafter ranks 0-{roles[0].n_drafters - 1} on GPUs "
         f"{','.join(cfg.topology.drafter_gpus)}, target ranks {roles[0].n_drafters}-{len(roles) - 1} on GPUs "
         f"{','.join(cfg.topology.target_gpus)} ({'nccl' if cfg.device == 'cuda' else 'gloo'})")
-    return _watch(cfg, roles, procs, log)
+    return _watch(cfg, roles, procs, log, pending_signal=stop["sig"])
+
+
+def _spawn(cfg, roles, gpus, port, cfg_path, resume_from, procs) -> None:
+    for role, gpu in zip(roles, gpus):
+        env = dict(os.environ, RANK=str(role.rank), WORLD_SIZE=str(role.world), LOCAL_RANK=str(role.rank),
+                   LOCAL_WORLD_SIZE=str(role.world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        if gpu is not None:
+            env["CUDA_VISIBLE_DEVICES"] = gpu
+        cmd = [sys.executable, "-m", "dflash.topology", "--config-json", str(cfg_path)]
+        if resume_from is not None:
+            cmd += ["--resume", str(resume_from)]
+        # own session: a terminal's Ctrl-C reaches only the launcher, which stops the drafters cleanly
+        procs.append(subprocess.Popen(cmd, env=env, start_new_session=True))
 
 
 def _describe_exit(code: int) -> str:
@@ -135,16 +150,15 @@ def _describe_exit(code: int) -> str:
     return f"exited with code {code}"
 
 
-def _watch(cfg: RunConfig, roles: list[Role], procs: list[subprocess.Popen], log) -> int:
-    stopping = {"sig": None}
-
+def _watch(cfg: RunConfig, roles: list[Role], procs: list[subprocess.Popen], log, pending_signal=None) -> int:
     def forward(signum, _frame):
-        stopping["sig"] = signum
         for role, p in zip(roles, procs):
             if role.is_drafter and p.poll() is None:
                 p.send_signal(signal.SIGTERM)
 
-    old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
+    old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    if pending_signal is not None:  # arrived while spawning
+        forward(pending_signal, None)
     try:
         while True:
             drafters_done = all(p.poll() == 0 for r, p in zip(roles, procs) if r.is_drafter)
@@ -190,9 +204,8 @@ class _Run:
     def __init__(self, cfg: RunConfig, role: Role, resume_from: Path | None):
         self.cfg, self.role = cfg, role
         self.cuda = cfg.device == "cuda"
-        self.device = torch.device("cuda", 0) if self.cuda else torch.device("cpu")
-        if self.cuda:
-            torch.cuda.set_device(self.device)
+        # worker() picked the GPU (LOCAL_RANK under torchrun, the only visible one under our launcher)
+        self.device = torch.device("cuda", torch.cuda.current_device()) if self.cuda else torch.device("cpu")
         self.dataset = ShardDataset(cfg.data.path)
         self.sampler = BucketBatchSampler(self.dataset.lengths, cfg.data.token_budget, cfg.data.max_batch_size,
                                           cfg.data.num_buckets, cfg.train.seed)
@@ -209,6 +222,11 @@ class _Run:
                 self.sampler.load_state_dict(self.resume_state["sampler"])
             else:
                 self.sampler.load_state_dict({"epoch": self.resume_state["sampler"]["epoch"], "index": 0})
+        self.start_sampler = self.sampler.state_dict()  # position of global batch k = 0
+        if self.total_steps < 1:
+            raise SystemExit(f"{cfg.data.path}: {self.sampler.batches_per_epoch} batches per epoch x "
+                             f"{cfg.train.epochs} epochs make no step of {nd} drafter batches; "
+                             "add data, epochs, or set train.max_steps")
         from transformers import AutoConfig
 
         from dflash.train import target_folder
@@ -294,14 +312,20 @@ def _target_main(run: _Run, share_group) -> int:
         in_flight.append((handles, tensors))
         t1 = time.perf_counter()
         while len(in_flight) > run.cfg.topology.queue_depth:
-            for h in in_flight.popleft()[0]:
-                h.wait()
+            _complete(in_flight.popleft()[0], run)
         wait_s = time.perf_counter() - t1  # reported with the next batch
     for handles, _ in in_flight:
-        for h in handles:
-            h.wait()
+        _complete(handles, run)
     sys.stdout.flush()
     os._exit(0)  # every batch was received; drafters finish on their own
+
+
+def _complete(handles, run: _Run) -> None:
+    """Block until these sends are delivered (NCCL's wait() only orders the stream, so sync it too)."""
+    for h in handles:
+        h.wait()
+    if run.cuda:
+        torch.cuda.current_stream(run.device).synchronize()
 
 
 class _Inbox:
@@ -377,6 +401,7 @@ def _drafter_main(run: _Run, drafter_group, share_group) -> int:
 
     acc = {"tokens": 0.0, "d_wait": 0.0, "t_compute": 0.0, "t_wait": 0.0, "t0": time.perf_counter()}
     pending = next_mine() if step < run.total_steps else None
+    stopping = False
     while pending is not None:
         k, epoch, batch, posted = pending
         (stats, context, *last), recv_wait = _Inbox.take(posted)
@@ -460,8 +485,7 @@ def _save(run: _Run, drafter, optimizer, step: int, k: int) -> None:
     consumed = (step - run.start_step) * run.role.n_drafters
     sampler = BucketBatchSampler(run.dataset.lengths, run.cfg.data.token_budget, run.cfg.data.max_batch_size,
                                  run.cfg.data.num_buckets, run.cfg.train.seed)
-    start = run.resume_state["sampler"] if run.resume_state else {"epoch": 0, "index": 0}
-    sampler.load_state_dict(start)
+    sampler.load_state_dict(run.start_sampler)
     bpe = sampler.batches_per_epoch
     flat = sampler.state_dict()["epoch"] * bpe + sampler.state_dict()["index"] + consumed
     state = {"step": step, "sampler": {"epoch": flat // bpe, "index": flat % bpe}, "rng_cpu": torch.get_rng_state(),

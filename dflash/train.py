@@ -36,6 +36,10 @@ def cosine_lr(step: int, total: int, warmup_ratio: float) -> float:
     return 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
+class RunError(ValueError):
+    """A run that cannot start as configured; the message is one line."""
+
+
 @dataclass
 class StopFlag:
     """Set by SIGINT/SIGTERM; the loop finishes its step, checkpoints and exits 0."""
@@ -52,8 +56,10 @@ class StopFlag:
             signal.signal(sig, old)
 
     def _handle(self, signum, frame) -> None:
-        if self.requested:  # second signal: leave now
-            raise KeyboardInterrupt
+        if self.requested:
+            if signal.Signals(signum).name != self.signame:
+                return  # e.g. torchrun's SIGTERM after a Ctrl-C: the same stop, already under way
+            raise KeyboardInterrupt  # the same signal twice: leave now
         self.requested = True
         self.signame = signal.Signals(signum).name
         print(f"\n{self.signame}: finishing this step, then saving a checkpoint (send again to abort)",
@@ -121,6 +127,9 @@ class Trainer:
                                           cfg.data.num_buckets, cfg.train.seed)
         self.accum = cfg.train.grad_accum
         self.total_steps = cfg.train.max_steps or cfg.train.epochs * self.sampler.batches_per_epoch // self.accum
+        if self.total_steps < 1:
+            raise RunError(f"{cfg.data.path}: {self.sampler.batches_per_epoch} batches per epoch x {cfg.train.epochs} "
+                           f"epochs make no step of {self.accum} batches; add data, epochs, or set train.max_steps")
 
         self.target = load_target(target_folder(cfg.target.path, log), DTYPES[cfg.target.dtype], self.device,
                                   cfg.target.random_init)

@@ -100,3 +100,14 @@ def test_killing_a_rank_ends_the_run_with_a_clear_message(tmp_path):
 
     latest = ckpt.list_checkpoints(run_dir)[-1]
     DFlashDrafter.from_pretrained(latest / "drafter")  # still loadable
+
+
+def test_resuming_a_finished_split_run_exits_cleanly(tmp_path):
+    cfg, raw = tiny_config(tmp_path, max_steps=2, save_every=1)
+    config = write_toml(split_raw(raw), tmp_path / "split.toml")
+    first = subprocess.run(train_cmd(config, "--fresh"), cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-2000:]
+    again = subprocess.run(train_cmd(config, "--resume", "latest"), cwd=REPO, capture_output=True, text=True,
+                           timeout=300)
+    assert again.returncode == 0, again.stdout[-2000:] + again.stderr[-2000:]
+    assert [r["step"] for r in metrics(Path(cfg.output_dir))] == [1, 2]

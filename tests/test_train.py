@@ -154,3 +154,28 @@ def test_corrupt_shard_names_the_file(tmp_path):
     assert out.returncode == 1
     assert shard.name in out.stderr
     assert "Traceback" not in out.stderr
+
+
+def test_resume_from_an_older_checkpoint_moves_newer_ones_aside(tmp_path):
+    cfg, raw = tiny_config(tmp_path, max_steps=6, save_every=2, keep_last=3)
+    run(cfg, None, log=lambda *_: None, progress=False)
+    (ckpt.checkpoints_dir(cfg.output_dir) / "step_00000004.bak").mkdir()  # an odd folder must not break saves
+    older = ckpt.checkpoints_dir(cfg.output_dir) / "step_00000002"
+    raw["train"]["max_steps"] = 3
+    config = write_toml(raw, tmp_path / "run.toml")
+    out = subprocess.run(train_cmd(config, "--resume", str(older)), cwd=REPO, capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "2 newer checkpoint(s) moved to" in out.stdout
+    names = [c.name for c in ckpt.list_checkpoints(cfg.output_dir)]
+    assert names == ["step_00000002", "step_00000003"]  # the resumed-from one is kept, latest is this run's
+    assert ckpt.resolve_resume(cfg.output_dir, "latest").name == "step_00000003"
+
+
+def test_dataset_too_small_for_one_step_is_a_clear_error(tmp_path):
+    cfg, raw = tiny_config(tmp_path, grad_accum=1000)
+    raw["train"].pop("max_steps")
+    raw["train"]["epochs"] = 1
+    config = write_toml(raw, tmp_path / "run.toml")
+    out = subprocess.run(train_cmd(config, "--fresh"), cwd=REPO, capture_output=True, text=True)
+    assert out.returncode == 1
+    assert "make no step of 1000 batches" in out.stderr and "Traceback" not in out.stderr

@@ -77,9 +77,7 @@ def run_pipeline(target_spec: str, prompts: str, n_prompts: int, max_new_tokens:
 
     _stage(4, f"train: {cfg.drafter.num_layers}-layer drafter, block {cfg.drafter.block_size}, "
               f"{cfg.train.epochs} epochs -> {cfg.output_dir}", t0)
-    final = Path(cfg.output_dir) / "drafter"
-    if final.exists():  # an older demo's drafter: keep it beside the checkpoints moved aside
-        final.rename(final.with_name(f"drafter.replaced-{time.strftime('%Y%m%d-%H%M%S')}"))
+    final = Path(cfg.output_dir) / "drafter"  # an older demo's drafter was moved aside with its checkpoints
     code = run(cfg, None, log=log)
     if code or not final.is_dir():
         log("demo: training stopped before the end; nothing to evaluate")

@@ -16,7 +16,7 @@ Run (from the repository root; no install needed besides the packages):
 
     PYTHONPATH=. python3 bench/memory_calibration.py --out out/          # ~5 min on one H200
     PYTHONPATH=. python3 bench/memory_calibration.py --out out/ --only 8b-48k-a1024-b32-d1
-    PYTHONPATH=. python3 bench/memory_calibration.py --device cpu --tiny --out /tmp/cal   # smoke run
+    PYTHONPATH=. python3 bench/memory_calibration.py --device cpu --tiny --out .cache/cal   # smoke run
     PYTHONPATH=. python3 bench/memory_calibration.py --fit tests/data/memory_calibration.json
 
 --budget-s stops launching workers once the next one would not finish in time (recorded as

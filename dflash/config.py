@@ -8,6 +8,7 @@ This module imports no torch: preflight reads it in a process that must stay lig
 from __future__ import annotations
 
 import hashlib
+import math
 import json
 import tomllib
 from pathlib import Path
@@ -16,6 +17,22 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 DTYPES = ("bfloat16", "float16", "float32")
+
+
+def default_target_layer_ids(num_target_layers: int, n: int) -> list[int]:
+    """n target layers spread evenly over [1, L-3]; n == 1 takes the middle layer L // 2."""
+    if n < 1:
+        raise ValueError(f"need at least one target layer, got n={n}")
+    if n == 1:
+        return [num_target_layers // 2]
+    first, last = 1, num_target_layers - 3
+    if last - first + 1 < n:
+        raise ValueError(
+            f"cannot spread {n} distinct layers over [1, {last}] of a {num_target_layers}-layer target; "
+            f"use fewer drafter layers or give target_layer_ids explicitly"
+        )
+    step = (last - first) / (n - 1)
+    return [math.floor(first + i * step + 0.5) for i in range(n)]
 
 
 class _Strict(BaseModel):

@@ -13,7 +13,6 @@ names and config fields public DFlash drafters use, so DFlash-aware serving stac
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -23,26 +22,11 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from dflash.attention import TrainMask, attend
+from dflash.config import default_target_layer_ids  # noqa: F401 (also used by importers of dflash.model)
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 ARCHITECTURE = "DFlashDraftModel"
-
-
-def default_target_layer_ids(num_target_layers: int, n: int) -> list[int]:
-    """n target layers spread evenly over [1, L-3]; n == 1 takes the middle layer L // 2."""
-    if n < 1:
-        raise ValueError(f"need at least one target layer, got n={n}")
-    if n == 1:
-        return [num_target_layers // 2]
-    first, last = 1, num_target_layers - 3
-    if last - first + 1 < n:
-        raise ValueError(
-            f"cannot spread {n} distinct layers over [1, {last}] of a {num_target_layers}-layer target; "
-            f"use fewer drafter layers or give target_layer_ids explicitly"
-        )
-    step = (last - first) / (n - 1)
-    return [int(math.floor(first + i * step + 0.5)) for i in range(n)]
 
 
 @dataclass

@@ -273,7 +273,7 @@ def worker(cfg: RunConfig, resume_from: Path | None) -> int:
 
 def _target_main(run: _Run, share_group) -> int:
     from dflash.loss import target_step
-    from dflash.model import default_target_layer_ids
+    from dflash.config import default_target_layer_ids
     from dflash.target import load_target, target_embed_and_head
 
     signal.signal(signal.SIGTERM, lambda *_: os._exit(0))  # targets hold no state worth saving

@@ -490,7 +490,7 @@ def _default_layer_ids(ctx: Context, n: int) -> list[int] | None:
     if not layers:
         return None
     try:
-        from preflight.memory import default_target_layer_ids
+        from dflash.config import default_target_layer_ids
     except ImportError:
         return None
     return default_target_layer_ids(layers, n)

@@ -34,7 +34,7 @@ from typing import Callable, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from dflash.config import ConfigError, RunConfig
+from dflash.config import ConfigError, RunConfig, default_target_layer_ids
 
 GiB = 1024**3
 BF16 = 2  # bytes; autocast dtype of the drafter, frozen embedding/lm_head copies
@@ -228,14 +228,6 @@ def load_target_shape(path: str) -> TargetShape:
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}/config.json: not a JSON object; use an HF config.json")
     return TargetShape.from_config(raw, f"{path}/config.json")
-
-
-def default_target_layer_ids(num_target_layers: int, n: int) -> list[int]:
-    """n drafter layers read n target layers spread evenly over [1, L-3]; n=1 reads L//2."""
-    if n == 1:
-        return [num_target_layers // 2]
-    lo, hi = 1, num_target_layers - 3
-    return [lo + round(k * (hi - lo) / (n - 1)) for k in range(n)]
 
 
 def num_feature_layers(cfg: RunConfig) -> int:

@@ -481,7 +481,7 @@ def test_every_check_result_validates_as_report_schema(tmp_path, check_id):
 
 
 def test_run_dir_resolved_layer_ids_are_compatible(tmp_path):
-    from preflight.memory import default_target_layer_ids
+    from dflash.config import default_target_layer_ids
 
     resolved = default_target_layer_ids(30, 5)  # SmolLM2: 30 layers, 5 drafter layers
     ctx = _with_checkpoint(make_ctx(tmp_path), config_over={"drafter.target_layer_ids": resolved})

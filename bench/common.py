@@ -77,9 +77,13 @@ def write_uniform_dataset(path: Path, samples: int, length: int, vocab: int, pro
 
 
 class Nvml:
-    """Used memory of the GPU torch calls cuda:0, matched by UUID; every method returns None without NVML."""
+    """Used memory of the GPU torch calls cuda:0, matched by UUID; every method returns None without NVML.
 
-    def __init__(self, uuid: str | None = None, index: int = 0, enabled: bool = True):
+    Without a UUID it is the first GPU of CUDA_VISIBLE_DEVICES (an index or a UUID there), else GPU 0,
+    so a process that never touches CUDA still watches the GPU its workers will use.
+    """
+
+    def __init__(self, uuid: str | None = None, index: int | None = None, enabled: bool = True):
         self.handle = None
         if not enabled:
             return
@@ -89,6 +93,8 @@ class Nvml:
             pynvml.nvmlInit()
             self._nv = pynvml
             handle = None
+            if uuid is None and index is None:
+                uuid, index = _first_visible()
             if uuid:
                 for i in range(pynvml.nvmlDeviceGetCount()):
                     h = pynvml.nvmlDeviceGetHandleByIndex(i)
@@ -96,7 +102,7 @@ class Nvml:
                     u = u.decode() if isinstance(u, bytes) else u
                     if u.replace("GPU-", "") == uuid.replace("GPU-", ""):
                         handle = h
-            self.handle = handle or pynvml.nvmlDeviceGetHandleByIndex(index)
+            self.handle = handle or pynvml.nvmlDeviceGetHandleByIndex(index or 0)
         except Exception:  # no driver, no GPU, no pynvml: memory numbers stay null
             self.handle = None
 
@@ -122,6 +128,14 @@ class Nvml:
         except Exception:
             return None
         return None
+
+
+def _first_visible() -> tuple[str | None, int | None]:
+    """(uuid, index) of the first entry of CUDA_VISIBLE_DEVICES; (None, None) when unset or empty."""
+    first = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")[0].strip()
+    if first.isdigit():
+        return None, int(first)
+    return (first, None) if first.startswith(("GPU-", "MIG-")) else (None, None)
 
 
 class NvmlPeak:

@@ -237,6 +237,8 @@ def parse_args(argv=None):
     ap.add_argument("--roles", default="target,drafter", help="comma list of roles to measure")
     ap.add_argument("--budget-s", type=float, default=330.0, help="stop launching workers past this wall time")
     ap.add_argument("--timeout-s", type=float, default=180.0, help="wall limit of one worker")
+    ap.add_argument("--merge", metavar="JSON", help="keep this file's measurements of (configuration, role) pairs "
+                    "not measured now (each measurement keeps the command that produced it)")
     ap.add_argument("--fit", metavar="JSON", help="no measuring: fit and print the calibration for this file")
     ap.add_argument("--worker", metavar="SPEC", help=argparse.SUPPRESS)
     return ap.parse_args(argv)
@@ -263,6 +265,26 @@ def run_worker(spec: dict, timeout: float) -> dict:
             "stderr_tail": text, "wall_s": wall}
 
 
+def merged_measurements(path: str, plan: list[tuple[str, str]]) -> list[dict]:
+    """An earlier file's successful measurements that this run does not repeat, each with its command."""
+    old = json.loads(Path(path).read_text())
+    now = set(plan)
+    kept = [{**m, "command": m.get("command", old.get("command"))} for m in old["measurements"]
+            if m.get("ok") and (m["name"], m["role"]) not in now]
+    print(f"--merge {path}: keeping {len(kept)} earlier measurements", flush=True)
+    return kept
+
+
+def settled_used(nvml: Nvml, idle: int | None, slack: int = 512 << 20, wait_s: float = 20.0) -> int | None:
+    """NVML used memory once the last worker's memory is back with the driver (at most wait_s)."""
+    deadline = time.perf_counter() + wait_s
+    used = nvml.used()
+    while used is not None and idle is not None and used > idle + slack and time.perf_counter() < deadline:
+        time.sleep(0.25)
+        used = nvml.used()
+    return used
+
+
 def measure_all(args) -> int:
     import torch  # versions only: this process never touches the GPU
 
@@ -284,14 +306,16 @@ def measure_all(args) -> int:
     env = environment(torch, args.device)
     nvml = Nvml(enabled=args.device == "cuda")
     env["gpu_nvml_total_bytes"] = nvml.total()
+    idle_used = nvml.used()  # before any worker: what the next worker's start should come back to
     doc = {"command": env["command"], "env": env, "steps_per_measurement": STEPS, "measurements": []}
+    kept = merged_measurements(args.merge, plan) if args.merge else []
     t_start = time.perf_counter()
     guess = {"target": 30.0, "drafter": 60.0}  # seconds per worker until one has been timed
     taken: dict[str, list[float]] = {"target": [], "drafter": []}
     for name, role in plan:
         cfg = configs[name]
         target_config = json.loads((REPO / cfg["target"]["path"] / "config.json").read_text())  # absolute paths stay
-        entry = {"name": name, "role": role, "config": None, "target_config": target_config,
+        entry = {"name": name, "role": role, "command": env["command"], "config": None, "target_config": target_config,
                  "cuda": torch.version.cuda or "none", "gpu": env["gpu"], "torch": torch.__version__}
         elapsed = time.perf_counter() - t_start
         left = args.budget_s - elapsed
@@ -300,12 +324,12 @@ def measure_all(args) -> int:
             entry.update(ok=False, skipped=True, error=f"skipped: {left:.0f} s of --budget-s left, a {role} worker takes ~{expect:.0f} s")
             print(f"[{name} / {role}] {entry['error']}", flush=True)
             doc["measurements"].append(entry)
-            write_json(out_path, doc)
+            write_json(out_path, {**doc, "measurements": kept + doc["measurements"]})
             continue
         from dflash.config import config_from_dict
 
         entry["config"] = config_from_dict(cfg, {"device": args.device}, source=name).model_dump()
-        entry["nvml_baseline_bytes"] = nvml.used()
+        entry["nvml_baseline_bytes"] = settled_used(nvml, idle_used)
         print(f"[{name} / {role}] running ({elapsed:.0f} s elapsed)", flush=True)
         spec = {"name": name, "role": role, "device": args.device, "config": cfg}
         result = run_worker(spec, min(args.timeout_s, max(10.0, left)))
@@ -318,7 +342,8 @@ def measure_all(args) -> int:
             print(f"[{name} / {role}] FAILED{' (out of memory)' if result.get('oom') else ''}: {result['error']}\n"
                   f"{result.get('traceback') or result.get('stderr_tail') or ''}", flush=True)
         doc["measurements"].append(entry)
-        write_json(out_path, doc)
+        write_json(out_path, {**doc, "measurements": kept + doc["measurements"]})
+    doc["measurements"] = kept + doc["measurements"]
     write_json(out_path, doc)
     print(f"\nwrote {out_path} ({time.perf_counter() - t_start:.0f} s)")
     print_table(doc["measurements"])

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The split-topology runs on a 2x H200 device machine (device image: torch 2.11.0+cu130, no uv).
 #   bash bench/device_split.sh            # writes logs and JSON under $OUT (default .cache/out)
+#   STEPS_8B=250 RUN_27B=0 bash bench/device_split.sh   # the 8B run only, 250 steps
 # 1) Qwen3-8B-shaped target on GPU 0 feeding a 5-layer drafter on GPU 1 (block 16, 512 anchors, 1x3072 tokens)
 # 2) the incident's 27B-class run scaled to 1 target + 1 drafter (block 32, 1024 anchors, 49152-token batches)
 set -uo pipefail
@@ -30,6 +31,7 @@ python3 -m dflash.cli --config configs/qwen3-8b-1t1d.toml --fresh --max-steps ${
   "${W[@]}" 2>&1 | tee "$OUT/train_8b_1t1d.log" | grep -v Warning
 watch_stop nvml_8b_1t1d.csv
 cp runs/qwen3-8b-1t1d/metrics.jsonl "$OUT/metrics_8b_1t1d.jsonl"
+[ "${RUN_27B:-1}" = 1 ] || exit 0
 echo "=== 27B 1+1 $(date +%T)"
 python3 bench/make_synthetic.py --out .cache/syn-2816 --samples 400 --length 2816
 python3 -m preflight.estimate_cli --config configs/qwen3-27b-5t3d.toml --set topology.target_gpus=[\"0\"] \

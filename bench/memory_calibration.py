@@ -86,12 +86,16 @@ def tiny_configs(target: str) -> dict:
 
 
 def worker(spec: dict) -> dict:
-    import torch
-
+    from dflash.cli import apply_profile_env
     from dflash.config import config_from_dict
 
-    device = torch.device(spec["device"])
     raw = spec["config"]
+    # The allocator settings the trainer runs with (the profile's env, e.g. expandable segments):
+    # fragmentation, hence the NVML peak, depends on them.
+    apply_profile_env(config_from_dict(raw, {"device": spec["device"]}, source=spec["name"]).profile)
+    import torch
+
+    device = torch.device(spec["device"])
     if device.type == "cpu":
         raw = json.loads(json.dumps(raw))
         raw.setdefault("target", {})["dtype"] = "float32"  # CPU: no fast bf16 matmuls
@@ -112,6 +116,7 @@ def worker(spec: dict) -> dict:
         "max_reserved_bytes": int(torch.cuda.max_memory_reserved()) if device.type == "cuda" else None,
         "nvml_process_used_bytes": nvml.process_used(),
         "nvml_worker_start_bytes": start_used,
+        "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""),
         "batch": shape,
         "steps": steps,
         "worker_s": round(time.perf_counter() - t0, 2),
@@ -351,9 +356,9 @@ def measure_all(args) -> int:
 
 
 def print_table(measurements: list[dict]) -> None:
-    from preflight.memory import DEFAULT_CALIBRATION, fit_calibration, prediction_errors
+    from preflight.memory import DEFAULT_CALIBRATION, current_measurements, fit_calibration, prediction_errors
 
-    usable = [m for m in measurements if m.get("ok") and m.get("nvml_used_bytes")]
+    usable, superseded = current_measurements([m for m in measurements if m.get("ok") and m.get("nvml_used_bytes")])
     errs = prediction_errors(usable, DEFAULT_CALIBRATION) if usable else []
     err_of = {id(m): e for m, e in zip(usable, errs)}
     print(f"\n{'configuration':<32} {'role':<8} {'alloc GiB':>9} {'reserved':>9} {'NVML GiB':>9} {'baseline':>9} "
@@ -366,6 +371,10 @@ def print_table(measurements: list[dict]) -> None:
         print(f"{m['name']:<32} {m['role']:<8} {gib(m.get('max_allocated_bytes')):>9} {gib(m.get('max_reserved_bytes')):>9} "
               f"{gib(m.get('nvml_used_bytes')):>9} {gib(m.get('nvml_baseline_bytes')):>9} "
               f"{'-' if e is None else f'{e:+.1%}':>9} {m.get('wall_s', 0):>7}")
+    if superseded:
+        errs_old = prediction_errors(superseded, DEFAULT_CALIBRATION)
+        print("superseded (default allocator; re-measured with expandable segments, not fitted): " +
+              ", ".join(f"{m['name']}/{m['role']} {e:+.1%}" for m, e in zip(superseded, errs_old)))
     if len(usable) >= 3:
         try:
             fitted = fit_calibration(usable)

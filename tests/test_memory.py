@@ -128,7 +128,7 @@ def test_tiny_totals_by_hand(tiny):
     inputs = 64 * 24
     feats = 64 * 1 * 64 * 2
     alloc = weights + forward + inputs + feats + feats  # + send buffer of one batch in flight
-    assert role_need_bytes(tiny, "target", "12.8", cal=HAND) == alloc + int(0.1 * alloc) + ctx + nccl
+    assert role_need_bytes(tiny, "target", "12.8", cal=HAND) == alloc + int(0.05 * alloc) + ctx + nccl
 
     p = layer_p + 64 * 64 + 2 * 64
     static = 12 * p + 2 * (2 * 1000 * 64)  # fp32 params + AdamW; bf16 embedding + lm_head
@@ -140,11 +140,13 @@ def test_tiny_totals_by_hand(tiny):
     attn_ws = 2 * (32 * 64 + 2 * 96 * 32) + 4 * 32 * 4
     mask = 2 * 4 * (4 * 1 * 1 + 2 + 2)
     m = 8 * 3  # 8 valid anchors x 3 weighted slots
-    loss = 2 * 2 * m * 64 + 16 * 1000 * (4 + 2)  # hidden + its gradient; fp32 log-probs + bf16 buffer per chunk
-    step = context + tokens + layer + final + layer + attn_ws + mask + loss
+    chunk = 16 * 1000 * (2 * 4 + 2)  # bf16 logits + their fp32 copy inside log_softmax + fp32 log-probs
+    loss = 2 * 2 * m * 64 + chunk  # + the selected hidden states and their gradient
+    beyond = max(0, layer + attn_ws - chunk)  # backward transient (1 layer + flex workspace) after the chunks
+    step = context + tokens + layer + final + mask + loss + beyond
     copies, grads = 2 * p, max(0, 4 * p - 2 * p - step)
     alloc = static + received + copies + grads + step
-    assert role_need_bytes(tiny, "drafter", "12.8", cal=HAND) == alloc + int(0.1 * alloc) + ctx + nccl
+    assert role_need_bytes(tiny, "drafter", "12.8", cal=HAND) == alloc + int(0.05 * alloc) + ctx + nccl
 
 
 def test_soft_labels_add_last_hidden_state_and_kl_buffers(tiny):
@@ -154,9 +156,9 @@ def test_soft_labels_add_last_hidden_state_and_kl_buffers(tiny):
     extra_drafter = role_need_bytes(kl, "drafter", "12.8", cal=HAND) - role_need_bytes(tiny, "drafter", "12.8", cal=HAND)
     last = 64 * 64 * 2
     # kept + send buffer; the forward now runs every layer with the deepest feature alive
-    assert extra_target == pytest.approx(1.1 * 3 * last, abs=2)
-    # received (2 batches), target hidden per query and per weighted query, KL buffers: 16 vs 6 bytes
-    assert extra_drafter == pytest.approx(1.1 * (2 * last + 2 * (32 + 24) * 64 + 16 * 1000 * 10), abs=2)
+    assert extra_target == pytest.approx(1.05 * 3 * last, abs=2)
+    # received (2 batches), target hidden per query and per weighted query, KL buffers: 16 vs 10 bytes
+    assert extra_drafter == pytest.approx(1.05 * (2 * last + 2 * (32 + 24) * 64 + 16 * 1000 * 6), abs=2)
 
 
 def test_cuda13_costs_its_calibrated_context_more(tiny):
@@ -265,7 +267,7 @@ def test_fit_calibration_recovers_known_constants(tiny):
         for role in ("target", "drafter"):
             used = sum(p.bytes for p in role_parts(cfg, shape, role, "12.8", truth))
             ms.append({"config": cfg.model_dump(), "target_config": TINY_TARGET, "role": role,
-                       "cuda": "12.8", "nvml_used_bytes": used})
+                       "cuda": "12.8", "nvml_used_bytes": used, "alloc_conf": "expandable_segments:True"})
     fitted = fit_calibration(ms)
     assert fitted.cuda_context_gib[12] == pytest.approx(0.62, rel=1e-3)
     assert fitted.drafter_activation_scale == pytest.approx(0.8, rel=1e-3)

@@ -2,7 +2,9 @@
 
 The file comes from `bench/memory_calibration.py` on a GPU (command, versions and GPU inside);
 the committed Calibration defaults in preflight/memory.py were fitted to it. Nothing is fitted
-here beyond checking that the committed constants are still that fit.
+here beyond checking that the committed constants are still that fit. A measurement taken under
+torch's default allocator is left out where the same configuration was re-measured with the
+allocator settings the trainer runs with (expandable segments): `current_measurements`.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from preflight.memory import DEFAULT_CALIBRATION, fit_calibration, prediction_errors
+from preflight.memory import DEFAULT_CALIBRATION, current_measurements, fit_calibration, prediction_errors
 
 DATA = Path(__file__).resolve().parent / "data" / "memory_calibration.json"
 
@@ -21,7 +23,7 @@ def _measurements() -> list[dict]:
     if not DATA.is_file():
         pytest.skip(f"{DATA.name} not committed yet: run bench/memory_calibration.py on an H200 and copy its output there")
     doc = json.loads(DATA.read_text())
-    ms = [m for m in doc["measurements"] if m.get("ok") and m.get("nvml_used_bytes")]
+    ms, _superseded = current_measurements([m for m in doc["measurements"] if m.get("ok") and m.get("nvml_used_bytes")])
     if not ms:
         pytest.skip(f"{DATA.name} holds no successful GPU measurement")
     return ms
@@ -48,3 +50,13 @@ def test_committed_constants_are_the_fit_of_the_file():
         assert DEFAULT_CALIBRATION.cuda_context_gib[major] == pytest.approx(gib, abs=0.02), major
     assert DEFAULT_CALIBRATION.target_activation_scale == pytest.approx(fitted.target_activation_scale, rel=0.02)
     assert DEFAULT_CALIBRATION.drafter_activation_scale == pytest.approx(fitted.drafter_activation_scale, rel=0.02)
+
+
+def test_the_superseded_measurements_are_only_default_allocator_repeats():
+    doc = json.loads(DATA.read_text()) if DATA.is_file() else pytest.skip(f"{DATA.name} not committed yet")
+    used, superseded = current_measurements([m for m in doc["measurements"] if m.get("ok")])
+    assert len(used) + len(superseded) == len([m for m in doc["measurements"] if m.get("ok")])
+    for m in superseded:
+        assert not m.get("alloc_conf")
+        assert any(u["name"] == m["name"] and u["role"] == m["role"] and u.get("alloc_conf") for u in used)
+

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
 import subprocess
 import time
@@ -90,13 +91,38 @@ def save_checkpoint(output_dir: str | Path, step: int, drafter, optimizer, train
         "git_commit": git_commit(),
     }
     (tmp / "meta.json").write_text(json.dumps(meta, indent=2))
+    _fsync_tree(tmp)  # the bytes are on disk before the rename makes the checkpoint visible
     if final.exists():
         shutil.rmtree(final)
     tmp.rename(final)
+    _fsync_dir(root)
     for old in list_checkpoints(output_dir)[:-keep_last]:
         if old != final:  # never the one just written
             shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def _fsync_tree(folder: Path) -> None:
+    for path in sorted(folder.rglob("*"), key=lambda p: len(p.parts), reverse=True):
+        if path.is_file():
+            with path.open("rb") as f:
+                os.fsync(f.fileno())
+        elif path.is_dir():
+            _fsync_dir(path)
+    _fsync_dir(folder)
+
+
+def _fsync_dir(folder: Path) -> None:
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:  # some filesystems cannot open a directory; the file syncs above still hold
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
 
 
 def load_meta(path: Path) -> dict:

@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import time
@@ -77,6 +78,7 @@ def prepare_output_dir(cfg: RunConfig, resume: str | None, fresh: bool, log=clic
                 c.rename(aside / c.name)
             log(f"--resume {path.name}: {len(newer)} newer checkpoint(s) moved to {aside}, so `latest` "
                 "stays this run's (nothing deleted)")
+        trim_metrics(Path(cfg.output_dir), int(path.name[len(ckpt.STEP_PREFIX):]), log)
         return path
     if fresh:
         out = Path(cfg.output_dir)
@@ -88,6 +90,29 @@ def prepare_output_dir(cfg: RunConfig, resume: str | None, fresh: bool, log=clic
                 p.rename(aside / p.name)
             log(f"--fresh: previous {', '.join(p.name for p in leftovers)} moved to {aside} (nothing deleted)")
     return None
+
+
+def trim_metrics(out: Path, step: int, log=print) -> None:
+    """Rows logged after the resumed step (the interrupted run's) move to metrics.abandoned-*.jsonl,
+    so metrics.jsonl holds each step once after the resume."""
+    path = out / "metrics.jsonl"
+    if not path.is_file():
+        return
+    keep, later = [], []
+    for line in path.read_text().splitlines(keepends=True):
+        try:
+            row_step = int(json.loads(line).get("step", 0))
+        except (ValueError, AttributeError):
+            row_step = 0  # a torn last line of a killed run: keep it where it was logged
+        (later if row_step > step else keep).append(line)
+    if not later:
+        return
+    aside = out / f"{_aside(out, 'metrics.abandoned').name}.jsonl"
+    aside.write_text("".join(later))
+    tmp = path.with_suffix(".jsonl.tmp")
+    tmp.write_text("".join(keep))
+    tmp.replace(path)
+    log(f"--resume: {len(later)} metrics row(s) after step {step} moved to {aside.name}")
 
 
 def _aside(out: Path, stem: str) -> Path:

@@ -109,8 +109,11 @@ def test_resume_after_kill_matches_uninterrupted(tmp_path):
     out = subprocess.run(train_cmd(config, "--resume", "latest"), cwd=REPO, capture_output=True, text=True)
     assert out.returncode == 0, out.stdout + out.stderr
     assert f"resumed from {saved}" in out.stdout
-    after = [r for r in metrics(run_dir) if r["step"] > step]
-    resumed = {r["step"]: r for r in after[-(20 - step):]}
+    rows = metrics(run_dir)
+    assert [r["step"] for r in rows] == list(range(1, 21))  # each step once: the killed run's later rows moved aside
+    abandoned = list(run_dir.glob("metrics.abandoned-*.jsonl"))
+    assert all(json.loads(line)["step"] > step for f in abandoned for line in f.read_text().splitlines())
+    resumed = {r["step"]: r for r in rows if r["step"] > step}
     assert sorted(resumed) == list(range(step + 1, 21))
     for s, r in resumed.items():
         assert r["loss"] == pytest.approx(ref[s]["loss"], rel=1e-5, abs=1e-6), s

@@ -92,6 +92,10 @@ class TrainConfig(_Strict):
         1, ge=1, le=1024, description="batches per optimizer step when co-located (split runs: one per drafter GPU)"
     )
     loss_chunk: int = Field(8192, ge=16, description="query tokens per logits/loss chunk")
+    cache_features: bool = Field(
+        False, description="keep each sample's target features in memory after its first batch, so later epochs "
+        "skip the target (co-located runs on small data: ~tokens x layers x hidden x 4 bytes)",
+    )
     log_every: int = Field(10, ge=1, description="steps between metric lines")
     save_every: int = Field(500, ge=1, description="steps between checkpoints")
     keep_last: int = Field(3, ge=1, description="checkpoints kept")

@@ -114,6 +114,32 @@ def resolve_mask_token_id(cfg: RunConfig, target_config) -> int:
     return int(pad) if isinstance(pad, int) and 0 <= pad < vocab else vocab - 1
 
 
+class FeatureCache:
+    """The target's features of every sample seen so far (train.cache_features): later epochs skip the target.
+
+    Rows are stored unpadded by sample index; a batch whose samples are all cached is rebuilt
+    right-padded, as the target would have produced it (padded positions are masked anyway).
+    """
+
+    def __init__(self, layer_ids: list[int], want_last: bool):
+        self.layer_ids, self.want_last = layer_ids, want_last
+        self.rows: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
+
+    def context(self, target, batch: dict) -> tuple[torch.Tensor, torch.Tensor | None]:
+        ids, lengths = batch["sample_ids"].tolist(), batch["lengths"].tolist()
+        if any(i not in self.rows for i in ids):
+            context_BSF, last_BSH = target_step(target, batch, self.layer_ids, self.want_last)
+            for r, (i, n) in enumerate(zip(ids, lengths)):
+                last = last_BSH[r, :n].clone() if last_BSH is not None else None
+                self.rows.setdefault(i, (context_BSF[r, :n].clone(), last))
+            return context_BSF, last_BSH
+        S = batch["input_ids"].shape[1]
+        pad = lambda t: torch.nn.functional.pad(t, (0, 0, 0, S - t.shape[0]))  # noqa: E731
+        context_BSF = torch.stack([pad(self.rows[i][0]) for i in ids])
+        last_BSH = torch.stack([pad(self.rows[i][1]) for i in ids]) if self.want_last else None
+        return context_BSF, last_BSH
+
+
 class Trainer:
     def __init__(self, cfg: RunConfig, resume_from: Path | None = None, log=print):
         self.cfg, self.log = cfg, log
@@ -137,6 +163,7 @@ class Trainer:
                                           cfg.drafter.target_layer_ids or None, self._mask_token_id())
         self.drafter = DFlashDrafter(dcfg).to(self.device, torch.float32)
         self.embed_w, self.head_w = target_embed_and_head(self.target)
+        self.features = FeatureCache(dcfg.target_layer_ids, cfg.train.kl_weight > 0) if cfg.train.cache_features else None
         self.optimizer = torch.optim.AdamW(self.drafter.parameters(), lr=cfg.train.lr,
                                            weight_decay=cfg.train.weight_decay, betas=(0.9, 0.95),
                                            fused=self.device.type == "cuda")
@@ -188,8 +215,13 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         parts = []
         for i, batch in enumerate(batches):
+            batch = {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
+            context = None
+            if self.features:
+                with torch.autocast("cuda", dtype=torch.bfloat16, enabled=self.device.type == "cuda"):
+                    context = self.features.context(self.target, batch)
             loss, m = micro_step(self.drafter, self.embed_w, self.head_w, batch, self.cfg, self.device,
-                                 self.attn_backend, first_batch_index + i, target=self.target)
+                                 self.attn_backend, first_batch_index + i, target=self.target, context=context)
             (loss / len(batches)).backward()
             parts.append((float(loss.detach()), m))
         grad_norm = None
@@ -205,7 +237,9 @@ class Trainer:
         pad = getattr(self.target.config, "pad_token_id", None)
         pad = pad if isinstance(pad, int) else 0
         for epoch, index, indices in self.sampler:
-            yield epoch, index, collate(self.dataset, indices, pad)
+            batch = collate(self.dataset, indices, pad)
+            batch["sample_ids"] = torch.tensor(indices)  # the feature cache's keys
+            yield epoch, index, batch
 
     def print_plan(self) -> None:
         self.log(f"dataset {self.cfg.data.path}: {self.dataset.num_samples} samples, "

@@ -16,6 +16,7 @@ import torch
 from dflash import checkpoint as ckpt
 from dflash.data import write_shard
 from dflash.model import DFlashDrafter
+from dflash.target import decoder_of
 from dflash.train import Trainer, cosine_lr, run
 from trainkit import tiny_config
 
@@ -60,6 +61,32 @@ def test_loss_falls_over_30_steps(tmp_path):
     assert last < 0.7 * first, f"loss {first:.3f} -> {last:.3f}"
     assert m[-1]["accept_len"] > m[0]["accept_len"]
     assert (Path(cfg.output_dir) / "drafter" / "model.safetensors").exists()
+
+
+@pytest.mark.parametrize("kl_weight", [0.0, 0.5])
+def test_cached_features_train_like_the_target(tmp_path, kl_weight):
+    """train.cache_features: later epochs reuse the first epoch's target features; the losses do not change."""
+    losses = {}
+    for cache in (False, True):
+        cfg, _ = tiny_config(tmp_path / str(cache), max_steps=24, cache_features=cache, kl_weight=kl_weight)
+        trainer = Trainer(cfg, log=lambda *_: None)
+        assert trainer.total_steps > 2 * trainer.sampler.batches_per_epoch  # epochs 2 and 3 read the cache
+        assert run(cfg, None, log=lambda *_: None, progress=False) == 0
+        losses[cache] = [r["loss"] for r in metrics(Path(cfg.output_dir))]
+    assert losses[True] == pytest.approx(losses[False], rel=1e-4, abs=1e-5)
+
+
+def test_feature_cache_skips_the_target_once_every_sample_was_seen(tmp_path):
+    cfg, _ = tiny_config(tmp_path, cache_features=True)
+    trainer = Trainer(cfg, log=lambda *_: None)
+    calls = []
+    decoder_of(trainer.target).register_forward_pre_hook(lambda *_: calls.append(1))
+    stream = trainer.batches()
+    for _ in range(2 * trainer.sampler.batches_per_epoch):
+        _, _, batch = next(stream)
+        trainer.train_step([batch], trainer.step)
+    assert len(trainer.features.rows) == trainer.dataset.num_samples
+    assert len(calls) == trainer.sampler.batches_per_epoch  # the first epoch only
 
 
 def test_checkpoint_reloads_into_drafter_and_fresh_process(tmp_path):

@@ -133,6 +133,13 @@ class RunConfig(_Strict):
     train: TrainConfig = Field(default_factory=TrainConfig)
     topology: TopologyConfig = Field(default_factory=TopologyConfig)
 
+    @model_validator(mode="after")
+    def _cache_is_colocated(self) -> RunConfig:
+        if self.train.cache_features and self.topology.target_gpus:
+            raise ValueError("train.cache_features works in co-located runs only (target ranks stream features); "
+                             "drop it or the topology lists")
+        return self
+
     def drafter_hash(self) -> str:
         """Hash of what decides the compiled kernels' shapes (for the compile-cache manifest)."""
         key = {"drafter": self.drafter.model_dump(), "target": self.target.path, "dtype": self.target.dtype}

@@ -217,7 +217,7 @@ class Trainer:
         for i, batch in enumerate(batches):
             batch = {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
             context = None
-            if self.features:
+            if self.features is not None:
                 with torch.autocast("cuda", dtype=torch.bfloat16, enabled=self.device.type == "cuda"):
                     context = self.features.context(self.target, batch)
             loss, m = micro_step(self.drafter, self.embed_w, self.head_w, batch, self.cfg, self.device,
@@ -251,6 +251,12 @@ class Trainer:
                  f"{n_params / 1e6:.1f}M trainable params; attention {self.attn_backend} on {self.device}")
         self.log(f"schedule: {self.total_steps} steps, lr {self.cfg.train.lr} cosine, warmup "
                  f"{self.cfg.train.warmup_ratio}")
+        if self.features is not None:
+            width = len(d.target_layer_ids) * self.target.config.hidden_size
+            width += self.target.config.hidden_size if self.features.want_last else 0
+            size = int(self.dataset.lengths.sum()) * width * self.embed_w.element_size()
+            self.log(f"feature cache: the target runs in epoch 1 only; the cache grows to {size / 2**30:.2f} GiB "
+                     f"on {self.device}")
 
 
 def run(cfg: RunConfig, resume_from: Path | None, log=print, progress: bool | None = None) -> int:

@@ -209,3 +209,10 @@ def test_dataset_too_small_for_one_step_is_a_clear_error(tmp_path):
     out = subprocess.run(train_cmd(config, "--fresh"), cwd=REPO, capture_output=True, text=True)
     assert out.returncode == 1
     assert "make no step of 1000 batches" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_feature_cache_is_refused_for_split_runs():
+    from dflash.config import ConfigError, config_from_dict
+
+    with pytest.raises(ConfigError, match="cache_features works in co-located runs only"):
+        config_from_dict({"train": {"cache_features": True}, "topology": {"target_gpus": ["0"], "drafter_gpus": ["1"]}})

@@ -20,6 +20,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -36,6 +37,7 @@ from dflash.data import BucketBatchSampler, ShardDataset, collate
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 POLL_S = 0.2  # launcher's watch interval
 KILL_GRACE_S = 10.0  # SIGTERM -> SIGKILL for survivors of a failed run
+TARGET_STOP_GRACE_S = 60.0  # a SIGTERMed target serves this long so drafters can finish their step
 
 
 @dataclass(frozen=True)
@@ -173,7 +175,10 @@ def _watch(cfg: RunConfig, roles: list[Role], procs: list[subprocess.Popen], log
                     log(f"last checkpoint: {latest[-1]} (resume with --resume latest)", file=sys.stderr)
                 return 1
             if drafters_done:
-                _terminate(procs)  # targets may still hold prefetched batches nobody needs
+                for p in procs:  # targets may still hold prefetched batches nobody needs, and no state
+                    if p.poll() is None:
+                        p.kill()
+                        p.wait()
                 return 0
             time.sleep(POLL_S)
     finally:
@@ -276,7 +281,9 @@ def _target_main(run: _Run, share_group) -> int:
     from dflash.config import default_target_layer_ids
     from dflash.target import load_target, target_embed_and_head
 
-    signal.signal(signal.SIGTERM, lambda *_: os._exit(0))  # targets hold no state worth saving
+    # A SIGTERM that reaches every rank at once (a scheduler's cancel) must not strand the drafters
+    # mid-step: a target keeps serving for TARGET_STOP_GRACE_S, then leaves (it holds no state).
+    signal.signal(signal.SIGTERM, lambda *_: _exit_later(min(TARGET_STOP_GRACE_S, run.cfg.topology.timeout_s)))
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher or torchrun decides when targets stop
     cfg, role = run.cfg, run.role
     target = load_target(run.target_path, DTYPES[cfg.target.dtype], run.device, cfg.target.random_init)
@@ -318,6 +325,12 @@ def _target_main(run: _Run, share_group) -> int:
         _complete(handles, run)
     sys.stdout.flush()
     os._exit(0)  # every batch was received; drafters finish on their own
+
+
+def _exit_later(seconds: float) -> None:
+    timer = threading.Timer(seconds, lambda: os._exit(0))
+    timer.daemon = True
+    timer.start()
 
 
 def _complete(handles, run: _Run) -> None:

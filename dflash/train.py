@@ -40,11 +40,15 @@ class RunError(ValueError):
     """A run that cannot start as configured; the message is one line."""
 
 
+DUPLICATE_SIGNAL_S = 2.0  # the same signal again within this many seconds is the same stop
+
+
 @dataclass
 class StopFlag:
     """Set by SIGINT/SIGTERM; the loop finishes its step, checkpoints and exits 0."""
     requested: bool = False
     signame: str = ""
+    _at: float = 0.0
     _old: dict = field(default_factory=dict)
 
     def install(self) -> None:
@@ -57,11 +61,14 @@ class StopFlag:
 
     def _handle(self, signum, frame) -> None:
         if self.requested:
-            if signal.Signals(signum).name != self.signame:
-                return  # e.g. torchrun's SIGTERM after a Ctrl-C: the same stop, already under way
-            raise KeyboardInterrupt  # the same signal twice: leave now
+            if signal.Signals(signum).name != self.signame or time.monotonic() - self._at < DUPLICATE_SIGNAL_S:
+                # torchrun's SIGTERM after a Ctrl-C, or one stop delivered twice (a scheduler signals every
+                # process and a launcher forwards it): the same stop, already under way
+                return
+            raise KeyboardInterrupt  # the same signal again, later: leave now
         self.requested = True
         self.signame = signal.Signals(signum).name
+        self._at = time.monotonic()
         print(f"\n{self.signame}: finishing this step, then saving a checkpoint (send again to abort)",
               file=sys.stderr, flush=True)
 

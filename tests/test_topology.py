@@ -111,3 +111,33 @@ def test_resuming_a_finished_split_run_exits_cleanly(tmp_path):
                            timeout=300)
     assert again.returncode == 0, again.stdout[-2000:] + again.stderr[-2000:]
     assert [r["step"] for r in metrics(Path(cfg.output_dir))] == [1, 2]
+
+
+def test_sigterm_to_every_process_stops_cleanly_with_a_checkpoint(tmp_path):
+    """A scheduler's cancel signals the launcher and every rank at once: drafters finish the step (targets keep
+    serving a while), save, and the run exits 0 with nobody left behind."""
+    cfg, raw = tiny_config(tmp_path, max_steps=100000, save_every=1000)
+    config = write_toml(split_raw(raw), tmp_path / "split.toml")
+    proc = subprocess.Popen(train_cmd(config, "--fresh"), cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    run_dir = Path(cfg.output_dir)
+    deadline = time.time() + 180
+    while time.time() < deadline and not ((run_dir / "metrics.jsonl").exists()
+                                          and len((run_dir / "metrics.jsonl").read_text().splitlines()) >= 3):
+        assert proc.poll() is None, proc.stdout.read()
+        time.sleep(0.1)
+    ranks = json.loads((run_dir / "ranks.json").read_text())
+    t0 = time.time()
+    for pid in [proc.pid] + [r["pid"] for r in ranks]:
+        os.kill(pid, signal.SIGTERM)
+    out, _ = proc.communicate(timeout=90)
+    assert time.time() - t0 < 60, out[-2000:]
+    assert proc.returncode == 0, out[-3000:]
+    assert "stopped by SIGTERM" in out
+    for r in ranks:
+        with pytest.raises(ProcessLookupError):
+            os.kill(r["pid"], 0)
+    from dflash import checkpoint as ckpt
+
+    last = ckpt.list_checkpoints(run_dir)[-1]
+    assert int(last.name.split("_")[1]) == metrics(run_dir)[-1]["step"]

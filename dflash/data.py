@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import hashlib
 import os
+import queue
+import threading
 from collections.abc import Iterator, Sequence
 from itertools import chain
 from pathlib import Path
@@ -430,3 +432,52 @@ def collate(dataset: ShardDataset, indices: Sequence[int], pad_id: int) -> dict:
         "attention_mask": torch.from_numpy(attention_mask),
         "lengths": torch.from_numpy(lengths),
     }
+
+
+PREFETCH_DEPTH = 4  # batches read and collated ahead of the training step
+
+
+def prefetch(items: Iterator, depth: int = PREFETCH_DEPTH) -> Iterator:
+    """``items`` in order, produced by a background thread up to ``depth`` ahead.
+
+    Disk reads and collation (pyarrow and numpy release the GIL) then overlap the consumer's
+    step instead of adding to it. An exception in the producer is raised in the consumer;
+    closing or dropping the returned generator stops the thread.
+    """
+    if depth <= 0:
+        yield from items
+        return
+    slots: queue.Queue = queue.Queue(maxsize=depth)
+    stop = threading.Event()
+    done = object()
+
+    def put(entry) -> bool:
+        while not stop.is_set():
+            try:
+                slots.put(entry, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def produce() -> None:
+        try:
+            for item in items:
+                if not put((item, None)):
+                    return
+            put((done, None))
+        except BaseException as e:  # handed to the consumer
+            put((done, e))
+
+    worker = threading.Thread(target=produce, name="dflash-prefetch", daemon=True)
+    worker.start()
+    try:
+        while True:
+            item, error = slots.get()
+            if item is done:
+                if error is not None:
+                    raise error
+                return
+            yield item
+    finally:
+        stop.set()

@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from dflash import checkpoint as ckpt
 from dflash.config import RunConfig, config_from_dict, dump_config
-from dflash.data import BucketBatchSampler, ShardDataset, collate
+from dflash.data import BucketBatchSampler, ShardDataset, collate, prefetch
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 POLL_S = 0.2  # launcher's watch interval
@@ -297,14 +297,17 @@ def _target_main(run: _Run, share_group) -> int:
     total_batches = (run.total_steps - run.start_step) * role.n_drafters
     in_flight: deque = deque()
     wait_s = 0.0
-    for k, _, indices in run.batch_stream():
-        if k >= total_batches:
-            break
-        if k % role.n_targets != role.index:
-            continue
+    def my_batches():  # read and collated ahead by a thread (`prefetch`)
+        for k, _, indices in run.batch_stream():
+            if k >= total_batches:
+                return
+            if k % role.n_targets == role.index:
+                batch = collate(run.dataset, indices, run.pad_id())
+                yield k, ({key: v.pin_memory() for key, v in batch.items()} if run.cuda else batch)
+
+    for k, batch in prefetch(my_batches()):
         t0 = time.perf_counter()
-        batch = collate(run.dataset, indices, run.pad_id())
-        batch = {key: v.to(run.device) for key, v in batch.items()}
+        batch = {key: v.to(run.device, non_blocking=True) for key, v in batch.items()}
         with torch.no_grad():
             context, last = target_step(target, batch, layer_ids, want_last)
         if run.cuda:  # this stream only: a device-wide sync would also wait for our queued NCCL sends
@@ -402,14 +405,20 @@ def _drafter_main(run: _Run, drafter_group, share_group) -> int:
     check_replicas = os.environ.get("DFLASH_CHECK_REPLICAS") == "1"
     metrics_file = (out / "metrics.jsonl").open("a") if is_logger else None
 
-    stream = run.batch_stream()
     step = run.start_step
+
+    def my_batches():  # read and collated ahead by a thread (`prefetch`)
+        stream = run.batch_stream()
+        while True:
+            group = [next(stream) for _ in range(nd)]
+            k, epoch, indices = group[role.index]
+            yield k, epoch, collate(run.dataset, indices, run.pad_id())
+
+    mine = prefetch(my_batches())
 
     def next_mine():
         """The batch this drafter trains at the next step, with its receive posted."""
-        group = [next(stream) for _ in range(nd)]
-        k, epoch, indices = group[role.index]
-        batch = collate(run.dataset, indices, run.pad_id())
+        k, epoch, batch = next(mine)
         return k, epoch, batch, inbox.post(k, batch)
 
     acc = {"tokens": 0.0, "d_wait": 0.0, "t_compute": 0.0, "t_wait": 0.0, "t0": time.perf_counter()}

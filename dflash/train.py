@@ -6,6 +6,7 @@ The math of a step lives in dflash.loss; this file owns the run's life.
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import os
@@ -19,7 +20,7 @@ import torch
 
 from dflash import checkpoint as ckpt
 from dflash.config import RunConfig, dump_config
-from dflash.data import BucketBatchSampler, ShardDataset, collate
+from dflash.data import BucketBatchSampler, ShardDataset, collate, prefetch
 from dflash.loss import drafter_step_math, target_step
 from dflash.model import DFlashDrafter, drafter_config_from_target
 from dflash.target import load_target, target_embed_and_head
@@ -241,11 +242,24 @@ class Trainer:
         return out
 
     def batches(self):
+        """(epoch, index, batch) from the current data position, read and collated ahead by a thread.
+
+        The producer walks a copy of the sampler; ``self.sampler`` moves only as batches are handed
+        out here, so a checkpoint records the consumed position, not the read-ahead one.
+        """
         pad = getattr(self.target.config, "pad_token_id", None)
         pad = pad if isinstance(pad, int) else 0
-        for epoch, index, indices in self.sampler:
-            batch = collate(self.dataset, indices, pad)
-            batch["sample_ids"] = torch.tensor(indices)  # the feature cache's keys
+        pin = self.device.type == "cuda"
+        reader = copy.copy(self.sampler)
+
+        def collated():
+            for epoch, index, indices in reader:
+                batch = collate(self.dataset, indices, pad)
+                batch["sample_ids"] = torch.tensor(indices)  # the feature cache's keys
+                yield epoch, index, ({k: v.pin_memory() for k, v in batch.items()} if pin else batch)
+
+        for epoch, index, batch in prefetch(collated()):
+            self.sampler.load_state_dict({"epoch": epoch, "index": index + 1})
             yield epoch, index, batch
 
     def print_plan(self) -> None:

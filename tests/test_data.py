@@ -311,3 +311,59 @@ def test_collate_pads_right(dataset_dir):
         assert (out["input_ids"][r, n:] == -7).all()
         assert (out["loss_mask"][r, n:] == 0).all()
         assert out["attention_mask"][r].tolist() == [1] * n + [0] * (s - n)
+
+
+# ---------------------------------------------------------------- read-ahead
+
+
+def test_prefetch_keeps_order_and_bounds_the_read_ahead():
+    import time
+
+    from dflash.data import prefetch
+
+    produced = []
+
+    def items():
+        for i in range(50):
+            produced.append(i)
+            yield i
+
+    stream = prefetch(items(), depth=3)
+    assert next(stream) == 0
+    time.sleep(0.3)  # let the producer run as far as it may
+    assert len(produced) <= 1 + 3 + 1  # the one handed out, a full queue, one blocked in put
+    assert list(stream) == list(range(1, 50))
+
+
+def test_prefetch_raises_the_producers_error_in_the_consumer():
+    from dflash.data import prefetch
+
+    def items():
+        yield 1
+        raise DatasetError("shard-00003.arrow: truncated")
+
+    stream = prefetch(items(), depth=2)
+    assert next(stream) == 1
+    with pytest.raises(DatasetError, match="shard-00003.arrow"):
+        next(stream)
+
+
+def test_closing_a_prefetch_stops_its_thread():
+    import threading
+    import time
+
+    from dflash.data import prefetch
+
+    def forever():
+        i = 0
+        while True:
+            yield i
+            i += 1
+
+    stream = prefetch(forever(), depth=2)
+    assert [next(stream) for _ in range(5)] == [0, 1, 2, 3, 4]
+    stream.close()
+    deadline = time.time() + 5
+    while time.time() < deadline and any(t.name == "dflash-prefetch" and t.is_alive() for t in threading.enumerate()):
+        time.sleep(0.05)
+    assert not any(t.name == "dflash-prefetch" and t.is_alive() for t in threading.enumerate())

@@ -442,7 +442,7 @@ def prefetch(items: Iterator, depth: int = PREFETCH_DEPTH) -> Iterator:
 
     Disk reads and collation (pyarrow and numpy release the GIL) then overlap the consumer's
     step instead of adding to it. An exception in the producer is raised in the consumer;
-    closing or dropping the returned generator stops the thread.
+    closing or dropping the returned generator stops the thread and waits for it.
     """
     if depth <= 0:
         yield from items
@@ -481,3 +481,6 @@ def prefetch(items: Iterator, depth: int = PREFETCH_DEPTH) -> Iterator:
             yield item
     finally:
         stop.set()
+        # Wait for the item being read to finish: a thread still inside torch or pyarrow when the
+        # interpreter exits aborts the process ("terminate called without an active exception").
+        worker.join(timeout=30.0)

@@ -73,18 +73,23 @@ def test_one_target_two_drafters_match_colocated_and_replicas_stay_identical(tmp
     assert (Path(cfg.output_dir) / "drafter" / "model.safetensors").exists()
 
 
-def test_killing_a_rank_ends_the_run_with_a_clear_message(tmp_path):
-    cfg, raw = tiny_config(tmp_path, max_steps=100000, save_every=3)
+def start_split_run(tmp_path: Path, save_every: int, rows: int) -> tuple[subprocess.Popen, Path, list[dict]]:
+    """A long split run (1 target + 2 drafters on gloo) launched by dflash-train, once it logged `rows` steps."""
+    cfg, raw = tiny_config(tmp_path, max_steps=100000, save_every=save_every)
     config = write_toml(split_raw(raw), tmp_path / "split.toml")
     proc = subprocess.Popen(train_cmd(config, "--fresh"), cwd=REPO, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
     run_dir = Path(cfg.output_dir)
     deadline = time.time() + 180
     while time.time() < deadline and not ((run_dir / "metrics.jsonl").exists()
-                                          and len((run_dir / "metrics.jsonl").read_text().splitlines()) >= 4):
+                                          and len((run_dir / "metrics.jsonl").read_text().splitlines()) >= rows):
         assert proc.poll() is None, proc.stdout.read()
         time.sleep(0.1)
-    ranks = json.loads((run_dir / "ranks.json").read_text())
+    return proc, run_dir, json.loads((run_dir / "ranks.json").read_text())
+
+
+def test_killing_a_rank_ends_the_run_with_a_clear_message(tmp_path):
+    proc, run_dir, ranks = start_split_run(tmp_path, save_every=3, rows=4)
     target = next(r for r in ranks if r["role"] == "target")
     t0 = time.time()
     os.kill(target["pid"], signal.SIGKILL)
@@ -116,17 +121,7 @@ def test_resuming_a_finished_split_run_exits_cleanly(tmp_path):
 def test_sigterm_to_every_process_stops_cleanly_with_a_checkpoint(tmp_path):
     """A scheduler's cancel signals the launcher and every rank at once: drafters finish the step (targets keep
     serving a while), save, and the run exits 0 with nobody left behind."""
-    cfg, raw = tiny_config(tmp_path, max_steps=100000, save_every=1000)
-    config = write_toml(split_raw(raw), tmp_path / "split.toml")
-    proc = subprocess.Popen(train_cmd(config, "--fresh"), cwd=REPO, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
-    run_dir = Path(cfg.output_dir)
-    deadline = time.time() + 180
-    while time.time() < deadline and not ((run_dir / "metrics.jsonl").exists()
-                                          and len((run_dir / "metrics.jsonl").read_text().splitlines()) >= 3):
-        assert proc.poll() is None, proc.stdout.read()
-        time.sleep(0.1)
-    ranks = json.loads((run_dir / "ranks.json").read_text())
+    proc, run_dir, ranks = start_split_run(tmp_path, save_every=1000, rows=3)
     t0 = time.time()
     for pid in [proc.pid] + [r["pid"] for r in ranks]:
         os.kill(pid, signal.SIGTERM)

@@ -23,11 +23,12 @@ import torch
 
 from dflash.config import RunConfig
 from preflight.profiles import REPO_ROOT, lock_path
+from dflash.errors import DflashError
 
 STEP_PREFIX = "step_"
 
 
-class CheckpointError(ValueError):
+class CheckpointError(DflashError):
     """A checkpoint that cannot be found or read; the message is one line."""
 
 

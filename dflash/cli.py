@@ -12,29 +12,13 @@ import json
 import os
 import sys
 import time
-import tomllib
 from pathlib import Path
 
 import click
 
-from dflash.config import ConfigError, RunConfig, load_config
+from dflash.config import ConfigError, RunConfig, load_config, parse_overrides
 
 CONTEXT = {"help_option_names": ["-h", "--help"]}
-
-
-def parse_overrides(pairs: tuple[str, ...]) -> dict:
-    """`--set train.lr=1e-4` -> {'train.lr': 1e-4}; values are TOML values (strings may be bare)."""
-    out = {}
-    for pair in pairs:
-        if "=" not in pair:
-            raise click.UsageError(f"--set {pair!r}: expected KEY=VALUE, e.g. --set train.lr=1e-4")
-        key, raw = pair.split("=", 1)
-        try:
-            value = tomllib.loads(f"v = {raw}")["v"]
-        except tomllib.TOMLDecodeError:
-            value = raw
-        out[key.strip()] = value
-    return out
 
 
 def parse_waivers(waive: tuple[str, ...], reason: tuple[str, ...]) -> dict[str, str]:
@@ -186,7 +170,10 @@ def train_main(config_path, demo, resume, fresh, sets, max_steps, output_dir, ta
         sys.exit(run_demo())
     if config_path is None:
         raise click.UsageError("give --config RUN.toml (see configs/), or --demo")
-    overrides = parse_overrides(sets)
+    try:
+        overrides = parse_overrides(sets)
+    except ConfigError as e:
+        raise click.UsageError(str(e)) from None
     if max_steps:
         overrides["train.max_steps"] = max_steps
     if output_dir:

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from dflash.errors import DflashError
 
 DTYPES = ("bfloat16", "float16", "float32")
 
@@ -146,18 +147,40 @@ class RunConfig(_Strict):
         return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
 
 
-class ConfigError(ValueError):
+class ConfigError(DflashError):
     """A run config that cannot be read or does not validate; the message is one line."""
 
 
 def _format_validation(err: ValidationError, source: str) -> str:
-    first = err.errors()[0]
-    where = ".".join(str(p) for p in first["loc"]) or "(top level)"
-    msg = first["msg"]
-    if first["type"] == "extra_forbidden":
-        msg = "unknown key (check spelling; see configs/ for the allowed keys)"
-    more = f" (+{len(err.errors()) - 1} more)" if len(err.errors()) > 1 else ""
-    return f"{source}: {where}: {msg}{more}"
+    """Every validation error on one line: `source: field: problem; field: problem`."""
+    parts = []
+    for e in err.errors():
+        where = ".".join(str(p) for p in e["loc"]) or "(top level)"
+        msg = e["msg"]
+        if e["type"] == "extra_forbidden":
+            msg = "unknown key (check spelling; see configs/ for the allowed keys)"
+        parts.append(f"{where}: {msg}")
+    return f"{source}: " + "; ".join(parts)
+
+
+def parse_overrides(pairs: tuple[str, ...] | list[str]) -> dict:
+    """`--set` pairs -> dotted overrides, the one parser every command uses.
+
+    Values are TOML values, so lists and numbers work (`topology.target_gpus=["0","1"]`,
+    `train.lr=1e-4`); a value that is not valid TOML is taken as a bare string
+    (`target.path=/models/qwen3`).
+    """
+    out = {}
+    for pair in pairs:
+        key, sep, raw = pair.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"--set {pair!r}: expected SECTION.KEY=VALUE, e.g. --set train.lr=1e-4")
+        try:
+            value = tomllib.loads(f"v = {raw}")["v"]
+        except tomllib.TOMLDecodeError:
+            value = raw
+        out[key.strip()] = value
+    return out
 
 
 def load_config(path: str | Path, overrides: dict | None = None) -> RunConfig:

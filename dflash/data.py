@@ -28,6 +28,7 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
+from dflash.errors import DflashError
 
 COLUMNS = ("input_ids", "loss_mask")
 SHARD_GLOB = "*.arrow"
@@ -36,7 +37,7 @@ SHARD_GLOB = "*.arrow"
 _MAX_READ_ALLOC = 1 << 20  # bytes
 
 
-class DatasetError(ValueError):
+class DatasetError(DflashError):
     """A dataset that cannot be used as is; the message is one line naming the file and the fix."""
 
 

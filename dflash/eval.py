@@ -32,9 +32,10 @@ from dflash.model import DFlashDrafter
 from dflash.prepare import eos_ids_of
 from dflash.prompts import chat_prompt_ids, load_prompts
 from dflash.target import target_embed_and_head
+from dflash.errors import DflashError
 
 
-class EvalError(ValueError):
+class EvalError(DflashError):
     """Bad input to dflash-eval (paths, shapes that do not match); one line."""
 
 

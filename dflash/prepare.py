@@ -27,6 +27,7 @@ from pathlib import Path
 
 from dflash.data import SHARD_GLOB, DatasetError, ShardDataset, write_shard
 from dflash.prompts import chat_prompt_ids, load_prompts, source_fingerprint
+from dflash.errors import DflashError
 
 MANIFEST = "manifest.json"
 SHARD_NAME = "shard-{:05d}.arrow"
@@ -34,7 +35,7 @@ ENGINES = ("transformers", "sglang")
 INFER_PROFILE_CMD = "uv run --no-default-groups --group infer-cu130 --group dev dflash-data prepare ..."
 
 
-class PrepareError(ValueError):
+class PrepareError(DflashError):
     """Bad input for prepare/merge; the message is one line naming the problem and the fix."""
 
 

@@ -18,6 +18,7 @@ import hashlib
 import importlib.metadata
 import json
 from pathlib import Path
+from dflash.errors import DflashError
 
 CHITCHAT = "chitchat"
 HELD_OUT = "held-out"
@@ -26,7 +27,7 @@ HELD_OUT_BYTE = 13  # 13/256 ~ 5% of conversations are held out
 MIN_CHARS, MAX_CHARS = 20, 400  # turns outside this length (characters) make poor prompts
 
 
-class PromptError(ValueError):
+class PromptError(DflashError):
     """Prompts that cannot be used; the message is one line naming the source and the fix."""
 
 

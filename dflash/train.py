@@ -24,6 +24,7 @@ from dflash.data import BucketBatchSampler, ShardDataset, collate, prefetch
 from dflash.loss import drafter_step_math, target_step
 from dflash.model import DFlashDrafter, drafter_config_from_target
 from dflash.target import load_target, target_embed_and_head
+from dflash.errors import DflashError
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -37,7 +38,7 @@ def cosine_lr(step: int, total: int, warmup_ratio: float) -> float:
     return 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
-class RunError(ValueError):
+class RunError(DflashError):
     """A run that cannot start as configured; the message is one line."""
 
 

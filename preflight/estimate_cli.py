@@ -15,7 +15,7 @@ import sys
 
 import click
 
-from dflash.config import ConfigError, load_config
+from dflash.config import ConfigError, load_config, parse_overrides
 from preflight.memory import GiB, Estimate, estimate, role_gpus, roles
 
 DEFAULT_CUDA = "12.8"
@@ -112,22 +112,6 @@ def format_estimate(est: Estimate, cuda_source: str = "") -> str:
     return "\n".join(lines)
 
 
-def _overrides(pairs: tuple[str, ...]) -> dict:
-    out = {}
-    for pair in pairs:
-        key, sep, value = pair.partition("=")
-        if not sep or not key:
-            raise ValueError(f"--set {pair!r}: write section.key=value, e.g. --set data.token_budget=45056")
-        try:
-            out[key.strip()] = int(value)
-        except ValueError:
-            try:
-                out[key.strip()] = float(value)
-            except ValueError:
-                out[key.strip()] = value
-    return out
-
-
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--config", "config_path", required=True, help="run config TOML")
 @click.option("--gpu-memory", help="memory of one GPU, e.g. 95GiB, 80GB, 96000MiB")
@@ -140,7 +124,7 @@ def main(config_path: str, gpu_memory: str | None, from_nvml: bool, cuda: str | 
     try:
         if gpu_memory and from_nvml:
             raise ValueError("give --gpu-memory or --from-nvml, not both")
-        cfg = load_config(config_path, _overrides(sets))
+        cfg = load_config(config_path, parse_overrides(sets))
         cuda_source = "--cuda"
         if cuda is None:
             cuda, cuda_source = profile_cuda(cfg.profile)

@@ -8,12 +8,13 @@ from pathlib import Path
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from dflash.errors import DflashError
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 ENVS_DIR = REPO_ROOT / "envs"
 
 
-class ProfileError(ValueError):
+class ProfileError(DflashError):
     """A profile that is unknown or does not validate; the message is one line."""
 
 

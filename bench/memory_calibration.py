@@ -86,7 +86,7 @@ def tiny_configs(target: str) -> dict:
 
 
 def worker(spec: dict) -> dict:
-    from dflash.cli import apply_profile_env
+    from preflight.gate import apply_profile_env
     from dflash.config import config_from_dict
 
     raw = spec["config"]

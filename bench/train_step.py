@@ -130,7 +130,6 @@ def measure(name: str, overrides: dict, args, data_root: Path, out_root: Path) -
     import torch
 
     from dflash.config import load_config
-    from dflash.loss import target_step
     from dflash.train import Trainer
 
     cfg = load_config(args.config, overrides)
@@ -141,22 +140,16 @@ def measure(name: str, overrides: dict, args, data_root: Path, out_root: Path) -
     device = torch.device(cfg.device)
     nvml = Nvml(gpu_uuid(torch) if device.type == "cuda" else None, enabled=device.type == "cuda")
     t0 = time.perf_counter()
-    trainer = Trainer(cfg, None, log=lambda *_: None)
+    trainer = Trainer.colocated(cfg, None, log=lambda *_: None)
     build_s = time.perf_counter() - t0
-    batches = trainer.batches()
-    accum = cfg.train.grad_accum
-    counter = iter(range(10**12))
+    stream = trainer.step_batches()
 
-    def next_step_batches() -> tuple[list[dict], int]:
-        group = [next(batches)[2] for _ in range(accum)]
-        first = next(counter)
-        for _ in range(accum - 1):
-            next(counter)
-        return group, first
+    def next_step_batches() -> list[tuple[int, dict]]:
+        return next(stream)[2]
 
     t0 = time.perf_counter()
     for _ in range(args.warmup):
-        trainer.train_step(*next_step_batches())
+        trainer.train_step(next_step_batches())
     _sync(torch, device)
     warmup_s = time.perf_counter() - t0
     if device.type == "cuda":
@@ -164,28 +157,26 @@ def measure(name: str, overrides: dict, args, data_root: Path, out_root: Path) -
     step_ms, tokens, timed, metrics = [], [], [], {}
     with NvmlPeak(nvml) as nv_peak:
         for _ in range(args.steps):
-            group, first = next_step_batches()
+            group = next_step_batches()
             with Timer(torch, device) as t:
-                metrics = trainer.train_step(group, first)
+                metrics = trainer.train_step(group)
             step_ms.append(t.ms)
-            tokens.append(sum(int(b["lengths"].sum()) for b in group))
+            tokens.append(sum(int(b["lengths"].sum()) for _, b in group))
             timed.append(group)
     mem = {"max_allocated_bytes": None, "max_reserved_bytes": None}
     if device.type == "cuda":
         mem = {"max_allocated_bytes": int(torch.cuda.max_memory_allocated()),
                "max_reserved_bytes": int(torch.cuda.max_memory_reserved())}
     nvml_process = nvml.process_used()
-    # The target role's work alone on the same batches (what the trainer runs inside autocast).
-    layer_ids = trainer.drafter.config.target_layer_ids
-    want_last = cfg.train.kl_weight > 0
+    stream.close()
+    # The target role's work alone on the same batches (the feature source the trainer calls).
     target_ms = []
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
-    with torch.no_grad(), autocast:
+    with torch.no_grad():
         for group in timed:
-            on_dev = [{k: v.to(device, non_blocking=True) for k, v in b.items()} for b in group]
+            on_dev = [(k, {key: v.to(device, non_blocking=True) for key, v in b.items()}) for k, b in group]
             with Timer(torch, device) as t:
-                for batch in on_dev:
-                    target_step(trainer.target, batch, layer_ids, want_last)
+                for k, batch in on_dev:
+                    trainer.source.features(k, batch)
             target_ms.append(t.ms)
     del trainer, timed
     step = _median(step_ms)

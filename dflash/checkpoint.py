@@ -149,3 +149,12 @@ def load_checkpoint(path: Path, drafter, optimizer, device) -> tuple[dict, dict]
     except (OSError, RuntimeError) as e:
         raise CheckpointError(f"{path}: cannot load ({str(e).splitlines()[0]}); pick another checkpoint") from None
     return trainer_state, meta
+
+
+def load_trainer_state(path: Path) -> dict:
+    """The trainer state of a checkpoint (step, sampler position, RNG), through the same error handling."""
+    try:
+        return torch.load(path / "trainer_state.pt", map_location="cpu", weights_only=False)
+    except (OSError, RuntimeError) as e:
+        raise CheckpointError(f"{path}: cannot load trainer_state.pt ({str(e).splitlines()[0]}); "
+                              "pick another checkpoint") from None

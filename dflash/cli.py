@@ -108,25 +108,8 @@ def _aside(out: Path, stem: str) -> Path:
     return path
 
 
-def apply_profile_env(profile_name: str) -> None:
-    """Set the variables the profile requires where the shell left them unset (before torch loads).
-
-    A value the user set differently is left alone, so the env-vars check still reports it.
-    """
-    from preflight.profiles import ProfileError, load_profile
-
-    try:
-        required = load_profile(profile_name).env
-    except ProfileError:
-        return  # the profile check reports it
-    for key, value in required.items():
-        if key not in os.environ:
-            os.environ[key] = value
-            click.echo(f"profile {profile_name}: set {key}={value}")
-
-
-def run_gate(cfg: RunConfig, waivers: dict[str, str], intent: str | None) -> bool:
-    """The in-process preflight gate; prints failing checks. True when training may start."""
+def run_gate(cfg: RunConfig, waivers: dict[str, str], intent: str | None):
+    """The in-process preflight gate; prints failing checks. The report when training may start, else None."""
     from preflight.gate import run_preflight
 
     report = run_preflight(cfg, cfg.profile, waivers, intent)
@@ -140,9 +123,9 @@ def run_gate(cfg: RunConfig, waivers: dict[str, str], intent: str | None) -> boo
         click.echo(f"refusing to start: {len(bad)} preflight check(s) failed (report: "
                    f"{Path(cfg.output_dir) / 'preflight.json'}); fix them or waive with --waive ID --reason TEXT",
                    err=True)
-        return False
+        return None
     click.echo(f"preflight: ok ({len(report.checks)} checks, {len(waived)} waived)")
-    return True
+    return report
 
 
 @click.command(context_settings=CONTEXT)
@@ -187,10 +170,9 @@ def train_main(config_path, demo, resume, fresh, sets, max_steps, output_dir, ta
         raise click.UsageError(str(e)) from None
     waivers = parse_waivers(waive, reason)
 
-    apply_profile_env(cfg.profile)
-    from dflash.train import set_compile_cache_env
+    from preflight.gate import apply_profile_env
 
-    set_compile_cache_env(cfg.profile)
+    apply_profile_env(cfg.profile, log=click.echo)
     if warm_cache:
         from dflash.train import warm_cache as do_warm
 
@@ -198,12 +180,13 @@ def train_main(config_path, demo, resume, fresh, sets, max_steps, output_dir, ta
     resume_from = prepare_output_dir(cfg, resume, fresh)
     intent = "resume" if resume else "fresh" if fresh else None
     Path(cfg.output_dir).mkdir(parents=True, exist_ok=True)
-    if not run_gate(cfg, waivers, intent):
+    report = run_gate(cfg, waivers, intent)
+    if report is None:
         sys.exit(1)
     if cfg.topology.target_gpus:
-        from dflash.topology import launch
+        from dflash.split import launch
 
-        sys.exit(launch(cfg, resume_from))
+        sys.exit(launch(cfg, resume_from, report.run["gate_id"]))
     from dflash.data import DatasetError
     from dflash.train import RunError, run
 

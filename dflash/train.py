@@ -1,14 +1,20 @@
-"""The co-located trainer: one process, one device (CPU or one GPU), target and drafter together.
+"""The trainer: one loop for every layout.
 
-Reads as a plain loop: build -> (resume) -> step -> log -> checkpoint -> finish.
-The math of a step lives in dflash.loss; this file owns the run's life.
+    run(cfg, resume_from)          co-located: the target in this process (`LocalTarget`)
+    Trainer(cfg, RemoteTargets)    a split drafter rank: features arrive from target ranks (dflash.split)
+
+Reads as a plain loop: build -> (resume) -> step -> log -> checkpoint -> finish. What a step
+computes lives in dflash.step; where its features come from is the feature source; with a
+drafter process group the drafter is data-parallel and rank 0 of that group logs and saves.
+Every rank walks the same deterministic batch sequence: a step takes the next
+grad_accum x world global batches, and this rank trains those at positions j % world == rank.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
-import math
 import os
 import signal
 import sys
@@ -17,30 +23,28 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from dflash import checkpoint as ckpt
 from dflash.config import RunConfig, dump_config
-from dflash.data import BucketBatchSampler, ShardDataset, collate, prefetch
-from dflash.loss import drafter_step_math, target_step
+from dflash.data import collate, prefetch
 from dflash.model import DFlashDrafter, drafter_config_from_target
-from dflash.target import load_target, target_embed_and_head
-from dflash.errors import DflashError
+from dflash.step import (
+    FeatureSource,
+    RunError,
+    average_metrics,
+    build_optimizer,
+    clip_and_step,
+    local_source,
+    micro_step,
+    pad_token_id,
+    resolve_mask_token_id,
+    restore_position,
+    schedule,
+    set_lr,
+)
 
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-
-
-def cosine_lr(step: int, total: int, warmup_ratio: float) -> float:
-    """LR multiplier: linear warmup over warmup_ratio of the steps, then cosine to 0."""
-    warmup = max(1, int(round(total * warmup_ratio)))
-    if step < warmup:
-        return (step + 1) / warmup
-    progress = min(1.0, (step - warmup) / max(1, total - warmup))
-    return 0.5 * (1.0 + math.cos(math.pi * progress))
-
-
-class RunError(DflashError):
-    """A run that cannot start as configured; the message is one line."""
-
+__all__ = ["RunError", "StopFlag", "Trainer", "run", "run_device", "warm_cache"]
 
 DUPLICATE_SIGNAL_S = 2.0  # the same signal again within this many seconds is the same stop
 
@@ -75,114 +79,49 @@ class StopFlag:
               file=sys.stderr, flush=True)
 
 
-def anchor_generator(cfg: RunConfig, device: torch.device, batch_index: int) -> torch.Generator:
-    """Anchors depend only on (seed, global batch index): resumes and split runs draw the same ones."""
-    return torch.Generator(device=device).manual_seed(cfg.train.seed * 1_000_003 + batch_index)
-
-
-def micro_step(drafter, embed_w, head_w, batch: dict, cfg: RunConfig, device, attn_backend: str, batch_index: int,
-               target=None, context=None):
-    """Forward + loss for one batch (graph kept for backward). Features come from `target` or `context`."""
-    batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
-    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda"):
-        if context is None:
-            layer_ids = getattr(drafter, "module", drafter).config.target_layer_ids
-            context = target_step(target, batch, layer_ids, cfg.train.kl_weight > 0)
-        context_BSF, last_BSH = context
-        return drafter_step_math(drafter, embed_w, head_w, batch, context_BSF, last_BSH, cfg,
-                                 anchor_generator(cfg, device, batch_index), attn_backend)
-
-
-def average_metrics(parts: list[tuple[float, dict]]) -> dict:
-    """Mean loss and metrics over a step's batches (lists averaged element-wise)."""
-    out: dict = {"loss": sum(loss for loss, _ in parts) / len(parts)}
-    for key, value in parts[0][1].items():
-        values = [m[key] for _, m in parts]
-        if isinstance(value, list):
-            out[key] = [round(sum(col) / len(col), 4) for col in zip(*values)]
-        elif isinstance(value, (int, float)):
-            out[key] = sum(values) / len(values)
-    return out
-
-
-def target_folder(path: str, log=print) -> str:
-    """The target's HF folder: `smollm2` names the embedded default (converted once, then cached)."""
-    if path == "smollm2":
-        from dflash.smollm2 import resolve_target
-
-        return str(resolve_target(path, log=log))
-    return path
-
-
-def resolve_mask_token_id(cfg: RunConfig, target_config) -> int:
-    if cfg.drafter.mask_token_id is not None:
-        return cfg.drafter.mask_token_id
-    vocab = target_config.vocab_size
-    pad = getattr(target_config, "pad_token_id", None)
-    # A token the data never asks the drafter to predict: the pad token if there is one, else the last id.
-    return int(pad) if isinstance(pad, int) and 0 <= pad < vocab else vocab - 1
-
-
-class FeatureCache:
-    """The target's features of every sample seen so far (train.cache_features): later epochs skip the target.
-
-    Rows are stored unpadded by sample index; a batch whose samples are all cached is rebuilt
-    right-padded, as the target would have produced it (padded positions are masked anyway).
-    """
-
-    def __init__(self, layer_ids: list[int], want_last: bool):
-        self.layer_ids, self.want_last = layer_ids, want_last
-        self.rows: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
-
-    def context(self, target, batch: dict) -> tuple[torch.Tensor, torch.Tensor | None]:
-        ids, lengths = batch["sample_ids"].tolist(), batch["lengths"].tolist()
-        if any(i not in self.rows for i in ids):
-            context_BSF, last_BSH = target_step(target, batch, self.layer_ids, self.want_last)
-            for r, (i, n) in enumerate(zip(ids, lengths)):
-                last = last_BSH[r, :n].clone() if last_BSH is not None else None
-                self.rows.setdefault(i, (context_BSF[r, :n].clone(), last))
-            return context_BSF, last_BSH
-        S = batch["input_ids"].shape[1]
-        pad = lambda t: torch.nn.functional.pad(t, (0, 0, 0, S - t.shape[0]))  # noqa: E731
-        context_BSF = torch.stack([pad(self.rows[i][0]) for i in ids])
-        last_BSH = torch.stack([pad(self.rows[i][1]) for i in ids]) if self.want_last else None
-        return context_BSF, last_BSH
+def run_device(cfg: RunConfig) -> torch.device:
+    """The device this process trains on (a split worker has already picked its GPU)."""
+    if cfg.device == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 class Trainer:
-    def __init__(self, cfg: RunConfig, resume_from: Path | None = None, log=print):
-        self.cfg, self.log = cfg, log
+    def __init__(self, cfg: RunConfig, source: FeatureSource, resume_from: Path | None = None, group=None,
+                 log=print):
+        self.cfg, self.source, self.group, self.log = cfg, source, group, log
+        self.rank = dist.get_rank(group) if group is not None else 0
+        self.world = dist.get_world_size(group) if group is not None else 1
+        self.is_logger = self.rank == 0
         self.out = Path(cfg.output_dir)
-        self.device = torch.device("cuda" if cfg.device == "cuda" else "cpu")
+        self.device = run_device(cfg)
         self.attn_backend = "flex" if self.device.type == "cuda" else "sdpa"
         torch.manual_seed(cfg.train.seed)
 
-        self.dataset = ShardDataset(cfg.data.path)
-        self.sampler = BucketBatchSampler(self.dataset.lengths, cfg.data.token_budget, cfg.data.max_batch_size,
-                                          cfg.data.num_buckets, cfg.train.seed)
-        self.accum = cfg.train.grad_accum
-        self.total_steps = cfg.train.max_steps or cfg.train.epochs * self.sampler.batches_per_epoch // self.accum
-        if self.total_steps < 1:
-            raise RunError(f"{cfg.data.path}: {self.sampler.batches_per_epoch} batches per epoch x {cfg.train.epochs} "
-                           f"epochs make no step of {self.accum} batches; add data, epochs, or set train.max_steps")
+        self.dataset, self.sampler, self.total_steps = schedule(cfg, self.world)
+        self.batches_per_step = cfg.train.grad_accum * self.world
 
-        self.target = load_target(target_folder(cfg.target.path, log), DTYPES[cfg.target.dtype], self.device,
-                                  cfg.target.random_init)
-        dcfg = drafter_config_from_target(self.target.config, cfg.drafter.num_layers, cfg.drafter.block_size,
-                                          cfg.drafter.target_layer_ids or None, self._mask_token_id())
+        tcfg = source.target_config
+        dcfg = drafter_config_from_target(tcfg, cfg.drafter.num_layers, cfg.drafter.block_size,
+                                          cfg.drafter.target_layer_ids or None, resolve_mask_token_id(cfg, tcfg))
         self.drafter = DFlashDrafter(dcfg).to(self.device, torch.float32)
-        self.embed_w, self.head_w = target_embed_and_head(self.target)
-        self.features = FeatureCache(dcfg.target_layer_ids, cfg.train.kl_weight > 0) if cfg.train.cache_features else None
-        self.optimizer = torch.optim.AdamW(self.drafter.parameters(), lr=cfg.train.lr,
-                                           weight_decay=cfg.train.weight_decay, betas=(0.9, 0.95),
-                                           fused=self.device.type == "cuda")
+        self.embed_w, self.head_w = source.frozen_weights()
+        self.optimizer = build_optimizer(self.drafter, cfg, self.device)
         self.step = 0
         self.resumed_from = None
         if resume_from is not None:
             self._resume(resume_from)
+        self.model = self.drafter
+        if group is not None:
+            from torch.nn.parallel import DistributedDataParallel as DDP
 
-    def _mask_token_id(self) -> int:
-        return resolve_mask_token_id(self.cfg, self.target.config)
+            self.model = DDP(self.drafter, process_group=group,
+                             device_ids=[self.device.index] if self.device.type == "cuda" else None)
+
+    @classmethod
+    def colocated(cls, cfg: RunConfig, resume_from: Path | None = None, log=print) -> Trainer:
+        """The target in this process (`LocalTarget`, or `CachedTarget` with train.cache_features)."""
+        return cls(cfg, local_source(cfg, run_device(cfg), log), resume_from, log=log)
 
     def _dataset_meta(self) -> dict:
         return {"path": self.cfg.data.path, "samples": self.dataset.num_samples,
@@ -190,16 +129,9 @@ class Trainer:
 
     def _resume(self, path: Path) -> None:
         state, meta = ckpt.load_checkpoint(path, self.drafter, self.optimizer, self.device)
-        self.step = int(state["step"])
-        old = meta.get("dataset", {})
-        if old.get("fingerprint") == self.dataset.fingerprint:
-            self.sampler.load_state_dict(state["sampler"])
-        else:
-            self.sampler.load_state_dict({"epoch": state["sampler"]["epoch"], "index": 0})
-            self.log(f"dataset changed since {path.name}: {old.get('samples')} -> {self.dataset.num_samples} "
-                     f"samples; schedule recomputed ({self.total_steps} steps), epoch "
-                     f"{state['sampler']['epoch']} restarts from its first batch")
-        torch.set_rng_state(state["rng_cpu"])
+        self.step = restore_position(self.sampler, self.dataset, state, meta, self.log)
+        if state.get("rng_cpu") is not None:
+            torch.set_rng_state(state["rng_cpu"])
         if self.device.type == "cuda" and state.get("rng_cuda") is not None:
             torch.cuda.set_rng_state(state["rng_cuda"])
         self.resumed_from = path
@@ -207,61 +139,62 @@ class Trainer:
 
     def save(self) -> Path:
         state = {"step": self.step, "sampler": self.sampler.state_dict(), "rng_cpu": torch.get_rng_state(),
-                 "rng_cuda": torch.cuda.get_rng_state() if self.device.type == "cuda" else None}
-        path = ckpt.save_checkpoint(self.out, self.step, self.drafter, self.optimizer, state, self.cfg,
+                 "rng_cuda": torch.cuda.get_rng_state() if self.device.type == "cuda" else None,
+                 "n_drafters": self.world}
+        return ckpt.save_checkpoint(self.out, self.step, self.drafter, self.optimizer, state, self.cfg,
                                     self._dataset_meta(), self.cfg.train.keep_last)
-        return path
 
-    def _set_lr(self) -> float:
-        lr = self.cfg.train.lr * cosine_lr(self.step, self.total_steps, self.cfg.train.warmup_ratio)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
-        return lr
-
-    def train_step(self, batches: list[dict], first_batch_index: int) -> dict:
-        """One optimizer step over grad_accum batches; returns plain-float metrics (means over the batches)."""
-        lr = self._set_lr()
+    def train_step(self, mine: list[tuple[int, dict]]) -> dict:
+        """One optimizer step over this rank's batches [(global index, batch)]; plain-float metrics."""
+        lr = set_lr(self.optimizer, self.cfg, self.step, self.total_steps)
         self.optimizer.zero_grad(set_to_none=True)
         parts = []
-        for i, batch in enumerate(batches):
-            batch = {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
-            context = None
-            if self.features is not None:
-                with torch.autocast("cuda", dtype=torch.bfloat16, enabled=self.device.type == "cuda"):
-                    context = self.features.context(self.target, batch)
-            loss, m = micro_step(self.drafter, self.embed_w, self.head_w, batch, self.cfg, self.device,
-                                 self.attn_backend, first_batch_index + i, target=self.target, context=context)
-            (loss / len(batches)).backward()
+        for i, (k, batch) in enumerate(mine):
+            batch = {key: v.to(self.device, non_blocking=True) for key, v in batch.items()}
+            features = self.source.features(k, batch)
+            last = i == len(mine) - 1
+            sync = self.model.no_sync() if self.model is not self.drafter and not last else contextlib.nullcontext()
+            with sync:
+                loss, m = micro_step(self.model, self.embed_w, self.head_w, batch, features, self.cfg, self.device,
+                                     self.attn_backend, k)
+                (loss / len(mine)).backward()
             parts.append((float(loss.detach()), m))
-        grad_norm = None
-        if self.cfg.train.grad_clip > 0:
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), self.cfg.train.grad_clip))
-        self.optimizer.step()
+        grad_norm = clip_and_step(self.drafter, self.optimizer, self.cfg)
         self.step += 1
         out = average_metrics(parts)
         out.update(lr=lr, grad_norm=grad_norm)
         return out
 
-    def batches(self):
-        """(epoch, index, batch) from the current data position, read and collated ahead by a thread.
+    def step_batches(self):
+        """(epoch, position after the step, [(global index, batch)] of this rank) per optimizer step, read and
+        collated ahead by a thread.
 
-        The producer walks a copy of the sampler; ``self.sampler`` moves only as batches are handed
-        out here, so a checkpoint records the consumed position, not the read-ahead one.
+        The producer walks a copy of the sampler; the loop moves ``self.sampler`` to a step's
+        position once the step is trained, so a checkpoint records the consumed position, not the
+        read-ahead one.
         """
-        pad = getattr(self.target.config, "pad_token_id", None)
-        pad = pad if isinstance(pad, int) else 0
+        pad = pad_token_id(self.source.target_config)
         pin = self.device.type == "cuda"
         reader = copy.copy(self.sampler)
+        per_step = self.batches_per_step
 
         def collated():
-            for epoch, index, indices in reader:
-                batch = collate(self.dataset, indices, pad)
-                batch["sample_ids"] = torch.tensor(indices)  # the feature cache's keys
-                yield epoch, index, ({k: v.pin_memory() for k, v in batch.items()} if pin else batch)
+            step = self.step
+            while True:
+                group = [next(iter_reader) for _ in range(per_step)]
+                mine = []
+                for j, (_, _, indices) in enumerate(group):
+                    if j % self.world == self.rank:
+                        batch = collate(self.dataset, indices, pad)
+                        batch["sample_ids"] = torch.tensor(indices)  # the feature cache's keys
+                        mine.append((step * per_step + j, {k: v.pin_memory() for k, v in batch.items()}
+                                     if pin else batch))
+                epoch, index, _ = group[-1]
+                yield epoch, {"epoch": epoch, "index": index + 1}, mine
+                step += 1
 
-        for epoch, index, batch in prefetch(collated()):
-            self.sampler.load_state_dict({"epoch": epoch, "index": index + 1})
-            yield epoch, index, batch
+        iter_reader = iter(reader)
+        yield from prefetch(collated())
 
     def print_plan(self) -> None:
         self.log(f"dataset {self.cfg.data.path}: {self.dataset.num_samples} samples, "
@@ -270,87 +203,175 @@ class Trainer:
         d = self.drafter.config
         n_params = sum(p.numel() for p in self.drafter.parameters())
         self.log(f"drafter: {d.num_hidden_layers} layers, block {d.block_size}, target layers {d.target_layer_ids}, "
-                 f"{n_params / 1e6:.1f}M trainable params; attention {self.attn_backend} on {self.device}")
-        self.log(f"schedule: {self.total_steps} steps, lr {self.cfg.train.lr} cosine, warmup "
-                 f"{self.cfg.train.warmup_ratio}")
-        if self.features is not None:
-            width = len(d.target_layer_ids) * self.target.config.hidden_size
-            width += self.target.config.hidden_size if self.features.want_last else 0
-            size = int(self.dataset.lengths.sum()) * width * self.embed_w.element_size()
-            self.log(f"feature cache: the target runs in epoch 1 only; the cache grows to {size / 2**30:.2f} GiB "
-                     f"on {self.device}")
+                 f"{n_params / 1e6:.1f}M trainable params; attention {self.attn_backend} on {self.device}"
+                 + (f"; {self.world} data-parallel drafter ranks" if self.world > 1 else ""))
+        self.log(f"features: {self.source.describe()}")
+        self.log(f"schedule: {self.total_steps} steps of {self.batches_per_step} batches, lr {self.cfg.train.lr} "
+                 f"cosine, warmup {self.cfg.train.warmup_ratio}")
+        if hasattr(self.source, "cache_bytes"):
+            size = self.source.cache_bytes(int(self.dataset.lengths.sum()))
+            self.log(f"feature cache: grows to {size / 2**30:.2f} GiB on {self.device}")
+
+    # ---- the loop
+
+    def run(self, progress: bool | None = None) -> int:
+        """Train to the end (or to a signal). Returns the exit code."""
+        if self.is_logger:
+            self.print_plan()
+        stop = StopFlag()
+        stop.install()
+        bar = self._bar(progress)
+        last_save = self.step
+        metrics_file = (self.out / "metrics.jsonl").open("a") if self.is_logger else None
+        stream = self.step_batches()
+        try:
+            pending = self._next(stream) if self.step < self.total_steps else None
+            window = {"t0": time.perf_counter(), "tokens": 0}
+            stopping = False
+            while pending is not None:
+                epoch, position, mine = pending
+                m = self.train_step(mine)
+                self.sampler.load_state_dict(position)
+                pending = self._next(stream) if self.step < self.total_steps else None  # post receives early
+                window["tokens"] += sum(int(b["lengths"].sum()) for _, b in mine)
+                stopping = self._agree(stop.requested)
+                if self.step % self.cfg.train.log_every == 0 or self.step == self.total_steps or stopping:
+                    rec = self._record(m, epoch, window)
+                    if self.is_logger:
+                        metrics_file.write(json.dumps(rec) + "\n")
+                        metrics_file.flush()
+                        self._print(rec, bar)
+                    window = {"t0": time.perf_counter(), "tokens": 0}
+                if bar:
+                    bar.update(1)
+                if self.step % self.cfg.train.save_every == 0 or stopping:
+                    last_save = self._save_if_logger()
+                if stopping:
+                    pending = None
+            if self.step != last_save or not ckpt.list_checkpoints(self.out):
+                last_save = self._save_if_logger()
+        finally:
+            stream.close()
+            stop.restore()
+            if bar:
+                bar.close()
+            if metrics_file:
+                metrics_file.close()
+        return self._finish(stop, stopping)
+
+    def _next(self, stream):
+        item = next(stream)
+        for k, batch in item[2]:
+            self.source.expect(k, batch)
+        return item
+
+    def _agree(self, flag: bool) -> bool:
+        """All drafter ranks stop together (a signal may reach only some of them)."""
+        if self.group is None:
+            return flag
+        t = torch.tensor([1.0 if flag else 0.0], device=self.device)
+        dist.all_reduce(t, group=self.group)
+        return bool(t.item() > 0)
+
+    def _save_if_logger(self) -> int:
+        """Rank 0 of the drafter group writes the checkpoint (replicas are identical); returns the step."""
+        if self.is_logger:
+            self.save()
+        return self.step
+
+    def _record(self, m: dict, epoch: int, window: dict) -> dict:
+        """The metrics row of this step: loss and metrics averaged over ranks, tokens and timings summed."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        dt = time.perf_counter() - window["t0"]
+        counters = dict(self.source.counters(), tokens=float(window["tokens"]))
+        if self.group is not None:
+            m = _mean_over_ranks(m, self.group, self.device)
+            counters = _sum_over_ranks(counters, self.group, self.device)
+        rec = dict(m, step=self.step, epoch=epoch, tok_per_s=round(counters["tokens"] / dt, 1),
+                   mem_gib=round(torch.cuda.max_memory_allocated(self.device) / 2**30, 2)
+                   if self.device.type == "cuda" else None)
+        if hasattr(self.source, "rates"):
+            rec.update(self.source.rates(counters, dt, self.world))
+        if self.group is not None and os.environ.get("DFLASH_CHECK_REPLICAS") == "1":
+            rec["replica_max_diff"] = _replica_max_diff(self.drafter, self.group, self.world)
+        return rec
+
+    def _print(self, rec: dict, bar) -> None:
+        line = (f"step {rec['step']}/{self.total_steps} loss {rec['loss']:.4f} accept {rec.get('accept_len', 0):.3f} "
+                f"tok/s {rec['tok_per_s']:.0f} lr {rec['lr']:.2e}")
+        if hasattr(self.source, "rates_line"):
+            line += " " + self.source.rates_line(rec)
+        if bar:
+            bar.set_postfix_str(line.split(" ", 2)[2])
+        else:
+            self.log(line)
+
+    def _bar(self, progress: bool | None):
+        if not self.is_logger:
+            return None
+        if progress is None:
+            progress = sys.stderr.isatty()
+        if not progress:
+            return None
+        from tqdm import tqdm
+
+        return tqdm(total=self.total_steps, initial=self.step, unit="step", dynamic_ncols=True)
+
+    def _finish(self, stop: StopFlag, stopping: bool) -> int:
+        if not self.is_logger:
+            return 0
+        latest = ckpt.list_checkpoints(self.out)
+        path = latest[-1] if latest else None
+        if stopping:
+            self.log(f"stopped by {stop.signame or 'a peer signal'} at step {self.step}; checkpoint {path}")
+            self.log(f"resume with: dflash-train --config <this config> --resume latest  (output_dir {self.out})")
+            return 0
+        self.drafter.save_pretrained(self.out / "drafter")
+        self.log(f"done: {self.step} steps; checkpoint {path}; drafter saved to {self.out / 'drafter'}")
+        if hasattr(self.source, "summary"):
+            self.log(self.source.summary(self.out / "metrics.jsonl"))
+        return 0
+
+
+def _mean_over_ranks(m: dict, group, device) -> dict:
+    """Numbers and lists of numbers averaged over the group's ranks (other values kept as they are)."""
+    keys = [k for k, v in m.items() if isinstance(v, (int, float)) and not isinstance(v, bool)]
+    lists = [k for k, v in m.items() if isinstance(v, list)]
+    flat = [float(m[k]) for k in keys] + [float(x) for k in lists for x in m[k]]
+    t = torch.tensor(flat, dtype=torch.float64, device=device)
+    dist.all_reduce(t, group=group)
+    t /= dist.get_world_size(group)
+    vals = t.tolist()
+    out = dict(m)
+    for k in keys:
+        out[k] = vals.pop(0)
+    for k in lists:
+        n = len(m[k])
+        out[k], vals = [round(x, 4) for x in vals[:n]], vals[n:]
+    return out
+
+
+def _sum_over_ranks(counters: dict, group, device) -> dict:
+    keys = sorted(counters)
+    t = torch.tensor([float(counters[k]) for k in keys], dtype=torch.float64, device=device)
+    dist.all_reduce(t, group=group)
+    return dict(zip(keys, t.tolist()))
+
+
+def _replica_max_diff(drafter, group, world: int) -> float:
+    flat = torch.cat([p.detach().flatten() for p in drafter.parameters()])
+    gathered = [torch.empty_like(flat) for _ in range(world)]
+    dist.all_gather(gathered, flat, group=group)
+    return max(float((g - gathered[0]).abs().max()) for g in gathered)
 
 
 def run(cfg: RunConfig, resume_from: Path | None, log=print, progress: bool | None = None) -> int:
-    """Train to the end (or to a signal). Returns the exit code."""
+    """Co-located training: target and drafter in this process. Returns the exit code."""
     out = Path(cfg.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(dump_config(cfg))
-    trainer = Trainer(cfg, resume_from, log=log)
-    trainer.print_plan()
-    metrics_path = out / "metrics.jsonl"
-    stop = StopFlag()
-    stop.install()
-    progress = sys.stderr.isatty() if progress is None else progress
-    bar = None
-    if progress:
-        from tqdm import tqdm
-        bar = tqdm(total=trainer.total_steps, initial=trainer.step, unit="step", dynamic_ncols=True)
-    last_save = trainer.step
-    try:
-        with metrics_path.open("a") as mfile:
-            t0, tokens = time.perf_counter(), 0
-            stream = trainer.batches()
-            while trainer.step < trainer.total_steps:
-                group = [next(stream) for _ in range(trainer.accum)]
-                epoch = group[-1][0]
-                batches = [b for _, _, b in group]
-                m = trainer.train_step(batches, trainer.step * trainer.accum)
-                tokens += sum(int(b["lengths"].sum()) for b in batches)
-                if trainer.step % cfg.train.log_every == 0 or trainer.step == trainer.total_steps:
-                    if trainer.device.type == "cuda":
-                        torch.cuda.synchronize()
-                    dt = time.perf_counter() - t0
-                    m.update(step=trainer.step, epoch=epoch, tok_per_s=round(tokens / dt, 1),
-                             mem_gib=_mem_gib(trainer.device))
-                    mfile.write(json.dumps(m) + "\n")
-                    mfile.flush()
-                    line = (f"step {trainer.step}/{trainer.total_steps} loss {m['loss']:.4f} "
-                            f"accept {m.get('accept_len', float('nan')):.3f} tok/s {m['tok_per_s']:.0f} "
-                            f"lr {m['lr']:.2e}")
-                    if bar:
-                        bar.set_postfix_str(line.split(" ", 2)[2])
-                    else:
-                        log(line)
-                    t0, tokens = time.perf_counter(), 0
-                if bar:
-                    bar.update(1)
-                if trainer.step % cfg.train.save_every == 0:
-                    trainer.save()
-                    last_save = trainer.step
-                if stop.requested:
-                    break
-        if trainer.step != last_save or not ckpt.list_checkpoints(out):
-            path = trainer.save()
-        else:
-            path = ckpt.list_checkpoints(out)[-1]
-    finally:
-        stop.restore()
-        if bar:
-            bar.close()
-    if stop.requested:
-        log(f"stopped by {stop.signame} at step {trainer.step}; checkpoint {path}")
-        log(f"resume with: dflash-train --config <this config> --resume latest  (output_dir {out})")
-        return 0
-    trainer.drafter.save_pretrained(out / "drafter")
-    log(f"done: {trainer.step} steps; checkpoint {path}; drafter saved to {out / 'drafter'}")
-    return 0
-
-
-def _mem_gib(device: torch.device) -> float | None:
-    if device.type != "cuda":
-        return None
-    return round(torch.cuda.max_memory_allocated(device) / 2**30, 2)
+    return Trainer.colocated(cfg, resume_from, log).run(progress)
 
 
 def warm_cache(cfg: RunConfig, log=print) -> int:
@@ -362,10 +383,12 @@ def warm_cache(cfg: RunConfig, log=print) -> int:
         log("warm-cache: nothing to compile on CPU (flex attention is compiled on CUDA only)")
         return 0
     cache = profile.compile_cache_path
-    trainer = Trainer(cfg, None, log=log)
+    trainer = Trainer.colocated(cfg, None, log)
     t0 = time.perf_counter()
-    _, _, batch = next(trainer.batches())
-    trainer.train_step([batch], 0)
+    stream = trainer.step_batches()
+    _, _, mine = next(stream)
+    stream.close()
+    trainer.train_step(mine[:1])
     torch.cuda.synchronize()
     import triton
 
@@ -376,12 +399,3 @@ def warm_cache(cfg: RunConfig, log=print) -> int:
     (cache / "dflash-manifest.json").write_text(json.dumps(manifest, indent=2))
     log(f"warm-cache: compiled in {time.perf_counter() - t0:.1f} s; manifest written to {cache}")
     return 0
-
-
-def set_compile_cache_env(profile_name: str) -> None:
-    """Point inductor at the profile's cache before torch compiles anything."""
-    try:
-        from preflight.profiles import load_profile
-        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(load_profile(profile_name).compile_cache_path))
-    except ValueError:
-        pass

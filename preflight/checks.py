@@ -221,7 +221,9 @@ def check_cuda_libs(ctx: Context) -> CheckResult:
 
 
 def assigned_gpus(ctx: Context) -> dict[str, list[str]]:
-    """GPU name in the run config -> its roles. Co-located runs use GPU "0" for both."""
+    """GPU name in the run config -> its roles. Co-located runs use GPU "0" for both; a torchrun rank its own."""
+    if ctx.own_gpus is not None:
+        return ctx.own_gpus
     topo = ctx.config.topology
     if not topo.target_gpus and not topo.drafter_gpus:
         return {"0": ["target", "drafter"]}

@@ -13,10 +13,11 @@ from __future__ import annotations
 import json
 import os
 import time
+import uuid
 from collections.abc import Mapping
 from pathlib import Path
 
-from dflash.config import RunConfig
+from dflash.config import RunConfig, config_sha256
 from preflight.checks import CHECK_IDS, run_checks
 from preflight.facts import gather
 from preflight.nvml import GpuInfo, NvmlGpuInfo
@@ -44,8 +45,12 @@ def build_report(
     resume_intent: str | None = None,
     gpu_info: GpuInfo | None = None,
     config_path: str | None = None,
+    gpu_override: dict[str, list[str]] | None = None,
 ) -> Report:
-    """Gather facts, run every check, apply waivers. GPU info defaults to real NVML (not asked when device = cpu)."""
+    """Gather facts, run every check, apply waivers. GPU info defaults to real NVML (not asked when device = cpu).
+
+    gpu_override {cuda index: [role]} replaces the config's GPU lists (a torchrun rank checks its own GPU).
+    """
     if resume_intent not in (None, "resume", "fresh"):
         raise ValueError(f"resume intent must be 'resume', 'fresh' or None, got {resume_intent!r}")
     waivers = validate_waivers(waivers or {})
@@ -53,6 +58,7 @@ def build_report(
         gpu_info = NvmlGpuInfo()
     t0 = time.perf_counter()
     ctx = gather(profile_name, cfg, resume_intent, gpu_info, config_path=config_path)
+    ctx.own_gpus = gpu_override
     checks = apply_waivers(run_checks(ctx), waivers)
     host = dict(ctx.host, preflight_seconds=round(time.perf_counter() - t0, 3))
     return Report.build(profile_name, checks, host)
@@ -65,12 +71,47 @@ def run_preflight(
     resume_intent: str | None = None,
     gpu_info: GpuInfo | None = None,
     config_path: str | None = None,
+    gpu_override: dict[str, list[str]] | None = None,
+    write: bool = True,
 ) -> Report:
-    """Run preflight for a run and write ``<output_dir>/preflight.json``; the caller refuses to start unless ``ok``."""
-    report = build_report(profile_name, cfg, waivers, resume_intent, gpu_info, config_path)
+    """Run preflight for a run and (write=True) write ``<output_dir>/preflight.json``; the caller refuses to start
+    unless ``ok``. The written report carries a fresh gate_id and the config's hash: split workers check both."""
+    report = build_report(profile_name, cfg, waivers, resume_intent, gpu_info, config_path, gpu_override)
+    if write:
+        write_report(cfg, report)
+    return report
+
+
+def write_report(cfg: RunConfig, report: Report, ranks: list[dict] | None = None, ok: bool | None = None) -> Report:
+    """Stamp the report with this run's identity (and the per-rank verdicts of a torchrun gate), write it atomically."""
+    run = {"gate_id": uuid.uuid4().hex, "config_sha256": config_sha256(cfg),
+           "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    if ranks is not None:
+        run["ranks"] = ranks
+    report.run = run
+    if ok is not None:
+        report.ok = ok
     out = Path(cfg.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     tmp = out / f".{REPORT_NAME}.tmp"
     tmp.write_text(json.dumps(report.model_dump(), indent=2) + "\n")
     os.replace(tmp, out / REPORT_NAME)
     return report
+
+
+def apply_profile_env(profile_name: str, log=print) -> None:
+    """Set the variables the profile requires where the shell left them unset (before torch allocates or compiles).
+
+    A value the user set differently is left alone, so the env-vars check still reports it.
+    """
+    from preflight.profiles import ProfileError, load_profile
+
+    try:
+        profile = load_profile(profile_name)
+    except ProfileError:
+        return  # the profile check reports it
+    for key, value in profile.env.items():
+        if key not in os.environ:
+            os.environ[key] = value
+            log(f"profile {profile_name}: set {key}={value}")
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(profile.compile_cache_path))

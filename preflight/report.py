@@ -39,6 +39,8 @@ class Report(BaseModel):
     ok: bool
     checks: list[CheckResult]
     host: dict[str, Any] = Field(default_factory=dict)
+    run: dict[str, Any] | None = Field(
+        None, description="written by the gate before a run: gate_id, config_sha256, time, per-rank verdicts")
 
     @classmethod
     def build(cls, profile: str, checks: list[CheckResult], host: dict | None = None) -> Report:
@@ -51,7 +53,7 @@ class Report(BaseModel):
         return [c for c in self.checks if c.status == status]
 
     def to_json(self, indent: int | None = None) -> str:
-        return self.model_dump_json(indent=indent)
+        return self.model_dump_json(indent=indent, exclude={"run"} if self.run is None else None)
 
 
 def apply_waivers(checks: list[CheckResult], waivers: Mapping[str, str]) -> list[CheckResult]:

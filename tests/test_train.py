@@ -17,7 +17,8 @@ from dflash import checkpoint as ckpt
 from dflash.data import write_shard
 from dflash.model import DFlashDrafter
 from dflash.target import decoder_of
-from dflash.train import Trainer, cosine_lr, run
+from dflash.step import cosine_lr
+from dflash.train import Trainer, run
 from trainkit import tiny_config
 
 REPO = Path(__file__).resolve().parent.parent
@@ -69,7 +70,7 @@ def test_cached_features_train_like_the_target(tmp_path, kl_weight):
     losses = {}
     for cache in (False, True):
         cfg, _ = tiny_config(tmp_path / str(cache), max_steps=24, cache_features=cache, kl_weight=kl_weight)
-        trainer = Trainer(cfg, log=lambda *_: None)
+        trainer = Trainer.colocated(cfg, log=lambda *_: None)
         assert trainer.total_steps > 2 * trainer.sampler.batches_per_epoch  # epochs 2 and 3 read the cache
         assert run(cfg, None, log=lambda *_: None, progress=False) == 0
         losses[cache] = [r["loss"] for r in metrics(Path(cfg.output_dir))]
@@ -78,14 +79,15 @@ def test_cached_features_train_like_the_target(tmp_path, kl_weight):
 
 def test_feature_cache_skips_the_target_once_every_sample_was_seen(tmp_path):
     cfg, _ = tiny_config(tmp_path, cache_features=True)
-    trainer = Trainer(cfg, log=lambda *_: None)
+    trainer = Trainer.colocated(cfg, log=lambda *_: None)
     calls = []
-    decoder_of(trainer.target).register_forward_pre_hook(lambda *_: calls.append(1))
-    stream = trainer.batches()
+    decoder_of(trainer.source.model).register_forward_pre_hook(lambda *_: calls.append(1))
+    stream = trainer.step_batches()
     for _ in range(2 * trainer.sampler.batches_per_epoch):
-        _, _, batch = next(stream)
-        trainer.train_step([batch], trainer.step)
-    assert len(trainer.features.rows) == trainer.dataset.num_samples
+        _, _, mine = next(stream)
+        trainer.train_step(mine)
+    stream.close()
+    assert len(trainer.source.rows) == trainer.dataset.num_samples
     assert len(calls) == trainer.sampler.batches_per_epoch  # the first epoch only
 
 
@@ -98,7 +100,7 @@ def test_checkpoint_reloads_into_drafter_and_fresh_process(tmp_path):
     assert meta["step"] == 10 and meta["config"]["drafter"]["block_size"] == 4
     assert meta["dataset"]["samples"] == 64 and meta["lock_sha256"]
     # in this process: the trainer's weights and the saved folder agree exactly
-    trainer = Trainer(cfg, latest, log=lambda *_: None)
+    trainer = Trainer.colocated(cfg, latest, log=lambda *_: None)
     loaded = DFlashDrafter.from_pretrained(latest / "drafter")
     for (name, a), (_, b) in zip(trainer.drafter.state_dict().items(), loaded.state_dict().items()):
         assert torch.equal(a, b.to(a.dtype)), name

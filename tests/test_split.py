@@ -1,4 +1,4 @@
-"""Split topology on CPU over gloo: 1 target + 2 drafter processes, real torch.distributed."""
+"""Split runs on CPU over gloo: 1 target + 2 drafter processes, real torch.distributed."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from dflash.topology import Role, physical_gpu, roles_for, suggest_split
+from dflash.split import physical_gpu, ranks_for, suggest_split
 from dflash.train import run
 from test_train import metrics, train_cmd, write_toml
 from trainkit import tiny_config
@@ -30,7 +30,7 @@ def test_roles_by_rank_for_the_incident_split():
     from dflash.config import config_from_dict
 
     cfg = config_from_dict({"topology": {"target_gpus": ["0", "1", "2", "3", "4"], "drafter_gpus": ["5", "6", "7"]}})
-    roles = roles_for(cfg)
+    roles = ranks_for(cfg)
     assert [(r.rank, r.name, r.index) for r in roles] == [
         (0, "drafter", 0), (1, "drafter", 1), (2, "drafter", 2),
         (3, "target", 0), (4, "target", 1), (5, "target", 2), (6, "target", 3), (7, "target", 4)]

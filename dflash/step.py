@@ -1,0 +1,249 @@
+"""The one definition of a training step: features in, drafter loss, optimizer step, lr schedule.
+
+Every layout runs these same functions: the co-located trainer, split drafter ranks (their
+features arrive from target ranks), the feature cache, and the benches. A step is
+
+    lr = peak * cosine_lr(step)        zero_grad
+    for each of this rank's batches:   features -> micro_step (anchors, blocks, drafter, loss) -> backward
+    clip grad norm                     optimizer.step()
+
+The math of one batch lives in dflash.loss; what feeds it features lives here (`LocalTarget`,
+`CachedTarget`) and in dflash.split (`RemoteTargets`).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Protocol
+
+import torch
+
+from dflash.config import RunConfig, default_target_layer_ids
+from dflash.errors import DflashError
+from dflash.loss import drafter_step_math, target_step
+from dflash.target import DTYPES, load_target, target_embed_and_head
+
+ADAMW_BETAS = (0.9, 0.95)
+
+
+class RunError(DflashError):
+    """A run that cannot start as configured; the message is one line."""
+
+
+def cosine_lr(step: int, total: int, warmup_ratio: float) -> float:
+    """LR multiplier: linear warmup over warmup_ratio of the steps, then cosine to 0."""
+    warmup = max(1, int(round(total * warmup_ratio)))
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def total_steps(cfg: RunConfig, batches_per_epoch: int, batches_per_step: int) -> int:
+    """Optimizer steps of the run: train.max_steps, else whole steps in `epochs` passes over the data."""
+    steps = cfg.train.max_steps or cfg.train.epochs * batches_per_epoch // batches_per_step
+    if steps < 1:
+        raise RunError(f"{cfg.data.path}: {batches_per_epoch} batches per epoch x {cfg.train.epochs} epochs make no "
+                       f"step of {batches_per_step} batches; add data or epochs, or set train.max_steps")
+    return steps
+
+
+def schedule(cfg: RunConfig, drafter_ranks: int):
+    """(dataset, sampler, total optimizer steps) of a run whose steps take grad_accum x drafter_ranks batches.
+
+    Every rank of every layout builds its batch sequence here, so all walk the same one.
+    """
+    from dflash.data import BucketBatchSampler, ShardDataset
+
+    dataset = ShardDataset(cfg.data.path)
+    sampler = BucketBatchSampler(dataset.lengths, cfg.data.token_budget, cfg.data.max_batch_size,
+                                 cfg.data.num_buckets, cfg.train.seed)
+    return dataset, sampler, total_steps(cfg, sampler.batches_per_epoch, cfg.train.grad_accum * drafter_ranks)
+
+
+def restore_position(sampler, dataset, state: dict, meta: dict, log=print) -> int:
+    """Move the sampler to a checkpoint's consumed position; returns its step.
+
+    If the dataset changed since the checkpoint (another fingerprint), the position inside the
+    epoch means nothing any more: the epoch restarts from its first batch, and that is said.
+    """
+    old = meta.get("dataset", {})
+    if old.get("fingerprint") == dataset.fingerprint:
+        sampler.load_state_dict(state["sampler"])
+    else:
+        sampler.load_state_dict({"epoch": state["sampler"]["epoch"], "index": 0})
+        log(f"dataset changed since the checkpoint: {old.get('samples')} -> {dataset.num_samples} samples; "
+            f"epoch {state['sampler']['epoch']} restarts from its first batch")
+    return int(state["step"])
+
+
+def build_optimizer(drafter: torch.nn.Module, cfg: RunConfig, device: torch.device) -> torch.optim.Optimizer:
+    """AdamW over the drafter's fp32 master weights (fused kernels on CUDA)."""
+    return torch.optim.AdamW(drafter.parameters(), lr=cfg.train.lr, weight_decay=cfg.train.weight_decay,
+                             betas=ADAMW_BETAS, fused=device.type == "cuda")
+
+
+def set_lr(optimizer: torch.optim.Optimizer, cfg: RunConfig, step: int, total: int) -> float:
+    lr = cfg.train.lr * cosine_lr(step, total, cfg.train.warmup_ratio)
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    return lr
+
+
+def clip_and_step(drafter: torch.nn.Module, optimizer: torch.optim.Optimizer, cfg: RunConfig) -> float | None:
+    """Clip the gradient norm (train.grad_clip > 0), step; returns the pre-clip norm or None."""
+    grad_norm = None
+    if cfg.train.grad_clip > 0:
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(drafter.parameters(), cfg.train.grad_clip))
+    optimizer.step()
+    return grad_norm
+
+
+def anchor_generator(cfg: RunConfig, device: torch.device, batch_index: int) -> torch.Generator:
+    """Anchors depend only on (seed, global batch index): resumes and split runs draw the same ones."""
+    return torch.Generator(device=device).manual_seed(cfg.train.seed * 1_000_003 + batch_index)
+
+
+def autocast(device: torch.device):
+    return torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
+
+
+def micro_step(drafter, embed_VH, head_VH, batch: dict, features, cfg: RunConfig, device: torch.device,
+               attn_backend: str, batch_index: int):
+    """Forward + loss of one batch (graph kept for backward), given the target's (context, last hidden)."""
+    context_BSF, last_BSH = features
+    with autocast(device):
+        return drafter_step_math(drafter, embed_VH, head_VH, batch, context_BSF, last_BSH, cfg,
+                                 anchor_generator(cfg, device, batch_index), attn_backend)
+
+
+def average_metrics(parts: list[tuple[float, dict]]) -> dict:
+    """Mean loss and metrics over a step's batches (lists averaged element-wise)."""
+    out: dict = {"loss": sum(loss for loss, _ in parts) / len(parts)}
+    for key, value in parts[0][1].items():
+        values = [m[key] for _, m in parts]
+        if isinstance(value, list):
+            out[key] = [round(sum(col) / len(col), 4) for col in zip(*values)]
+        elif isinstance(value, (int, float)):
+            out[key] = sum(values) / len(values)
+    return out
+
+
+def feature_layer_ids(cfg: RunConfig, num_target_layers: int) -> list[int]:
+    """The target layers the drafter reads: the config's list, else spread evenly (dflash.config)."""
+    return list(cfg.drafter.target_layer_ids or default_target_layer_ids(num_target_layers, cfg.drafter.num_layers))
+
+
+def resolve_mask_token_id(cfg: RunConfig, target_config) -> int:
+    if cfg.drafter.mask_token_id is not None:
+        return cfg.drafter.mask_token_id
+    vocab = target_config.vocab_size
+    pad = getattr(target_config, "pad_token_id", None)
+    # A token the data never asks the drafter to predict: the pad token if there is one, else the last id.
+    return int(pad) if isinstance(pad, int) and 0 <= pad < vocab else vocab - 1
+
+
+def pad_token_id(target_config) -> int:
+    pad = getattr(target_config, "pad_token_id", None)
+    return pad if isinstance(pad, int) else 0
+
+
+def target_folder(path: str, log=print) -> str:
+    """The target's HF folder: `smollm2` names the embedded default (converted once, then cached)."""
+    if path == "smollm2":
+        from dflash.smollm2 import resolve_target
+
+        return str(resolve_target(path, log=log))
+    return path
+
+
+# ---------------------------------------------------------------------------------------------
+# Feature sources: where a drafter step's (context, last hidden) come from
+
+
+class FeatureSource(Protocol):
+    """What the trainer needs from the target side, whatever the layout."""
+
+    target_config: object  # the target's HF config (vocab_size, hidden_size, num_hidden_layers, pad_token_id)
+
+    def frozen_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(embedding [V, H], lm_head [V, H]) of the target, on the trainer's device."""
+
+    def expect(self, k: int, batch: dict) -> None:
+        """Global batch k will be asked for soon (remote targets post its receive now)."""
+
+    def features(self, k: int, batch: dict) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(context [B, S, n*H], last hidden [B, S, H] or None) of global batch k, on the trainer's device."""
+
+    def counters(self) -> dict:
+        """Timing counters since the last call (summed over ranks by the trainer), for the metrics."""
+
+    def describe(self) -> str:
+        """One line for the run's plan."""
+
+
+class LocalTarget:
+    """The frozen target in this process: features computed on the spot."""
+
+    def __init__(self, cfg: RunConfig, device: torch.device, log=print):
+        self.cfg, self.device = cfg, device
+        self.model = load_target(target_folder(cfg.target.path, log), DTYPES[cfg.target.dtype], device,
+                                 cfg.target.random_init)
+        self.target_config = self.model.config
+        self.layer_ids = feature_layer_ids(cfg, self.target_config.num_hidden_layers)
+        self.want_last = cfg.train.kl_weight > 0
+
+    def frozen_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return target_embed_and_head(self.model)
+
+    def expect(self, k: int, batch: dict) -> None:
+        pass
+
+    def features(self, k: int, batch: dict) -> tuple[torch.Tensor, torch.Tensor | None]:
+        with autocast(self.device):
+            return target_step(self.model, batch, self.layer_ids, self.want_last)
+
+    def counters(self) -> dict:
+        return {}
+
+    def describe(self) -> str:
+        return f"target {self.cfg.target.path} ({self.cfg.target.dtype}) on {self.device}, layers {self.layer_ids}"
+
+
+class CachedTarget(LocalTarget):
+    """The local target, whose features of every sample seen so far are kept (train.cache_features).
+
+    Rows are stored unpadded by sample index; a batch whose samples are all cached is rebuilt
+    right-padded, as the target would have produced it (padded positions are masked anyway), so
+    later epochs run the drafter alone.
+    """
+
+    def __init__(self, cfg: RunConfig, device: torch.device, log=print):
+        super().__init__(cfg, device, log)
+        self.rows: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
+
+    def features(self, k: int, batch: dict) -> tuple[torch.Tensor, torch.Tensor | None]:
+        ids, lengths = batch["sample_ids"].tolist(), batch["lengths"].tolist()
+        if any(i not in self.rows for i in ids):
+            context_BSF, last_BSH = super().features(k, batch)
+            for r, (i, n) in enumerate(zip(ids, lengths)):
+                last = last_BSH[r, :n].clone() if last_BSH is not None else None
+                self.rows.setdefault(i, (context_BSF[r, :n].clone(), last))
+            return context_BSF, last_BSH
+        S = batch["input_ids"].shape[1]
+        pad = lambda t: torch.nn.functional.pad(t, (0, 0, 0, S - t.shape[0]))  # noqa: E731
+        context_BSF = torch.stack([pad(self.rows[i][0]) for i in ids])
+        last_BSH = torch.stack([pad(self.rows[i][1]) for i in ids]) if self.want_last else None
+        return context_BSF, last_BSH
+
+    def cache_bytes(self, num_tokens: int) -> int:
+        H = self.target_config.hidden_size
+        width = len(self.layer_ids) * H + (H if self.want_last else 0)
+        return num_tokens * width * self.frozen_weights()[0].element_size()
+
+    def describe(self) -> str:
+        return super().describe() + "; features cached after their first batch (the target runs in epoch 1 only)"
+
+
+def local_source(cfg: RunConfig, device: torch.device, log=print) -> LocalTarget:
+    return (CachedTarget if cfg.train.cache_features else LocalTarget)(cfg, device, log)

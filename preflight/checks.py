@@ -3,7 +3,7 @@
 Each check exists because a real drafter run lost hours to exactly that failure (see
 DESIGN.md). A check never does I/O: ``preflight.facts.gather`` collected everything first.
 Findings name the measured value, the expected value, and the command that fixes it.
-The one exception is gpu-memory, which asks the memory model (``preflight.memory``), itself
+The one exception is gpu-memory, which asks the memory model (``dflash.memory``), itself
 a pure function of the run config and the target's config.json.
 """
 
@@ -299,7 +299,7 @@ def check_gpu_visibility(ctx: Context) -> CheckResult:
 
 
 def _simple_need_bytes(ctx: Context, roles: list[str]) -> int:
-    """SIMPLE MODEL, used only when preflight.memory is unavailable: weights + optimizer + a rough activation term.
+    """SIMPLE MODEL, used only when dflash.memory is unavailable: weights + optimizer + a rough activation term.
 
     target: bf16 weights + the forward over token_budget tokens; drafter: 16 B/param (fp32 master, grad,
     AdamW m and v) + frozen embedding/lm_head + activations of the queries; 1 GiB CUDA context; 15% margin.
@@ -323,7 +323,7 @@ def _need(ctx: Context, roles: list[str]) -> tuple[int, str]:
     """Bytes one GPU with these roles needs, and which model said so."""
     cfg, cuda = ctx.config, ctx.profile.cuda if ctx.profile else "12.8"
     try:
-        from preflight.memory import role_need_bytes
+        from dflash.memory import role_need_bytes
     except ImportError:
         return _simple_need_bytes(ctx, roles), "simple model"
     if len(roles) == 2:  # co-located: the memory model knows what the two roles share
@@ -656,7 +656,7 @@ def checkpoint_bytes(ctx: Context) -> tuple[int | None, str]:
         return newest.size_bytes, f"size of {os.path.basename(newest.path)}"
     basis = "estimate: drafter params x 12 B (fp32 weights, AdamW m and v)"
     try:
-        from preflight.memory import drafter_params, load_target_shape
+        from dflash.memory import drafter_params, load_target_shape
     except ImportError:
         d = _dims(ctx)
         if not d.get("hidden_size"):

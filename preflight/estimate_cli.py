@@ -16,7 +16,7 @@ import sys
 import click
 
 from dflash.config import ConfigError, load_config, parse_overrides
-from preflight.memory import GiB, Estimate, estimate, role_gpus, roles
+from dflash.memory import GiB, Estimate, estimate, role_gpus, roles
 
 DEFAULT_CUDA = "12.8"
 _UNITS = {

@@ -1,4 +1,4 @@
-"""The analytic memory model (preflight/memory.py) and dflash-estimate, on CPU."""
+"""The analytic memory model (dflash/memory.py) and dflash-estimate, on CPU."""
 
 from __future__ import annotations
 
@@ -11,23 +11,21 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from dflash.config import ConfigError, config_from_dict, load_config
-from preflight.estimate_cli import main, parse_size
-from preflight.memory import (
+from dflash.calibration import fit_calibration, prediction_errors
+from dflash.config import ConfigError, config_from_dict, default_target_layer_ids, load_config
+from dflash.memory import (
     GiB,
     Calibration,
     TargetShape,
-    default_target_layer_ids,
     drafter_params,
     estimate,
-    fit_calibration,
     load_target_shape,
-    prediction_errors,
     role_need_bytes,
     role_parts,
     with_setting,
     workload,
 )
+from preflight.estimate_cli import main, parse_size
 
 REPO = Path(__file__).resolve().parent.parent
 CFG_27B = REPO / "configs/qwen3-27b-5t3d.toml"
@@ -353,3 +351,24 @@ def test_batch_anchors_caps_loss_tokens_and_pads_rows_to_the_largest_kept_count(
     assert w.queries == w.sequences * w.anchors_per_seq * 32
     cfg.train.batch_anchors = None
     assert workload(cfg).queries > 10 * w.queries
+
+
+def test_memory_model_and_calibration_import_no_torch():
+    code = ("import sys; import dflash.memory, dflash.calibration, dflash.smollm2, preflight.estimate_cli; "
+            "assert 'torch' not in sys.modules, sorted(m for m in sys.modules if m.startswith('torch'))")
+    res = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stderr
+
+
+def test_target_shape_reader_resolves_smollm2_and_paths_from_any_directory(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # committed relative paths still resolve against the repository
+    assert load_target_shape("configs/targets/qwen3-8b").params == 8_190_735_360
+    small = load_target_shape("smollm2")  # the embedded default: known shapes, no package, no conversion
+    assert (small.num_layers, small.hidden, small.vocab, small.tied) == (30, 576, 49152, True)
+    with pytest.raises(ConfigError, match="nowhere/config.json: not found"):
+        load_target_shape("nowhere")
+
+
+def test_target_shape_of_a_multimodal_config_is_its_text_config():
+    nested = {"model_type": "qwen3_5", "text_config": dict(TINY_TARGET), "vision_config": {"hidden_size": 8}}
+    assert TargetShape.from_config(nested) == TargetShape.from_config(TINY_TARGET)

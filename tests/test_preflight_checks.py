@@ -267,7 +267,7 @@ def test_gpu_memory_fails_when_need_exceeds_free(tmp_path):
 
 
 def test_gpu_memory_falls_back_to_simple_model(tmp_path, monkeypatch):
-    monkeypatch.setitem(sys.modules, "preflight.memory", None)  # import fails -> simple model
+    monkeypatch.setitem(sys.modules, "dflash.memory", None)  # import fails -> simple model
     r = checks.check_gpu_memory(make_ctx(tmp_path))
     assert r.data["model"] == "simple model" and "[simple model]" in r.summary
     ctx = make_ctx(tmp_path, config={"topology": {"target_gpus": [], "drafter_gpus": []}})
@@ -497,6 +497,6 @@ def test_disk_unknown_target_warns_and_simple_estimate_without_memory_model(tmp_
     ctx = make_ctx(tmp_path, config={"target": {"path": str(tmp_path / "no-model")}})
     r = checks.check_disk(ctx)
     assert r.status == "warn" and "checkpoint size unknown" in r.summary
-    monkeypatch.setitem(sys.modules, "preflight.memory", None)
+    monkeypatch.setitem(sys.modules, "dflash.memory", None)
     r = checks.check_disk(make_ctx(tmp_path))
     assert r.status == "pass" and 0 < r.data["checkpoint_bytes"] < GiB

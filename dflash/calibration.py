@@ -18,7 +18,7 @@ from dataclasses import replace
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from dflash.config import config_from_dict
+from dflash.config import RunConfig, config_from_dict
 from dflash.errors import DflashError
 from dflash.memory import (
     DEFAULT_CALIBRATION,
@@ -52,10 +52,14 @@ class Measurement(BaseModel):
     def expandable(self) -> bool:
         return "expandable_segments:true" in self.alloc_conf.replace(" ", "").lower()
 
+    def model_inputs(self) -> tuple[RunConfig, TargetShape]:
+        """The run config and target shape the memory model needs, parsed from the recorded dicts."""
+        return (config_from_dict(self.config, source="measurement"),
+                TargetShape.from_config(self.target_config, "measurement target_config"))
+
     def predicted_bytes(self, cal: Calibration) -> int:
         """The memory model's NVML-used peak for this measurement's config, role and allocator."""
-        cfg = config_from_dict(self.config, source="measurement")
-        shape = TargetShape.from_config(self.target_config, "measurement target_config")
+        cfg, shape = self.model_inputs()
         return sum(p.bytes for p in role_parts(cfg, shape, self.role, self.cuda, cal, self.expandable))
 
 
@@ -65,8 +69,7 @@ def _measurement(m: Measurement | dict) -> Measurement:
 
 def _decompose(m: Measurement, cal: Calibration) -> tuple[float, float, float, float]:
     """(fixed besides context, static, target activations, drafter activations) with scales at 1."""
-    cfg = config_from_dict(m.config, source="measurement")
-    shape = TargetShape.from_config(m.target_config, "measurement target_config")
+    cfg, shape = m.model_inputs()
     unit = replace(cal, target_activation_scale=1.0, drafter_activation_scale=1.0)
     parts = [p for p in role_parts(cfg, shape, m.role, m.cuda, unit) if p.kind != "margin"]
     fixed = sum(p.bytes for p in parts if p.kind == "fixed") - unit.context_bytes(m.cuda)

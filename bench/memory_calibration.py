@@ -1,4 +1,4 @@
-"""Measure each role's GPU memory peak for the memory model (preflight/memory.py) to be fitted against.
+"""Measure each role's GPU memory peak for the memory model (dflash/memory.py) to be fitted against.
 
 Every (configuration, role) runs in a fresh subprocess, so peaks never mix:
 - target role: the frozen target (random init on the GPU from config.json) and three
@@ -10,7 +10,7 @@ Every (configuration, role) runs in a fresh subprocess, so peaks never mix:
 Recorded per measurement: torch max_memory_allocated / max_memory_reserved, the GPU's NVML used
 memory at its peak (sampled in a thread during the steps and after each; nothing subtracted)
 and before the worker started, with the run config, the target's config.json, torch/CUDA
-versions and the GPU name, in the format ``preflight.memory.Measurement`` reads.
+versions and the GPU name, in the format ``dflash.calibration.Measurement`` reads.
 
 Run (from the repository root; no install needed besides the packages):
 
@@ -22,7 +22,7 @@ Run (from the repository root; no install needed besides the packages):
 --budget-s stops launching workers once the next one would not finish in time (recorded as
 skipped); --timeout-s bounds each worker. The JSON is rewritten after every measurement.
 --fit reads a measurement file, prints each prediction error with the committed Calibration,
-then the fitted constants (paste them into preflight/memory.py's Calibration defaults).
+then the fitted constants (paste them into dflash/memory.py's Calibration defaults).
 """
 
 from __future__ import annotations
@@ -176,7 +176,7 @@ def _drafter_role(cfg, device, steps, nvml, torch) -> dict:
     from dflash.model import DFlashDrafter, drafter_config_from_target
     from dflash.target import DTYPES
     from dflash.train import anchor_generator, resolve_mask_token_id
-    from preflight.memory import workload
+    from dflash.memory import workload
 
     t0 = time.perf_counter()
     tconf = AutoConfig.from_pretrained(cfg.target.path)
@@ -356,7 +356,8 @@ def measure_all(args) -> int:
 
 
 def print_table(measurements: list[dict]) -> None:
-    from preflight.memory import DEFAULT_CALIBRATION, current_measurements, fit_calibration, prediction_errors
+    from dflash.calibration import current_measurements, fit_calibration, prediction_errors
+    from dflash.memory import DEFAULT_CALIBRATION
 
     usable, superseded = current_measurements([m for m in measurements if m.get("ok") and m.get("nvml_used_bytes")])
     errs = prediction_errors(usable, DEFAULT_CALIBRATION) if usable else []

@@ -3,8 +3,8 @@
 Each check exists because a real drafter run lost hours to exactly that failure (see
 DESIGN.md). A check never does I/O: ``preflight.facts.gather`` collected everything first.
 Findings name the measured value, the expected value, and the command that fixes it.
-The one exception is gpu-memory, which asks the memory model (``preflight.memory``), itself
-a pure function of the run config and the target's config.json.
+gpu-memory and disk ask the one memory model (``dflash.memory``), a pure function of the run
+config and the target shape that ``gather`` read.
 """
 
 from __future__ import annotations
@@ -16,6 +16,10 @@ from packaging.markers import default_environment
 from packaging.utils import canonicalize_name
 from packaging.version import InvalidVersion, Version
 
+from dflash.config import ConfigError, default_target_layer_ids
+from dflash.errors import DflashError
+from dflash.memory import drafter_state_bytes, role_need_bytes
+from preflight.estimate import DEFAULT_CUDA
 from preflight.facts import MODEL_SOURCE_FILES, PROJECT_DIST, Context
 from preflight.lockfile import is_gpu_stack
 from preflight.nvml import NO_DRIVER, Gpu, resolve_gpu, visible_gpus
@@ -300,42 +304,21 @@ def check_gpu_visibility(ctx: Context) -> CheckResult:
               f"all {len(rows)} assigned GPUs visible and each has one role; {seen}", **data)
 
 
-def _simple_need_bytes(ctx: Context, roles: list[str]) -> int:
-    """SIMPLE MODEL, used only when preflight.memory is unavailable: weights + optimizer + a rough activation term.
+MEMORY_MODEL = "memory model"  # the label gpu-memory's summary and data carry
 
-    target: bf16 weights + the forward over token_budget tokens; drafter: 16 B/param (fp32 master, grad,
-    AdamW m and v) + frozen embedding/lm_head + activations of the queries; 1 GiB CUDA context; 15% margin.
-    """
-    cfg = ctx.config
-    d = _dims(ctx)
-    h, v = d["hidden_size"], d["vocab_size"]
-    wbytes = 4 if cfg.target.dtype == "float32" else 2
-    tokens = cfg.data.token_budget
-    need = 1 * GiB  # CUDA context and allocator pools
-    if "target" in roles:
-        need += _target_params(d) * wbytes + tokens * h * wbytes * 6
-    if "drafter" in roles:
-        queries = min(tokens, cfg.data.max_batch_size * cfg.train.max_anchors) * cfg.drafter.block_size // 8
-        need += _drafter_params(cfg, d) * 16 + (1 if d["tied"] else 2) * v * h * 2
-        need += queries * h * 2 * 8 * cfg.drafter.num_layers + min(queries, cfg.train.loss_chunk) * v * 4 * 3
-    return int(need * 1.15)
+
+def _no_shape(ctx: Context) -> str:
+    """Why the target shape is missing: gather's reason, or a Context built without it."""
+    return ctx.target_error or f"target shape of {ctx.config.target.path} was not gathered"
 
 
 def _need(ctx: Context, roles: list[str]) -> tuple[int, str]:
-    """Bytes one GPU with these roles needs, and which model said so."""
-    cfg, cuda = ctx.config, ctx.profile.cuda if ctx.profile else "12.8"
-    try:
-        from preflight.memory import role_need_bytes
-    except ImportError:
-        return _simple_need_bytes(ctx, roles), "simple model"
-    if len(roles) == 2:  # co-located: the memory model knows what the two roles share
-        try:
-            return role_need_bytes(cfg, "colocated", cuda), "memory model"
-        except ValueError as e:
-            if "unknown role" not in str(e):
-                raise
-            return sum(role_need_bytes(cfg, r, cuda) for r in roles), "memory model"
-    return role_need_bytes(cfg, roles[0], cuda), "memory model"
+    """Bytes one GPU with these roles needs (both roles: the co-located GPU), from the gathered target shape."""
+    if ctx.target_shape is None:
+        raise ConfigError(_no_shape(ctx))
+    cuda = ctx.profile.cuda if ctx.profile else DEFAULT_CUDA
+    role = "colocated" if len(roles) == 2 else roles[0]
+    return role_need_bytes(ctx.config, role, cuda, shape=ctx.target_shape), MEMORY_MODEL
 
 
 def check_gpu_memory(ctx: Context, need_fn: Callable[[Context, list[str]], tuple[int, str]] | None = None) -> CheckResult:
@@ -350,8 +333,8 @@ def check_gpu_memory(ctx: Context, need_fn: Callable[[Context, list[str]], tuple
             continue
         try:
             need, model = need_fn(ctx, roles)
-        except (ValueError, OSError) as e:
-            return _r("gpu-memory", "fail", f"memory model failed: {e}",
+        except DflashError as e:
+            return _r("gpu-memory", "fail", f"memory model failed: {e.one_line()}",
                       f"dflash-estimate --config {_config_arg(ctx)}")
         head = gpu.memory_free - need
         role = "+".join(roles)
@@ -488,14 +471,9 @@ def check_model_source(ctx: Context) -> CheckResult:
 
 def _default_layer_ids(ctx: Context, n: int) -> list[int] | None:
     """The target layers an empty drafter.target_layer_ids resolves to, or None when unknown."""
-    layers = _dims(ctx).get("num_hidden_layers") if ctx.config else None
-    if not layers:
+    if ctx.config is None or ctx.target_shape is None:
         return None
-    try:
-        from dflash.config import default_target_layer_ids
-    except ImportError:
-        return None
-    return default_target_layer_ids(layers, n)
+    return default_target_layer_ids(ctx.target_shape.num_layers, n)
 
 
 def _incompatible(ctx: Context, saved: dict) -> list[str]:
@@ -614,60 +592,14 @@ def check_dataset(ctx: Context) -> CheckResult:
               f"{longest.max_len:,} tokens ({longest.name} row {longest.max_row}) fits {limit_name} {ds.limit:,}", **data)
 
 
-SMOLLM2_DIMS = {  # SmolLM2-135M-Instruct, the embedded default target
-    "hidden_size": 576, "intermediate_size": 1536, "num_attention_heads": 9, "num_key_value_heads": 3,
-    "head_dim": 64, "vocab_size": 49152, "num_hidden_layers": 30, "tied": True,
-}
-
-
-def _dims(ctx: Context) -> dict:
-    tc = ctx.target_config
-    if not tc:
-        return dict(SMOLLM2_DIMS) if ctx.config and ctx.config.target.path == "smollm2" else {}
-    tc = tc.get("text_config", tc)
-    h = int(tc.get("hidden_size", 0))
-    heads = int(tc.get("num_attention_heads", 1))
-    return {
-        "hidden_size": h, "intermediate_size": int(tc.get("intermediate_size", 4 * h)),
-        "num_attention_heads": heads, "num_key_value_heads": int(tc.get("num_key_value_heads", heads)),
-        "head_dim": int(tc.get("head_dim") or h // max(heads, 1)), "vocab_size": int(tc.get("vocab_size", 0)),
-        "num_hidden_layers": int(tc.get("num_hidden_layers", 0)), "tied": bool(tc.get("tie_word_embeddings", False)),
-    }
-
-
-def _layer_params(d: dict) -> int:
-    h, hd = d["hidden_size"], d["head_dim"]
-    attn = h * d["num_attention_heads"] * hd * 2 + h * d["num_key_value_heads"] * hd * 2
-    return attn + 3 * h * d["intermediate_size"] + 2 * h
-
-
-def _target_params(d: dict) -> int:
-    emb = d["vocab_size"] * d["hidden_size"]
-    return emb * (1 if d["tied"] else 2) + d["num_hidden_layers"] * _layer_params(d)
-
-
-def _drafter_params(cfg, d: dict) -> int:
-    n_feat = len(cfg.drafter.target_layer_ids) or cfg.drafter.num_layers
-    return n_feat * d["hidden_size"] ** 2 + cfg.drafter.num_layers * _layer_params(d) + 2 * d["hidden_size"]
-
-
 def checkpoint_bytes(ctx: Context) -> tuple[int | None, str]:
-    """Bytes of one checkpoint: the newest one on disk, else fp32 weights + AdamW m, v of the drafter."""
+    """Bytes of one checkpoint: the newest one on disk, else the drafter's training state from the memory model."""
     newest = ctx.run_dir.newest if ctx.run_dir else None
     if newest is not None and newest.size_bytes:
         return newest.size_bytes, f"size of {os.path.basename(newest.path)}"
-    basis = "estimate: drafter params x 12 B (fp32 weights, AdamW m and v)"
-    try:
-        from preflight.memory import drafter_params, load_target_shape
-    except ImportError:
-        d = _dims(ctx)
-        if not d.get("hidden_size"):
-            return None, f"target config.json not readable at {ctx.config.target.path}"
-        return _drafter_params(ctx.config, d) * 12, basis
-    try:
-        return drafter_params(ctx.config, load_target_shape(ctx.config.target.path)) * 12, basis
-    except ValueError as e:
-        return None, str(e)
+    if ctx.target_shape is None:
+        return None, _no_shape(ctx)
+    return drafter_state_bytes(ctx.config, ctx.target_shape), "estimate: drafter params x 12 B (fp32 weights, AdamW m and v)"
 
 
 def check_disk(ctx: Context) -> CheckResult:

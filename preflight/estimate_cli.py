@@ -5,77 +5,18 @@
     uv run dflash-estimate --config RUN.toml --gpu-memory 80GB --set data.token_budget=45056
 
 Exit codes: 0 every role fits (or no GPU size given), 1 some role does not fit, 2 bad input.
+This module only formats and maps to exit codes; ``preflight.estimate`` decides.
 """
 
 from __future__ import annotations
 
-import os
-import re
 import sys
 
 import click
 
-from dflash.config import ConfigError, load_config, parse_overrides
-from preflight.memory import GiB, Estimate, estimate, role_gpus, roles
-
-DEFAULT_CUDA = "12.8"
-_UNITS = {
-    "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
-}
-
-
-def parse_size(text: str) -> int:
-    """'95GiB' / '80GB' / '96000MiB' / '1.5TiB' -> bytes."""
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]+)\s*", text)
-    if not m or m.group(2).lower() not in _UNITS:
-        raise ValueError(f"cannot read GPU memory size {text!r}; write a number and a unit, e.g. 95GiB, 80GB or 96000MiB")
-    size = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
-    if size <= 0:
-        raise ValueError(f"GPU memory size {text!r} must be positive; e.g. 95GiB")
-    return size
-
-
-def _nvml_handle(pynvml, gpu: str):
-    """A handle for a GPU named as the run config names it (index or UUID after CUDA_VISIBLE_DEVICES)."""
-    visible = [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
-    if gpu.isdigit() and visible:
-        if int(gpu) >= len(visible):
-            raise ValueError(f"GPU {gpu} is not among CUDA_VISIBLE_DEVICES={','.join(visible)}; fix topology or the variable")
-        gpu = visible[int(gpu)]
-    if gpu.isdigit():
-        return pynvml.nvmlDeviceGetHandleByIndex(int(gpu))
-    return pynvml.nvmlDeviceGetHandleByUUID(gpu)
-
-
-def nvml_gpu_bytes(gpus: list[str]) -> int:
-    """Smallest total memory over ``gpus`` (GPU 0 when empty), read through NVML."""
-    try:
-        import pynvml
-    except ImportError:
-        raise ValueError("--from-nvml needs the nvidia-ml-py package (uv sync); or pass --gpu-memory SIZE") from None
-    try:
-        pynvml.nvmlInit()
-    except Exception as e:  # NVMLError subclasses, or a missing driver library
-        raise ValueError(f"cannot read GPU memory through NVML ({e}); pass --gpu-memory SIZE instead") from None
-    try:
-        return min(pynvml.nvmlDeviceGetMemoryInfo(_nvml_handle(pynvml, g)).total for g in (gpus or ["0"]))
-    except pynvml.NVMLError as e:
-        raise ValueError(f"NVML cannot read GPUs {gpus or ['0']} ({e}); check topology or pass --gpu-memory SIZE") from None
-    finally:
-        pynvml.nvmlShutdown()
-
-
-def profile_cuda(profile: str) -> tuple[str, str]:
-    """The CUDA version of the config's profile manifest, else the default (and why)."""
-    try:
-        from preflight.profiles import ProfileError, load_profile
-    except ImportError:
-        return DEFAULT_CUDA, "profiles module unavailable"
-    try:
-        return load_profile(profile).cuda, f"from envs/{profile}.toml"
-    except (ProfileError, OSError) as e:
-        return DEFAULT_CUDA, f"default; profile not readable: {e}"
+from dflash.errors import DflashError
+from dflash.memory import GiB, Estimate
+from preflight.estimate import run_estimate
 
 
 def _gib(n: int | None) -> str:
@@ -83,6 +24,7 @@ def _gib(n: int | None) -> str:
 
 
 def format_estimate(est: Estimate, cuda_source: str = "") -> str:
+    """The tables a person reads: per role its components, total and headroom, then the limits."""
     lines = [
         f"config: {est.config}",
         f"target: {est.target}",
@@ -122,19 +64,9 @@ def format_estimate(est: Estimate, cuda_source: str = "") -> str:
 def main(config_path: str, gpu_memory: str | None, from_nvml: bool, cuda: str | None, sets: tuple[str, ...], as_json: bool) -> None:
     """Per-role GPU memory estimate of a DFlash run and the largest settings that fit."""
     try:
-        if gpu_memory and from_nvml:
-            raise ValueError("give --gpu-memory or --from-nvml, not both")
-        cfg = load_config(config_path, parse_overrides(sets))
-        cuda_source = "--cuda"
-        if cuda is None:
-            cuda, cuda_source = profile_cuda(cfg.profile)
-        gpu_bytes = parse_size(gpu_memory) if gpu_memory else None
-        if from_nvml:
-            gpus = sorted({g for role in roles(cfg) for g in role_gpus(cfg, role)})
-            gpu_bytes = nvml_gpu_bytes(gpus)
-        est = estimate(cfg, cuda, gpu_bytes, source=config_path)
-    except (ConfigError, ValueError) as e:
-        click.echo(f"dflash-estimate: {' '.join(str(e).split())}", err=True)
+        est, cuda_source = run_estimate(config_path, sets, gpu_memory, from_nvml, cuda)
+    except DflashError as e:
+        click.echo(f"dflash-estimate: {e.one_line()}", err=True)
         sys.exit(2)
     click.echo(est.model_dump_json(indent=2) if as_json else format_estimate(est, cuda_source))
     sys.exit(1 if any(r.fits is False for r in est.roles) else 0)

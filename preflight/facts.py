@@ -27,7 +27,8 @@ from pathlib import Path
 
 from packaging.utils import canonicalize_name
 
-from dflash.config import RunConfig
+from dflash.config import ConfigError, RunConfig
+from dflash.memory import TargetShape, load_target_shape
 from preflight.lockfile import LockFile, parse_lock
 from preflight.nvml import GpuInfo, NvmlSnapshot, NvmlUnavailable
 from preflight.profiles import ENVS_DIR, REPO_ROOT, Profile, ProfileError, load_profile, lock_path
@@ -172,7 +173,8 @@ class Context:
     gpus: GpuFacts = field(default_factory=lambda: GpuFacts(error="NVML not queried"))
     model_source: ModelSource = field(default_factory=lambda: ModelSource(mode="none"))
     compile_cache: CompileCache | None = None
-    target_config: dict | None = None  # the target's config.json, when readable
+    target_shape: TargetShape | None = None  # the target's sizes (dflash.memory.load_target_shape), when readable
+    target_error: str | None = None  # why they are not: the file, the problem and the fix
     run_dir: RunDir | None = None
     dataset: Dataset | None = None
     disk: Disk | None = None
@@ -574,13 +576,12 @@ def disk(output_dir: str) -> Disk:
         return Disk(str(probe), error=str(e))
 
 
-def target_config(cfg: RunConfig) -> dict | None:
-    path = Path(cfg.target.path) / "config.json"
+def target_shape(cfg: RunConfig) -> tuple[TargetShape | None, str | None]:
+    """(shape, None) or (None, why): read once here, through the memory model's one reader, so checks do no I/O."""
     try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-    return data if isinstance(data, dict) else None
+        return load_target_shape(cfg.target.path), None
+    except ConfigError as e:
+        return None, e.one_line()
 
 
 # ---------------------------------------------------------------- all together
@@ -646,7 +647,7 @@ def gather(
     if ctx.profile is not None:
         ctx.compile_cache = compile_cache(ctx.profile, env)
     if config is not None:
-        ctx.target_config = target_config(config)
+        ctx.target_shape, ctx.target_error = target_shape(config)
         ctx.run_dir = run_dir(config.output_dir)
         ctx.dataset = dataset(config)
         ctx.disk = disk(config.output_dir)

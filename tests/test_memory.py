@@ -1,4 +1,4 @@
-"""The analytic memory model (preflight/memory.py) and dflash-estimate, on CPU."""
+"""The analytic memory model (dflash/memory.py) and dflash-estimate, on CPU."""
 
 from __future__ import annotations
 
@@ -11,23 +11,24 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from dflash.config import ConfigError, config_from_dict, load_config
-from preflight.estimate_cli import main, parse_size
-from preflight.memory import (
+from dflash.calibration import fit_calibration, prediction_errors
+from dflash.config import ConfigError, config_from_dict, default_target_layer_ids, load_config
+from dflash.memory import (
     GiB,
     Calibration,
     TargetShape,
-    default_target_layer_ids,
     drafter_params,
+    drafter_state_bytes,
     estimate,
-    fit_calibration,
     load_target_shape,
-    prediction_errors,
     role_need_bytes,
     role_parts,
     with_setting,
     workload,
 )
+from preflight.estimate import EstimateError, nvml_gpu_bytes, parse_size, run_estimate
+from preflight.estimate_cli import main
+from preflight.nvml import FakeGpuInfo
 
 REPO = Path(__file__).resolve().parent.parent
 CFG_27B = REPO / "configs/qwen3-27b-5t3d.toml"
@@ -353,3 +354,56 @@ def test_batch_anchors_caps_loss_tokens_and_pads_rows_to_the_largest_kept_count(
     assert w.queries == w.sequences * w.anchors_per_seq * 32
     cfg.train.batch_anchors = None
     assert workload(cfg).queries > 10 * w.queries
+
+
+# ---------------------------------------------------------------- one target-shape reader, torch-free
+
+
+def test_memory_model_and_calibration_import_no_torch():
+    code = ("import sys; import dflash.memory, dflash.calibration, dflash.smollm2, preflight.estimate_cli; "
+            "assert 'torch' not in sys.modules, sorted(m for m in sys.modules if m.startswith('torch'))")
+    res = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stderr
+
+
+def test_target_shape_reader_resolves_smollm2_and_paths_from_any_directory(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # committed relative paths still resolve against the repository
+    assert load_target_shape("configs/targets/qwen3-8b").params == 8_190_735_360
+    small = load_target_shape("smollm2")  # the embedded default: known shapes, no package, no conversion
+    assert (small.num_layers, small.hidden, small.vocab, small.tied) == (30, 576, 49152, True)
+    with pytest.raises(ConfigError, match="nowhere/config.json: not found"):
+        load_target_shape("nowhere")
+
+
+def test_target_shape_of_a_multimodal_config_is_its_text_config():
+    nested = {"model_type": "qwen3_5", "text_config": dict(TINY_TARGET), "vision_config": {"hidden_size": 8}}
+    assert TargetShape.from_config(nested) == TargetShape.from_config(TINY_TARGET)
+
+
+def test_drafter_state_is_fp32_weights_and_adamw():
+    cfg = load_config(CFG_8B)
+    shape = load_target_shape(cfg.target.path)
+    assert drafter_state_bytes(cfg, shape) == 12 * drafter_params(cfg, shape)
+
+
+# ---------------------------------------------------------------- estimate library
+
+
+def test_nvml_gpu_bytes_resolves_names_as_preflight_does():
+    recorded = json.loads((REPO / "tests/data/nvml_fake_8gpu.json").read_text())
+    recorded["gpus"][6]["memory_total"] = 80 * GiB
+    fake = FakeGpuInfo(recorded)
+    assert nvml_gpu_bytes([], fake, cuda_visible_devices=None) == recorded["gpus"][0]["memory_total"]
+    assert nvml_gpu_bytes(["0", "1"], fake, cuda_visible_devices="5,6") == 80 * GiB  # "1" is NVML GPU 6
+    assert nvml_gpu_bytes([recorded["gpus"][6]["uuid"]], fake, cuda_visible_devices=None) == 80 * GiB
+    with pytest.raises(EstimateError, match="GPU 2 is not visible"):
+        nvml_gpu_bytes(["2"], fake, cuda_visible_devices="5,6")
+    with pytest.raises(EstimateError, match="pass --gpu-memory SIZE"):
+        nvml_gpu_bytes(["0"], FakeGpuInfo(None), cuda_visible_devices=None)
+
+
+def test_run_estimate_takes_list_valued_overrides():
+    est, source = run_estimate(str(CFG_8B), ['topology.target_gpus=["0"]', 'topology.drafter_gpus=["1"]'],
+                               gpu_memory="139GiB", cuda="12.8")
+    assert [r.role for r in est.roles] == ["target", "drafter"] and source == "--cuda"
+    assert est.roles[1].gpus == ["1"]

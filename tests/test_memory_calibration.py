@@ -1,7 +1,7 @@
 """The memory model against measured H200 peaks (tests/data/memory_calibration.json).
 
 The file comes from `bench/memory_calibration.py` on a GPU (command, versions and GPU inside);
-the committed Calibration defaults in preflight/memory.py were fitted to it. Nothing is fitted
+the committed Calibration defaults in dflash/memory.py were fitted to it. Nothing is fitted
 here beyond checking that the committed constants are still that fit. A measurement taken under
 torch's default allocator is left out where the same configuration was re-measured with the
 allocator settings the trainer runs with (expandable segments): `current_measurements`.
@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from preflight.memory import DEFAULT_CALIBRATION, current_measurements, fit_calibration, prediction_errors
+from dflash.calibration import current_measurements, fit_calibration, prediction_errors
+from dflash.memory import DEFAULT_CALIBRATION
 
 DATA = Path(__file__).resolve().parent / "data" / "memory_calibration.json"
 

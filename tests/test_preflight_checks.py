@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import copy
 import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -14,7 +13,7 @@ from preflight import checks
 from preflight.checks import CHECK_IDS, NEEDS_CONFIG, run_checks
 from preflight.facts import (
     Checkpoint, CompileCache, Context, Dataset, Disk, GpuFacts, LibDir, ModelSource, PathEntry, RunDir, Shard,
-    TorchBuild,
+    TorchBuild, target_shape,
 )
 from preflight.nvml import NO_DRIVER, snapshot_from_dict
 from preflight.profiles import load_profile
@@ -47,6 +46,7 @@ def make_ctx(tmp_path: Path, config: dict | None = None, gpus: dict | None = Non
     cfg = config_from_dict(raw)
     venv = tmp_path / "venv"
     snap = snapshot_from_dict(gpus if gpus is not None else recorded())
+    shape, shape_error = target_shape(cfg)  # the one fact gather reads from target.path
     ctx = Context(
         profile_name="train-cu128", profile=profile, lock_file="envs/train-cu128.lock", lock_text=LOCK, config=cfg,
         config_path="run.toml", distributions=copy.deepcopy(INSTALLED),
@@ -63,6 +63,7 @@ def make_ctx(tmp_path: Path, config: dict | None = None, gpus: dict | None = Non
             Shard("a.arrow", rows=600, tokens=900_000, max_len=3000, max_row=7),
             Shard("b.arrow", rows=400, tokens=500_000, max_len=4000, max_row=12, first_row=600)]),
         disk=Disk(cfg.output_dir, free_bytes=500 * GiB),
+        target_shape=shape, target_error=shape_error,
         host={"pid": 4242},
     )
     return ctx
@@ -266,13 +267,24 @@ def test_gpu_memory_fails_when_need_exceeds_free(tmp_path):
     assert "dflash-estimate" in r.fix
 
 
-def test_gpu_memory_falls_back_to_simple_model(tmp_path, monkeypatch):
-    monkeypatch.setitem(sys.modules, "preflight.memory", None)  # import fails -> simple model
-    r = checks.check_gpu_memory(make_ctx(tmp_path))
-    assert r.data["model"] == "simple model" and "[simple model]" in r.summary
+def test_gpu_memory_colocated_gpu_0_needs_the_colocated_role(tmp_path):
+    from dflash.memory import role_need_bytes
+
     ctx = make_ctx(tmp_path, config={"topology": {"target_gpus": [], "drafter_gpus": []}})
     r = checks.check_gpu_memory(ctx)
     assert [g["roles"] for g in r.data["gpus"]] == [["target", "drafter"]]  # co-located: GPU 0, both roles
+    assert r.data["model"] == "memory model" and "[memory model]" in r.summary
+    assert r.data["gpus"][0]["need_bytes"] == role_need_bytes(ctx.config, "colocated", "12.8")
+
+
+def test_gpu_memory_and_disk_judge_the_gathered_shape_without_reading_files(tmp_path):
+    ctx = make_ctx(tmp_path)
+    ctx.config.target.path = str(tmp_path / "gone")  # nothing to read there: the checks must not try
+    assert checks.check_gpu_memory(ctx).status == "pass" and checks.check_disk(ctx).status == "pass"
+    ctx = make_ctx(tmp_path, config={"target": {"path": str(tmp_path / "no-model")}})
+    r = checks.check_gpu_memory(ctx)
+    assert r.status == "fail" and "memory model failed" in r.summary and "no-model/config.json: not found" in r.summary
+    assert r.fix == "dflash-estimate --config run.toml"
 
 
 # ---------------------------------------------------------------- gpu-processes
@@ -493,10 +505,9 @@ def test_run_dir_resolved_layer_ids_are_compatible(tmp_path):
     assert r.status == "fail" and "drafter.target_layer_ids [1, 2, 3, 4, 5] -> []" in r.summary
 
 
-def test_disk_unknown_target_warns_and_simple_estimate_without_memory_model(tmp_path, monkeypatch):
+def test_disk_unknown_target_warns_and_estimates_from_the_memory_model(tmp_path):
     ctx = make_ctx(tmp_path, config={"target": {"path": str(tmp_path / "no-model")}})
     r = checks.check_disk(ctx)
     assert r.status == "warn" and "checkpoint size unknown" in r.summary
-    monkeypatch.setitem(sys.modules, "preflight.memory", None)
     r = checks.check_disk(make_ctx(tmp_path))
     assert r.status == "pass" and 0 < r.data["checkpoint_bytes"] < GiB

@@ -224,6 +224,19 @@ def test_gather_builds_a_full_context(tmp_path, monkeypatch):
     assert ctx.gpus.snapshot and len(ctx.gpus.snapshot.gpus) == 8 and ctx.gpus.cuda_visible_devices == "1,0"
     assert ctx.dataset.samples == 2 and ctx.run_dir.checkpoints == [] and ctx.disk.free_bytes > 0
     assert ctx.host["gpus"] == 8 and ctx.host["nvidia_driver"] == "570.133.20"
+    assert ctx.target_shape.num_layers == 30 and ctx.target_error is None  # smollm2, the default target
     nogpu = facts.gather("train-cu128", None, None, FakeGpuInfo(None), environ=env)
     assert nogpu.gpus.snapshot is None and nogpu.gpus.error == "no NVIDIA driver (NVML not found)"
     assert nogpu.run_dir is None and nogpu.dataset is None
+
+
+def test_target_shape_is_read_by_the_memory_model_reader(tmp_path, monkeypatch):
+    from dflash.memory import load_target_shape
+
+    monkeypatch.chdir(tmp_path)  # relative paths resolve as dflash-estimate resolves them
+    shape, error = facts.target_shape(config_from_dict({"target": {"path": "configs/targets/qwen3-8b"}}))
+    assert error is None and shape == load_target_shape("configs/targets/qwen3-8b")
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "config.json").write_text("{")
+    shape, error = facts.target_shape(config_from_dict({"target": {"path": str(tmp_path / "bad")}}))
+    assert shape is None and "config.json: not valid JSON" in error and "\n" not in error

@@ -1,5 +1,10 @@
 """Per-role analytic GPU memory model of a DFlash run (pure Python, no torch).
 
+It lives beside the trainer it models: the components below name what ``dflash.target``,
+``dflash.model`` and ``dflash.loss`` keep alive, so a change there and its memory cost move
+in one commit. Importing it never imports torch: preflight and the estimator run it in
+processes that must stay light.
+
 Given a run config and the target's HF ``config.json``, say how many bytes one GPU of
 each role needs at its peak, component by component:
 
@@ -14,10 +19,11 @@ each role needs at its peak, component by component:
 
 Everything that can only be measured (CUDA context, NCCL buffers, allocator
 fragmentation, how many activation tensors the kernels really keep) is a named constant
-in :class:`Calibration`, to be fitted to H200 measurements with :func:`fit_calibration`.
+in :class:`Calibration`, fitted to H200 measurements by ``dflash.calibration``.
+:func:`load_target_shape` is the one reader of a target's ``config.json`` shape.
 
     from dflash.config import load_config
-    from preflight.memory import estimate, role_need_bytes
+    from dflash.memory import estimate, role_need_bytes
     cfg = load_config("configs/qwen3-27b-5t3d.toml")
     role_need_bytes(cfg, "drafter", "12.8")          # bytes, fragmentation margin included
     estimate(cfg, "12.8", 95 * 2**30).limits          # largest settings that fit
@@ -34,7 +40,9 @@ from typing import Callable, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from dflash.config import ConfigError, RunConfig, default_target_layer_ids
+from dflash import smollm2
+from dflash.config import ConfigError, RunConfig
+from dflash.errors import DflashError
 
 GiB = 1024**3
 BF16 = 2  # bytes; autocast dtype of the drafter, frozen embedding/lm_head copies
@@ -42,13 +50,15 @@ FP32 = 4  # bytes; master weights, grads, AdamW states, loss buffers, norm stati
 INT32 = 4  # bytes; flex attention block-mask indices
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 FLEX_BLOCK = 128  # tokens per flex-attention sparse block (both query and key/value side)
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parent.parent  # relative target paths fall back to it
 
-Role = Literal["target", "drafter", "colocated"]
+# What one GPU does in a run (not a process rank): the target forward, the drafter step, or both.
+GpuRole = Literal["target", "drafter", "colocated"]
 Kind = Literal["static", "activation", "fixed", "margin"]
 
 # The embedded default target (target.path = "smollm2"): SmolLM2-135M-Instruct's public
-# shapes, since its weights ship as a GGUF inside a package, without a config.json folder.
+# shapes, since its weights ship as a GGUF inside a package, without a config.json folder
+# (reading them needs no conversion, no torch and no package).
 SMOLLM2_CONFIG = {
     "model_type": "llama",
     "num_hidden_layers": 30,
@@ -60,6 +70,10 @@ SMOLLM2_CONFIG = {
     "vocab_size": 49152,
     "tie_word_embeddings": True,
 }
+
+
+class MemoryModelError(DflashError):
+    """A question the memory model cannot answer as asked (CUDA version, GPU role, GPU size)."""
 
 
 @dataclass(frozen=True)
@@ -120,7 +134,7 @@ class Calibration:
         major = cuda_major(cuda)
         if major not in self.cuda_context_gib:
             known = ", ".join(str(m) for m in sorted(self.cuda_context_gib))
-            raise ValueError(f"no CUDA context calibration for CUDA {cuda} (known majors: {known}); use --cuda 12.8 or 13.0")
+            raise MemoryModelError(f"no CUDA context calibration for CUDA {cuda} (known majors: {known}); use --cuda 12.8 or 13.0")
         return int(self.cuda_context_gib[major] * GiB)
 
 
@@ -128,8 +142,9 @@ DEFAULT_CALIBRATION = Calibration()
 
 
 def cuda_major(cuda: str) -> int:
+    """12 for "12.8": the CUDA context cost is calibrated per major version."""
     if not re.fullmatch(r"\d+(\.\d+)?", cuda.strip()):
-        raise ValueError(f"CUDA version must look like 12.8 or 13.0, got {cuda!r}")
+        raise MemoryModelError(f"CUDA version must look like 12.8 or 13.0, got {cuda!r}")
     return int(cuda.strip().split(".")[0])
 
 
@@ -154,6 +169,9 @@ class TargetShape:
 
     @classmethod
     def from_config(cls, raw: dict, source: str = "config.json") -> TargetShape:
+        """Sizes from a parsed config.json; a multimodal config's language model sits under text_config."""
+        if isinstance(raw.get("text_config"), dict):
+            raw = raw["text_config"]
         try:
             heads = int(raw["num_attention_heads"])
             hidden = int(raw["hidden_size"])
@@ -211,7 +229,10 @@ class TargetShape:
 
 
 def resolve_target_dir(path: str) -> Path:
-    """target.path as given, else relative to the repository root."""
+    """target.path as given (absolute, or found from the working directory), else relative to the repository root.
+
+    The fallback lets the committed configs (``configs/targets/...``) work from any directory.
+    """
     p = Path(path).expanduser()
     if p.is_absolute() or p.exists():
         return p
@@ -219,8 +240,13 @@ def resolve_target_dir(path: str) -> Path:
 
 
 def load_target_shape(path: str) -> TargetShape:
-    if path == "smollm2":
-        return TargetShape.from_config(SMOLLM2_CONFIG, "smollm2 (embedded)")
+    """The one reader of a target's shape: target.path -> its config.json (see resolve_target_dir) -> sizes.
+
+    The embedded default (``smollm2``) answers from its known shapes, so no conversion and no
+    torch are needed. Every problem is a ConfigError naming the file and the fix.
+    """
+    if path == smollm2.NAME:
+        return TargetShape.from_config(SMOLLM2_CONFIG, f"{smollm2.NAME} (embedded)")
     cfg_file = resolve_target_dir(path) / "config.json"
     try:
         raw = json.loads(cfg_file.read_text())
@@ -246,6 +272,11 @@ def drafter_params(cfg: RunConfig, shape: TargetShape) -> int:
     layers = cfg.drafter.num_layers * shape.layer_params(qk_norm=True, qkv_bias=False)
     fc = n_feat * shape.hidden * shape.hidden  # n*H -> H, no bias
     return layers + fc + 2 * shape.hidden  # + context norm + final norm
+
+
+def drafter_state_bytes(cfg: RunConfig, shape: TargetShape) -> int:
+    """fp32 weights + AdamW exp_avg and exp_avg_sq: the drafter's training state, and what a checkpoint writes."""
+    return 3 * FP32 * drafter_params(cfg, shape)
 
 
 # --------------------------------------------------------------------------- workload
@@ -479,7 +510,7 @@ def is_split(cfg: RunConfig) -> bool:
     return bool(cfg.topology.target_gpus)
 
 
-def roles(cfg: RunConfig) -> list[Role]:
+def roles(cfg: RunConfig) -> list[GpuRole]:
     return ["target", "drafter"] if is_split(cfg) else ["colocated"]
 
 
@@ -489,7 +520,7 @@ def _scaled(parts: list[Part], group: Literal["target", "drafter"], cal: Calibra
     return [replace(p, bytes=int(scale * p.bytes), group=group) if p.kind == "activation" else p for p in parts]
 
 
-def role_parts(cfg: RunConfig, shape: TargetShape, role: Role, cuda: str, cal: Calibration = DEFAULT_CALIBRATION,
+def role_parts(cfg: RunConfig, shape: TargetShape, role: GpuRole, cuda: str, cal: Calibration = DEFAULT_CALIBRATION,
                expandable: bool = True) -> list[Part]:
     """Every component of one GPU of ``role``, then the fragmentation margin and fixed costs.
 
@@ -497,7 +528,7 @@ def role_parts(cfg: RunConfig, shape: TargetShape, role: Role, cuda: str, cal: C
     (False only to compare with measurements taken under torch's default allocator).
     """
     if role not in ("target", "drafter", "colocated"):
-        raise ValueError(f"unknown role {role!r}; use target, drafter or colocated")
+        raise MemoryModelError(f"unknown role {role!r}; use target, drafter or colocated")
     split = is_split(cfg)
     w = workload(cfg)
     if role == "target":
@@ -528,16 +559,22 @@ def role_parts(cfg: RunConfig, shape: TargetShape, role: Role, cuda: str, cal: C
 
 
 def fragmentation(cal: Calibration, expandable: bool) -> float:
+    """Share of allocated bytes the caching allocator reserves but cannot reuse, per its settings."""
     return cal.fragmentation if expandable else cal.fragmentation_default_allocator
 
 
-def role_need_bytes(cfg: RunConfig, role: Role, cuda: str, cal: Calibration = DEFAULT_CALIBRATION) -> int:
-    """Bytes one GPU of ``role`` needs at its peak, fragmentation margin included."""
+def role_need_bytes(cfg: RunConfig, role: GpuRole, cuda: str, cal: Calibration = DEFAULT_CALIBRATION,
+                    shape: TargetShape | None = None) -> int:
+    """Bytes one GPU of ``role`` needs at its peak, fragmentation margin included.
+
+    shape: the target's, when the caller already has it (preflight gathers it once);
+    otherwise it is read from target.path.
+    """
     if role == "colocated" and is_split(cfg):
-        raise ValueError("role 'colocated' needs a config without topology lists; use target or drafter")
+        raise MemoryModelError("role 'colocated' needs a config without topology lists; use target or drafter")
     if role in ("target", "drafter") and not is_split(cfg):
-        raise ValueError(f"role {role!r} needs topology.target_gpus and drafter_gpus; this config is co-located, use 'colocated'")
-    shape = load_target_shape(cfg.target.path)
+        raise MemoryModelError(f"role {role!r} needs topology.target_gpus and drafter_gpus; this config is co-located, use 'colocated'")
+    shape = shape or load_target_shape(cfg.target.path)
     return sum(p.bytes for p in role_parts(cfg, shape, role, cuda, cal))
 
 
@@ -550,7 +587,7 @@ class Row(BaseModel):
 
 
 class RoleEstimate(BaseModel):
-    role: Role
+    role: GpuRole
     gpus: list[str] = Field(description="GPUs of this role (empty: the one co-located device)")
     rows: list[Row]
     total_bytes: int
@@ -564,7 +601,7 @@ LimitStatus = Literal["fits", "none_fit", "unbounded", "no_effect"]
 
 
 class Limit(BaseModel):
-    role: Role
+    role: GpuRole
     setting: Setting
     configured: int
     value: int | None = Field(description="largest value that fits, the others as configured")
@@ -623,7 +660,7 @@ def largest_fitting(fits: Callable[[int], bool], lo: int, cap: int) -> tuple[int
     return good, False
 
 
-def _limit(cfg: RunConfig, shape: TargetShape, role: Role, setting: Setting, cuda: str, gpu: int, cal: Calibration) -> Limit:
+def _limit(cfg: RunConfig, shape: TargetShape, role: GpuRole, setting: Setting, cuda: str, gpu: int, cal: Calibration) -> Limit:
     section, key = _SETTINGS[setting]
     configured = getattr(getattr(cfg, section), key)
     if role == "target" and setting != "token_budget":
@@ -657,7 +694,7 @@ def _limit(cfg: RunConfig, shape: TargetShape, role: Role, setting: Setting, cud
     return Limit(role=role, setting=setting, configured=configured, value=value, status="fits", note=verdict)
 
 
-def role_gpus(cfg: RunConfig, role: Role) -> list[str]:
+def role_gpus(cfg: RunConfig, role: GpuRole) -> list[str]:
     return {"target": cfg.topology.target_gpus, "drafter": cfg.topology.drafter_gpus}.get(role, [])
 
 
@@ -670,7 +707,7 @@ def estimate(
 ) -> Estimate:
     """Per-role component table, totals, headroom and the largest settings that fit."""
     if gpu_bytes is not None and gpu_bytes <= 0:
-        raise ValueError(f"GPU memory must be positive, got {gpu_bytes} bytes")
+        raise MemoryModelError(f"GPU memory must be positive, got {gpu_bytes} bytes")
     cal.context_bytes(cuda)  # unknown CUDA major: fail before any work
     shape = load_target_shape(cfg.target.path)
     w = workload(cfg)
@@ -704,116 +741,3 @@ def estimate(
     return Estimate(config=source, target=target, cuda=cuda, gpu_bytes=gpu_bytes, workload=w, assumption=assumption,
                     roles=out, limits=limits, calibration=asdict(cal))
 
-
-# --------------------------------------------------------------------------- calibration fit
-
-
-class Measurement(BaseModel):
-    """One measured peak from a real trainer step on a GPU (tests/data/memory_calibration.json)."""
-
-    model_config = ConfigDict(extra="allow")
-
-    config: dict = Field(description="the run config (as dump_config writes it)")
-    target_config: dict = Field(description="the target's config.json content")
-    role: Role
-    cuda: str = Field(description="CUDA major.minor of the torch build")
-    nvml_used_bytes: int = Field(gt=0, description="peak NVML used memory on the GPU of that role")
-    alloc_conf: str = Field("", description="PYTORCH_CUDA_ALLOC_CONF of the measuring process ('' = torch's default)")
-
-    @property
-    def expandable(self) -> bool:
-        return "expandable_segments:true" in self.alloc_conf.replace(" ", "").lower()
-
-
-def _decompose(m: Measurement, cal: Calibration) -> tuple[float, float, float, float]:
-    """(fixed besides context, static, target activations, drafter activations) with scales at 1."""
-    from dflash.config import config_from_dict
-
-    cfg = config_from_dict(m.config, source="measurement")
-    shape = TargetShape.from_config(m.target_config, "measurement target_config")
-    unit = replace(cal, target_activation_scale=1.0, drafter_activation_scale=1.0)
-    parts = [p for p in role_parts(cfg, shape, m.role, m.cuda, unit) if p.kind != "margin"]
-    fixed = sum(p.bytes for p in parts if p.kind == "fixed") - unit.context_bytes(m.cuda)
-    static = sum(p.bytes for p in parts if p.kind == "static")
-    t_act = sum(p.bytes for p in parts if p.kind == "activation" and p.group == "target")
-    d_act = sum(p.bytes for p in parts if p.kind == "activation" and p.group == "drafter")
-    return fixed, static, t_act, d_act
-
-
-def _solve(a: list[list[float]], b: list[float]) -> list[float]:
-    """Gaussian elimination with partial pivoting on a small dense system."""
-    n = len(b)
-    m = [row[:] + [b[i]] for i, row in enumerate(a)]
-    for c in range(n):
-        piv = max(range(c, n), key=lambda r: abs(m[r][c]))
-        if abs(m[piv][c]) < 1e-12:
-            raise ValueError("measurements do not determine the calibration; vary token_budget, anchors and roles")
-        m[c], m[piv] = m[piv], m[c]
-        for r in range(n):
-            if r != c:
-                f = m[r][c] / m[c][c]
-                m[r] = [x - f * y for x, y in zip(m[r], m[c])]
-    return [m[i][n] / m[i][i] for i in range(n)]
-
-
-def current_measurements(measurements: list[dict]) -> tuple[list[dict], list[dict]]:
-    """(used, superseded): a measurement under torch's default allocator is superseded when the same
-    configuration and role was also measured with expandable segments, the allocator the trainer runs with."""
-    def key(m: dict) -> tuple[str, str]:
-        return m.get("name", ""), m["role"]
-
-    expandable = {key(m) for m in measurements if Measurement.model_validate(m).expandable}
-    used, superseded = [], []
-    for m in measurements:
-        (superseded if key(m) in expandable and not Measurement.model_validate(m).expandable else used).append(m)
-    return used, superseded
-
-
-def fit_calibration(measurements: list[Measurement | dict], base: Calibration = DEFAULT_CALIBRATION) -> Calibration:
-    """Least-squares fit of the CUDA context per major and one activation scale per role.
-
-    Model: used = context[major] + fixed + (1 + fragmentation) * (static + s_t * target_act + s_d * drafter_act),
-    fragmentation per the measurement's allocator settings; it and the per-tensor counts stay as in ``base``; relative errors are minimised. Co-located peaks are linear
-    in the scales only while the drafter step outweighs the target forward (the usual case).
-    """
-    ms = [m if isinstance(m, Measurement) else Measurement.model_validate(m) for m in measurements]
-    majors = sorted({cuda_major(m.cuda) for m in ms})
-    has_t = any(m.role in ("target", "colocated") for m in ms)
-    has_d = any(m.role in ("drafter", "colocated") for m in ms)
-    names = [f"ctx{mj}" for mj in majors] + (["s_target"] if has_t else []) + (["s_drafter"] if has_d else [])
-    if len(ms) < len(names):
-        raise ValueError(f"{len(ms)} measurements cannot fit {len(names)} unknowns ({', '.join(names)})")
-    rows, ys = [], []
-    for m in ms:
-        f = 1.0 + fragmentation(base, m.expandable)
-        fixed, static, t_act, d_act = _decompose(m, base)
-        x = {f"ctx{cuda_major(m.cuda)}": 1.0, "s_target": f * t_act, "s_drafter": f * d_act}
-        # Weighted by 1 / measured: the fit minimises relative errors, which the ±10% test checks.
-        wt = 1.0 / m.nvml_used_bytes
-        rows.append([wt * x.get(n, 0.0) for n in names])
-        ys.append(wt * (m.nvml_used_bytes - fixed - f * static))
-    ata = [[sum(r[i] * r[j] for r in rows) for j in range(len(names))] for i in range(len(names))]
-    aty = [sum(r[i] * y for r, y in zip(rows, ys)) for i in range(len(names))]
-    sol = dict(zip(names, _solve(ata, aty)))
-    ctx = dict(base.cuda_context_gib)
-    ctx.update({mj: sol[f"ctx{mj}"] / GiB for mj in majors})
-    return replace(
-        base,
-        cuda_context_gib=ctx,
-        target_activation_scale=sol.get("s_target", base.target_activation_scale),
-        drafter_activation_scale=sol.get("s_drafter", base.drafter_activation_scale),
-    )
-
-
-def prediction_errors(measurements: list[Measurement | dict], cal: Calibration = DEFAULT_CALIBRATION) -> list[float]:
-    """Relative error (predicted - measured) / measured of each measurement's NVML peak."""
-    from dflash.config import config_from_dict
-
-    errs = []
-    for m in measurements:
-        m = m if isinstance(m, Measurement) else Measurement.model_validate(m)
-        cfg = config_from_dict(m.config, source="measurement")
-        shape = TargetShape.from_config(m.target_config, "measurement target_config")
-        pred = sum(p.bytes for p in role_parts(cfg, shape, m.role, m.cuda, cal, m.expandable))
-        errs.append((pred - m.nvml_used_bytes) / m.nvml_used_bytes)
-    return errs

@@ -1,0 +1,97 @@
+"""What dflash-estimate decides, apart from how it prints it (``preflight.estimate_cli`` only formats).
+
+The run config is read with its ``--set`` overrides (``dflash.config.parse_overrides``, the one
+parser); the CUDA version is the one given, else the config's profile manifest's, else 12.8; the
+GPU size is the one given, or the smallest total memory NVML reports over the GPUs the config
+names, resolved through CUDA_VISIBLE_DEVICES exactly as the preflight checks resolve them. The
+bytes themselves come from ``dflash.memory``. Nothing here imports torch.
+
+    from preflight.estimate import run_estimate
+    est, cuda_source = run_estimate("configs/qwen3-27b-5t3d.toml", gpu_memory="95GiB")
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+from dflash.config import load_config, parse_overrides
+from dflash.errors import DflashError
+from dflash.memory import Estimate, estimate, role_gpus, roles
+from preflight.nvml import GpuInfo, NvmlGpuInfo, NvmlUnavailable, resolve_gpu, visible_gpus
+from preflight.profiles import ProfileError, load_profile
+
+DEFAULT_CUDA = "12.8"  # the training profile's CUDA, when the config's profile cannot be read
+_UNITS = {
+    "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+}
+
+
+class EstimateError(DflashError):
+    """Estimate input that cannot work (a size without unit, two GPU sources, unreadable GPUs)."""
+
+    exit_code = 2
+
+
+def parse_size(text: str) -> int:
+    """'95GiB' / '80GB' / '96000MiB' / '1.5TiB' -> bytes; a bare number is refused (GB or GiB?)."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]+)\s*", text)
+    if not m or m.group(2).lower() not in _UNITS:
+        raise EstimateError(f"cannot read GPU memory size {text!r}; write a number and a unit, e.g. 95GiB, 80GB or 96000MiB")
+    size = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    if size <= 0:
+        raise EstimateError(f"GPU memory size {text!r} must be positive; e.g. 95GiB")
+    return size
+
+
+def profile_cuda(profile: str) -> tuple[str, str]:
+    """The CUDA version of the config's profile manifest, else the default, and where it came from."""
+    try:
+        return load_profile(profile).cuda, f"from envs/{profile}.toml"
+    except (ProfileError, OSError) as e:
+        return DEFAULT_CUDA, f"default; profile not readable: {e}"
+
+
+def nvml_gpu_bytes(names: list[str], info: GpuInfo | None = None, cuda_visible_devices: str | None = None) -> int:
+    """Smallest total memory over the GPUs the run config names (GPU 0 when it names none).
+
+    Names are indices after CUDA_VISIBLE_DEVICES or UUIDs, as in ``preflight.nvml.resolve_gpu``;
+    cuda_visible_devices None reads the variable from the environment.
+    """
+    if cuda_visible_devices is None:
+        cuda_visible_devices = os.environ.get("CUDA_VISIBLE_DEVICES")
+    try:
+        snap = (info or NvmlGpuInfo()).snapshot()
+    except NvmlUnavailable as e:
+        raise EstimateError(f"cannot read GPU memory through NVML ({e}); pass --gpu-memory SIZE instead") from None
+    visible, _note = visible_gpus(snap.gpus, cuda_visible_devices)
+    totals = []
+    for name in names or ["0"]:
+        gpu, why = resolve_gpu(name, visible, snap.gpus)
+        if gpu is None:
+            raise EstimateError(f"{why}; fix topology or CUDA_VISIBLE_DEVICES, or pass --gpu-memory SIZE")
+        totals.append(gpu.memory_total)
+    return min(totals)
+
+
+def run_estimate(
+    config_path: str,
+    sets: tuple[str, ...] | list[str] = (),
+    gpu_memory: str | None = None,
+    from_nvml: bool = False,
+    cuda: str | None = None,
+    gpu_info: GpuInfo | None = None,
+) -> tuple[Estimate, str]:
+    """The estimate dflash-estimate prints, and where its CUDA version came from."""
+    if gpu_memory and from_nvml:
+        raise EstimateError("give --gpu-memory or --from-nvml, not both")
+    cfg = load_config(config_path, parse_overrides(sets))
+    cuda_source = "--cuda"
+    if cuda is None:
+        cuda, cuda_source = profile_cuda(cfg.profile)
+    gpu_bytes = parse_size(gpu_memory) if gpu_memory else None
+    if from_nvml:
+        gpus = sorted({g for role in roles(cfg) for g in role_gpus(cfg, role)})
+        gpu_bytes = nvml_gpu_bytes(gpus, gpu_info)
+    return estimate(cfg, cuda, gpu_bytes, source=config_path), cuda_source

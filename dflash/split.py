@@ -215,6 +215,8 @@ def _terminate(procs: list[subprocess.Popen]) -> None:
 def worker(cfg: RunConfig, resume_from: Path | None, gate: dict | None = None) -> int:
     """One rank of a split run. `gate` (torchrun) = the options of the collective preflight gate;
     None = started by the launcher, which already passed the gate (its preflight.json is checked)."""
+    if gate is None:
+        require_fresh_gate(cfg)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     ranks = ranks_for(cfg)
     if world != len(ranks):
@@ -227,9 +229,7 @@ def worker(cfg: RunConfig, resume_from: Path | None, gate: dict | None = None) -
         torch.cuda.set_device(local_rank if torch.cuda.device_count() > 1 else 0)
     dist.init_process_group("nccl" if cfg.device == "cuda" else "gloo",
                             timeout=timedelta(seconds=cfg.topology.timeout_s))
-    if gate is None:
-        require_fresh_gate(cfg)
-    else:
+    if gate is not None:
         resume_from = collective_gate(cfg, me, local_rank, gate)
         if resume_from is False:
             dist.destroy_process_group()
@@ -278,6 +278,8 @@ def collective_gate(cfg: RunConfig, me: Rank, local_rank: int, gate: dict) -> Pa
             verdict = [None, str(resume) if resume else None]
         except (DflashError, ValueError) as e:
             verdict = [" ".join(str(e).split()), None]
+        except Exception as e:  # noqa: BLE001 (a click usage error, an unreadable run dir: refuse on every rank)
+            verdict = [" ".join(getattr(e, "message", str(e)).split()), None]
     dist.broadcast_object_list(verdict, src=0, group=group)
     if verdict[0] is not None:
         if me.rank == 0:
@@ -531,7 +533,7 @@ def main(argv: list[str] | None = None) -> None:
                                    "is started with dflash-train --config")
         from preflight.gate import apply_profile_env
 
-        apply_profile_env(cfg.profile)
+        apply_profile_env(cfg.profile, log=print if os.environ["RANK"] == "0" else (lambda *_: None))
         return worker(cfg, None, gate={"resume": resume, "fresh": fresh, "waivers": dict(zip(waive, reason))})
 
     run_cli(command, "dflash.split", argv)

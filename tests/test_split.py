@@ -136,3 +136,69 @@ def test_sigterm_to_every_process_stops_cleanly_with_a_checkpoint(tmp_path):
 
     last = ckpt.list_checkpoints(run_dir)[-1]
     assert int(last.name.split("_")[1]) == metrics(run_dir)[-1]["step"]
+
+
+def torchrun_cmd(config: Path, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+            "-m", "dflash.split", "--config", str(config),
+            "--waive", "model-source", "--reason", "tests run on a working tree", *extra]
+
+
+@pytest.mark.slow
+def test_torchrun_ranks_refuse_together_when_preflight_fails(tmp_path):
+    """The torchrun path goes through the gate: a failing check on the dataset stops every rank before any step."""
+    cfg, raw = tiny_config(tmp_path, max_steps=4)
+    raw["data"]["max_length"] = 10  # the samples are 24-64 tokens: the dataset check fails
+    config = write_toml(split_raw(raw, targets=("1",), drafters=("0",)), tmp_path / "split.toml")
+    out = subprocess.run(torchrun_cmd(config, "--fresh"), cwd=REPO, capture_output=True, text=True, timeout=240)
+    assert out.returncode != 0
+    assert "preflight: FAIL rank 0" in out.stderr and "dataset" in out.stderr, out.stderr[-3000:]
+    assert "refusing to start: preflight failed on 2 of 2 ranks" in out.stderr
+    assert "[rank0]: Traceback" not in out.stderr and "[rank1]: Traceback" not in out.stderr, out.stderr[-3000:]
+    run_dir = Path(cfg.output_dir)
+    report = json.loads((run_dir / "preflight.json").read_text())
+    assert report["ok"] is False and [r["rank"] for r in report["run"]["ranks"]] == [0, 1]
+    assert not (run_dir / "metrics.jsonl").exists() and not (run_dir / "checkpoints").exists()
+
+
+@pytest.mark.slow
+def test_torchrun_refuses_a_run_dir_holding_checkpoints_without_resume_or_fresh(tmp_path):
+    """Another run's checkpoints in the output dir: no silent resume, no silent fresh start, nothing moved."""
+    cfg, raw = tiny_config(tmp_path, max_steps=2, save_every=1)
+    run(cfg, None, log=lambda *_: None, progress=False)  # the "other" run
+    before = sorted(p.name for p in (Path(cfg.output_dir) / "checkpoints").iterdir())
+    config = write_toml(split_raw(raw, targets=("1",), drafters=("0",)), tmp_path / "split.toml")
+    out = subprocess.run(torchrun_cmd(config), cwd=REPO, capture_output=True, text=True, timeout=240)
+    assert out.returncode != 0
+    assert "already holds checkpoints" in out.stderr and "--resume latest" in out.stderr, out.stderr[-3000:]
+    assert "[rank0]: Traceback" not in out.stderr and "[rank1]: Traceback" not in out.stderr, out.stderr[-3000:]
+    assert sorted(p.name for p in (Path(cfg.output_dir) / "checkpoints").iterdir()) == before
+    assert len(metrics(Path(cfg.output_dir))) == 2  # the other run's rows only: no step was taken
+
+
+@pytest.mark.slow
+def test_torchrun_trains_after_the_gate_passes(tmp_path):
+    cfg, raw = tiny_config(tmp_path, max_steps=3)
+    config = write_toml(split_raw(raw, targets=("1",), drafters=("0",)), tmp_path / "split.toml")
+    out = subprocess.run(torchrun_cmd(config, "--fresh"), cwd=REPO, capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "preflight: ok on all 2 ranks" in out.stdout
+    assert [r["step"] for r in metrics(Path(cfg.output_dir))] == [1, 2, 3]
+    assert json.loads((Path(cfg.output_dir) / "preflight.json").read_text())["ok"] is True
+
+
+def test_a_worker_started_by_hand_refuses_without_this_runs_gate(tmp_path):
+    """`python -m dflash.split --config-json` is the launcher's internal path: without its gate id it refuses."""
+    cfg, raw = tiny_config(tmp_path, max_steps=2)
+    from dflash.config import config_from_dict, dump_config
+
+    split_cfg = config_from_dict(split_raw(raw))
+    Path(cfg.output_dir).mkdir(parents=True)
+    path = tmp_path / "config.json"
+    path.write_text(dump_config(split_cfg))
+    env = dict(os.environ, RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29555")
+    env.pop("DFLASH_GATE_ID", None)
+    out = subprocess.run([sys.executable, "-m", "dflash.split", "--config-json", str(path)], cwd=REPO,
+                         capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode != 0
+    assert "no passing preflight report of this run" in out.stderr and "Traceback" not in out.stderr

@@ -137,17 +137,12 @@ def _record(steps: list, nvml: Nvml, torch, device, t0: float, **extra) -> None:
 
 
 def _target_role(cfg, device, steps, nvml, torch) -> dict:
-    from dflash.loss import target_step
-    from dflash.model import drafter_config_from_target
-    from dflash.target import DTYPES, load_target
-    from dflash.train import resolve_mask_token_id
+    from dflash.step import LocalTarget
 
     t0 = time.perf_counter()
-    target = load_target(cfg.target.path, DTYPES[cfg.target.dtype], device, random_init=True)
-    tconf = target.config
-    layer_ids = drafter_config_from_target(tconf, cfg.drafter.num_layers, cfg.drafter.block_size,
-                                           cfg.drafter.target_layer_ids or None,
-                                           resolve_mask_token_id(cfg, tconf)).target_layer_ids
+    cfg.target.random_init = True  # real shapes, random weights
+    target = LocalTarget(cfg, device, log=lambda *_: None)
+    tconf = target.target_config
     _record(steps, nvml, torch, device, t0, phase="weights")
     # The memory model's worst target batch: 2 rows of token_budget // 2, the second padded
     # (HF then builds the [rows, 1, S, S] mask); one unpadded row when max_batch_size is 1.
@@ -160,23 +155,22 @@ def _target_role(cfg, device, steps, nvml, torch) -> dict:
         attention[-1, seq - max(1, seq // 8):] = 0
         ids[-1, seq - max(1, seq // 8):] = 0
     batch = {"input_ids": ids.to(device), "attention_mask": attention.to(device)}
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
     for i in range(STEPS):
-        with torch.no_grad(), autocast:
-            context, last = target_step(target, batch, layer_ids, cfg.train.kl_weight > 0)
+        with torch.no_grad():
+            context, last = target.features(i, batch)
         _record(steps, nvml, torch, device, t0, phase=f"step {i}", features=list(context.shape))
         del context, last
-    return {"rows": rows, "seq_len": seq, "padded": rows > 1, "layer_ids": layer_ids}
+    return {"rows": rows, "seq_len": seq, "padded": rows > 1, "layer_ids": target.layer_ids}
 
 
 def _drafter_role(cfg, device, steps, nvml, torch) -> dict:
+    """The trainer's own step (dflash.step) on random features of the memory model's worst batch shape."""
     from transformers import AutoConfig
 
-    from dflash.loss import drafter_step_math
-    from dflash.model import DFlashDrafter, drafter_config_from_target
-    from dflash.target import DTYPES
-    from dflash.train import anchor_generator, resolve_mask_token_id
     from dflash.memory import workload
+    from dflash.model import DFlashDrafter, drafter_config_from_target
+    from dflash.step import build_optimizer, clip_and_step, micro_step, resolve_mask_token_id, set_lr
+    from dflash.target import DTYPES
 
     t0 = time.perf_counter()
     tconf = AutoConfig.from_pretrained(cfg.target.path)
@@ -188,8 +182,7 @@ def _drafter_role(cfg, device, steps, nvml, torch) -> dict:
     embed = (torch.randn(V, H, device=device, dtype=dtype) * 0.02).requires_grad_(False)
     tied = bool(getattr(tconf, "tie_word_embeddings", False))
     head = embed if tied else (torch.randn(V, H, device=device, dtype=dtype) * 0.02).requires_grad_(False)
-    optimizer = torch.optim.AdamW(drafter.parameters(), lr=cfg.train.lr, weight_decay=cfg.train.weight_decay,
-                                  betas=(0.9, 0.95), fused=device.type == "cuda")
+    optimizer = build_optimizer(drafter, cfg, device)
     w = workload(cfg)
     rows, seq = w.sequences, w.seq_len
     g = torch.Generator(device="cpu").manual_seed(0)
@@ -203,16 +196,12 @@ def _drafter_role(cfg, device, steps, nvml, torch) -> dict:
     last = torch.randn(rows, seq, H, device=device, dtype=dtype) if cfg.train.kl_weight > 0 else None
     backend = "flex" if device.type == "cuda" else "sdpa"
     _record(steps, nvml, torch, device, t0, phase="setup")
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
     for i in range(STEPS):
+        set_lr(optimizer, cfg, i, STEPS)
         optimizer.zero_grad(set_to_none=True)
-        with autocast:
-            loss, metrics = drafter_step_math(drafter, embed, head, batch, context, last, cfg,
-                                              anchor_generator(cfg, device, i), backend)
+        loss, metrics = micro_step(drafter, embed, head, batch, (context, last), cfg, device, backend, i)
         loss.backward()
-        if cfg.train.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(drafter.parameters(), cfg.train.grad_clip)
-        optimizer.step()
+        clip_and_step(drafter, optimizer, cfg)
         _record(steps, nvml, torch, device, t0, phase=f"step {i}", loss=float(loss.detach()),
                 anchors=int(metrics["anchors"]))
         del loss

@@ -30,8 +30,8 @@ ARCHITECTURE = "DFlashDraftModel"
 
 
 @dataclass
-class DrafterConfig:
-    """Shapes of the drafter; the transformer sizes are the target's."""
+class DFlashConfig:
+    """The drafter model's own config (saved as its config.json); not the run config's [drafter] section."""
 
     hidden_size: int
     intermediate_size: int
@@ -101,7 +101,7 @@ class DrafterConfig:
         return out
 
     @classmethod
-    def from_hf_dict(cls, raw: dict) -> DrafterConfig:
+    def from_hf_dict(cls, raw: dict) -> DFlashConfig:
         raw = dict(raw)
         dflash = raw.get("dflash_config") or {}
 
@@ -154,7 +154,7 @@ def drafter_config_from_target(
     block_size: int,
     target_layer_ids: list[int] | None = None,
     mask_token_id: int | None = None,
-) -> DrafterConfig:
+) -> DFlashConfig:
     """A drafter config sized like the target (an HF config object or its config.json dict)."""
     if mask_token_id is None:
         raise ValueError("mask_token_id is required (the token id filling the non-anchor slots)")
@@ -162,7 +162,7 @@ def drafter_config_from_target(
     hidden, heads = get("hidden_size"), get("num_attention_heads")
     num_target_layers = get("num_hidden_layers")
     rope = get("rope_parameters") or {}
-    return DrafterConfig(
+    return DFlashConfig(
         hidden_size=hidden,
         intermediate_size=get("intermediate_size"),
         num_attention_heads=heads,
@@ -208,7 +208,7 @@ def apply_rope(x_BLHD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> to
 class DrafterAttention(nn.Module):
     """Q from the block; K/V from [context ; block] through the same k/v projections."""
 
-    def __init__(self, cfg: DrafterConfig):
+    def __init__(self, cfg: DFlashConfig):
         super().__init__()
         H, D = cfg.hidden_size, cfg.head_dim
         self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, D
@@ -232,7 +232,7 @@ class DrafterAttention(nn.Module):
 
 
 class DrafterMLP(nn.Module):
-    def __init__(self, cfg: DrafterConfig):
+    def __init__(self, cfg: DFlashConfig):
         super().__init__()
         self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
@@ -243,7 +243,7 @@ class DrafterMLP(nn.Module):
 
 
 class DrafterLayer(nn.Module):
-    def __init__(self, cfg: DrafterConfig):
+    def __init__(self, cfg: DFlashConfig):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = DrafterAttention(cfg)
@@ -261,7 +261,7 @@ def _to_param_dtype(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 class DFlashDrafter(nn.Module):
-    def __init__(self, cfg: DrafterConfig):
+    def __init__(self, cfg: DFlashConfig):
         super().__init__()
         self.config = cfg
         H = cfg.hidden_size
@@ -326,7 +326,7 @@ class DFlashDrafter(nn.Module):
             raise ValueError(f"{path / CONFIG_FILE}: architectures {raw['architectures']}, expected [{ARCHITECTURE!r}]")
         state = load_file(str(path / WEIGHTS_FILE), device=str(device))
         with torch.device(device):
-            model = cls(DrafterConfig.from_hf_dict(raw))
+            model = cls(DFlashConfig.from_hf_dict(raw))
         stored = next(iter(state.values())).dtype
         model.to(dtype or stored)
         missing, unexpected = model.load_state_dict(state, strict=False)

@@ -93,6 +93,8 @@ class Trainer:
         self.rank = dist.get_rank(group) if group is not None else 0
         self.world = dist.get_world_size(group) if group is not None else 1
         self.is_logger = self.rank == 0
+        if not self.is_logger:
+            self.log = lambda *_, **__: None  # rank 0 of the drafter group speaks for all
         self.out = Path(cfg.output_dir)
         self.device = run_device(cfg)
         self.attn_backend = "flex" if self.device.type == "cuda" else "sdpa"

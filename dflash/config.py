@@ -90,7 +90,8 @@ class TrainConfig(_Strict):
     epochs: int = Field(6, ge=1, description="passes over the dataset")
     max_steps: int | None = Field(None, ge=1, description="stop after this many optimizer steps (None = epochs)")
     grad_accum: int = Field(
-        1, ge=1, le=1024, description="batches per optimizer step when co-located (split runs: one per drafter GPU)"
+        1, ge=1, le=1024, description="batches each drafter rank trains per optimizer step (a step takes "
+        "grad_accum x drafter ranks batches)"
     )
     loss_chunk: int = Field(8192, ge=16, description="query tokens per logits/loss chunk")
     cache_features: bool = Field(

@@ -40,7 +40,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.common import Nvml, NvmlPeak, environment, gib, gpu_uuid, is_oom, tiny_target_dir, write_json  # noqa: E402
+from bench.common import TINY_TARGET, Nvml, NvmlPeak, environment, gib, gpu_uuid, is_oom, write_json  # noqa: E402
+from dflash.synthetic import write_target  # noqa: E402
 
 STEPS = 3
 
@@ -299,7 +300,7 @@ def measure_all(args) -> int:
     out_dir = Path(args.out or tempfile.mkdtemp(prefix="dflash-cal-"))
     out_path = out_dir / "memory_calibration.json"
     if args.tiny:
-        configs = tiny_configs(str(tiny_target_dir(out_dir / "targets")))
+        configs = tiny_configs(str(write_target(out_dir / "targets" / "tiny-qwen3", TINY_TARGET, weights=False)))
         plan = TINY_PLAN
     else:
         configs, plan = CONFIGS, PLAN

@@ -33,6 +33,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import (  # noqa: E402
+    TINY_TARGET,
     Nvml,
     NvmlPeak,
     environment,
@@ -40,10 +41,9 @@ from bench.common import (  # noqa: E402
     gpu_uuid,
     is_oom,
     parse_sets,
-    tiny_target_dir,
     write_json,
-    write_uniform_dataset,
 )
+from dflash.synthetic import write_random_dataset, write_target  # noqa: E402
 
 DEFAULT_CONFIG = "configs/qwen3-8b-1gpu.toml"
 
@@ -89,7 +89,7 @@ def configurations(args, scratch: Path) -> list[tuple[str, dict]]:
     base = {"device": args.device, "train.max_steps": 10**9, "train.log_every": 10**6}
     if args.tiny:
         base.update(TINY)
-        base["target.path"] = str(tiny_target_dir(scratch))
+        base["target.path"] = str(write_target(scratch / "tiny-qwen3", TINY_TARGET, weights=False))
     if not args.sweep:
         return [("config", {**base, **user})]
     shapes = TINY_SWEEP if args.tiny else SWEEP
@@ -136,7 +136,7 @@ def measure(name: str, overrides: dict, args, data_root: Path, out_root: Path) -
     cfg = load_config(args.config, overrides)
     length = cfg.data.token_budget // cfg.data.max_batch_size
     vocab = _vocab(cfg.target.path)
-    data = write_uniform_dataset(data_root / f"{args.samples}x{length}", args.samples, length, vocab)
+    data = write_random_dataset(data_root / f"{args.samples}x{length}", args.samples, length, vocab)
     cfg = load_config(args.config, {**overrides, "data.path": str(data), "output_dir": str(out_root / name)})
     device = torch.device(cfg.device)
     nvml = Nvml(gpu_uuid(torch) if device.type == "cuda" else None, enabled=device.type == "cuda")

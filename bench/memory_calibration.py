@@ -140,11 +140,11 @@ def _record(steps: list, nvml: Nvml, torch, device, t0: float, **extra) -> None:
 def _target_role(cfg, device, steps, nvml, torch) -> dict:
     from dflash.loss import target_step
     from dflash.model import drafter_config_from_target
-    from dflash.target import DTYPES, load_target
+    from dflash.target import load_target
     from dflash.train import resolve_mask_token_id
 
     t0 = time.perf_counter()
-    target = load_target(cfg.target.path, DTYPES[cfg.target.dtype], device, random_init=True)
+    target = load_target(cfg.target.path, cfg.target.dtype, device, random_init=True)
     tconf = target.config
     layer_ids = drafter_config_from_target(tconf, cfg.drafter.num_layers, cfg.drafter.block_size,
                                            cfg.drafter.target_layer_ids or None,
@@ -175,7 +175,7 @@ def _drafter_role(cfg, device, steps, nvml, torch) -> dict:
 
     from dflash.loss import drafter_step_math
     from dflash.model import DFlashDrafter, drafter_config_from_target
-    from dflash.target import DTYPES
+    from dflash.target import torch_dtype
     from dflash.train import anchor_generator, resolve_mask_token_id
     from preflight.memory import workload
 
@@ -184,7 +184,7 @@ def _drafter_role(cfg, device, steps, nvml, torch) -> dict:
     dcfg = drafter_config_from_target(tconf, cfg.drafter.num_layers, cfg.drafter.block_size,
                                       cfg.drafter.target_layer_ids or None, resolve_mask_token_id(cfg, tconf))
     drafter = DFlashDrafter(dcfg).to(device, torch.float32)
-    dtype = DTYPES[cfg.target.dtype]
+    dtype = torch_dtype(cfg.target.dtype)
     V, H = tconf.vocab_size, tconf.hidden_size
     embed = (torch.randn(V, H, device=device, dtype=dtype) * 0.02).requires_grad_(False)
     tied = bool(getattr(tconf, "tie_word_embeddings", False))

@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import os
 import re
-import sys
 
 import click
 
 from dflash.config import ConfigError, load_config, parse_overrides
+from dflash.errors import UsageError, run_cli
 from preflight.memory import GiB, Estimate, estimate, role_gpus, roles
 
 DEFAULT_CUDA = "12.8"
@@ -119,7 +119,8 @@ def format_estimate(est: Estimate, cuda_source: str = "") -> str:
 @click.option("--cuda", help="CUDA major.minor of the torch build (default: the config's profile, else 12.8)")
 @click.option("--set", "sets", multiple=True, metavar="KEY=VALUE", help="override a config field, e.g. train.max_anchors=512")
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object instead of tables")
-def main(config_path: str, gpu_memory: str | None, from_nvml: bool, cuda: str | None, sets: tuple[str, ...], as_json: bool) -> None:
+def command(config_path: str, gpu_memory: str | None, from_nvml: bool, cuda: str | None, sets: tuple[str, ...],
+            as_json: bool) -> int:
     """Per-role GPU memory estimate of a DFlash run and the largest settings that fit."""
     try:
         if gpu_memory and from_nvml:
@@ -134,10 +135,14 @@ def main(config_path: str, gpu_memory: str | None, from_nvml: bool, cuda: str | 
             gpu_bytes = nvml_gpu_bytes(gpus)
         est = estimate(cfg, cuda, gpu_bytes, source=config_path)
     except (ConfigError, ValueError) as e:
-        click.echo(f"dflash-estimate: {' '.join(str(e).split())}", err=True)
-        sys.exit(2)
+        raise UsageError(str(e)) from None
     click.echo(est.model_dump_json(indent=2) if as_json else format_estimate(est, cuda_source))
-    sys.exit(1 if any(r.fits is False for r in est.roles) else 0)
+    return 1 if any(r.fits is False for r in est.roles) else 0
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Console entry point: bad input is one line on stderr and exit 2, never a traceback."""
+    run_cli(command, "dflash-estimate", argv)
 
 
 if __name__ == "__main__":

@@ -224,7 +224,9 @@ def _clear(path: Path) -> None:
     """Empty a folder this module wrote before; refuse to touch anything else."""
     if path.is_dir() and any(path.iterdir()):
         if not (path / RECORD).is_file():
-            raise ValueError(f"{path}: not empty and not written by dflash.synthetic; pick an empty folder or delete it")
+            raise ValueError(
+                f"{path}: not empty and not written by dflash.synthetic; pick an empty folder or delete it"
+            )
         shutil.rmtree(path)
 
 

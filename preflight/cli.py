@@ -23,10 +23,13 @@ EXIT_OK, EXIT_FAIL = 0, 1  # a usage error (click.UsageError) exits 2 through ru
 @click.command(context_settings={"help_option_names": ["-h", "--help"]}, epilog=f"Check ids: {', '.join(CHECK_IDS)}. "
                f"Without --config these are skipped: {', '.join(NEEDS_CONFIG)}.")
 @click.option("--profile", "profile_name", required=True, metavar="NAME", help="environment profile (envs/NAME.toml)")
-@click.option("--config", "config_path", metavar="RUN.toml", help="run config; without it only the environment is checked")
+@click.option("--config", "config_path", metavar="RUN.toml",
+              help="run config; without it only the environment is checked")
 @click.option("--json", "as_json", is_flag=True, help="print exactly one JSON object on stdout")
-@click.option("--waive", multiple=True, metavar="CHECK_ID", help="accept a failing check (repeatable; each needs --reason)")
-@click.option("--reason", multiple=True, metavar="TEXT", help="why the matching --waive is acceptable (kept in the report)")
+@click.option("--waive", multiple=True, metavar="CHECK_ID",
+              help="accept a failing check (repeatable; each needs --reason)")
+@click.option("--reason", multiple=True, metavar="TEXT",
+              help="why the matching --waive is acceptable (kept in the report)")
 @click.option("--resume", is_flag=True, help="the run will resume from its newest checkpoint")
 @click.option("--fresh", is_flag=True, help="the run will start over even if checkpoints exist")
 @click.option("--nvml-fake", metavar="JSON|none", hidden=True, help="replay a recorded NVML snapshot (tests)")

@@ -13,8 +13,8 @@ import pytest
 from dflash.config import ConfigError, config_from_dict, load_config
 from preflight.estimate_cli import main, parse_size
 from preflight.memory import (
-    GiB,
     Calibration,
+    GiB,
     TargetShape,
     default_target_layer_ids,
     drafter_params,
@@ -152,7 +152,8 @@ def test_soft_labels_add_last_hidden_state_and_kl_buffers(tiny):
     kl = tiny.model_copy(deep=True)
     kl.train.kl_weight = 0.5
     extra_target = role_need_bytes(kl, "target", "12.8", cal=HAND) - role_need_bytes(tiny, "target", "12.8", cal=HAND)
-    extra_drafter = role_need_bytes(kl, "drafter", "12.8", cal=HAND) - role_need_bytes(tiny, "drafter", "12.8", cal=HAND)
+    extra_drafter = (role_need_bytes(kl, "drafter", "12.8", cal=HAND)
+                     - role_need_bytes(tiny, "drafter", "12.8", cal=HAND))
     last = 64 * 64 * 2
     # kept + send buffer; the forward now runs every layer with the deepest feature alive
     assert extra_target == pytest.approx(1.05 * 3 * last, abs=2)
@@ -206,7 +207,8 @@ def test_target_role_ignores_anchors():
     cfg = load_config(CFG_27B)
     a = role_need_bytes(with_setting(cfg, "max_anchors", 16), "target", "12.8")
     assert a == role_need_bytes(cfg, "target", "12.8")
-    assert role_need_bytes(with_setting(cfg, "max_anchors", 16), "drafter", "12.8") < role_need_bytes(cfg, "drafter", "12.8")
+    fewer_anchors = with_setting(cfg, "max_anchors", 16)
+    assert role_need_bytes(fewer_anchors, "drafter", "12.8") < role_need_bytes(cfg, "drafter", "12.8")
 
 
 # ---------------------------------------------------------------- limits

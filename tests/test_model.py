@@ -138,7 +138,8 @@ def test_load_target_from_folder_and_random(tiny_target, tmp_path):
     assert not any(p.requires_grad for p in loaded.parameters()) and not loaded.training
     assert torch.equal(loaded.lm_head.weight, tiny_target.lm_head.weight)
     rand = load_target(tmp_path / "t", "bfloat16", "cpu", random_init=True)
-    assert rand.lm_head.weight.dtype == torch.bfloat16 and not torch.equal(rand.lm_head.weight.float(), loaded.lm_head.weight)
+    assert rand.lm_head.weight.dtype == torch.bfloat16
+    assert not torch.equal(rand.lm_head.weight.float(), loaded.lm_head.weight)
     with pytest.raises(ValueError, match="no config.json"):
         load_target(tmp_path / "nope", "float32", "cpu")
 

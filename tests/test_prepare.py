@@ -105,7 +105,9 @@ def test_empty_prompt_file_is_a_clear_error(target, tmp_path):
     empty.write_text("\n  \n")
     res = _prepare(target, empty, tmp_path / "d")
     assert res.exit_code == 2
-    assert res.output.strip() == f"Error: {empty}: the prompt file holds no prompts (one per line, or JSONL with \"prompt\")"
+    assert res.output.strip() == (
+        f"Error: {empty}: the prompt file holds no prompts (one per line, or JSONL with \"prompt\")"
+    )
     assert not (tmp_path / "d").exists()
 
 
@@ -129,7 +131,8 @@ def test_merge_keeps_inputs_and_refuses_to_overwrite(target, prompt_file, tmp_pa
     assert _prepare(target, prompt_file, tmp_path / "a", "--limit", "5").exit_code == 0
     assert _prepare(target, prompt_file, tmp_path / "b").exit_code == 0
     before = {p: p.read_bytes() for d in ("a", "b") for p in (tmp_path / d).iterdir()}
-    res = CliRunner().invoke(data_main, ["merge", str(tmp_path / "a"), str(tmp_path / "b"), "--out", str(tmp_path / "c")])
+    res = CliRunner().invoke(data_main, ["merge", str(tmp_path / "a"), str(tmp_path / "b"),
+                                         "--out", str(tmp_path / "c")])
     assert res.exit_code == 0, res.output
     a, _ = _rows(tmp_path / "a")
     b, _ = _rows(tmp_path / "b")

@@ -6,13 +6,12 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from dflash.topology import Role, physical_gpu, roles_for, suggest_split
+from dflash.topology import physical_gpu, roles_for, suggest_split
 from dflash.train import run
 from test_train import metrics, train_cmd, write_toml
 from trainkit import tiny_config

@@ -15,25 +15,16 @@ import threading
 import time
 from pathlib import Path
 
-import numpy as np
+from dflash.synthetic import target_config
 
 REPO = Path(__file__).resolve().parents[1]
 
-# A Qwen3-shaped target small enough for a CPU smoke run (--tiny): 6 layers, hidden 64.
-TINY_TARGET = {
-    "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": 512, "hidden_size": 64,
-    "intermediate_size": 128, "num_hidden_layers": 6, "num_attention_heads": 4, "num_key_value_heads": 2,
-    "head_dim": 16, "max_position_embeddings": 4096, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
-    "tie_word_embeddings": False, "torch_dtype": "float32", "pad_token_id": 0,
-}  # fmt: skip
-
-
-def tiny_target_dir(root: Path) -> Path:
-    """Write TINY_TARGET's config.json (random_init builds the model from it) and return the folder."""
-    path = Path(root) / "tiny-qwen3"
-    path.mkdir(parents=True, exist_ok=True)
-    (path / "config.json").write_text(json.dumps(TINY_TARGET, indent=2))
-    return path
+# A Qwen3-shaped target small enough for a CPU smoke run (--tiny): 6 layers, hidden 64, vocabulary 512.
+# Written as config.json alone (dflash.synthetic.write_target, weights=False): random_init builds it.
+TINY_TARGET = target_config(
+    "qwen3", vocab_size=512, num_hidden_layers=6, max_position_embeddings=4096, rms_norm_eps=1e-6,
+    rope_theta=1000000.0, torch_dtype="float32", pad_token_id=0,
+)
 
 
 def parse_sets(pairs: list[str]) -> dict:
@@ -48,29 +39,6 @@ def parse_sets(pairs: list[str]) -> dict:
         except json.JSONDecodeError:
             out[key.strip()] = raw
     return out
-
-
-def write_uniform_dataset(path: Path, samples: int, length: int, vocab: int, prompt_share: float = 0.1,
-                          seed: int = 0) -> Path:
-    """One Arrow shard of `samples` rows of exactly `length` tokens; loss_mask 0 on the first prompt_share."""
-    from dflash.data import write_shard_arrays
-
-    path = Path(path)
-    shard = path / "shard-00000.arrow"
-    meta = path / "shape.json"
-    want = {"samples": samples, "length": length, "vocab": vocab, "prompt_share": prompt_share, "seed": seed}
-    if shard.is_file() and meta.is_file() and json.loads(meta.read_text()) == want:
-        return path
-    rng = np.random.default_rng(seed)
-    ids = rng.integers(1, vocab - 1, size=samples * length, dtype=np.int64)
-    mask_row = np.ones(length, dtype=np.int64)
-    mask_row[: int(length * prompt_share)] = 0
-    mask = np.tile(mask_row, samples)
-    offsets = np.arange(samples + 1, dtype=np.int64) * length
-    path.mkdir(parents=True, exist_ok=True)
-    write_shard_arrays(shard, offsets, ids, mask)
-    meta.write_text(json.dumps(want))
-    return path
 
 
 # --------------------------------------------------------------------------- NVML

@@ -7,17 +7,18 @@ Run (from the repository root):
     uv run python bench/data_load.py --mean-length 300      # same sample count, ~1.6 GB on disk
     uv run python bench/data_load.py --clean                # delete the generated data afterwards
 
-The synthetic shards are written once under --out (default .cache/bench-data, git-ignored) and
-reused by later runs with the same --samples/--mean-length. Before the "cold" pass every shard is
+The synthetic shards (dflash.synthetic.write_random_dataset) are written once under --out
+(default .cache/bench-data/load, git-ignored) and reused by later runs with the same
+--samples/--mean-length/--max-length. Before the "cold" pass every shard is
 dropped from the page cache (posix_fadvise DONTNEED), so it measures reads from disk; the "warm"
 pass repeats it with the cache filled. Lengths are lognormal (sigma 0.8) capped at --max-length,
-like the incident's merged dataset (1,095,082 samples, mean 2,826 tokens).
+like the incident's merged dataset (1,095,082 samples, mean 2,826 tokens); the first quarter of
+each sample is its prompt (loss_mask 0).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import resource
@@ -31,41 +32,20 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dflash.data import BucketBatchSampler, ShardDataset, write_shard_arrays  # noqa: E402
+from dflash.data import BucketBatchSampler, ShardDataset  # noqa: E402
+from dflash.synthetic import write_random_dataset  # noqa: E402
 
 SAMPLES_PER_SHARD = 50_000
 VOCAB = 151_936  # Qwen3 vocabulary size: token ids are drawn below it
 
 
 def generate(out: Path, samples: int, mean_length: int, max_length: int, seed: int) -> None:
-    """Write the synthetic shards (skipped when a matching set is already there)."""
-    spec = {"samples": samples, "mean_length": mean_length, "max_length": max_length, "seed": seed}
-    marker = out / "spec.json"
-    if marker.exists() and json.loads(marker.read_text()) == spec:
-        return
-    if out.exists():
-        shutil.rmtree(out)
-    out.mkdir(parents=True)
-    rng = np.random.default_rng(seed)
-    sigma = 0.8
-    mu = np.log(mean_length) - sigma**2 / 2  # lognormal mean = exp(mu + sigma^2 / 2)
+    """Write the synthetic shards (dflash.synthetic keeps a folder already holding the same set)."""
     t0 = time.perf_counter()
-    tokens = 0
-    for s, start in enumerate(range(0, samples, SAMPLES_PER_SHARD)):
-        n = min(SAMPLES_PER_SHARD, samples - start)
-        lengths = np.clip(rng.lognormal(mu, sigma, size=n), 16, max_length).astype(np.int64)
-        offsets = np.zeros(n + 1, dtype=np.int64)
-        np.cumsum(lengths, out=offsets[1:])
-        ids = rng.integers(0, VOCAB, size=int(offsets[-1]), dtype=np.int32)
-        # prompt = first quarter of each sample (loss_mask 0), completion = the rest (1)
-        pos = np.arange(offsets[-1], dtype=np.int64) - np.repeat(offsets[:-1], lengths)
-        mask = (pos >= np.repeat(lengths // 4, lengths)).astype(np.int8)
-        del pos
-        write_shard_arrays(out / f"train-{s:05d}.arrow", offsets, ids, mask)
-        tokens += int(offsets[-1])
-    marker.write_text(json.dumps(spec))
+    write_random_dataset(out, samples, mean_length, VOCAB, sigma=0.8, max_length=max_length, prompt_share=0.25,
+                         seed=seed, per_shard=SAMPLES_PER_SHARD)
     size = sum(p.stat().st_size for p in out.glob("*.arrow"))
-    print(f"generated {samples:,} samples, {tokens:,} tokens, {size / 2**30:.1f} GiB in {time.perf_counter() - t0:.0f} s")
+    print(f"{samples:,} samples, {size / 2**30:.1f} GiB of shards ready in {time.perf_counter() - t0:.0f} s")
 
 
 def drop_page_cache(out: Path) -> None:
@@ -109,7 +89,7 @@ def main() -> None:
     ap.add_argument("--samples", type=int, default=1_100_000, help="samples to generate")
     ap.add_argument("--mean-length", type=int, default=2826, help="mean sample length (tokens)")
     ap.add_argument("--max-length", type=int, default=32768, help="length cap (tokens)")
-    ap.add_argument("--out", type=Path, default=Path(".cache/bench-data"), help="shard folder (git-ignored)")
+    ap.add_argument("--out", type=Path, default=Path(".cache/bench-data/load"), help="shard folder (git-ignored)")
     ap.add_argument("--token-budget", type=int, default=49152)
     ap.add_argument("--max-batch-size", type=int, default=64)
     ap.add_argument("--num-buckets", type=int, default=16)

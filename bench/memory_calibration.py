@@ -40,7 +40,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.common import Nvml, NvmlPeak, environment, gib, gpu_uuid, is_oom, tiny_target_dir, write_json  # noqa: E402
+from bench.common import TINY_TARGET, Nvml, NvmlPeak, environment, gib, gpu_uuid, is_oom, write_json  # noqa: E402
+from dflash.synthetic import write_target  # noqa: E402
 
 STEPS = 3
 
@@ -86,8 +87,8 @@ def tiny_configs(target: str) -> dict:
 
 
 def worker(spec: dict) -> dict:
-    from preflight.gate import apply_profile_env
     from dflash.config import config_from_dict
+    from preflight.gate import apply_profile_env
 
     raw = spec["config"]
     # The allocator settings the trainer runs with (the profile's env, e.g. expandable segments):
@@ -170,14 +171,14 @@ def _drafter_role(cfg, device, steps, nvml, torch) -> dict:
     from dflash.memory import workload
     from dflash.model import DFlashDrafter, drafter_config_from_target
     from dflash.step import build_optimizer, clip_and_step, micro_step, resolve_mask_token_id, set_lr
-    from dflash.target import DTYPES
+    from dflash.target import torch_dtype
 
     t0 = time.perf_counter()
     tconf = AutoConfig.from_pretrained(cfg.target.path)
     dcfg = drafter_config_from_target(tconf, cfg.drafter.num_layers, cfg.drafter.block_size,
                                       cfg.drafter.target_layer_ids or None, resolve_mask_token_id(cfg, tconf))
     drafter = DFlashDrafter(dcfg).to(device, torch.float32)
-    dtype = DTYPES[cfg.target.dtype]
+    dtype = torch_dtype(cfg.target.dtype)
     V, H = tconf.vocab_size, tconf.hidden_size
     embed = (torch.randn(V, H, device=device, dtype=dtype) * 0.02).requires_grad_(False)
     tied = bool(getattr(tconf, "tie_word_embeddings", False))
@@ -213,7 +214,8 @@ def worker_main(spec_json: str) -> int:
     try:
         out = {"ok": True, **worker(spec)}
     except Exception as e:
-        out = {"ok": False, "oom": is_oom(e), "error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:400],
+        first = str(e).splitlines()[0] if str(e) else ""
+        out = {"ok": False, "oom": is_oom(e), "error": f"{type(e).__name__}: {first}"[:400],
                "traceback": traceback.format_exc()[-3000:]}
     print("RESULT " + json.dumps(out), flush=True)
     return 0
@@ -223,10 +225,12 @@ def worker_main(spec_json: str) -> int:
 
 
 def parse_args(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", help="folder for memory_calibration.json")
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
-    ap.add_argument("--tiny", action="store_true", help="tiny Qwen3 target and shapes (CPU smoke run; memory numbers null)")
+    ap.add_argument("--tiny", action="store_true",
+                    help="tiny Qwen3 target and shapes (CPU smoke run; memory numbers null)")
     ap.add_argument("--only", action="append", default=[], help="run only this configuration name (repeatable)")
     ap.add_argument("--roles", default="target,drafter", help="comma list of roles to measure")
     ap.add_argument("--budget-s", type=float, default=330.0, help="stop launching workers past this wall time")
@@ -288,7 +292,7 @@ def measure_all(args) -> int:
     out_dir = Path(args.out or tempfile.mkdtemp(prefix="dflash-cal-"))
     out_path = out_dir / "memory_calibration.json"
     if args.tiny:
-        configs = tiny_configs(str(tiny_target_dir(out_dir / "targets")))
+        configs = tiny_configs(str(write_target(out_dir / "targets" / "tiny-qwen3", TINY_TARGET, weights=False)))
         plan = TINY_PLAN
     else:
         configs, plan = CONFIGS, PLAN
@@ -315,7 +319,8 @@ def measure_all(args) -> int:
         left = args.budget_s - elapsed
         expect = max(taken[role]) if taken[role] else guess[role]
         if left < expect:
-            entry.update(ok=False, skipped=True, error=f"skipped: {left:.0f} s of --budget-s left, a {role} worker takes ~{expect:.0f} s")
+            entry.update(ok=False, skipped=True,
+                         error=f"skipped: {left:.0f} s of --budget-s left, a {role} worker takes ~{expect:.0f} s")
             print(f"[{name} / {role}] {entry['error']}", flush=True)
             doc["measurements"].append(entry)
             write_json(out_path, {**doc, "measurements": kept + doc["measurements"]})
@@ -331,7 +336,8 @@ def measure_all(args) -> int:
         if result.get("ok"):
             taken[role].append(result["wall_s"])
             print(f"[{name} / {role}] {result['wall_s']} s: NVML used {gib(result['nvml_used_bytes'])} GiB, "
-                  f"reserved {gib(result['max_reserved_bytes'])}, allocated {gib(result['max_allocated_bytes'])}", flush=True)
+                  f"reserved {gib(result['max_reserved_bytes'])}, allocated {gib(result['max_allocated_bytes'])}",
+                  flush=True)
         else:
             print(f"[{name} / {role}] FAILED{' (out of memory)' if result.get('oom') else ''}: {result['error']}\n"
                   f"{result.get('traceback') or result.get('stderr_tail') or ''}", flush=True)
@@ -358,7 +364,8 @@ def print_table(measurements: list[dict]) -> None:
             print(f"{m['name']:<32} {m['role']:<8} {'skipped' if m.get('skipped') else 'FAILED'}: {m.get('error', '')}")
             continue
         e = err_of.get(id(m))
-        print(f"{m['name']:<32} {m['role']:<8} {gib(m.get('max_allocated_bytes')):>9} {gib(m.get('max_reserved_bytes')):>9} "
+        print(f"{m['name']:<32} {m['role']:<8} "
+              f"{gib(m.get('max_allocated_bytes')):>9} {gib(m.get('max_reserved_bytes')):>9} "
               f"{gib(m.get('nvml_used_bytes')):>9} {gib(m.get('nvml_baseline_bytes')):>9} "
               f"{'-' if e is None else f'{e:+.1%}':>9} {m.get('wall_s', 0):>7}")
     if superseded:
@@ -375,7 +382,8 @@ def print_table(measurements: list[dict]) -> None:
         print(f"\nfitted: cuda_context_gib={ {k: round(v, 4) for k, v in fitted.cuda_context_gib.items()} } "
               f"target_activation_scale={fitted.target_activation_scale:.4f} "
               f"drafter_activation_scale={fitted.drafter_activation_scale:.4f}")
-        print("errors with the fitted constants: " + ", ".join(f"{m['name']}/{m['role']} {e:+.1%}" for m, e in zip(usable, after)))
+        print("errors with the fitted constants: "
+              + ", ".join(f"{m['name']}/{m['role']} {e:+.1%}" for m, e in zip(usable, after)))
         print(f"max |error|: committed {max(abs(x) for x in errs):.1%}, fitted {max(abs(x) for x in after):.1%}")
 
 

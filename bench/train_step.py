@@ -33,6 +33,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import (  # noqa: E402
+    TINY_TARGET,
     Nvml,
     NvmlPeak,
     environment,
@@ -40,10 +41,9 @@ from bench.common import (  # noqa: E402
     gpu_uuid,
     is_oom,
     parse_sets,
-    tiny_target_dir,
     write_json,
-    write_uniform_dataset,
 )
+from dflash.synthetic import write_random_dataset, write_target  # noqa: E402
 
 DEFAULT_CONFIG = "configs/qwen3-8b-1gpu.toml"
 
@@ -69,17 +69,20 @@ TINY_SWEEP = {
 
 
 def parse_args(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", default=DEFAULT_CONFIG, help="run config TOML (default %(default)s)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="dotted override, e.g. train.max_anchors=1024 (repeatable)")
-    ap.add_argument("--data", default=None, help="folder for the synthetic datasets (default .cache/bench-data/train-step)")
+    ap.add_argument("--data", default=None,
+                    help="folder for the synthetic datasets (default .cache/bench-data/train-step)")
     ap.add_argument("--samples", type=int, default=64, help="samples in each synthetic dataset")
     ap.add_argument("--warmup", type=int, default=3, help="untimed steps first (compilation happens here)")
     ap.add_argument("--steps", type=int, default=10, help="timed steps")
     ap.add_argument("--sweep", action="store_true", help="time 512 anchors x block 16 and 1024 x 32 (batch 1 x 3072)")
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
-    ap.add_argument("--tiny", action="store_true", help="a 4-layer hidden-64 Qwen3 target and tiny shapes (CPU smoke run)")
+    ap.add_argument("--tiny", action="store_true",
+                    help="a 6-layer hidden-64 Qwen3 target and tiny shapes (CPU smoke run)")
     ap.add_argument("--json", default=None, help="write the results here")
     return ap.parse_args(argv)
 
@@ -89,7 +92,7 @@ def configurations(args, scratch: Path) -> list[tuple[str, dict]]:
     base = {"device": args.device, "train.max_steps": 10**9, "train.log_every": 10**6}
     if args.tiny:
         base.update(TINY)
-        base["target.path"] = str(tiny_target_dir(scratch))
+        base["target.path"] = str(write_target(scratch / "tiny-qwen3", TINY_TARGET, weights=False))
     if not args.sweep:
         return [("config", {**base, **user})]
     shapes = TINY_SWEEP if args.tiny else SWEEP
@@ -135,7 +138,7 @@ def measure(name: str, overrides: dict, args, data_root: Path, out_root: Path) -
     cfg = load_config(args.config, overrides)
     length = cfg.data.token_budget // cfg.data.max_batch_size
     vocab = _vocab(cfg.target.path)
-    data = write_uniform_dataset(data_root / f"{args.samples}x{length}", args.samples, length, vocab)
+    data = write_random_dataset(data_root / f"{args.samples}x{length}", args.samples, length, vocab)
     cfg = load_config(args.config, {**overrides, "data.path": str(data), "output_dir": str(out_root / name)})
     device = torch.device(cfg.device)
     nvml = Nvml(gpu_uuid(torch) if device.type == "cuda" else None, enabled=device.type == "cuda")
@@ -234,7 +237,8 @@ def print_table(results: list[dict], sweep: bool) -> None:
             continue
         alloc = r["max_allocated_bytes"]
         print(f"{r['name']:<10} {r['step_ms']:>9.0f}/{sf['step_ms']:<8.0f} {sf['step_ms'] / r['step_ms']:>6.2f} "
-              f"{r['drafter_step_ms']:>10.0f}/{sf['drafter_ms']:<9.0f} {sf['drafter_ms'] / max(r['drafter_step_ms'], 1e-9):>6.2f} "
+              f"{r['drafter_step_ms']:>10.0f}/{sf['drafter_ms']:<9.0f} "
+              f"{sf['drafter_ms'] / max(r['drafter_step_ms'], 1e-9):>6.2f} "
               f"{r['tokens_per_s']:>8.0f}/{sf['tok_s']:<7.0f} "
               f"{(gib(alloc) if alloc is not None else '-'):>12}/{sf['peak_alloc_gib']:<11}")
 
@@ -264,7 +268,8 @@ def main(argv=None) -> int:
             torch.cuda.empty_cache()
         results.append(r)
         if r["ok"]:
-            print(f"[{name}] {r['step_ms']:.1f} ms/step, {r['tokens_per_s']:.0f} tok/s, target {r['target_forward_ms']:.1f} ms, "
+            print(f"[{name}] {r['step_ms']:.1f} ms/step, {r['tokens_per_s']:.0f} tok/s, "
+                  f"target {r['target_forward_ms']:.1f} ms, "
                   f"peak alloc {gib(r['max_allocated_bytes'])} GiB", flush=True)
         if args.json:
             write_json(Path(args.json), {"env": env, "specforge_h200": SPECFORGE, "results": results})

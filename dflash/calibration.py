@@ -22,8 +22,8 @@ from dflash.config import RunConfig, config_from_dict
 from dflash.errors import DflashError
 from dflash.memory import (
     DEFAULT_CALIBRATION,
-    GiB,
     Calibration,
+    GiB,
     GpuRole,
     TargetShape,
     cuda_major,

@@ -22,8 +22,8 @@ from pathlib import Path
 import torch
 
 from dflash.config import RunConfig
-from preflight.profiles import REPO_ROOT, lock_path
 from dflash.errors import DflashError
+from preflight.profiles import REPO_ROOT, lock_path
 
 STEP_PREFIX = "step_"
 

@@ -8,16 +8,15 @@ This module imports no torch: preflight reads it in a process that must stay lig
 from __future__ import annotations
 
 import hashlib
-import math
 import json
+import math
 import tomllib
 from pathlib import Path
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
-from dflash.errors import DflashError
 
-DTYPES = ("bfloat16", "float16", "float32")
+from dflash.errors import DflashError
 
 
 def default_target_layer_ids(num_target_layers: int, n: int) -> list[int]:

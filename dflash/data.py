@@ -28,6 +28,7 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
+
 from dflash.errors import DflashError
 
 COLUMNS = ("input_ids", "loss_mask")

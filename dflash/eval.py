@@ -28,11 +28,11 @@ import torch
 import torch.nn.functional as F
 
 from dflash.attention import build_train_mask
+from dflash.errors import DflashError
 from dflash.model import DFlashDrafter
 from dflash.prepare import eos_ids_of
 from dflash.prompts import chat_prompt_ids, load_prompts
 from dflash.target import target_embed_and_head
-from dflash.errors import DflashError
 
 
 class EvalError(DflashError):

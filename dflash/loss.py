@@ -201,11 +201,15 @@ def _check_loss_inputs(hidden_BQH, head_VH, labels_BQ, weight_BQ, block_size, ch
     if Q % block_size:
         raise ValueError(f"query length {Q} is not a multiple of block_size {block_size}")
     if labels_BQ.shape != (B, Q) or weight_BQ.shape != (B, Q):
-        raise ValueError(f"labels {tuple(labels_BQ.shape)} and weight {tuple(weight_BQ.shape)} must be [B, Q] = [{B}, {Q}]")
+        raise ValueError(
+            f"labels {tuple(labels_BQ.shape)} and weight {tuple(weight_BQ.shape)} must be [B, Q] = [{B}, {Q}]"
+        )
     if head_VH.shape[1] != H:
         raise ValueError(f"lm_head weight {tuple(head_VH.shape)} does not match hidden size {H}")
     if head_VH.requires_grad:
-        raise ValueError("the lm_head weight must be frozen (requires_grad=False): the chunked loss gives it no gradient")
+        raise ValueError(
+            "the lm_head weight must be frozen (requires_grad=False): the chunked loss gives it no gradient"
+        )
     if chunk < 1:
         raise ValueError(f"loss chunk must be >= 1, got {chunk}")
     if not 0.0 <= kl_weight <= 1.0:
@@ -231,7 +235,9 @@ def dflash_loss(
     loss = [(1 - kl_weight) * sum w*CE + kl_weight * sum w*KL] / sum w. Only tokens with w > 0
     go through the lm_head, `chunk` of them at a time.
     """
-    _check_loss_inputs(hidden_BQH, lm_head_weight, labels_BQ, weight_BQ, block_size, chunk, target_hidden_BQH, kl_weight)
+    _check_loss_inputs(
+        hidden_BQH, lm_head_weight, labels_BQ, weight_BQ, block_size, chunk, target_hidden_BQH, kl_weight
+    )
     B, Q, H = hidden_BQH.shape
     weight_N = weight_BQ.reshape(-1).to(_math_dtype(lm_head_weight))
     idx_M = weight_N.nonzero().squeeze(1)

@@ -13,7 +13,7 @@ names and config fields public DFlash drafters use, so DFlash-aware serving stac
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -61,9 +61,8 @@ class DFlashConfig:
             raise ValueError(f"block_size must be >= 2 (slot 0 is the anchor), got {self.block_size}")
         bad = [i for i in self.target_layer_ids if not 0 <= i < self.num_target_layers]
         if bad or not self.target_layer_ids:
-            raise ValueError(
-                f"target_layer_ids {self.target_layer_ids} must be non-empty and within [0, {self.num_target_layers - 1}]"
-            )
+            last = self.num_target_layers - 1
+            raise ValueError(f"target_layer_ids {self.target_layer_ids} must be non-empty and within [0, {last}]")
 
     def to_hf_dict(self, dtype: torch.dtype) -> dict:
         n = self.num_hidden_layers
@@ -294,7 +293,8 @@ class DFlashDrafter(nn.Module):
         ctx_BSH = self.hidden_norm(self.fc(_to_param_dtype(context_BSF, self.fc.weight)))
         x_BQH = _to_param_dtype(noise_emb_BQH, self.fc.weight)
         cfg = self.config
-        rope_dtype = torch.get_autocast_dtype(x_BQH.device.type) if torch.is_autocast_enabled(x_BQH.device.type) else x_BQH.dtype
+        device_type = x_BQH.device.type
+        rope_dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else x_BQH.dtype
         rope_q = rope_cos_sin(query_pos_BQ, cfg.head_dim, cfg.rope_theta, rope_dtype)
         rope_ctx = rope_cos_sin(context_pos_BS, cfg.head_dim, cfg.rope_theta, rope_dtype)
         rope_kv = tuple(torch.cat([c, q], dim=1) for c, q in zip(rope_ctx, rope_q))
@@ -331,5 +331,7 @@ class DFlashDrafter(nn.Module):
         model.to(dtype or stored)
         missing, unexpected = model.load_state_dict(state, strict=False)
         if missing or unexpected:
-            raise ValueError(f"{path / WEIGHTS_FILE}: missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}")
+            raise ValueError(
+                f"{path / WEIGHTS_FILE}: missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}"
+            )
         return model

@@ -26,8 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dflash.data import SHARD_GLOB, DatasetError, ShardDataset, write_shard
-from dflash.prompts import chat_prompt_ids, load_prompts, source_fingerprint
 from dflash.errors import DflashError
+from dflash.prompts import chat_prompt_ids, load_prompts, source_fingerprint
 
 MANIFEST = "manifest.json"
 SHARD_NAME = "shard-{:05d}.arrow"
@@ -95,7 +95,9 @@ def _check_resumable(out: Path, manifest: dict | None, key: dict) -> dict:
     differ = [k for k in key if old.get(k) != key[k]]
     if differ:
         what = ", ".join(f"{k} {old.get(k)!r} -> {key[k]!r}" for k in differ)
-        raise PrepareError(f"{out}: prepared with other settings ({what}); resume with the same ones or use another --out")
+        raise PrepareError(
+            f"{out}: prepared with other settings ({what}); resume with the same ones or use another --out"
+        )
     return manifest
 
 
@@ -152,7 +154,9 @@ class TransformersEngine:
         dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
         self.model = load_target(model_path, dtype, self.device)
 
-    def generate(self, prompts_ids: list[list[int]], max_new: list[int], pad_id: int, eos_ids: list[int]) -> list[list[int]]:
+    def generate(
+        self, prompts_ids: list[list[int]], max_new: list[int], pad_id: int, eos_ids: list[int]
+    ) -> list[list[int]]:
         import torch
 
         width = max(map(len, prompts_ids))
@@ -228,7 +232,9 @@ def prepare(s: PrepareSettings, log=print, progress: bool | None = None) -> dict
         raise PrepareError(f"--prompts {s.prompts} --limit {s.limit}: no prompts selected")
     model_path = resolve_target(s.target, log=log)
     if not (model_path / "config.json").is_file():
-        raise PrepareError(f"--target {s.target}: no config.json there (expected a Hugging Face model folder or 'smollm2')")
+        raise PrepareError(
+            f"--target {s.target}: no config.json there (expected a Hugging Face model folder or 'smollm2')"
+        )
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     out = Path(s.out)
     manifest = _check_resumable(out, read_manifest(out), _settings_key(s, fingerprint, tokenizer))

@@ -18,6 +18,7 @@ import hashlib
 import importlib.metadata
 import json
 from pathlib import Path
+
 from dflash.errors import DflashError
 
 CHITCHAT = "chitchat"
@@ -36,7 +37,9 @@ def chitchat_json() -> Path:
     try:
         dist = importlib.metadata.distribution(CHITCHAT_DISTRIBUTION)
     except importlib.metadata.PackageNotFoundError:
-        raise PromptError(f"--prompts chitchat needs the package {CHITCHAT_DISTRIBUTION} (demo group); run `uv sync`") from None
+        raise PromptError(
+            f"--prompts chitchat needs the package {CHITCHAT_DISTRIBUTION} (demo group); run `uv sync`"
+        ) from None
     found = [f for f in dist.files or [] if str(f).endswith("dataset.json")]
     if not found or not Path(dist.locate_file(found[0])).is_file():
         raise PromptError(f"{CHITCHAT_DISTRIBUTION} {dist.version} has no dataset.json; reinstall it with `uv sync`")

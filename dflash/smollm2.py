@@ -17,6 +17,7 @@ import importlib.metadata
 import os
 import shutil
 from pathlib import Path
+
 from dflash.errors import DflashError
 
 NAME = "smollm2"  # what --target / target.path accept for the embedded default

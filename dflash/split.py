@@ -40,7 +40,7 @@ from dflash import checkpoint as ckpt
 from dflash.config import RunConfig, config_from_dict, config_sha256, dump_config
 from dflash.data import collate, prefetch
 from dflash.errors import DflashError
-from dflash.target import DTYPES
+from dflash.target import torch_dtype
 
 GATE_ENV = "DFLASH_GATE_ID"  # set by the launcher: the gate_id of the preflight.json its workers must find
 POLL_S = 0.2  # launcher's watch interval
@@ -343,7 +343,7 @@ def _target_main(cfg: RunConfig, me: Rank, resume_from: Path | None, share_group
     start = _start_step(cfg, resume_from, dataset, sampler)
     per_step = cfg.train.grad_accum * me.n_drafters
     first, end = start * per_step, total * per_step  # global batch indices this run still computes
-    wire = DTYPES[cfg.target.dtype]
+    wire = torch_dtype(cfg.target.dtype)
     pad = pad_token_id(target.target_config)
     in_flight: deque = deque()
     wait_s = 0.0
@@ -410,7 +410,7 @@ class RemoteTargets:
         self.target_config = AutoConfig.from_pretrained(target_folder(cfg.target.path))
         self.n_layers = len(feature_layer_ids(cfg, self.target_config.num_hidden_layers))
         self.want_last = cfg.train.kl_weight > 0
-        self.wire = DTYPES[cfg.target.dtype]
+        self.wire = torch_dtype(cfg.target.dtype)
         V, H = self.target_config.vocab_size, self.target_config.hidden_size
         self.embed = torch.empty(V, H, dtype=self.wire, device=device)
         self.head = torch.empty(V, H, dtype=self.wire, device=device)

@@ -21,7 +21,7 @@ import torch
 from dflash.config import RunConfig, default_target_layer_ids
 from dflash.errors import DflashError
 from dflash.loss import drafter_step_math, target_step
-from dflash.target import DTYPES, load_target, target_embed_and_head
+from dflash.target import load_target, target_embed_and_head, torch_dtype
 
 ADAMW_BETAS = (0.9, 0.95)
 
@@ -187,7 +187,7 @@ class LocalTarget:
 
     def __init__(self, cfg: RunConfig, device: torch.device, log=print):
         self.cfg, self.device = cfg, device
-        self.model = load_target(target_folder(cfg.target.path, log), DTYPES[cfg.target.dtype], device,
+        self.model = load_target(target_folder(cfg.target.path, log), torch_dtype(cfg.target.dtype), device,
                                  cfg.target.random_init)
         self.target_config = self.model.config
         self.layer_ids = feature_layer_ids(cfg, self.target_config.num_hidden_layers)

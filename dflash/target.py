@@ -13,10 +13,12 @@ from pathlib import Path
 import torch
 from torch import nn
 
+# The one map from a config's dtype name (target.dtype) to the torch dtype.
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
-def _resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+def torch_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    """The torch dtype of a name in DTYPES (a torch dtype passes through); ValueError names the allowed ones."""
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype not in DTYPES:
@@ -33,7 +35,7 @@ def load_target(
     path = Path(path_or_name)
     if not (path / "config.json").is_file():
         raise ValueError(f"target {str(path_or_name)!r}: no config.json there (expected a Hugging Face model folder)")
-    dtype, device = _resolve_dtype(dtype), torch.device(device)
+    dtype, device = torch_dtype(dtype), torch.device(device)
     if random_init:
         config = AutoConfig.from_pretrained(path)
         with torch.device(device):

@@ -14,18 +14,22 @@ import sys
 
 import click
 
+from dflash.errors import run_cli
 from preflight.checks import CHECK_IDS, NEEDS_CONFIG
 
-EXIT_OK, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
+EXIT_OK, EXIT_FAIL = 0, 1  # a usage error (click.UsageError) exits 2 through run_cli
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]}, epilog=f"Check ids: {', '.join(CHECK_IDS)}. "
                f"Without --config these are skipped: {', '.join(NEEDS_CONFIG)}.")
 @click.option("--profile", "profile_name", required=True, metavar="NAME", help="environment profile (envs/NAME.toml)")
-@click.option("--config", "config_path", metavar="RUN.toml", help="run config; without it only the environment is checked")
+@click.option("--config", "config_path", metavar="RUN.toml",
+              help="run config; without it only the environment is checked")
 @click.option("--json", "as_json", is_flag=True, help="print exactly one JSON object on stdout")
-@click.option("--waive", multiple=True, metavar="CHECK_ID", help="accept a failing check (repeatable; each needs --reason)")
-@click.option("--reason", multiple=True, metavar="TEXT", help="why the matching --waive is acceptable (kept in the report)")
+@click.option("--waive", multiple=True, metavar="CHECK_ID",
+              help="accept a failing check (repeatable; each needs --reason)")
+@click.option("--reason", multiple=True, metavar="TEXT",
+              help="why the matching --waive is acceptable (kept in the report)")
 @click.option("--resume", is_flag=True, help="the run will resume from its newest checkpoint")
 @click.option("--fresh", is_flag=True, help="the run will start over even if checkpoints exist")
 @click.option("--nvml-fake", metavar="JSON|none", hidden=True, help="replay a recorded NVML snapshot (tests)")
@@ -70,18 +74,8 @@ def command(profile_name, config_path, as_json, waive, reason, resume, fresh, nv
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Console entry point: usage errors are one line on stderr and exit 2, never a traceback."""
-    try:
-        code = command.main(args=argv, prog_name="dflash-preflight", standalone_mode=False)
-    except click.exceptions.Exit as e:  # --help
-        sys.exit(e.exit_code)
-    except click.Abort:
-        click.echo("dflash-preflight: aborted", err=True)
-        sys.exit(EXIT_USAGE)
-    except click.ClickException as e:
-        click.echo(f"dflash-preflight: error: {e.format_message()}", err=True)
-        sys.exit(EXIT_USAGE)
-    sys.exit(code if isinstance(code, int) else EXIT_OK)
+    """Console entry point: a usage error is one line on stderr and exit 2, never a traceback."""
+    run_cli(command, "dflash-preflight", argv)
 
 
 if __name__ == "__main__":

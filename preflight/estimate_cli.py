@@ -10,12 +10,10 @@ This module only formats and maps to exit codes; ``preflight.estimate`` decides.
 
 from __future__ import annotations
 
-import sys
-
 import click
 
-from dflash.errors import DflashError
-from dflash.memory import GiB, Estimate
+from dflash.errors import DflashError, UsageError, run_cli
+from dflash.memory import Estimate, GiB
 from preflight.estimate import run_estimate
 
 
@@ -61,15 +59,20 @@ def format_estimate(est: Estimate, cuda_source: str = "") -> str:
 @click.option("--cuda", help="CUDA major.minor of the torch build (default: the config's profile, else 12.8)")
 @click.option("--set", "sets", multiple=True, metavar="KEY=VALUE", help="override a config field, e.g. train.max_anchors=512")
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object instead of tables")
-def main(config_path: str, gpu_memory: str | None, from_nvml: bool, cuda: str | None, sets: tuple[str, ...], as_json: bool) -> None:
+def command(config_path: str, gpu_memory: str | None, from_nvml: bool, cuda: str | None, sets: tuple[str, ...],
+            as_json: bool) -> int:
     """Per-role GPU memory estimate of a DFlash run and the largest settings that fit."""
     try:
         est, cuda_source = run_estimate(config_path, sets, gpu_memory, from_nvml, cuda)
     except DflashError as e:
-        click.echo(f"dflash-estimate: {e.one_line()}", err=True)
-        sys.exit(2)
+        raise UsageError(e.one_line()) from None
     click.echo(est.model_dump_json(indent=2) if as_json else format_estimate(est, cuda_source))
-    sys.exit(1 if any(r.fits is False for r in est.roles) else 0)
+    return 1 if any(r.fits is False for r in est.roles) else 0
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Console entry point: bad input is one line on stderr and exit 2, never a traceback."""
+    run_cli(command, "dflash-estimate", argv)
 
 
 if __name__ == "__main__":

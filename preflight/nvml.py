@@ -163,7 +163,8 @@ class FakeGpuInfo:
 def snapshot_from_dict(d: dict) -> NvmlSnapshot:
     gpus = []
     for i, g in enumerate(d.get("gpus", [])):
-        procs = tuple(GpuProcess(int(p["pid"]), str(p.get("name", "?")), p.get("used_bytes")) for p in g.get("processes", []))
+        procs = tuple(GpuProcess(int(p["pid"]), str(p.get("name", "?")), p.get("used_bytes"))
+                      for p in g.get("processes", []))
         total = int(g["memory_total"])
         free = int(g["memory_free"])
         gpus.append(Gpu(

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
 from dflash.errors import DflashError
 
 REPO_ROOT = Path(__file__).resolve().parent.parent

@@ -3,24 +3,17 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
 
 @pytest.fixture(scope="session")
 def tiny_target():
     """A frozen random Qwen3ForCausalLM: 6 layers, hidden 64, 4 heads / 2 kv heads, head_dim 16, vocab 256."""
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+    from dflash.synthetic import random_target, target_config
+    from dflash.target import freeze
 
-    cfg = Qwen3Config(
-        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, max_position_embeddings=512, tie_word_embeddings=False,
-        # Larger than HF's 0.02 so the random lm_head can express confident predictions, like a trained one.
-        initializer_range=0.1,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    model = Qwen3ForCausalLM(cfg).eval()
-    model.requires_grad_(False)
-    return model
+    # initializer_range larger than HF's 0.02 so the random lm_head can express confident predictions.
+    config = target_config("qwen3", vocab_size=256, num_hidden_layers=6, initializer_range=0.1)
+    return freeze(random_target(config, seed=0))
 
 
 def pytest_addoption(parser):

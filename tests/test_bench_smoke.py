@@ -34,8 +34,8 @@ def test_train_step_bench_sweeps_on_cpu(tmp_path):
 
 @pytest.mark.slow
 def test_memory_calibration_runs_both_roles_on_cpu(tmp_path):
-    proc = _run(["bench/memory_calibration.py", "--device", "cpu", "--tiny", "--only", "tiny-b-kl", "--out", str(tmp_path)],
-                tmp_path)
+    proc = _run(["bench/memory_calibration.py", "--device", "cpu", "--tiny", "--only", "tiny-b-kl",
+                 "--out", str(tmp_path)], tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     doc = json.loads((tmp_path / "memory_calibration.json").read_text())
     assert "memory_calibration.py" in doc["command"] and doc["env"]["torch"]

@@ -165,7 +165,8 @@ def test_wrong_column_type(tmp_path):
 def test_mismatched_row_lengths(tmp_path):
     _write_table(
         tmp_path / "a.arrow",
-        pa.table({"input_ids": pa.array([[1, 2], [3]]), "loss_mask": pa.array([[1, 1], [1, 0]], type=pa.list_(pa.int8()))}),
+        pa.table({"input_ids": pa.array([[1, 2], [3]]),
+                  "loss_mask": pa.array([[1, 1], [1, 0]], type=pa.list_(pa.int8()))}),
     )
     with pytest.raises(DatasetError, match="row 1 has 1 input_ids but 2 loss_mask values"):
         ShardDataset(tmp_path)

@@ -12,7 +12,8 @@ import pytest
 
 from dflash import demo
 from dflash.config import load_config
-from tinylm import tiny_target_folder, words
+from dflash.synthetic import word_text
+from trainkit import chat_target
 
 
 def test_demo_preset_validates():
@@ -24,9 +25,9 @@ def test_demo_preset_validates():
 def test_pipeline_on_a_tiny_target(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("DFLASH_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr("dflash.cli.run_gate", lambda cfg, waivers, intent: True)  # preflight has its own tests
-    target = tiny_target_folder(tmp_path, "llama")
+    target = chat_target(tmp_path, "llama")
     prompts = tmp_path / "prompts.txt"
-    prompts.write_text("\n".join(words(3 + i % 5, start=i) for i in range(12)) + "\n")
+    prompts.write_text("\n".join(word_text(3 + i % 5, start=i) for i in range(12)) + "\n")
     overrides = {
         "output_dir": str(tmp_path / "run"),
         "drafter.target_layer_ids": [1, 2],

@@ -12,7 +12,8 @@ from dflash.cli import eval_main
 from dflash.eval import Decoder, EvalError, evaluate_drafters, find_drafter_folder, load_eval_target
 from dflash.model import DFlashDrafter, drafter_config_from_target
 from dflash.prompts import chat_prompt_ids
-from tinylm import tiny_target_folder, words
+from dflash.synthetic import word_text
+from trainkit import chat_target
 
 MASK_ID = 5  # "<mask>" in the tiny tokenizer
 
@@ -30,8 +31,8 @@ def _drafter(model, block_size=4, seed=0):
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_random_drafter_is_lossless(root, arch):
-    model, tok = load_eval_target(str(tiny_target_folder(root, arch)), "cpu")
-    prompts = [words(3 + i, start=i) for i in range(3)]
+    model, tok = load_eval_target(str(chat_target(root, arch)), "cpu")
+    prompts = [word_text(3 + i, start=i) for i in range(3)]
     reports = evaluate_drafters(model, tok, {"random": _drafter(model)}, prompts, None, 24, progress=False)
     r = reports["random"]
     assert r.lossless, r.mismatches
@@ -57,8 +58,8 @@ class _Oracle:
 @pytest.mark.parametrize("wrong_at, expect", [(None, 4), (0, 1), (2, 3)])
 def test_cache_rollback_keeps_output_exact(root, monkeypatch, wrong_at, expect):
     """Accepting all, none or part of a block: output still equals greedy, acceptance is as drafted."""
-    model, tok = load_eval_target(str(tiny_target_folder(root, "llama")), "cpu")
-    prompt = chat_prompt_ids(tok, words(6))
+    model, tok = load_eval_target(str(chat_target(root, "llama")), "cpu")
+    prompt = chat_prompt_ids(tok, word_text(6))
     base = Decoder(model, None, [tok.eos_token_id])
     reference, _ = base.greedy(prompt, 30)
     dec = Decoder(model, _drafter(model), [tok.eos_token_id])
@@ -70,7 +71,7 @@ def test_cache_rollback_keeps_output_exact(root, monkeypatch, wrong_at, expect):
 
 def test_detects_a_lossy_decoder(root, monkeypatch):
     """A verify step that accepts a wrong draft must be reported, not hidden."""
-    model, tok = load_eval_target(str(tiny_target_folder(root, "llama")), "cpu")
+    model, tok = load_eval_target(str(chat_target(root, "llama")), "cpu")
 
     def lossy(self, prompt, max_new, block_size):
         tokens, accept = real(self, prompt, max_new, block_size)
@@ -78,18 +79,18 @@ def test_detects_a_lossy_decoder(root, monkeypatch):
 
     real = Decoder.speculative
     monkeypatch.setattr(Decoder, "speculative", lossy)
-    r = evaluate_drafters(model, tok, {"d": _drafter(model)}, [words(4)], None, 8, progress=False)["d"]
+    r = evaluate_drafters(model, tok, {"d": _drafter(model)}, [word_text(4)], None, 8, progress=False)["d"]
     assert not r.lossless
     assert "token 0" in r.mismatches[0]
 
 
 def test_cli_reports_and_exit_codes(root, tmp_path):
-    target = tiny_target_folder(root, "llama")
+    target = chat_target(root, "llama")
     model, _ = load_eval_target(str(target), "cpu")
     run = tmp_path / "run"
     _drafter(model).save_pretrained(run / "drafter")
     prompts = tmp_path / "p.txt"
-    prompts.write_text(f"{words(4)}\n{words(5, 3)}\n")
+    prompts.write_text(f"{word_text(4)}\n{word_text(5, 3)}\n")
     out = tmp_path / "r.json"
     res = CliRunner().invoke(eval_main, ["--target", str(target), "--drafter", str(run), "--prompts", str(prompts),
                                          "--max-new-tokens", "12", "--json", str(out)])
@@ -105,7 +106,7 @@ def test_cli_reports_and_exit_codes(root, tmp_path):
 
 
 def test_drafter_of_another_target_is_refused(root):
-    llama, tok = load_eval_target(str(tiny_target_folder(root, "llama")), "cpu")
+    llama, tok = load_eval_target(str(chat_target(root, "llama")), "cpu")
     cfg = drafter_config_from_target(dict(llama.config.to_dict(), num_hidden_layers=8), 1, 4, mask_token_id=MASK_ID)
     with pytest.raises(EvalError, match="does not belong to this target"):
-        evaluate_drafters(llama, tok, {"x": DFlashDrafter(cfg)}, [words(3)], None, 4, progress=False)
+        evaluate_drafters(llama, tok, {"x": DFlashDrafter(cfg)}, [word_text(3)], None, 4, progress=False)

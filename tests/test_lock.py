@@ -1,6 +1,7 @@
 """dflash-lock check: each way a committed lock can be wrong fails with one line naming it."""
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -118,6 +119,17 @@ def test_cli_exit_codes_and_json(tmp_path):
     (bad / "train-cu128.lock").write_text(CU128_LOCK)
     proc = subprocess.run(cmd, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout
+
+
+def test_cli_errors_are_one_line(tmp_path):
+    env = dict(os.environ, UV=str(tmp_path / "no-uv"))
+    proc = subprocess.run([sys.executable, "-m", "preflight.lock_cli", "write"], capture_output=True, text=True,
+                          cwd=REPO_ROOT, env=env)
+    assert proc.returncode == 1 and proc.stdout == ""
+    assert proc.stderr.startswith("dflash-lock: error: cannot run uv (") and proc.stderr.count("\n") == 1
+    proc = subprocess.run([sys.executable, "-m", "preflight.lock_cli", "diff", "train-cu128", "nope"],
+                          capture_output=True, text=True, cwd=REPO_ROOT)
+    assert proc.returncode == 2 and proc.stderr.startswith("dflash-lock: error: unknown profile 'nope'")
 
 
 def test_diff_puts_torch_and_cuda_runtime_first():

@@ -9,13 +9,12 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from click.testing import CliRunner
 
 from dflash.calibration import fit_calibration, prediction_errors
 from dflash.config import ConfigError, config_from_dict, default_target_layer_ids, load_config
 from dflash.memory import (
-    GiB,
     Calibration,
+    GiB,
     TargetShape,
     drafter_params,
     drafter_state_bytes,
@@ -154,7 +153,8 @@ def test_soft_labels_add_last_hidden_state_and_kl_buffers(tiny):
     kl = tiny.model_copy(deep=True)
     kl.train.kl_weight = 0.5
     extra_target = role_need_bytes(kl, "target", "12.8", cal=HAND) - role_need_bytes(tiny, "target", "12.8", cal=HAND)
-    extra_drafter = role_need_bytes(kl, "drafter", "12.8", cal=HAND) - role_need_bytes(tiny, "drafter", "12.8", cal=HAND)
+    extra_drafter = (role_need_bytes(kl, "drafter", "12.8", cal=HAND)
+                     - role_need_bytes(tiny, "drafter", "12.8", cal=HAND))
     last = 64 * 64 * 2
     # kept + send buffer; the forward now runs every layer with the deepest feature alive
     assert extra_target == pytest.approx(1.05 * 3 * last, abs=2)
@@ -208,7 +208,8 @@ def test_target_role_ignores_anchors():
     cfg = load_config(CFG_27B)
     a = role_need_bytes(with_setting(cfg, "max_anchors", 16), "target", "12.8")
     assert a == role_need_bytes(cfg, "target", "12.8")
-    assert role_need_bytes(with_setting(cfg, "max_anchors", 16), "drafter", "12.8") < role_need_bytes(cfg, "drafter", "12.8")
+    fewer_anchors = with_setting(cfg, "max_anchors", 16)
+    assert role_need_bytes(fewer_anchors, "drafter", "12.8") < role_need_bytes(cfg, "drafter", "12.8")
 
 
 # ---------------------------------------------------------------- limits
@@ -306,20 +307,28 @@ def test_cli_27b_prints_both_roles_and_limits():
     assert "CUDA 12.8 (from envs/train-cu128.toml)" in out
 
 
-def test_cli_json_is_one_object_with_the_same_content():
-    res = CliRunner().invoke(main, ["--config", str(CFG_8B), "--gpu-memory", "139GiB", "--json", "--cuda", "13.0"])
-    assert res.exit_code == 0, res.output
-    obj = json.loads(res.output)
+def estimate_cli(capsys, *args: str) -> tuple[int, str, str]:
+    """(exit code, stdout, stderr) of the dflash-estimate entry point."""
+    with pytest.raises(SystemExit) as e:
+        main(list(args))
+    out, err = capsys.readouterr()
+    return e.value.code, out, err
+
+
+def test_cli_json_is_one_object_with_the_same_content(capsys):
+    code, out, err = estimate_cli(capsys, "--config", str(CFG_8B), "--gpu-memory", "139GiB", "--json", "--cuda", "13.0")
+    assert code == 0, err
+    obj = json.loads(out)
     assert [r["role"] for r in obj["roles"]] == ["colocated"]
     assert obj["cuda"] == "13.0" and obj["gpu_bytes"] == 139 * GiB
     assert {x["setting"] for x in obj["limits"]} == {"token_budget", "max_batch_size", "max_anchors"}
     assert obj["workload"]["queries"] == 512 * 16
 
 
-def test_cli_without_gpu_size_prints_totals_only():
-    res = CliRunner().invoke(main, ["--config", str(CFG_8B)])
-    assert res.exit_code == 0
-    assert "give --gpu-memory SIZE or --from-nvml" in res.output
+def test_cli_without_gpu_size_prints_totals_only(capsys):
+    code, out, _ = estimate_cli(capsys, "--config", str(CFG_8B))
+    assert code == 0
+    assert "give --gpu-memory SIZE or --from-nvml" in out
 
 
 @pytest.mark.parametrize("args, needle", [
@@ -331,18 +340,18 @@ def test_cli_without_gpu_size_prints_totals_only():
     (["--config", str(CFG_8B), "--gpu-memory", "95GiB", "--from-nvml"], "not both"),
     (["--config", str(CFG_8B), "--cuda", "11.8"], "CUDA 11.8"),
 ])
-def test_cli_bad_input_is_one_line_and_exit_2(args, needle):
-    res = CliRunner().invoke(main, args)
-    assert res.exit_code == 2
-    err = res.stderr.strip()
-    assert len(err.splitlines()) == 1 and needle in err and "Traceback" not in err
+def test_cli_bad_input_is_one_line_and_exit_2(capsys, args, needle):
+    code, out, err = estimate_cli(capsys, *args)
+    assert code == 2 and out == ""
+    assert err.count("\n") == 1 and err.startswith("dflash-estimate: error: ") and needle in err
+    assert "Traceback" not in err
 
 
-def test_cli_unreadable_toml_exit_2(tmp_path):
+def test_cli_unreadable_toml_exit_2(capsys, tmp_path):
     bad = tmp_path / "bad.toml"
     bad.write_text("[data\ntoken_budget = ")
-    res = CliRunner().invoke(main, ["--config", str(bad)])
-    assert res.exit_code == 2 and "not valid TOML" in res.stderr
+    code, _, err = estimate_cli(capsys, "--config", str(bad))
+    assert code == 2 and "not valid TOML" in err
 
 
 def test_batch_anchors_caps_loss_tokens_and_pads_rows_to_the_largest_kept_count():

@@ -22,7 +22,9 @@ DATA = Path(__file__).resolve().parent / "data" / "memory_calibration.json"
 
 def _measurements() -> list[dict]:
     if not DATA.is_file():
-        pytest.skip(f"{DATA.name} not committed yet: run bench/memory_calibration.py on an H200 and copy its output there")
+        pytest.skip(
+            f"{DATA.name} not committed yet: run bench/memory_calibration.py on an H200 and copy its output there"
+        )
     doc = json.loads(DATA.read_text())
     ms, _superseded = current_measurements([m for m in doc["measurements"] if m.get("ok") and m.get("nvml_used_bytes")])
     if not ms:

@@ -10,7 +10,7 @@ import torch
 from dflash.attention import build_train_mask
 from dflash.loss import block_inputs
 from dflash.model import DFlashDrafter, default_target_layer_ids, drafter_config_from_target
-from dflash.target import load_target, target_embed_and_head, target_features
+from dflash.target import load_target, target_embed_and_head, target_features, torch_dtype
 
 
 def test_default_target_layer_ids():
@@ -138,6 +138,20 @@ def test_load_target_from_folder_and_random(tiny_target, tmp_path):
     assert not any(p.requires_grad for p in loaded.parameters()) and not loaded.training
     assert torch.equal(loaded.lm_head.weight, tiny_target.lm_head.weight)
     rand = load_target(tmp_path / "t", "bfloat16", "cpu", random_init=True)
-    assert rand.lm_head.weight.dtype == torch.bfloat16 and not torch.equal(rand.lm_head.weight.float(), loaded.lm_head.weight)
+    assert rand.lm_head.weight.dtype == torch.bfloat16
+    assert not torch.equal(rand.lm_head.weight.float(), loaded.lm_head.weight)
     with pytest.raises(ValueError, match="no config.json"):
         load_target(tmp_path / "nope", "float32", "cpu")
+
+
+def test_torch_dtype_maps_every_config_dtype_and_names_the_allowed_ones():
+    from typing import get_args
+
+    from dflash.config import config_from_dict
+
+    names = get_args(type(config_from_dict({}).target).model_fields["dtype"].annotation)
+    assert {n: torch_dtype(n) for n in names} == {"bfloat16": torch.bfloat16, "float16": torch.float16,
+                                                  "float32": torch.float32}
+    assert torch_dtype(torch.float16) is torch.float16
+    with pytest.raises(ValueError, match=r"one of \['bfloat16', 'float16', 'float32'\], got 'fp8'"):
+        torch_dtype("fp8")

@@ -12,8 +12,19 @@ from dflash.config import config_from_dict
 from preflight import checks
 from preflight.checks import CHECK_IDS, NEEDS_CONFIG, run_checks
 from preflight.facts import (
-    Checkpoint, CompileCache, Context, Dataset, Disk, GpuFacts, LibDir, ModelSource, PathEntry, RunDir, Shard,
-    TorchBuild, target_shape,
+    Checkpoint,
+    CompileCache,
+    Context,
+    Dataset,
+    Disk,
+    GpuFacts,
+    LibDir,
+    ModelSource,
+    PathEntry,
+    RunDir,
+    Shard,
+    TorchBuild,
+    target_shape,
 )
 from preflight.nvml import NO_DRIVER, snapshot_from_dict
 from preflight.profiles import load_profile
@@ -21,8 +32,9 @@ from preflight.profiles import load_profile
 FIXTURE = Path(__file__).parent / "data" / "nvml_fake_8gpu.json"
 GiB = 1024**3
 MiB = 1024**2
-LOCK = "".join(f"{pin} \\\n    --hash=sha256:{i:02x}\n" for i, pin in enumerate(
-    ["click==8.5.1", "nvidia-cuda-runtime-cu12==12.8.90", "nvidia-nccl-cu12==2.27.5", "torch==2.10.0", "triton==3.6.0"]))
+PINS = ["click==8.5.1", "nvidia-cuda-runtime-cu12==12.8.90", "nvidia-nccl-cu12==2.27.5", "torch==2.10.0",
+        "triton==3.6.0"]
+LOCK = "".join(f"{pin} \\\n    --hash=sha256:{i:02x}\n" for i, pin in enumerate(PINS))
 INSTALLED = {"click": ["8.5.1"], "nvidia-cuda-runtime-cu12": ["12.8.90"], "nvidia-nccl-cu12": ["2.27.5"],
              "torch": ["2.10.0+cu128"], "triton": ["3.6.0"], "dflash": ["0.1.0"]}
 SPLIT = {"target_gpus": ["0", "1", "2", "3", "4"], "drafter_gpus": ["5", "6", "7"]}
@@ -177,7 +189,8 @@ def test_cuda_libs_foreign_wheel_and_ld_path_fail(tmp_path):
     ctx.distributions["nvidia-cuda-runtime"] = ["13.0.96"]
     ctx.distributions["nvidia-nccl-cu13"] = ["2.28.3"]
     good, bad = str(tmp_path / "cu12" / "lib"), str(tmp_path / "cuda-13.0" / "lib64")
-    ctx.ld_dirs = [LibDir(good, True, {"libcudart.so.12": 12}), LibDir(bad, True, {"libcudart.so.13": 13, "libnccl.so.2": 13})]
+    ctx.ld_dirs = [LibDir(good, True, {"libcudart.so.12": 12}),
+                   LibDir(bad, True, {"libcudart.so.13": 13, "libnccl.so.2": 13})]
     r = checks.check_cuda_libs(ctx)
     assert r.status == "fail"
     assert "nvidia-cuda-runtime 13.0.96 is a CUDA 13 wheel" in r.summary
@@ -334,9 +347,9 @@ def test_compile_cache_mismatch_warns_naming_field(tmp_path):
 
 def test_model_source_modified_fails_naming_file_and_stat(tmp_path):
     ctx = make_ctx(tmp_path)
+    stat = " dflash/model.py | 4 +++-\n 1 file changed, 3 insertions(+), 1 deletion(-)"
     ctx.model_source = ModelSource("git", commit="0123456789abcdef", modified=["dflash/model.py"],
-                                   states={"dflash/model.py": "modified"},
-                                   diff_stat=" dflash/model.py | 4 +++-\n 1 file changed, 3 insertions(+), 1 deletion(-)",
+                                   states={"dflash/model.py": "modified"}, diff_stat=stat,
                                    verified=["dflash/loss.py"])
     r = checks.check_model_source(ctx)
     assert r.status == "fail"

@@ -24,7 +24,8 @@ def test_parse_torch_version_py():
     text = ("from typing import Optional\n__version__ = '2.11.0+cu130'\ndebug = False\n"
             "cuda: Optional[str] = '13.0'\nhip: Optional[str] = None\n")
     assert facts.parse_torch_version_py(text) == ("2.11.0+cu130", "13.0")
-    assert facts.parse_torch_version_py("__version__ = '2.10.0+cpu'\ncuda: Optional[str] = None\n") == ("2.10.0+cpu", None)
+    text = "__version__ = '2.10.0+cpu'\ncuda: Optional[str] = None\n"
+    assert facts.parse_torch_version_py(text) == ("2.10.0+cpu", None)
     assert facts.parse_torch_version_py("nothing here") is None
 
 
@@ -37,7 +38,9 @@ def test_torch_build_reads_installed_version_module():
 def _dist_info(site: Path, name: str, version: str) -> None:
     d = site / f"{name.replace('-', '_')}-{version}.dist-info"
     d.mkdir(parents=True)
-    (d / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n\nLong: description\nName: not-this\n")
+    (d / "METADATA").write_text(
+        f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n\nLong: description\nName: not-this\n"
+    )
 
 
 def test_installed_distributions_finds_each_and_duplicates(tmp_path):

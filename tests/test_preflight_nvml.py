@@ -10,7 +10,13 @@ from pathlib import Path
 import pytest
 
 from preflight.nvml import (
-    NO_DRIVER, FakeGpuInfo, NvmlGpuInfo, NvmlUnavailable, resolve_gpu, snapshot_from_dict, snapshot_to_dict,
+    NO_DRIVER,
+    FakeGpuInfo,
+    NvmlGpuInfo,
+    NvmlUnavailable,
+    resolve_gpu,
+    snapshot_from_dict,
+    snapshot_to_dict,
     visible_gpus,
 )
 
@@ -102,7 +108,8 @@ def _fake_pynvml(fail_init: Exception | None = None) -> types.ModuleType:
     m.nvmlDeviceGetHandleByIndex = lambda i: i
     m.nvmlDeviceGetMemoryInfo = lambda h: mem
     m.nvmlDeviceGetCudaComputeCapability = lambda h: (9, 0)
-    m.nvmlDeviceGetComputeRunningProcesses = lambda h: [_Proc(999_999_991, 2**30), _Proc(999_999_992, 2**64 - 1)] if h else []
+    procs = [_Proc(999_999_991, 2**30), _Proc(999_999_992, 2**64 - 1)]
+    m.nvmlDeviceGetComputeRunningProcesses = lambda h: procs if h else []
     m.nvmlDeviceGetGraphicsRunningProcesses = lambda h: [_Proc(999_999_991, 2**30)] if h else []
     m.nvmlDeviceGetUUID = lambda h: f"GPU-0000000{h}-aaaa-bbbb-cccc-dddddddddddd"
     m.nvmlDeviceGetName = lambda h: "NVIDIA H200"

@@ -12,20 +12,21 @@ from dflash import prepare as prep
 from dflash.cli import data_main
 from dflash.data import ShardDataset
 from dflash.prompts import HELD_OUT, is_held_out, load_prompts
-from tinylm import tiny_target_folder, tiny_tokenizer, words
+from dflash.synthetic import word_text, word_tokenizer
+from trainkit import chat_target
 
 N_PROMPTS = 10
 
 
 @pytest.fixture(scope="module")
 def target(tmp_path_factory):
-    return tiny_target_folder(tmp_path_factory.mktemp("prep"), "qwen3", context=64)
+    return chat_target(tmp_path_factory.mktemp("prep"), "qwen3", context=64)
 
 
 @pytest.fixture
 def prompt_file(tmp_path):
     path = tmp_path / "prompts.txt"
-    path.write_text("\n".join(words(2 + i % 4, start=i) for i in range(N_PROMPTS)) + "\n")
+    path.write_text("\n".join(word_text(2 + i % 4, start=i) for i in range(N_PROMPTS)) + "\n")
     return path
 
 
@@ -45,7 +46,7 @@ def test_prepare_writes_prompt_plus_completion_shards(target, prompt_file, tmp_p
     assert res.exit_code == 0, res.output
     rows, ds = _rows(tmp_path / "d")
     assert ds.num_samples == N_PROMPTS and len(ds.shards) == 3  # 4 + 4 + 2
-    tok = tiny_tokenizer()
+    tok = word_tokenizer()
     for i, line in enumerate(prompt_file.read_text().splitlines()):
         ids, mask = ds.get(i)
         prompt = tok.apply_chat_template([{"role": "user", "content": line}], add_generation_prompt=True,
@@ -104,13 +105,15 @@ def test_empty_prompt_file_is_a_clear_error(target, tmp_path):
     empty.write_text("\n  \n")
     res = _prepare(target, empty, tmp_path / "d")
     assert res.exit_code == 2
-    assert res.output.strip() == f"Error: {empty}: the prompt file holds no prompts (one per line, or JSONL with \"prompt\")"
+    assert res.output.strip() == (
+        f"Error: {empty}: the prompt file holds no prompts (one per line, or JSONL with \"prompt\")"
+    )
     assert not (tmp_path / "d").exists()
 
 
 def test_prompt_longer_than_context_is_a_clear_error(target, tmp_path):
     long = tmp_path / "long.jsonl"
-    long.write_text(json.dumps({"prompt": words(3)}) + "\n" + json.dumps({"prompt": words(80)}) + "\n")
+    long.write_text(json.dumps({"prompt": word_text(3)}) + "\n" + json.dumps({"prompt": word_text(80)}) + "\n")
     res = _prepare(target, long, tmp_path / "d")
     assert res.exit_code == 2
     assert "Error: prompt 1 is 82 tokens with the chat template, the target's context is 64" in res.output
@@ -128,7 +131,8 @@ def test_merge_keeps_inputs_and_refuses_to_overwrite(target, prompt_file, tmp_pa
     assert _prepare(target, prompt_file, tmp_path / "a", "--limit", "5").exit_code == 0
     assert _prepare(target, prompt_file, tmp_path / "b").exit_code == 0
     before = {p: p.read_bytes() for d in ("a", "b") for p in (tmp_path / d).iterdir()}
-    res = CliRunner().invoke(data_main, ["merge", str(tmp_path / "a"), str(tmp_path / "b"), "--out", str(tmp_path / "c")])
+    res = CliRunner().invoke(data_main, ["merge", str(tmp_path / "a"), str(tmp_path / "b"),
+                                         "--out", str(tmp_path / "c")])
     assert res.exit_code == 0, res.output
     a, _ = _rows(tmp_path / "a")
     b, _ = _rows(tmp_path / "b")

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -14,10 +13,9 @@ import pytest
 import torch
 
 from dflash import checkpoint as ckpt
-from dflash.data import write_shard
 from dflash.model import DFlashDrafter
-from dflash.target import decoder_of
 from dflash.step import cosine_lr
+from dflash.target import decoder_of
 from dflash.train import Trainer, run
 from trainkit import tiny_config
 

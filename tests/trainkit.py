@@ -1,56 +1,20 @@
-"""Helpers for trainer tests: a tiny real target on disk and a small learnable Arrow dataset."""
+"""Test fixtures over dflash.synthetic: the tiny training preset and the tiny chat target."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-import numpy as np
-import torch
-
 from dflash.config import config_from_dict
-from dflash.data import write_shard
+from dflash.synthetic import WORD_TOKENIZER_IDS, target_config, write_pattern_dataset, write_target
 
-VOCAB = 128
-
-
-def tiny_target_dir(root: Path, seed: int = 0) -> Path:
-    """A real Qwen3ForCausalLM (random weights, 4 layers, hidden 64) saved as an HF folder."""
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    path = root / "tiny-target"
-    if (path / "config.json").exists():
-        return path
-    torch.manual_seed(seed)
-    cfg = Qwen3Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
-                      tie_word_embeddings=False, pad_token_id=0, initializer_range=0.15)
-    Qwen3ForCausalLM(cfg).save_pretrained(path)
-    return path
-
-
-def pattern_dataset(root: Path, samples: int = 64, seed: int = 0, shards: int = 2) -> Path:
-    """Sequences over 12 of the vocabulary's tokens with x[i+1] = x[i] + step (mod 12): learnable from context."""
-    rng = np.random.default_rng(seed)
-    path = root / "data"
-    path.mkdir(parents=True, exist_ok=True)
-    rows_ids, rows_mask = [], []
-    for _ in range(samples):
-        n = int(rng.integers(24, 64))
-        step = int(rng.choice([1, 2, 3, 5]))
-        start = int(rng.integers(0, 12))
-        ids = [10 + (start + step * i) % 12 for i in range(n)]
-        prompt = n // 3
-        rows_ids.append(ids)
-        rows_mask.append([0] * prompt + [1] * (n - prompt))
-    per = -(-samples // shards)
-    for s in range(shards):
-        write_shard(path / f"shard-{s:05d}.arrow", rows_ids[s * per:(s + 1) * per], rows_mask[s * per:(s + 1) * per])
-    return path
+# The tiny training target: vocabulary 128, pad id 0, weights drawn wider than HF's 0.02 default.
+TRAIN_TARGET = target_config("qwen3", pad_token_id=0, initializer_range=0.15)
 
 
 def tiny_config(root: Path, **train):
-    target = tiny_target_dir(root)
-    data = pattern_dataset(root)
+    """(run config, raw dict) of the tiny CPU preset under root; `train` overrides [train] fields."""
+    target = write_target(root / "tiny-target", TRAIN_TARGET)
+    data = write_pattern_dataset(root / "data")
     raw = {
         "output_dir": str(root / "run"),
         "device": "cpu",
@@ -62,3 +26,12 @@ def tiny_config(root: Path, **train):
                   **train},
     }
     return config_from_dict(raw), raw
+
+
+def chat_target(root: Path, arch: str = "llama", context: int = 256) -> Path:
+    """A random-weight Llama or Qwen3 (4 layers, hidden 64) with the word-level tokenizer, under root.
+
+    The lm_head is scaled by 8 so greedy decoding wanders instead of repeating one token forever.
+    """
+    config = target_config(arch, max_position_embeddings=context, **WORD_TOKENIZER_IDS)
+    return write_target(Path(root) / f"tiny-{arch}-{context}", config, tokenizer=True, head_scale=8.0)

@@ -17,7 +17,7 @@ from packaging.utils import canonicalize_name
 from packaging.version import InvalidVersion, Version
 
 from preflight.facts import MODEL_SOURCE_FILES, PROJECT_DIST, Context
-from preflight.lockfile import is_gpu_stack
+from preflight.lockfile import is_gpu_stack, judge_lock
 from preflight.nvml import NO_DRIVER, Gpu, resolve_gpu, visible_gpus
 from preflight.report import CheckResult
 
@@ -71,8 +71,6 @@ def check_profile(ctx: Context) -> CheckResult:
     if ctx.lock_text is None:
         return _r("profile", "fail", f"{ctx.lock_file} is missing: profile {name} has no lock to verify against",
                   "uv run dflash-lock write", lock=ctx.lock_file)
-    from preflight.lock_cli import judge_lock
-
     problems = [f"{p.kind}: {p.message}" for p in judge_lock(ctx.profile, ctx.lock_text, fresh=None)]
     if problems:
         return _r("profile", "fail", f"{ctx.lock_file} does not validate: {_listing(problems, 2)}",

@@ -11,18 +11,15 @@ previous checkpoint loadable; only the newest keep_last are kept.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
-import subprocess
 import time
 from pathlib import Path
 
 import torch
 
 from dflash.config import RunConfig
-from preflight.profiles import REPO_ROOT, lock_path
 from dflash.errors import DflashError
 
 STEP_PREFIX = "step_"
@@ -59,20 +56,13 @@ def resolve_resume(output_dir: str | Path, resume: str) -> Path:
     return path
 
 
-def _sha256(path: Path) -> str | None:
-    return hashlib.sha256(path.read_bytes()).hexdigest() if path.exists() else None
-
-
-def git_commit() -> str | None:
-    try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=5)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    return out.stdout.strip() or None
-
-
 def save_checkpoint(output_dir: str | Path, step: int, drafter, optimizer, trainer_state: dict,
-                    cfg: RunConfig, dataset_meta: dict, keep_last: int) -> Path:
+                    cfg: RunConfig, dataset_meta: dict, keep_last: int, provenance: dict | None = None) -> Path:
+    """Write checkpoint `step` atomically and keep the newest keep_last.
+
+    ``provenance``: what wrote it, e.g. ``preflight.gate.provenance(cfg.profile)``
+    (``{"lock_sha256": ..., "git_commit": ...}``), recorded in meta.json as given.
+    """
     root = checkpoints_dir(output_dir)
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"{STEP_PREFIX}{step:08d}"
@@ -88,8 +78,7 @@ def save_checkpoint(output_dir: str | Path, step: int, drafter, optimizer, train
         "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "config": cfg.model_dump(),
         "dataset": dataset_meta,
-        "lock_sha256": _sha256(lock_path(cfg.profile)),
-        "git_commit": git_commit(),
+        **(provenance or {}),
     }
     (tmp / "meta.json").write_text(json.dumps(meta, indent=2))
     _fsync_tree(tmp)  # the bytes are on disk before the rename makes the checkpoint visible

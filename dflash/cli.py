@@ -9,7 +9,6 @@
 from __future__ import annotations
 
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -108,41 +107,25 @@ def _aside(out: Path, stem: str) -> Path:
     return path
 
 
-def apply_profile_env(profile_name: str) -> None:
-    """Set the variables the profile requires where the shell left them unset (before torch loads).
+def apply_profile_env(profile_name: str, log=click.echo) -> None:
+    """Set the profile's required variables left unset, before torch loads (see preflight.gate.apply_profile_env)."""
+    from preflight.gate import apply_profile_env as apply
 
-    A value the user set differently is left alone, so the env-vars check still reports it.
-    """
-    from preflight.profiles import ProfileError, load_profile
+    apply(profile_name, log)
+
+
+def _gate(cfg: RunConfig, waivers: dict[str, str], intent: str | None) -> bool:
+    """The in-process preflight gate; prints its lines. True when training may start."""
+    from preflight.gate import WaiverError, run_gate
 
     try:
-        required = load_profile(profile_name).env
-    except ProfileError:
-        return  # the profile check reports it
-    for key, value in required.items():
-        if key not in os.environ:
-            os.environ[key] = value
-            click.echo(f"profile {profile_name}: set {key}={value}")
-
-
-def run_gate(cfg: RunConfig, waivers: dict[str, str], intent: str | None) -> bool:
-    """The in-process preflight gate; prints failing checks. True when training may start."""
-    from preflight.gate import run_preflight
-
-    report = run_preflight(cfg, cfg.profile, waivers, intent)
-    bad = [c for c in report.checks if c.status in ("fail",)]
-    waived = [c for c in report.checks if c.status == "waived"]
-    for c in waived:
-        click.echo(f"preflight: waived {c.id}: {c.summary}", err=True)
-    if bad:
-        for c in bad:
-            click.echo(f"preflight: FAIL {c.id}: {c.summary}" + (f"  fix: {c.fix}" if c.fix else ""), err=True)
-        click.echo(f"refusing to start: {len(bad)} preflight check(s) failed (report: "
-                   f"{Path(cfg.output_dir) / 'preflight.json'}); fix them or waive with --waive ID --reason TEXT",
-                   err=True)
-        return False
-    click.echo(f"preflight: ok ({len(report.checks)} checks, {len(waived)} waived)")
-    return True
+        result = run_gate(cfg, waivers, intent)
+    except WaiverError as e:
+        raise click.UsageError(e.one_line()) from None
+    for line in result.notes:
+        click.echo(line, err=True)
+    click.echo(result.verdict, err=not result.ok)
+    return result.ok
 
 
 @click.command(context_settings=CONTEXT)
@@ -198,7 +181,7 @@ def train_main(config_path, demo, resume, fresh, sets, max_steps, output_dir, ta
     resume_from = prepare_output_dir(cfg, resume, fresh)
     intent = "resume" if resume else "fresh" if fresh else None
     Path(cfg.output_dir).mkdir(parents=True, exist_ok=True)
-    if not run_gate(cfg, waivers, intent):
+    if not _gate(cfg, waivers, intent):
         sys.exit(1)
     if cfg.topology.target_gpus:
         from dflash.topology import launch

@@ -206,10 +206,12 @@ class Trainer:
         self.log(f"resumed from {path} at step {self.step}")
 
     def save(self) -> Path:
+        from preflight.gate import provenance
+
         state = {"step": self.step, "sampler": self.sampler.state_dict(), "rng_cpu": torch.get_rng_state(),
                  "rng_cuda": torch.cuda.get_rng_state() if self.device.type == "cuda" else None}
         path = ckpt.save_checkpoint(self.out, self.step, self.drafter, self.optimizer, state, self.cfg,
-                                    self._dataset_meta(), self.cfg.train.keep_last)
+                                    self._dataset_meta(), self.cfg.train.keep_last, provenance(self.cfg.profile))
         return path
 
     def _set_lr(self) -> float:
@@ -355,13 +357,12 @@ def _mem_gib(device: torch.device) -> float | None:
 
 def warm_cache(cfg: RunConfig, log=print) -> int:
     """Compile the kernels for the configured shapes once, then write the cache manifest preflight reads."""
-    from preflight.profiles import load_profile
+    from preflight.gate import compile_cache_dir
 
-    profile = load_profile(cfg.profile)
+    cache = compile_cache_dir(cfg.profile)
     if cfg.device != "cuda" or not torch.cuda.is_available():
         log("warm-cache: nothing to compile on CPU (flex attention is compiled on CUDA only)")
         return 0
-    cache = profile.compile_cache_path
     trainer = Trainer(cfg, None, log=log)
     t0 = time.perf_counter()
     _, _, batch = next(trainer.batches())
@@ -380,8 +381,9 @@ def warm_cache(cfg: RunConfig, log=print) -> int:
 
 def set_compile_cache_env(profile_name: str) -> None:
     """Point inductor at the profile's cache before torch compiles anything."""
+    from preflight.gate import compile_cache_dir
+
     try:
-        from preflight.profiles import load_profile
-        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(load_profile(profile_name).compile_cache_path))
+        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(compile_cache_dir(profile_name)))
     except ValueError:
         pass

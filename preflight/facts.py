@@ -390,24 +390,14 @@ def model_source(root: Path = REPO_ROOT) -> ModelSource:
 
 
 def git_commit(root: Path = REPO_ROOT) -> str | None:
-    head = root / ".git" / "HEAD"
-    try:
-        ref = head.read_text().strip()
-    except OSError:
+    """HEAD of the git checkout whose top is `root` (a worktree too); None outside one, or without git."""
+    if shutil.which("git") is None:
         return None
-    if ref.startswith("ref: "):
-        try:
-            return (root / ".git" / ref[5:]).read_text().strip()
-        except OSError:
-            packed = root / ".git" / "packed-refs"
-            try:
-                for line in packed.read_text().splitlines():
-                    if line.endswith(" " + ref[5:]):
-                        return line.split()[0]
-            except OSError:
-                return None
-            return None
-    return ref
+    try:
+        top, head = _git(root, "rev-parse", "--show-toplevel", "HEAD").split()
+    except (RuntimeError, OSError, subprocess.SubprocessError, ValueError):
+        return None
+    return head if os.path.realpath(top) == os.path.realpath(root) else None
 
 
 # ---------------------------------------------------------------- run

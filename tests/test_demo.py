@@ -12,6 +12,8 @@ import pytest
 
 from dflash import demo
 from dflash.config import load_config
+from preflight.gate import GateResult
+from preflight.report import Report
 from tinylm import tiny_target_folder, words
 
 
@@ -23,7 +25,8 @@ def test_demo_preset_validates():
 
 def test_pipeline_on_a_tiny_target(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("DFLASH_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setattr("dflash.cli.run_gate", lambda cfg, waivers, intent: True)  # preflight has its own tests
+    passed = GateResult(Report.build("train-cu128", []), True, [], "preflight: ok (stubbed)")
+    monkeypatch.setattr("preflight.gate.run_gate", lambda cfg, waivers, intent: passed)  # preflight has its own tests
     target = tiny_target_folder(tmp_path, "llama")
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("\n".join(words(3 + i % 5, start=i) for i in range(12)) + "\n")

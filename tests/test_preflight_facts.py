@@ -102,6 +102,22 @@ def test_model_source_git_names_modified_and_untracked(tmp_path):
     assert "1 file changed" in src.diff_stat and src.commit and len(src.commit) == 40
 
 
+@pytest.mark.skipif(shutil.which("git") is None, reason="git not installed")
+def test_git_commit_is_the_checkouts_head_and_none_elsewhere(tmp_path):
+    git = ["git", "-C", str(tmp_path / "repo"), "-c", "user.name=t", "-c", "user.email=t@example.com"]
+    subprocess.run(["git", "init", "-q", str(tmp_path / "repo")], check=True)
+    assert facts.git_commit(tmp_path / "repo") is None  # no commit yet
+    subprocess.run([*git, "commit", "-q", "--allow-empty", "-m", "init"], check=True)
+    head = subprocess.run([*git, "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
+    assert facts.git_commit(tmp_path / "repo") == head
+    # a worktree's .git is a file, not a folder: still its own HEAD
+    subprocess.run([*git, "worktree", "add", "-q", "--detach", str(tmp_path / "wt")], check=True)
+    assert facts.git_commit(tmp_path / "wt") == head
+    (tmp_path / "repo" / "sub").mkdir()
+    assert facts.git_commit(tmp_path / "repo" / "sub") is None  # inside a checkout but not its top
+    assert facts.git_commit(tmp_path / "plain") is None
+
+
 def test_model_source_record_verifies_hashes(tmp_path, monkeypatch):
     site = tmp_path / "site"
     pkg = site / "fakeproj"

@@ -357,6 +357,7 @@ def _mem_gib(device: torch.device) -> float | None:
 
 def warm_cache(cfg: RunConfig, log=print) -> int:
     """Compile the kernels for the configured shapes once, then write the cache manifest preflight reads."""
+    from dflash.compile_manifest import write_manifest
     from preflight.gate import compile_cache_dir
 
     cache = compile_cache_dir(cfg.profile)
@@ -371,10 +372,8 @@ def warm_cache(cfg: RunConfig, log=print) -> int:
     import triton
 
     props = torch.cuda.get_device_properties(0)
-    manifest = {"torch": torch.__version__, "triton": triton.__version__, "gpu_name": props.name,
-                "compute_capability": f"{props.major}.{props.minor}", "drafter_hash": cfg.drafter_hash()}
-    cache.mkdir(parents=True, exist_ok=True)
-    (cache / "dflash-manifest.json").write_text(json.dumps(manifest, indent=2))
+    write_manifest(cache, {"torch": torch.__version__, "triton": triton.__version__, "gpu_name": props.name,
+                           "compute_capability": f"{props.major}.{props.minor}", "drafter_hash": cfg.drafter_hash()})
     log(f"warm-cache: compiled in {time.perf_counter() - t0:.1f} s; manifest written to {cache}")
     return 0
 

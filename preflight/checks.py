@@ -16,6 +16,7 @@ from packaging.markers import default_environment
 from packaging.utils import canonicalize_name
 from packaging.version import InvalidVersion, Version
 
+from dflash.compile_manifest import MANIFEST_NAME, differences
 from preflight.facts import MODEL_SOURCE_FILES, PROJECT_DIST, Context
 from preflight.lockfile import is_gpu_stack, judge_lock
 from preflight.nvml import NO_DRIVER, Gpu, resolve_gpu, visible_gpus
@@ -429,7 +430,7 @@ def check_compile_cache(ctx: Context) -> CheckResult:
         return _r("compile-cache", "warn", f"cold: {cc.path} does not exist; the first compile runs at launch "
                   "(three drafter threads compiling flex attention at once is a known race)", fix, **data)
     if cc.error or cc.manifest is None:
-        why = cc.error or "no dflash-manifest.json (not written by dflash-train --warm-cache)"
+        why = cc.error or f"no {MANIFEST_NAME} (not written by dflash-train --warm-cache)"
         return _r("compile-cache", "warn", f"cold: {cc.path}{size}: {why}", fix, **data)
     now: dict[str, str | None] = {
         "torch": ctx.torch.version if ctx.torch else None,
@@ -441,7 +442,7 @@ def check_compile_cache(ctx: Context) -> CheckResult:
         now["compute_capability"] = gpu.compute_capability
     if ctx.config is not None:
         now["drafter_hash"] = ctx.config.drafter_hash()
-    diffs = [f"{k} {cc.manifest.get(k)!s} -> {v!s}" for k, v in now.items() if str(cc.manifest.get(k)) != str(v)]
+    diffs = differences(cc.manifest, now)
     data["current"] = now
     not_compared = [k for k in ("gpu_name", "compute_capability", "drafter_hash") if k not in now]
     if diffs:

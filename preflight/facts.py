@@ -27,6 +27,7 @@ from pathlib import Path
 
 from packaging.utils import canonicalize_name
 
+from dflash.compile_manifest import ManifestError, read_manifest
 from dflash.config import RunConfig
 from preflight.lockfile import LockFile, parse_lock
 from preflight.nvml import GpuInfo, NvmlSnapshot, NvmlUnavailable
@@ -36,7 +37,6 @@ from preflight.profiles import ENVS_DIR, REPO_ROOT, Profile, ProfileError, load_
 MODEL_SOURCE_FILES = ("dflash/model.py", "dflash/attention.py", "dflash/loss.py", "dflash/target.py")
 PROJECT_DIST = "dflash"  # the project itself: never drift
 CUDA_LIBS = ("libcudart", "libcublas", "libnccl")  # LD_LIBRARY_PATH libraries tied to a CUDA major
-COMPILE_MANIFEST = "dflash-manifest.json"
 _CKPT_DIR = re.compile(r"^step_(\d{8})$")
 
 
@@ -428,15 +428,10 @@ def compile_cache(profile: Profile, env: dict[str, str]) -> CompileCache:
     if not cc.exists:
         return cc
     cc.size_bytes = _dir_size(path)
-    manifest = path / COMPILE_MANIFEST
-    if manifest.exists():
-        try:
-            data = json.loads(manifest.read_text())
-            if not isinstance(data, dict):
-                raise ValueError("not a JSON object")
-            cc.manifest = data
-        except (OSError, ValueError) as e:
-            cc.error = f"{manifest.name} unreadable: {e}"
+    try:
+        cc.manifest = read_manifest(path)
+    except ManifestError as e:
+        cc.error = str(e)
     return cc
 
 

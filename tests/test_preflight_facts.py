@@ -230,6 +230,22 @@ def test_compile_cache_reads_manifest(tmp_path, monkeypatch):
     assert warm.exists and warm.manifest == {"torch": "2.10.0+cu128"} and warm.env_override
 
 
+def test_compile_manifest_written_by_the_trainer_is_read_by_preflight(tmp_path, monkeypatch):
+    from dflash.compile_manifest import MANIFEST_NAME, write_manifest
+    from preflight.gate import compile_cache_dir
+    from preflight.profiles import load_profile
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    written = {"torch": "2.10.0+cu128", "triton": "3.6.0", "gpu_name": "NVIDIA H200", "compute_capability": "9.0",
+               "drafter_hash": "abc123"}
+    write_manifest(compile_cache_dir("train-cu128"), written)  # what `dflash-train --warm-cache` does
+    cc = facts.compile_cache(load_profile("train-cu128"), {})
+    assert cc.exists and cc.error is None and cc.manifest == written
+    (Path(cc.path) / MANIFEST_NAME).write_text("[1, 2]")
+    cc = facts.compile_cache(load_profile("train-cu128"), {})
+    assert cc.manifest is None and cc.error == f"{MANIFEST_NAME} unreadable: not a JSON object"
+
+
 def test_gather_builds_a_full_context(tmp_path, monkeypatch):
     monkeypatch.setenv("HOME", str(tmp_path))
     (tmp_path / "data").mkdir()

@@ -142,7 +142,10 @@ class Dataset:
 
     @property
     def fingerprint(self) -> str:
-        return dataset_fingerprint(self.shards)
+        """The trainer's identity of these shards (dflash.data.dataset_fingerprint), as checkpoints record it."""
+        from dflash.data import dataset_fingerprint
+
+        return dataset_fingerprint((s.name, s.size_bytes, s.rows) for s in self.shards)
 
 
 @dataclass
@@ -473,12 +476,6 @@ def run_dir(output_dir: str) -> RunDir:
     return rd
 
 
-def dataset_fingerprint(shards: list[Shard]) -> str:
-    """Cheap identity of a dataset: shard names, sizes and row counts, as dflash.data.ShardDataset computes it."""
-    described = "\n".join(f"{s.name}:{s.size_bytes}:{s.rows}" for s in shards)
-    return hashlib.sha256(described.encode()).hexdigest()[:16]
-
-
 def _list_lengths(column):
     import numpy as np
     import pyarrow.compute as pc
@@ -491,16 +488,18 @@ def scan_shard(path: Path, limit: int, first_row: int, keep: int = 3) -> Shard:
     import pyarrow as pa
     import pyarrow.ipc as ipc
 
+    from dflash.data import COLUMNS
+
     shard = Shard(path.name, first_row=first_row, size_bytes=path.stat().st_size)
     try:
         with pa.memory_map(str(path)) as source:
             table = ipc.open_file(source).read_all()
             names = table.schema.names
-            missing = [c for c in ("input_ids", "loss_mask") if c not in names]
+            missing = [c for c in COLUMNS if c not in names]
             if missing:
                 shard.error = f"no column {' or '.join(missing)} (columns: {', '.join(names) or 'none'})"
                 return shard
-            for col in ("input_ids", "loss_mask"):
+            for col in COLUMNS:
                 t = table.schema.field(col).type
                 if not (pa.types.is_list(t) or pa.types.is_large_list(t)) or not pa.types.is_integer(t.value_type):
                     shard.error = f"column {col} is {t}, expected a list of integers"
@@ -528,14 +527,13 @@ def scan_shard(path: Path, limit: int, first_row: int, keep: int = 3) -> Shard:
 
 
 def dataset(cfg: RunConfig) -> Dataset:
+    from dflash.data import shard_files  # the trainer's rule for which files are shards
+
     limit = cfg.data.token_budget if cfg.data.max_length is None else min(cfg.data.token_budget, cfg.data.max_length)
     ds = Dataset(cfg.data.path, limit)
     root = Path(cfg.data.path)
-    if root.is_file() and root.suffix == ".arrow":
-        paths = [root]
-    elif root.is_dir():
-        paths = sorted(p for p in root.glob("*.arrow") if not p.name.startswith(".") and p.is_file())
-    else:
+    paths = shard_files(root)
+    if not paths and not root.is_dir():
         ds.error = f"{root} is not a folder of *.arrow shards" if root.exists() else f"{root} does not exist"
         return ds
     first = 0

@@ -42,12 +42,12 @@ def run_pipeline(target_spec: str, prompts: str, n_prompts: int, max_new_tokens:
     """target -> data -> preflight -> train -> evaluate (trained vs untrained); the demo's stages."""
     import torch
 
-    from dflash.cli import prepare_output_dir
     from dflash.config import ConfigError, load_config
     from dflash.eval import evaluate_drafters, load_eval_target, print_report
     from dflash.model import DFlashDrafter
     from dflash.prepare import PrepareSettings, prepare
     from dflash.prompts import load_prompts
+    from dflash.rundir import prepare_output_dir
     from dflash.smollm2 import cache_root, resolve_target
     from dflash.train import run, set_compile_cache_env
     from preflight import gate

@@ -220,7 +220,7 @@ class _Run:
         self.resume_state = None
         self.resume_path = resume_from
         if resume_from is not None:
-            self.resume_state = torch.load(resume_from / "trainer_state.pt", map_location="cpu", weights_only=False)
+            self.resume_state = ckpt.load_trainer_state(resume_from)
             meta = ckpt.load_meta(resume_from)
             self.start_step = int(self.resume_state["step"])
             if meta.get("dataset", {}).get("fingerprint") == self.dataset.fingerprint:

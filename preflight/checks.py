@@ -538,9 +538,9 @@ def check_run_dir(ctx: Context) -> CheckResult:
     if intent == "fresh":
         return _r("run-dir", "pass", f"--fresh: {len(rd.checkpoints)} existing checkpoint(s) (newest {name}, "
                   f"step {newest.step}) will be moved aside, not resumed", **data)
-    if newest.meta is None:
-        return _r("run-dir", "fail", f"--resume: newest checkpoint {name} cannot be read: {newest.error}",
-                  "use --fresh, or remove the broken checkpoint folder", **data)
+    if newest.meta is None or newest.error:
+        return _r("run-dir", "fail", f"--resume: newest checkpoint {name} cannot be resumed: {newest.error}",
+                  "use --fresh, or give --resume an earlier checkpoint folder", **data)
     bad = _incompatible(ctx, newest.meta.get("config") or {})
     if bad:
         return _r("run-dir", "fail", f"--resume: {name} (step {newest.step}) is incompatible with this config: "

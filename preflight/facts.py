@@ -27,6 +27,7 @@ from pathlib import Path
 
 from packaging.utils import canonicalize_name
 
+from dflash import rundir
 from dflash.compile_manifest import ManifestError, read_manifest
 from dflash.config import RunConfig
 from preflight.lockfile import LockFile, parse_lock
@@ -37,7 +38,6 @@ from preflight.profiles import ENVS_DIR, REPO_ROOT, Profile, ProfileError, load_
 MODEL_SOURCE_FILES = ("dflash/model.py", "dflash/attention.py", "dflash/loss.py", "dflash/target.py")
 PROJECT_DIST = "dflash"  # the project itself: never drift
 CUDA_LIBS = ("libcudart", "libcublas", "libnccl")  # LD_LIBRARY_PATH libraries tied to a CUDA major
-_CKPT_DIR = re.compile(r"^step_(\d{8})$")
 
 
 @dataclass
@@ -452,25 +452,16 @@ def _writable(path: Path) -> tuple[bool, str | None]:
 
 
 def run_dir(output_dir: str) -> RunDir:
+    """The run dir and its finished checkpoints, judged by dflash.rundir's rules (the ones `--resume` applies)."""
     path = Path(output_dir)
     ok, problem = _writable(path)
     rd = RunDir(str(path), path.is_dir(), ok, problem)
-    ckpt_root = path / "checkpoints"
-    if not ckpt_root.is_dir():
-        return rd
-    for d in sorted(ckpt_root.iterdir()):
-        m = _CKPT_DIR.match(d.name)
-        if not m or not d.is_dir() or not (d / "meta.json").exists():  # "*.tmp" or no meta.json: unfinished save
-            continue
-        ck = Checkpoint(int(m.group(1)), str(d))
-        try:
-            ck.meta = json.loads((d / "meta.json").read_text())
-            if not isinstance(ck.meta, dict):
-                raise ValueError("not a JSON object")
-        except (OSError, ValueError) as e:
-            ck.meta, ck.error = None, f"meta.json unreadable: {e}"
+    for d in rundir.list_checkpoints(path):
+        ck = Checkpoint(rundir.checkpoint_step(d), str(d))
+        ck.meta, ck.error = rundir.meta_or_problem(d)
+        if ck.error is None:
+            ck.error = rundir.checkpoint_problem(d)
         rd.checkpoints.append(ck)
-    rd.checkpoints.sort(key=lambda c: c.step)
     if rd.checkpoints:
         rd.checkpoints[-1].size_bytes = _dir_size(Path(rd.checkpoints[-1].path))
     return rd

@@ -23,13 +23,14 @@ from pathlib import Path
 
 from dflash.config import RunConfig
 from dflash.errors import UsageError
+from dflash.rundir import PREFLIGHT_NAME
 from preflight.checks import CHECK_IDS, run_checks
 from preflight.facts import gather, git_commit
 from preflight.nvml import GpuInfo, NvmlGpuInfo
 from preflight.profiles import REPO_ROOT, ProfileError, load_profile, lock_path
 from preflight.report import Report, apply_waivers
 
-REPORT_NAME = "preflight.json"
+REPORT_NAME = PREFLIGHT_NAME
 
 
 class WaiverError(UsageError):

@@ -165,6 +165,24 @@ def test_run_dir_lists_finished_checkpoints(tmp_path):
     assert rd.newest.step == 900 and rd.newest.meta is None and "meta.json unreadable" in rd.newest.error
 
 
+def test_run_dir_flags_checkpoints_a_resume_would_refuse(tmp_path):
+    """Preflight judges checkpoint folders by dflash.rundir's rules, the ones `dflash-train --resume` applies."""
+    from dflash.rundir import CHECKPOINT_FILES, LEGACY_STATE, META_NAME
+
+    run = tmp_path / "run"
+    whole = _ckpt(run, 500, {"step": 500})
+    for name in set(CHECKPOINT_FILES) - {META_NAME}:
+        (whole / name).parent.mkdir(parents=True, exist_ok=True)
+        (whole / name).write_bytes(b"")
+    (_ckpt(run, 600, {"step": 600}) / LEGACY_STATE).write_bytes(b"pickle")
+    rd = facts.run_dir(str(run))
+    assert [c.step for c in rd.checkpoints] == [500, 600]
+    assert rd.checkpoints[0].error is None
+    assert "older dflash version" in rd.newest.error and rd.newest.meta == {"step": 600}
+    (run / "checkpoints" / "step_00000600" / LEGACY_STATE).unlink()
+    assert "optimizer.pt" in facts.run_dir(str(run)).newest.error
+
+
 def test_run_dir_not_writable_when_parent_is_a_file(tmp_path):
     (tmp_path / "file").write_text("")
     rd = facts.run_dir(str(tmp_path / "file" / "run"))

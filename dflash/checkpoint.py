@@ -1,97 +1,136 @@
-"""Checkpoints: atomic, self-describing, explicit about resume.
+"""Checkpoints: atomic, self-describing, and never unpickled.
 
-Layout: <output_dir>/checkpoints/step_<8-digit step>/
-    drafter/            HF-style folder (config.json + model.safetensors), loadable on its own
-    optimizer.pt        AdamW state
-    trainer_state.pt    scheduler, RNG states, sampler position, step
-    meta.json           step, resolved config, dataset fingerprint, lock hash, git commit
-A save is written to step_X.tmp and renamed when complete, so a crash mid-save leaves the
-previous checkpoint loadable; only the newest keep_last are kept.
+The folder layout and its names belong to ``dflash.rundir``; this module writes and reads the
+tensors. A save is written to ``step_X.tmp`` and renamed when complete, so a crash mid-save
+leaves the previous checkpoint loadable; only the newest keep_last are kept.
+
+The trainer state is plain JSON (step, sampler position, ...) plus its tensors (RNG states) in
+safetensors, and the optimizer state is loaded with ``weights_only=True``: loading a checkpoint
+runs no code from it. A checkpoint of an older version (a pickled ``trainer_state.pt``) is
+refused with a one-line CheckpointError, as is a missing or corrupt file.
+
+    path = save_checkpoint(out, step, drafter, optimizer, {"step": step, "sampler": {...}, "rng_cpu": t},
+                           cfg, dataset_meta, keep_last, provenance=preflight.gate.provenance(cfg.profile))
+    state, meta = load_checkpoint(path, drafter, optimizer, device)
+    state = load_trainer_state(path)       # the state alone (split-run drafter ranks)
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
-import subprocess
 import time
 from pathlib import Path
 
 import torch
 
 from dflash.config import RunConfig
-from dflash.errors import DflashError
-from preflight.profiles import REPO_ROOT, lock_path
+from dflash.rundir import (  # noqa: F401  (CheckpointError, checkpoints_dir, ...: re-exported for callers)
+    DRAFTER_DIR,
+    META_NAME,
+    OPTIMIZER_NAME,
+    STATE_JSON,
+    STATE_TENSORS,
+    STEP_PREFIX,
+    TMP_SUFFIX,
+    WEIGHTS_NAME,
+    CheckpointError,
+    checkpoint_path,
+    checkpoints_dir,
+    is_legacy,
+    legacy_message,
+    list_checkpoints,
+    read_meta,
+    resolve_resume,
+    resume_fix,
+)
 
-STEP_PREFIX = "step_"
-
-
-class CheckpointError(DflashError):
-    """A checkpoint that cannot be found or read; the message is one line."""
-
-
-def checkpoints_dir(output_dir: str | Path) -> Path:
-    return Path(output_dir) / "checkpoints"
-
-
-def list_checkpoints(output_dir: str | Path) -> list[Path]:
-    """Finished checkpoints, oldest first (unfinished *.tmp saves are ignored)."""
-    root = checkpoints_dir(output_dir)
-    if not root.is_dir():
-        return []
-    done = [p for p in root.iterdir() if p.is_dir() and p.name.startswith(STEP_PREFIX)
-            and p.name[len(STEP_PREFIX):].isdigit() and (p / "meta.json").exists()]
-    return sorted(done, key=lambda p: int(p.name[len(STEP_PREFIX):]))
-
-
-def resolve_resume(output_dir: str | Path, resume: str) -> Path:
-    """`latest` or a checkpoint folder -> the folder to load."""
-    if resume == "latest":
-        found = list_checkpoints(output_dir)
-        if not found:
-            raise CheckpointError(f"--resume latest: no checkpoint in {checkpoints_dir(output_dir)}; use --fresh")
-        return found[-1]
-    path = Path(resume)
-    if not (path / "meta.json").exists():
-        raise CheckpointError(f"--resume {resume}: not a checkpoint folder (no meta.json); use --resume latest")
-    return path
+FORMAT = 2  # meta.json "format": 2 = JSON + safetensors trainer state (1 was a pickled trainer_state.pt)
+load_meta = read_meta  # the older name
 
 
-def _sha256(path: Path) -> str | None:
-    return hashlib.sha256(path.read_bytes()).hexdigest() if path.exists() else None
+def save_trainer_state(folder: str | Path, state: dict) -> None:
+    """Write a trainer state: its top-level tensors to trainer_state.safetensors, the rest to trainer_state.json.
 
+    Values other than tensors must be JSON (numbers, strings, lists, dicts, None).
+    """
+    from safetensors.torch import save_file
 
-def git_commit() -> str | None:
+    folder = Path(folder)
+    tensors = {k: v.detach().to("cpu").contiguous() for k, v in state.items() if isinstance(v, torch.Tensor)}
+    plain = {k: v for k, v in state.items() if k not in tensors}
     try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=5)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    return out.stdout.strip() or None
+        text = json.dumps(plain, indent=2, allow_nan=False)
+    except (TypeError, ValueError) as e:
+        raise TypeError(f"trainer state must be tensors plus JSON values: {e}") from None
+    save_file(tensors, str(folder / STATE_TENSORS))
+    (folder / STATE_JSON).write_text(text + "\n")
+
+
+def _missing(file: Path, checkpoint: Path) -> CheckpointError:
+    return CheckpointError(f"{file} is missing (an incomplete checkpoint); {resume_fix(checkpoint)}")
+
+
+def _corrupt(file: Path, why: str, checkpoint: Path) -> CheckpointError:
+    return CheckpointError(f"{file} is corrupt ({why}); {resume_fix(checkpoint)}")
+
+
+def load_trainer_state(path: str | Path) -> dict:
+    """The trainer state of a checkpoint folder (JSON values plus CPU tensors). Raises CheckpointError."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    if is_legacy(path):
+        raise CheckpointError(legacy_message(path))
+    try:
+        state = json.loads((path / STATE_JSON).read_text())
+        if not isinstance(state, dict):
+            raise ValueError("not a JSON object")
+    except FileNotFoundError:
+        raise _missing(path / STATE_JSON, path) from None
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise _corrupt(path / STATE_JSON, _one_line(e), path) from None
+    try:
+        tensors = load_file(str(path / STATE_TENSORS), device="cpu")
+    except FileNotFoundError:
+        raise _missing(path / STATE_TENSORS, path) from None
+    except (OSError, SafetensorError, RuntimeError, ValueError) as e:
+        raise _corrupt(path / STATE_TENSORS, _one_line(e), path) from None
+    clash = sorted(set(state) & set(tensors))
+    if clash:
+        raise _corrupt(path / STATE_TENSORS, f"keys {clash} also in {STATE_JSON}", path)
+    state.update(tensors)
+    return state
 
 
 def save_checkpoint(output_dir: str | Path, step: int, drafter, optimizer, trainer_state: dict,
-                    cfg: RunConfig, dataset_meta: dict, keep_last: int) -> Path:
-    root = checkpoints_dir(output_dir)
+                    cfg: RunConfig, dataset_meta: dict, keep_last: int, provenance: dict | None = None) -> Path:
+    """Write checkpoint `step` atomically and keep the newest keep_last.
+
+    ``provenance``: what wrote it, e.g. ``preflight.gate.provenance(cfg.profile)``
+    (``{"lock_sha256": ..., "git_commit": ...}``), recorded in meta.json as given.
+    """
+    final = checkpoint_path(output_dir, step)
+    root = final.parent
     root.mkdir(parents=True, exist_ok=True)
-    final = root / f"{STEP_PREFIX}{step:08d}"
-    tmp = root / f"{final.name}.tmp"
+    tmp = root / f"{final.name}{TMP_SUFFIX}"
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir()
-    drafter.save_pretrained(tmp / "drafter")
-    torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
-    torch.save(trainer_state, tmp / "trainer_state.pt")
+    drafter.save_pretrained(tmp / DRAFTER_DIR)
+    torch.save(optimizer.state_dict(), tmp / OPTIMIZER_NAME)
+    save_trainer_state(tmp, trainer_state)
     meta = {
+        "format": FORMAT,
         "step": step,
         "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "config": cfg.model_dump(),
         "dataset": dataset_meta,
-        "lock_sha256": _sha256(lock_path(cfg.profile)),
-        "git_commit": git_commit(),
+        **(provenance or {}),
     }
-    (tmp / "meta.json").write_text(json.dumps(meta, indent=2))
+    (tmp / META_NAME).write_text(json.dumps(meta, indent=2))  # last: a folder with meta.json is finished
     _fsync_tree(tmp)  # the bytes are on disk before the rename makes the checkpoint visible
     if final.exists():
         shutil.rmtree(final)
@@ -126,35 +165,46 @@ def _fsync_dir(folder: Path) -> None:
         os.close(fd)
 
 
-def load_meta(path: Path) -> dict:
-    try:
-        return json.loads((path / "meta.json").read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{path}: unreadable meta.json ({e}); pick another checkpoint or use --fresh") from None
+def _one_line(err: BaseException) -> str:
+    lines = str(err).strip().splitlines()
+    return lines[0][:160] if lines else type(err).__name__
 
 
 def load_checkpoint(path: Path, drafter, optimizer, device) -> tuple[dict, dict]:
-    """Load weights + optimizer into the given objects; return (trainer_state, meta)."""
+    """Load weights + optimizer into the given objects; return (trainer_state, meta). Raises CheckpointError."""
+    import pickle
+
+    from safetensors import SafetensorError
     from safetensors.torch import load_file
 
-    meta = load_meta(path)
+    path = Path(path)
+    if is_legacy(path):
+        raise CheckpointError(legacy_message(path))
+    meta = read_meta(path)
+    trainer_state = load_trainer_state(path)
+    weights = path / DRAFTER_DIR / WEIGHTS_NAME
     try:
-        state = load_file(str(path / "drafter" / "model.safetensors"), device=str(device))
-        missing, unexpected = drafter.load_state_dict(state, strict=False)
-        if missing or unexpected:
-            raise CheckpointError(f"{path}: drafter weights do not match this drafter "
-                                  f"(missing {missing[:3]}, unexpected {unexpected[:3]}); use --fresh")
-        optimizer.load_state_dict(torch.load(path / "optimizer.pt", map_location=device, weights_only=True))
-        trainer_state = torch.load(path / "trainer_state.pt", map_location="cpu", weights_only=False)
-    except (OSError, RuntimeError) as e:
-        raise CheckpointError(f"{path}: cannot load ({str(e).splitlines()[0]}); pick another checkpoint") from None
+        state = load_file(str(weights), device=str(device))
+    except FileNotFoundError:
+        raise _missing(weights, path) from None
+    except (OSError, SafetensorError, RuntimeError, ValueError) as e:
+        raise _corrupt(weights, _one_line(e), path) from None
+    missing, unexpected = drafter.load_state_dict(state, strict=False)
+    if missing or unexpected:
+        raise CheckpointError(f"{weights}: drafter weights do not match this drafter "
+                              f"(missing {missing[:3]}, unexpected {unexpected[:3]}); use --fresh")
+    opt_path = path / OPTIMIZER_NAME
+    try:
+        opt_state = torch.load(opt_path, map_location=device, weights_only=True)
+    except FileNotFoundError:
+        raise _missing(opt_path, path) from None
+    except pickle.UnpicklingError:  # weights_only refused it: not a plain tensor file
+        raise _corrupt(opt_path, "not a tensors-only torch file", path) from None
+    except (OSError, RuntimeError, ValueError, EOFError) as e:
+        raise _corrupt(opt_path, _one_line(e), path) from None
+    try:
+        optimizer.load_state_dict(opt_state)
+    except (KeyError, ValueError, RuntimeError, TypeError) as e:
+        raise CheckpointError(f"{opt_path} does not fit this drafter's optimizer ({_one_line(e)}); "
+                              "use --fresh") from None
     return trainer_state, meta
-
-
-def load_trainer_state(path: Path) -> dict:
-    """The trainer state of a checkpoint (step, sampler position, RNG), through the same error handling."""
-    try:
-        return torch.load(path / "trainer_state.pt", map_location="cpu", weights_only=False)
-    except (OSError, RuntimeError) as e:
-        raise CheckpointError(f"{path}: cannot load trainer_state.pt ({str(e).splitlines()[0]}); "
-                              "pick another checkpoint") from None

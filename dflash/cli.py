@@ -8,9 +8,7 @@
 
 from __future__ import annotations
 
-import json
 import sys
-import time
 from pathlib import Path
 
 import click
@@ -36,95 +34,30 @@ def _gpu_list(text: str | None) -> list[str] | None:
 
 
 def prepare_output_dir(cfg: RunConfig, resume: str | None, fresh: bool, log=click.echo) -> Path | None:
-    """Enforce the explicit resume/fresh rule. Returns the checkpoint to resume from, or None."""
-    from dflash import checkpoint as ckpt
+    """dflash.rundir's resume/fresh rule, its errors as this command's (usage: exit 2, checkpoint: exit 1)."""
+    from dflash.rundir import CheckpointError, RunDirError
+    from dflash.rundir import prepare_output_dir as prepare
 
-    existing = ckpt.list_checkpoints(cfg.output_dir)
-    if resume and fresh:
-        raise click.UsageError("--resume and --fresh exclude each other; pick one")
-    if existing and not resume and not fresh:
-        newest = existing[-1]
-        step = int(newest.name[len(ckpt.STEP_PREFIX):])
-        raise click.UsageError(
-            f"{cfg.output_dir} already holds checkpoints (newest {newest.name}, step {step}); "
-            f"say --resume latest to continue it or --fresh to start over")
-    if resume:
-        try:
-            path = ckpt.resolve_resume(cfg.output_dir, resume)
-        except ckpt.CheckpointError as e:
-            raise click.UsageError(str(e)) from None
-        newer = [c for c in existing if int(c.name[len(ckpt.STEP_PREFIX):]) > int(path.name[len(ckpt.STEP_PREFIX):])]
-        if newer and path.parent == ckpt.checkpoints_dir(cfg.output_dir):
-            aside = _aside(Path(cfg.output_dir), "checkpoints.abandoned")
-            aside.mkdir()
-            for c in newer:
-                c.rename(aside / c.name)
-            log(f"--resume {path.name}: {len(newer)} newer checkpoint(s) moved to {aside}, so `latest` "
-                "stays this run's (nothing deleted)")
-        trim_metrics(Path(cfg.output_dir), int(path.name[len(ckpt.STEP_PREFIX):]), log)
-        return path
-    if fresh:
-        out = Path(cfg.output_dir)
-        leftovers = [p for p in (ckpt.checkpoints_dir(out), out / "metrics.jsonl", out / "drafter") if p.exists()]
-        if leftovers:
-            aside = _aside(out, "replaced")
-            aside.mkdir()
-            for p in leftovers:
-                p.rename(aside / p.name)
-            log(f"--fresh: previous {', '.join(p.name for p in leftovers)} moved to {aside} (nothing deleted)")
-    return None
+    try:
+        return prepare(cfg, resume, fresh, log)
+    except RunDirError as e:
+        raise click.UsageError(e.one_line()) from None
+    except CheckpointError as e:
+        raise click.ClickException(e.one_line()) from None
 
 
-def trim_metrics(out: Path, step: int, log=print) -> None:
-    """Rows logged after the resumed step (the interrupted run's) move to metrics.abandoned-*.jsonl,
-    so metrics.jsonl holds each step once after the resume."""
-    path = out / "metrics.jsonl"
-    if not path.is_file():
-        return
-    keep, later = [], []
-    for line in path.read_text().splitlines(keepends=True):
-        try:
-            row_step = int(json.loads(line).get("step", 0))
-        except (ValueError, AttributeError):
-            row_step = 0  # a torn last line of a killed run: keep it where it was logged
-        (later if row_step > step else keep).append(line)
-    if not later:
-        return
-    aside = out / f"{_aside(out, 'metrics.abandoned').name}.jsonl"
-    aside.write_text("".join(later))
-    tmp = path.with_suffix(".jsonl.tmp")
-    tmp.write_text("".join(keep))
-    tmp.replace(path)
-    log(f"--resume: {len(later)} metrics row(s) after step {step} moved to {aside.name}")
+def _gate(cfg: RunConfig, waivers: dict[str, str], intent: str | None):
+    """The in-process preflight gate; prints its lines. Its result (`.ok`: training may start)."""
+    from preflight.gate import WaiverError, run_gate
 
-
-def _aside(out: Path, stem: str) -> Path:
-    """A new, unused folder name under the run dir for things moved out of the way."""
-    base = out / f"{stem}-{time.strftime('%Y%m%d-%H%M%S')}"
-    path, n = base, 1
-    while path.exists():
-        path, n = base.with_name(f"{base.name}.{n}"), n + 1
-    return path
-
-
-def run_gate(cfg: RunConfig, waivers: dict[str, str], intent: str | None):
-    """The in-process preflight gate; prints failing checks. The report when training may start, else None."""
-    from preflight.gate import run_preflight
-
-    report = run_preflight(cfg, cfg.profile, waivers, intent)
-    bad = [c for c in report.checks if c.status in ("fail",)]
-    waived = [c for c in report.checks if c.status == "waived"]
-    for c in waived:
-        click.echo(f"preflight: waived {c.id}: {c.summary}", err=True)
-    if bad:
-        for c in bad:
-            click.echo(f"preflight: FAIL {c.id}: {c.summary}" + (f"  fix: {c.fix}" if c.fix else ""), err=True)
-        click.echo(f"refusing to start: {len(bad)} preflight check(s) failed (report: "
-                   f"{Path(cfg.output_dir) / 'preflight.json'}); fix them or waive with --waive ID --reason TEXT",
-                   err=True)
-        return None
-    click.echo(f"preflight: ok ({len(report.checks)} checks, {len(waived)} waived)")
-    return report
+    try:
+        result = run_gate(cfg, waivers, intent)
+    except WaiverError as e:
+        raise click.UsageError(e.one_line()) from None
+    for line in result.notes:
+        click.echo(line, err=True)
+    click.echo(result.verdict, err=not result.ok)
+    return result
 
 
 @click.command(context_settings=CONTEXT)
@@ -179,20 +112,21 @@ def train_main(config_path, demo, resume, fresh, sets, max_steps, output_dir, ta
     resume_from = prepare_output_dir(cfg, resume, fresh)
     intent = "resume" if resume else "fresh" if fresh else None
     Path(cfg.output_dir).mkdir(parents=True, exist_ok=True)
-    report = run_gate(cfg, waivers, intent)
-    if report is None:
+    gate = _gate(cfg, waivers, intent)
+    if not gate.ok:
         sys.exit(1)
     if cfg.topology.target_gpus:
         from dflash.split import launch
 
-        sys.exit(launch(cfg, resume_from, report.run["gate_id"]))
+        sys.exit(launch(cfg, resume_from, gate.report.run["gate_id"]))
     from dflash.data import DatasetError
+    from dflash.rundir import CheckpointError
     from dflash.train import RunError, run
 
     try:
         code = run(cfg, resume_from, progress=False if no_progress else None)
-    except (RunError, DatasetError) as e:
-        raise click.ClickException(str(e)) from None
+    except (RunError, DatasetError, CheckpointError) as e:
+        raise click.ClickException(e.one_line()) from None
     sys.exit(code)
 
 

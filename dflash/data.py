@@ -22,7 +22,7 @@ import hashlib
 import os
 import queue
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from itertools import chain
 from pathlib import Path
 
@@ -40,6 +40,31 @@ _MAX_READ_ALLOC = 1 << 20  # bytes
 
 class DatasetError(DflashError):
     """A dataset that cannot be used as is; the message is one line naming the file and the fix."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Identity: which shards a data path names, and the fingerprint checkpoints and preflight compare
+
+
+def shard_files(path: str | Path) -> list[Path]:
+    """The shards a data path names, in read order: the path itself if it is one ``*.arrow`` file, else the
+    folder's ``*.arrow`` files sorted by name (hidden ones, such as a write in progress, skipped); [] if none."""
+    path = Path(path)
+    if path.is_file() and path.suffix == ".arrow":
+        return [path]
+    if not path.is_dir():
+        return []
+    return sorted(p for p in path.glob(SHARD_GLOB) if not p.name.startswith(".") and p.is_file())
+
+
+def dataset_fingerprint(shards: Iterable[tuple[str, int, int]]) -> str:
+    """Cheap identity of a dataset from (shard name, size in bytes, rows) in read order: 16 hex digits.
+
+    Recorded in every checkpoint's meta.json (``dataset.fingerprint``) and computed by preflight's
+    `dataset` facts, so a resume can tell whether the data changed under it.
+    """
+    described = "\n".join(f"{name}:{size}:{rows}" for name, size, rows in shards)
+    return hashlib.sha256(described.encode()).hexdigest()[:16]
 
 
 def _one_line(err: BaseException) -> str:
@@ -146,24 +171,22 @@ class ShardDataset:
         self._maps: list[pa.MemoryMappedFile] = []
         self._parts: list[_Part] = []
         part_lengths: list[np.ndarray] = []
-        described: list[str] = []
+        described: list[tuple[str, int, int]] = []
         for shard in self.shards:
             rows = self._open_shard(shard, part_lengths)
-            described.append(f"{shard.name}:{shard.stat().st_size}:{rows}")
+            described.append((shard.name, shard.stat().st_size, rows))
         self.lengths = (np.concatenate(part_lengths) if part_lengths else np.zeros(0, np.int64)).astype(np.int32)
         if self.lengths.size == 0:
             raise DatasetError(f"{self.path}: the shards hold no samples; write some with dflash.data.write_shard")
         # global index of each part's first row, for get(i)
         self._starts = np.cumsum([0] + [p.offsets.size - 1 for p in self._parts])
-        self.fingerprint = hashlib.sha256("\n".join(described).encode()).hexdigest()[:16]
+        self.fingerprint = dataset_fingerprint(described)
 
     @staticmethod
     def _list_shards(path: Path) -> list[Path]:
-        if path.is_file() and path.suffix == ".arrow":
-            return [path]
-        if not path.is_dir():
+        shards = shard_files(path)
+        if not shards and not path.is_dir():
             raise DatasetError(f"{path}: no such dataset folder; set data.path to a folder of *.arrow shards")
-        shards = sorted(p for p in path.glob(SHARD_GLOB) if not p.name.startswith(".") and p.is_file())
         if not shards:
             raise DatasetError(f"{path}: no *.arrow shards in this folder; write them with dflash.data.write_shard")
         return shards

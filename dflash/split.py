@@ -269,17 +269,15 @@ def collective_gate(cfg: RunConfig, me: Rank, local_rank: int, gate: dict) -> Pa
     verdict: list = [None, None]  # [error line, resume path]
     if me.rank == 0:
         try:
-            from dflash.cli import prepare_output_dir  # noqa: PLC0415
+            from dflash.rundir import prepare_output_dir
 
             resume = prepare_output_dir(cfg, gate.get("resume"), gate.get("fresh", False), log=print)
             from dflash.step import schedule
 
             schedule(cfg, me.n_drafters)  # a dataset too small for one step is refused here
             verdict = [None, str(resume) if resume else None]
-        except (DflashError, ValueError) as e:
+        except (DflashError, ValueError, OSError) as e:  # refused on rank 0: every rank refuses
             verdict = [" ".join(str(e).split()), None]
-        except Exception as e:  # noqa: BLE001 (a click usage error, an unreadable run dir: refuse on every rank)
-            verdict = [" ".join(getattr(e, "message", str(e)).split()), None]
     dist.broadcast_object_list(verdict, src=0, group=group)
     if verdict[0] is not None:
         if me.rank == 0:

@@ -140,11 +140,13 @@ class Trainer:
         self.log(f"resumed from {path} at step {self.step}")
 
     def save(self) -> Path:
+        from preflight.gate import provenance
+
         state = {"step": self.step, "sampler": self.sampler.state_dict(), "rng_cpu": torch.get_rng_state(),
                  "rng_cuda": torch.cuda.get_rng_state() if self.device.type == "cuda" else None,
                  "n_drafters": self.world}
         return ckpt.save_checkpoint(self.out, self.step, self.drafter, self.optimizer, state, self.cfg,
-                                    self._dataset_meta(), self.cfg.train.keep_last)
+                                    self._dataset_meta(), self.cfg.train.keep_last, provenance(self.cfg.profile))
 
     def train_step(self, mine: list[tuple[int, dict]]) -> dict:
         """One optimizer step over this rank's batches [(global index, batch)]; plain-float metrics."""
@@ -378,13 +380,13 @@ def run(cfg: RunConfig, resume_from: Path | None, log=print, progress: bool | No
 
 def warm_cache(cfg: RunConfig, log=print) -> int:
     """Compile the kernels for the configured shapes once, then write the cache manifest preflight reads."""
-    from preflight.profiles import load_profile
+    from dflash.compile_manifest import write_manifest
+    from preflight.gate import compile_cache_dir
 
-    profile = load_profile(cfg.profile)
+    cache = compile_cache_dir(cfg.profile)
     if cfg.device != "cuda" or not torch.cuda.is_available():
         log("warm-cache: nothing to compile on CPU (flex attention is compiled on CUDA only)")
         return 0
-    cache = profile.compile_cache_path
     trainer = Trainer.colocated(cfg, None, log)
     t0 = time.perf_counter()
     stream = trainer.step_batches()
@@ -395,9 +397,7 @@ def warm_cache(cfg: RunConfig, log=print) -> int:
     import triton
 
     props = torch.cuda.get_device_properties(0)
-    manifest = {"torch": torch.__version__, "triton": triton.__version__, "gpu_name": props.name,
-                "compute_capability": f"{props.major}.{props.minor}", "drafter_hash": cfg.drafter_hash()}
-    cache.mkdir(parents=True, exist_ok=True)
-    (cache / "dflash-manifest.json").write_text(json.dumps(manifest, indent=2))
+    write_manifest(cache, {"torch": torch.__version__, "triton": triton.__version__, "gpu_name": props.name,
+                           "compute_capability": f"{props.major}.{props.minor}", "drafter_hash": cfg.drafter_hash()})
     log(f"warm-cache: compiled in {time.perf_counter() - t0:.1f} s; manifest written to {cache}")
     return 0

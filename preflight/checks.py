@@ -16,12 +16,13 @@ from packaging.markers import default_environment
 from packaging.utils import canonicalize_name
 from packaging.version import InvalidVersion, Version
 
+from dflash.compile_manifest import MANIFEST_NAME, differences
 from dflash.config import ConfigError, default_target_layer_ids
 from dflash.errors import DflashError
 from dflash.memory import drafter_state_bytes, role_need_bytes
 from preflight.estimate import DEFAULT_CUDA
 from preflight.facts import MODEL_SOURCE_FILES, PROJECT_DIST, Context
-from preflight.lockfile import is_gpu_stack
+from preflight.lockfile import is_gpu_stack, judge_lock
 from preflight.nvml import NO_DRIVER, Gpu, resolve_gpu, visible_gpus
 from preflight.report import CheckResult
 
@@ -75,8 +76,6 @@ def check_profile(ctx: Context) -> CheckResult:
     if ctx.lock_text is None:
         return _r("profile", "fail", f"{ctx.lock_file} is missing: profile {name} has no lock to verify against",
                   "uv run dflash-lock write", lock=ctx.lock_file)
-    from preflight.lock_cli import judge_lock
-
     problems = [f"{p.kind}: {p.message}" for p in judge_lock(ctx.profile, ctx.lock_text, fresh=None)]
     if problems:
         return _r("profile", "fail", f"{ctx.lock_file} does not validate: {_listing(problems, 2)}",
@@ -416,7 +415,7 @@ def check_compile_cache(ctx: Context) -> CheckResult:
         return _r("compile-cache", "warn", f"cold: {cc.path} does not exist; the first compile runs at launch "
                   "(three drafter threads compiling flex attention at once is a known race)", fix, **data)
     if cc.error or cc.manifest is None:
-        why = cc.error or "no dflash-manifest.json (not written by dflash-train --warm-cache)"
+        why = cc.error or f"no {MANIFEST_NAME} (not written by dflash-train --warm-cache)"
         return _r("compile-cache", "warn", f"cold: {cc.path}{size}: {why}", fix, **data)
     now: dict[str, str | None] = {
         "torch": ctx.torch.version if ctx.torch else None,
@@ -428,7 +427,7 @@ def check_compile_cache(ctx: Context) -> CheckResult:
         now["compute_capability"] = gpu.compute_capability
     if ctx.config is not None:
         now["drafter_hash"] = ctx.config.drafter_hash()
-    diffs = [f"{k} {cc.manifest.get(k)!s} -> {v!s}" for k, v in now.items() if str(cc.manifest.get(k)) != str(v)]
+    diffs = differences(cc.manifest, now)
     data["current"] = now
     not_compared = [k for k in ("gpu_name", "compute_capability", "drafter_hash") if k not in now]
     if diffs:
@@ -519,9 +518,9 @@ def check_run_dir(ctx: Context) -> CheckResult:
     if intent == "fresh":
         return _r("run-dir", "pass", f"--fresh: {len(rd.checkpoints)} existing checkpoint(s) (newest {name}, "
                   f"step {newest.step}) will be moved aside, not resumed", **data)
-    if newest.meta is None:
-        return _r("run-dir", "fail", f"--resume: newest checkpoint {name} cannot be read: {newest.error}",
-                  "use --fresh, or remove the broken checkpoint folder", **data)
+    if newest.meta is None or newest.error:
+        return _r("run-dir", "fail", f"--resume: newest checkpoint {name} cannot be resumed: {newest.error}",
+                  "use --fresh, or give --resume an earlier checkpoint folder", **data)
     bad = _incompatible(ctx, newest.meta.get("config") or {})
     if bad:
         return _r("run-dir", "fail", f"--resume: {name} (step {newest.step}) is incompatible with this config: "

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import base64
 import hashlib
-import json
 import os
 import platform
 import re
@@ -27,6 +26,8 @@ from pathlib import Path
 
 from packaging.utils import canonicalize_name
 
+from dflash import rundir
+from dflash.compile_manifest import ManifestError, read_manifest
 from dflash.config import ConfigError, RunConfig
 from dflash.memory import TargetShape, load_target_shape
 from preflight.lockfile import LockFile, parse_lock
@@ -37,8 +38,6 @@ from preflight.profiles import ENVS_DIR, REPO_ROOT, Profile, ProfileError, load_
 MODEL_SOURCE_FILES = ("dflash/model.py", "dflash/attention.py", "dflash/loss.py", "dflash/target.py")
 PROJECT_DIST = "dflash"  # the project itself: never drift
 CUDA_LIBS = ("libcudart", "libcublas", "libnccl")  # LD_LIBRARY_PATH libraries tied to a CUDA major
-COMPILE_MANIFEST = "dflash-manifest.json"
-_CKPT_DIR = re.compile(r"^step_(\d{8})$")
 
 
 @dataclass
@@ -143,7 +142,10 @@ class Dataset:
 
     @property
     def fingerprint(self) -> str:
-        return dataset_fingerprint(self.shards)
+        """The trainer's identity of these shards (dflash.data.dataset_fingerprint), as checkpoints record it."""
+        from dflash.data import dataset_fingerprint
+
+        return dataset_fingerprint((s.name, s.size_bytes, s.rows) for s in self.shards)
 
 
 @dataclass
@@ -393,24 +395,14 @@ def model_source(root: Path = REPO_ROOT) -> ModelSource:
 
 
 def git_commit(root: Path = REPO_ROOT) -> str | None:
-    head = root / ".git" / "HEAD"
-    try:
-        ref = head.read_text().strip()
-    except OSError:
+    """HEAD of the git checkout whose top is `root` (a worktree too); None outside one, or without git."""
+    if shutil.which("git") is None:
         return None
-    if ref.startswith("ref: "):
-        try:
-            return (root / ".git" / ref[5:]).read_text().strip()
-        except OSError:
-            packed = root / ".git" / "packed-refs"
-            try:
-                for line in packed.read_text().splitlines():
-                    if line.endswith(" " + ref[5:]):
-                        return line.split()[0]
-            except OSError:
-                return None
-            return None
-    return ref
+    try:
+        top, head = _git(root, "rev-parse", "--show-toplevel", "HEAD").split()
+    except (RuntimeError, OSError, subprocess.SubprocessError, ValueError):
+        return None
+    return head if os.path.realpath(top) == os.path.realpath(root) else None
 
 
 # ---------------------------------------------------------------- run
@@ -441,15 +433,10 @@ def compile_cache(profile: Profile, env: dict[str, str]) -> CompileCache:
     if not cc.exists:
         return cc
     cc.size_bytes = _dir_size(path)
-    manifest = path / COMPILE_MANIFEST
-    if manifest.exists():
-        try:
-            data = json.loads(manifest.read_text())
-            if not isinstance(data, dict):
-                raise ValueError("not a JSON object")
-            cc.manifest = data
-        except (OSError, ValueError) as e:
-            cc.error = f"{manifest.name} unreadable: {e}"
+    try:
+        cc.manifest = read_manifest(path)
+    except ManifestError as e:
+        cc.error = str(e)
     return cc
 
 
@@ -467,34 +454,19 @@ def _writable(path: Path) -> tuple[bool, str | None]:
 
 
 def run_dir(output_dir: str) -> RunDir:
+    """The run dir and its finished checkpoints, judged by dflash.rundir's rules (the ones `--resume` applies)."""
     path = Path(output_dir)
     ok, problem = _writable(path)
     rd = RunDir(str(path), path.is_dir(), ok, problem)
-    ckpt_root = path / "checkpoints"
-    if not ckpt_root.is_dir():
-        return rd
-    for d in sorted(ckpt_root.iterdir()):
-        m = _CKPT_DIR.match(d.name)
-        if not m or not d.is_dir() or not (d / "meta.json").exists():  # "*.tmp" or no meta.json: unfinished save
-            continue
-        ck = Checkpoint(int(m.group(1)), str(d))
-        try:
-            ck.meta = json.loads((d / "meta.json").read_text())
-            if not isinstance(ck.meta, dict):
-                raise ValueError("not a JSON object")
-        except (OSError, ValueError) as e:
-            ck.meta, ck.error = None, f"meta.json unreadable: {e}"
+    for d in rundir.list_checkpoints(path):
+        ck = Checkpoint(rundir.checkpoint_step(d), str(d))
+        ck.meta, ck.error = rundir.meta_or_problem(d)
+        if ck.error is None:
+            ck.error = rundir.checkpoint_problem(d)
         rd.checkpoints.append(ck)
-    rd.checkpoints.sort(key=lambda c: c.step)
     if rd.checkpoints:
         rd.checkpoints[-1].size_bytes = _dir_size(Path(rd.checkpoints[-1].path))
     return rd
-
-
-def dataset_fingerprint(shards: list[Shard]) -> str:
-    """Cheap identity of a dataset: shard names, sizes and row counts, as dflash.data.ShardDataset computes it."""
-    described = "\n".join(f"{s.name}:{s.size_bytes}:{s.rows}" for s in shards)
-    return hashlib.sha256(described.encode()).hexdigest()[:16]
 
 
 def _list_lengths(column):
@@ -509,16 +481,18 @@ def scan_shard(path: Path, limit: int, first_row: int, keep: int = 3) -> Shard:
     import pyarrow as pa
     import pyarrow.ipc as ipc
 
+    from dflash.data import COLUMNS
+
     shard = Shard(path.name, first_row=first_row, size_bytes=path.stat().st_size)
     try:
         with pa.memory_map(str(path)) as source:
             table = ipc.open_file(source).read_all()
             names = table.schema.names
-            missing = [c for c in ("input_ids", "loss_mask") if c not in names]
+            missing = [c for c in COLUMNS if c not in names]
             if missing:
                 shard.error = f"no column {' or '.join(missing)} (columns: {', '.join(names) or 'none'})"
                 return shard
-            for col in ("input_ids", "loss_mask"):
+            for col in COLUMNS:
                 t = table.schema.field(col).type
                 if not (pa.types.is_list(t) or pa.types.is_large_list(t)) or not pa.types.is_integer(t.value_type):
                     shard.error = f"column {col} is {t}, expected a list of integers"
@@ -546,14 +520,13 @@ def scan_shard(path: Path, limit: int, first_row: int, keep: int = 3) -> Shard:
 
 
 def dataset(cfg: RunConfig) -> Dataset:
+    from dflash.data import shard_files  # the trainer's rule for which files are shards
+
     limit = cfg.data.token_budget if cfg.data.max_length is None else min(cfg.data.token_budget, cfg.data.max_length)
     ds = Dataset(cfg.data.path, limit)
     root = Path(cfg.data.path)
-    if root.is_file() and root.suffix == ".arrow":
-        paths = [root]
-    elif root.is_dir():
-        paths = sorted(p for p in root.glob("*.arrow") if not p.name.startswith(".") and p.is_file())
-    else:
+    paths = shard_files(root)
+    if not paths and not root.is_dir():
         ds.error = f"{root} is not a folder of *.arrow shards" if root.exists() else f"{root} does not exist"
         return ds
     first = 0

@@ -1,39 +1,104 @@
-"""The in-process preflight gate dflash-train runs before anything heavy.
+"""The public face of preflight: the gate every entry point calls, and what the trainer may ask of a profile.
 
-    from preflight.gate import run_preflight
-    report = run_preflight(cfg, cfg.profile, {"env-drift": "vendor image"}, "resume")
-    if not report.ok: refuse to start
+    from preflight.gate import run_gate
+    result = run_gate(cfg, {"env-drift": "vendor image"}, "resume")   # writes <output_dir>/preflight.json
+    for line in result.notes: print(line, file=sys.stderr)
+    print(result.verdict); refuse to start unless result.ok
 
-Runs the same checks as ``dflash-preflight`` (no torch import, no CUDA context: NVML only)
-and writes the report to ``<output_dir>/preflight.json``.
+Runs the same checks as ``dflash-preflight`` (no torch import, no CUDA context: NVML only).
+Modules under ``dflash/`` import nothing else from ``preflight``: the profile facts the trainer
+needs come from the small functions below (`profile_env`, `apply_profile_env`,
+`compile_cache_dir`, `provenance`, `repo_root`), so preflight's internals can change freely.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import time
 import uuid
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from dflash.config import RunConfig, config_sha256
+from dflash.errors import UsageError
+from dflash.rundir import PREFLIGHT_NAME
 from preflight.checks import CHECK_IDS, run_checks
-from preflight.facts import gather
+from preflight.facts import gather, git_commit
 from preflight.nvml import GpuInfo, NvmlGpuInfo
+from preflight.profiles import REPO_ROOT, ProfileError, load_profile, lock_path
 from preflight.report import Report, apply_waivers
 
-REPORT_NAME = "preflight.json"
+REPORT_NAME = PREFLIGHT_NAME
+
+
+class WaiverError(UsageError):
+    """A --waive that names no check or gives no reason; the message is one line."""
+
+
+# ---------------------------------------------------------------- what the trainer asks of a profile
+
+
+def repo_root() -> Path:
+    """The checkout (or installed tree) that holds envs/, configs/, dflash/ and preflight/."""
+    return REPO_ROOT
+
+
+def profile_env(name: str) -> dict[str, str]:
+    """The environment variables profile `name` requires (envs/<name>.toml `env`). Raises ProfileError."""
+    return dict(load_profile(name).env)
+
+
+def apply_profile_env(name: str, log=print) -> dict[str, str]:
+    """Set the variables the profile requires where the shell left them unset; call before torch loads.
+
+    A value the user set differently is left alone, so the env-vars check still reports it; an
+    unknown or broken profile sets nothing (the profile check reports it). Returns what was set.
+    """
+    try:
+        required = profile_env(name)
+    except ProfileError:
+        return {}
+    applied = {}
+    for key, value in required.items():
+        if key not in os.environ:
+            os.environ[key] = applied[key] = value
+            log(f"profile {name}: set {key}={value}")
+    # inductor compiles into the profile's cache (the one the compile-cache check and --warm-cache look at)
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(compile_cache_dir(name)))
+    return applied
+
+
+def compile_cache_dir(name: str) -> Path:
+    """The inductor cache dir of profile `name` (``~`` expanded). Raises ProfileError."""
+    return load_profile(name).compile_cache_path
+
+
+def provenance(name: str) -> dict:
+    """What a checkpoint records about the code and environment that wrote it.
+
+    ``{"lock_sha256": sha256 of envs/<name>.lock (None if missing), "git_commit": HEAD (None outside git)}``
+    """
+    try:
+        lock_sha = hashlib.sha256(lock_path(name).read_bytes()).hexdigest()
+    except OSError:
+        lock_sha = None
+    return {"lock_sha256": lock_sha, "git_commit": git_commit(REPO_ROOT)}
+
+
+# ---------------------------------------------------------------- the gate
 
 
 def validate_waivers(waivers: Mapping[str, str]) -> dict[str, str]:
-    """Waivers keyed by check id; an unknown id or an empty reason is a ValueError (one line)."""
+    """Waivers keyed by check id; an unknown id or an empty reason is a WaiverError (one line)."""
     out = {}
     for check_id, reason in waivers.items():
         if check_id not in CHECK_IDS:
-            raise ValueError(f"--waive {check_id}: unknown check id (known: {', '.join(CHECK_IDS)})")
+            raise WaiverError(f"--waive {check_id}: unknown check id (known: {', '.join(CHECK_IDS)})")
         if not str(reason).strip():
-            raise ValueError(f"--waive {check_id}: give a non-empty --reason")
+            raise WaiverError(f"--waive {check_id}: give a non-empty --reason")
         out[check_id] = str(reason)
     return out
 
@@ -99,19 +164,31 @@ def write_report(cfg: RunConfig, report: Report, ranks: list[dict] | None = None
     return report
 
 
-def apply_profile_env(profile_name: str, log=print) -> None:
-    """Set the variables the profile requires where the shell left them unset (before torch allocates or compiles).
+@dataclass
+class GateResult:
+    """The gate's decision for one run, with the lines an entry point prints."""
 
-    A value the user set differently is left alone, so the env-vars check still reports it.
-    """
-    from preflight.profiles import ProfileError, load_profile
+    report: Report
+    ok: bool
+    notes: list[str] = field(default_factory=list)  # one line per waived or failed check (stderr)
+    verdict: str = ""  # the last line: "preflight: ok (...)" or "refusing to start: ..." (stderr when not ok)
 
-    try:
-        profile = load_profile(profile_name)
-    except ProfileError:
-        return  # the profile check reports it
-    for key, value in profile.env.items():
-        if key not in os.environ:
-            os.environ[key] = value
-            log(f"profile {profile_name}: set {key}={value}")
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(profile.compile_cache_path))
+
+def run_gate(
+    cfg: RunConfig,
+    waivers: Mapping[str, str] | None = None,
+    resume_intent: str | None = None,
+    gpu_info: GpuInfo | None = None,
+    config_path: str | None = None,
+) -> GateResult:
+    """Run preflight for a run, write its report, and say whether training may start. Raises WaiverError."""
+    report = run_preflight(cfg, cfg.profile, waivers, resume_intent, gpu_info, config_path)
+    failed, waived = report.with_status("fail"), report.with_status("waived")
+    notes = [f"preflight: waived {c.id}: {c.summary}" for c in waived]
+    notes += [f"preflight: FAIL {c.id}: {c.summary}" + (f"  fix: {c.fix}" if c.fix else "") for c in failed]
+    if failed:
+        verdict = (f"refusing to start: {len(failed)} preflight check(s) failed (report: "
+                   f"{Path(cfg.output_dir) / REPORT_NAME}); fix them or waive with --waive ID --reason TEXT")
+    else:
+        verdict = f"preflight: ok ({len(report.checks)} checks, {len(waived)} waived)"
+    return GateResult(report, not failed, notes, verdict)

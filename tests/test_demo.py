@@ -13,6 +13,8 @@ import pytest
 from dflash import demo
 from dflash.config import load_config
 from dflash.synthetic import word_text
+from preflight.gate import GateResult
+from preflight.report import Report
 from trainkit import chat_target
 
 
@@ -24,7 +26,8 @@ def test_demo_preset_validates():
 
 def test_pipeline_on_a_tiny_target(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("DFLASH_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setattr("dflash.cli.run_gate", lambda cfg, waivers, intent: True)  # preflight has its own tests
+    passed = GateResult(Report.build("train-cu128", []), True, [], "preflight: ok (stubbed)")
+    monkeypatch.setattr("preflight.gate.run_gate", lambda cfg, waivers, intent: passed)  # preflight has its own tests
     target = chat_target(tmp_path, "llama")
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("\n".join(word_text(3 + i % 5, start=i) for i in range(12)) + "\n")

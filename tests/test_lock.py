@@ -9,8 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from preflight.lock_cli import check_all, diff_locks, judge_lock
-from preflight.lockfile import parse_lock
+from preflight.lockfile import check_all, diff_locks, judge_lock, parse_lock
 from preflight.profiles import ENVS_DIR, REPO_ROOT, load_profile
 
 H = "--hash=sha256:" + "ab" * 32

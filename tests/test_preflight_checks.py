@@ -396,6 +396,19 @@ def test_run_dir_with_checkpoints_needs_intent(tmp_path):
     assert r.status == "pass" and "step 690" in r.summary
 
 
+def test_run_dir_resume_refuses_a_checkpoint_the_trainer_would_refuse(tmp_path):
+    from dflash.rundir import LEGACY_REASON
+
+    ctx = _with_checkpoint(make_ctx(tmp_path))
+    ctx.run_dir.newest.error = LEGACY_REASON  # what facts.run_dir records for an old pickled trainer_state.pt
+    ctx.resume_intent = "resume"
+    r = checks.check_run_dir(ctx)
+    assert r.status == "fail" and "step_00000690 cannot be resumed: written by an older dflash version" in r.summary
+    assert "--fresh" in r.fix
+    ctx.resume_intent = "fresh"
+    assert checks.check_run_dir(ctx).status == "pass"
+
+
 def test_run_dir_resume_incompatible_fails(tmp_path):
     ctx = _with_checkpoint(make_ctx(tmp_path), config_over={"drafter.block_size": 16, "target.path": "other-27b"})
     ctx.resume_intent = "resume"

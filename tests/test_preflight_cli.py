@@ -13,6 +13,7 @@ import pyarrow.ipc as ipc
 import pytest
 
 from dflash.config import config_from_dict
+from dflash.rundir import CHECKPOINT_FILES, META_NAME
 from preflight.checks import CHECK_IDS, NEEDS_CONFIG
 from preflight.cli import main
 from preflight.gate import run_preflight
@@ -151,6 +152,9 @@ def test_existing_checkpoints_need_resume_or_fresh(capsys, tmp_path):
     saved = config_from_dict({"output_dir": str(tmp_path / "run"), "device": "cpu"}).model_dump()
     (ck / "meta.json").write_text(json.dumps({"step": 690, "config": saved,
                                               "dataset": {"path": "x", "samples": 902000, "fingerprint": "f"}}))
+    for name in set(CHECKPOINT_FILES) - {META_NAME}:  # the files a resume loads (preflight reads only meta.json)
+        (ck / name).parent.mkdir(parents=True, exist_ok=True)
+        (ck / name).write_bytes(b"")
     base = ("--profile", "train-cu128", "--json", "--config", str(cfg))
     _, out, _ = run(capsys, *base)
     run_dir = next(c for c in json.loads(out)["checks"] if c["id"] == "run-dir")

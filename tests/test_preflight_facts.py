@@ -105,6 +105,22 @@ def test_model_source_git_names_modified_and_untracked(tmp_path):
     assert "1 file changed" in src.diff_stat and src.commit and len(src.commit) == 40
 
 
+@pytest.mark.skipif(shutil.which("git") is None, reason="git not installed")
+def test_git_commit_is_the_checkouts_head_and_none_elsewhere(tmp_path):
+    git = ["git", "-C", str(tmp_path / "repo"), "-c", "user.name=t", "-c", "user.email=t@example.com"]
+    subprocess.run(["git", "init", "-q", str(tmp_path / "repo")], check=True)
+    assert facts.git_commit(tmp_path / "repo") is None  # no commit yet
+    subprocess.run([*git, "commit", "-q", "--allow-empty", "-m", "init"], check=True)
+    head = subprocess.run([*git, "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
+    assert facts.git_commit(tmp_path / "repo") == head
+    # a worktree's .git is a file, not a folder: still its own HEAD
+    subprocess.run([*git, "worktree", "add", "-q", "--detach", str(tmp_path / "wt")], check=True)
+    assert facts.git_commit(tmp_path / "wt") == head
+    (tmp_path / "repo" / "sub").mkdir()
+    assert facts.git_commit(tmp_path / "repo" / "sub") is None  # inside a checkout but not its top
+    assert facts.git_commit(tmp_path / "plain") is None
+
+
 def test_model_source_record_verifies_hashes(tmp_path, monkeypatch):
     site = tmp_path / "site"
     pkg = site / "fakeproj"
@@ -150,6 +166,24 @@ def test_run_dir_lists_finished_checkpoints(tmp_path):
     _ckpt(run, 900, "{not json")
     rd = facts.run_dir(str(run))
     assert rd.newest.step == 900 and rd.newest.meta is None and "meta.json unreadable" in rd.newest.error
+
+
+def test_run_dir_flags_checkpoints_a_resume_would_refuse(tmp_path):
+    """Preflight judges checkpoint folders by dflash.rundir's rules, the ones `dflash-train --resume` applies."""
+    from dflash.rundir import CHECKPOINT_FILES, LEGACY_STATE, META_NAME
+
+    run = tmp_path / "run"
+    whole = _ckpt(run, 500, {"step": 500})
+    for name in set(CHECKPOINT_FILES) - {META_NAME}:
+        (whole / name).parent.mkdir(parents=True, exist_ok=True)
+        (whole / name).write_bytes(b"")
+    (_ckpt(run, 600, {"step": 600}) / LEGACY_STATE).write_bytes(b"pickle")
+    rd = facts.run_dir(str(run))
+    assert [c.step for c in rd.checkpoints] == [500, 600]
+    assert rd.checkpoints[0].error is None
+    assert "older dflash version" in rd.newest.error and rd.newest.meta == {"step": 600}
+    (run / "checkpoints" / "step_00000600" / LEGACY_STATE).unlink()
+    assert "optimizer.pt" in facts.run_dir(str(run)).newest.error
 
 
 def test_run_dir_not_writable_when_parent_is_a_file(tmp_path):
@@ -215,6 +249,22 @@ def test_compile_cache_reads_manifest(tmp_path, monkeypatch):
     (Path(cold.path) / "dflash-manifest.json").write_text(json.dumps({"torch": "2.10.0+cu128"}))
     warm = facts.compile_cache(profile, {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "elsewhere")})
     assert warm.exists and warm.manifest == {"torch": "2.10.0+cu128"} and warm.env_override
+
+
+def test_compile_manifest_written_by_the_trainer_is_read_by_preflight(tmp_path, monkeypatch):
+    from dflash.compile_manifest import MANIFEST_NAME, write_manifest
+    from preflight.gate import compile_cache_dir
+    from preflight.profiles import load_profile
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    written = {"torch": "2.10.0+cu128", "triton": "3.6.0", "gpu_name": "NVIDIA H200", "compute_capability": "9.0",
+               "drafter_hash": "abc123"}
+    write_manifest(compile_cache_dir("train-cu128"), written)  # what `dflash-train --warm-cache` does
+    cc = facts.compile_cache(load_profile("train-cu128"), {})
+    assert cc.exists and cc.error is None and cc.manifest == written
+    (Path(cc.path) / MANIFEST_NAME).write_text("[1, 2]")
+    cc = facts.compile_cache(load_profile("train-cu128"), {})
+    assert cc.manifest is None and cc.error == f"{MANIFEST_NAME} unreadable: not a JSON object"
 
 
 def test_gather_builds_a_full_context(tmp_path, monkeypatch):

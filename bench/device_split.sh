@@ -2,6 +2,7 @@
 # The split-topology runs on a 2x H200 device machine (device image: torch 2.11.0+cu130, no uv).
 #   bash bench/device_split.sh            # writes logs and JSON under $OUT (default .cache/out)
 #   STEPS_8B=250 RUN_27B=0 bash bench/device_split.sh   # the 8B run only, 250 steps
+#   STEPS_8B=60 TORCHRUN_STEPS=30 RUN_27B=0 bash bench/device_split.sh   # + the same run under torchrun
 # 1) Qwen3-8B-shaped target on GPU 0 feeding a 5-layer drafter on GPU 1 (block 16, 512 anchors, 1x3072 tokens)
 # 2) the incident's 27B-class run scaled to 1 target + 1 drafter (block 32, 1024 anchors, 49152-token batches)
 set -uo pipefail
@@ -31,6 +32,17 @@ python3 -m dflash.cli --config configs/qwen3-8b-1t1d.toml --fresh --max-steps ${
   "${W[@]}" 2>&1 | tee "$OUT/train_8b_1t1d.log" | grep -v Warning
 watch_stop nvml_8b_1t1d.csv
 cp runs/qwen3-8b-1t1d/metrics.jsonl "$OUT/metrics_8b_1t1d.jsonl"
+if [ "${TORCHRUN_STEPS:-0}" -gt 0 ]; then
+  # 3) the same 1+1 run started by torchrun: every rank goes through the collective preflight gate
+  echo "=== 8B 1+1 torchrun $(date +%T)"
+  watch_start nvml_8b_torchrun.csv
+  python3 -m torch.distributed.run --standalone --nproc-per-node 2 -m dflash.split \
+    --config configs/qwen3-8b-1t1d.toml --set output_dir=\"runs/qwen3-8b-torchrun\" \
+    --set train.max_steps=${TORCHRUN_STEPS} --fresh "${W[@]}" 2>&1 | tee "$OUT/train_8b_torchrun.log" | grep -v Warning
+  watch_stop nvml_8b_torchrun.csv
+  cp runs/qwen3-8b-torchrun/metrics.jsonl "$OUT/metrics_8b_torchrun.jsonl"
+  cp runs/qwen3-8b-torchrun/preflight.json "$OUT/preflight_8b_torchrun.json"
+fi
 [ "${RUN_27B:-1}" = 1 ] || exit 0
 echo "=== 27B 1+1 $(date +%T)"
 python3 bench/make_synthetic.py --out .cache/syn-2816 --samples 400 --length 2816

@@ -13,7 +13,8 @@ from pathlib import Path
 
 import click
 
-from dflash.config import ConfigError, RunConfig, load_config, parse_overrides
+from dflash.config import RunConfig, load_config, parse_overrides
+from dflash.errors import Command, Group, run_cli
 
 CONTEXT = {"help_option_names": ["-h", "--help"]}
 
@@ -33,34 +34,18 @@ def _gpu_list(text: str | None) -> list[str] | None:
     return items
 
 
-def prepare_output_dir(cfg: RunConfig, resume: str | None, fresh: bool, log=click.echo) -> Path | None:
-    """dflash.rundir's resume/fresh rule, its errors as this command's (usage: exit 2, checkpoint: exit 1)."""
-    from dflash.rundir import CheckpointError, RunDirError
-    from dflash.rundir import prepare_output_dir as prepare
-
-    try:
-        return prepare(cfg, resume, fresh, log)
-    except RunDirError as e:
-        raise click.UsageError(e.one_line()) from None
-    except CheckpointError as e:
-        raise click.ClickException(e.one_line()) from None
-
-
 def _gate(cfg: RunConfig, waivers: dict[str, str], intent: str | None):
     """The in-process preflight gate; prints its lines. Its result (`.ok`: training may start)."""
-    from preflight.gate import WaiverError, run_gate
+    from preflight.gate import run_gate
 
-    try:
-        result = run_gate(cfg, waivers, intent)
-    except WaiverError as e:
-        raise click.UsageError(e.one_line()) from None
+    result = run_gate(cfg, waivers, intent)
     for line in result.notes:
         click.echo(line, err=True)
     click.echo(result.verdict, err=not result.ok)
     return result
 
 
-@click.command(context_settings=CONTEXT)
+@click.command(cls=Command, context_settings=CONTEXT)
 @click.option("--config", "config_path", type=click.Path(dir_okay=False, path_type=Path),
               help="run config TOML (see configs/)")
 @click.option("--demo", is_flag=True, help="the embedded end-to-end demo on CPU (SmolLM2-135M target)")
@@ -76,7 +61,7 @@ def _gate(cfg: RunConfig, waivers: dict[str, str], intent: str | None):
 @click.option("--warm-cache", is_flag=True, help="compile the kernels for the configured shapes and write the "
               "compile-cache manifest, then exit")
 @click.option("--no-progress", is_flag=True, help="plain log lines instead of a progress bar")
-def train_main(config_path, demo, resume, fresh, sets, max_steps, output_dir, target_gpus, drafter_gpus,
+def train_command(config_path, demo, resume, fresh, sets, max_steps, output_dir, target_gpus, drafter_gpus,
                waive, reason, warm_cache, no_progress) -> None:
     """Train a DFlash drafter against a frozen target; refuses to start unless preflight passes."""
     if demo:
@@ -85,10 +70,7 @@ def train_main(config_path, demo, resume, fresh, sets, max_steps, output_dir, ta
         sys.exit(run_demo())
     if config_path is None:
         raise click.UsageError("give --config RUN.toml (see configs/), or --demo")
-    try:
-        overrides = parse_overrides(sets)
-    except ConfigError as e:
-        raise click.UsageError(str(e)) from None
+    overrides = parse_overrides(sets)
     if max_steps:
         overrides["train.max_steps"] = max_steps
     if output_dir:
@@ -96,10 +78,7 @@ def train_main(config_path, demo, resume, fresh, sets, max_steps, output_dir, ta
     if target_gpus is not None or drafter_gpus is not None:
         overrides["topology.target_gpus"] = _gpu_list(target_gpus) or []
         overrides["topology.drafter_gpus"] = _gpu_list(drafter_gpus) or []
-    try:
-        cfg = load_config(config_path, overrides)
-    except ConfigError as e:
-        raise click.UsageError(str(e)) from None
+    cfg = load_config(config_path, overrides)
     waivers = parse_waivers(waive, reason)
 
     from preflight.gate import apply_profile_env
@@ -109,7 +88,9 @@ def train_main(config_path, demo, resume, fresh, sets, max_steps, output_dir, ta
         from dflash.train import warm_cache as do_warm
 
         sys.exit(do_warm(cfg))
-    resume_from = prepare_output_dir(cfg, resume, fresh)
+    from dflash.rundir import prepare_output_dir
+
+    resume_from = prepare_output_dir(cfg, resume, fresh, log=click.echo)
     intent = "resume" if resume else "fresh" if fresh else None
     Path(cfg.output_dir).mkdir(parents=True, exist_ok=True)
     gate = _gate(cfg, waivers, intent)
@@ -119,23 +100,17 @@ def train_main(config_path, demo, resume, fresh, sets, max_steps, output_dir, ta
         from dflash.split import launch
 
         sys.exit(launch(cfg, resume_from, gate.report.run["gate_id"]))
-    from dflash.data import DatasetError
-    from dflash.rundir import CheckpointError
-    from dflash.train import RunError, run
+    from dflash.train import run
 
-    try:
-        code = run(cfg, resume_from, progress=False if no_progress else None)
-    except (RunError, DatasetError, CheckpointError) as e:
-        raise click.ClickException(e.one_line()) from None
-    sys.exit(code)
+    sys.exit(run(cfg, resume_from, progress=False if no_progress else None))
 
 
-@click.group(context_settings=CONTEXT)
-def data_main() -> None:
+@click.group(cls=Group, context_settings=CONTEXT)
+def data_command() -> None:
     """Prepare, merge and inspect Arrow training shards."""
 
 
-@data_main.command("stats")
+@data_command.command("stats")
 @click.argument("path", type=click.Path(exists=True, file_okay=False))
 @click.option("--token-budget", type=click.IntRange(min=16), default=49152, show_default=True)
 @click.option("--max-batch-size", type=click.IntRange(min=1), default=64, show_default=True)
@@ -144,30 +119,21 @@ def data_stats(path, token_budget, max_batch_size, num_buckets) -> None:
     """Samples, tokens, length histogram and the bucket table the trainer would use."""
     import numpy as np
 
-    from dflash.data import BucketBatchSampler, DatasetError, ShardDataset
+    from dflash.data import BucketBatchSampler, ShardDataset
 
-    try:
-        ds = ShardDataset(path)
-        lengths = ds.lengths
-        click.echo(f"{path}: {ds.num_samples} samples, {int(lengths.sum())} tokens, "
-                   f"length min {lengths.min()} mean {lengths.mean():.0f} max {lengths.max()}")
-        edges = np.unique(np.quantile(lengths, np.linspace(0, 1, 11)).astype(int))
-        counts, _ = np.histogram(lengths, bins=edges)
-        for lo, hi, n in zip(edges[:-1], edges[1:], counts):
-            click.echo(f"  {lo:>7}-{hi:<7} {n:>9}  {'#' * int(40 * n / max(1, counts.max()))}")
-        sampler = BucketBatchSampler(lengths, token_budget, max_batch_size, num_buckets, 0)
-        click.echo(sampler.summary())
-    except DatasetError as e:
-        raise click.ClickException(str(e)) from None
+    ds = ShardDataset(path)
+    lengths = ds.lengths
+    click.echo(f"{path}: {ds.num_samples} samples, {int(lengths.sum())} tokens, "
+               f"length min {lengths.min()} mean {lengths.mean():.0f} max {lengths.max()}")
+    edges = np.unique(np.quantile(lengths, np.linspace(0, 1, 11)).astype(int))
+    counts, _ = np.histogram(lengths, bins=edges)
+    for lo, hi, n in zip(edges[:-1], edges[1:], counts):
+        click.echo(f"  {lo:>7}-{hi:<7} {n:>9}  {'#' * int(40 * n / max(1, counts.max()))}")
+    sampler = BucketBatchSampler(lengths, token_budget, max_batch_size, num_buckets, 0)
+    click.echo(sampler.summary())
 
 
-class InputError(click.ClickException):
-    """Bad input to a data/eval command: one line, exit 2."""
-
-    exit_code = 2
-
-
-@data_main.command("prepare")
+@data_command.command("prepare")
 @click.option("--target", default="smollm2", show_default=True, help="HF model folder, or smollm2 (embedded)")
 @click.option("--prompts", default="chitchat", show_default=True, help="chitchat, held-out, or a .txt/.jsonl file")
 @click.option("--out", required=True, type=click.Path(file_okay=False, path_type=Path), help="output folder")
@@ -179,31 +145,24 @@ class InputError(click.ClickException):
 @click.option("--device", default="auto", show_default=True, help="auto, cpu or cuda (transformers engine)")
 def data_prepare(target, prompts, out, max_new_tokens, limit, batch_size, shard_size, engine, device) -> None:
     """Greedy completions of the target -> Arrow shards (resumable: finished shards are kept)."""
-    from dflash.prepare import PrepareError, PrepareSettings, prepare
-    from dflash.prompts import PromptError
+    from dflash.prepare import PrepareSettings, prepare
 
-    try:
-        prepare(PrepareSettings(target, prompts, out, max_new_tokens, limit, batch_size, shard_size, engine, device),
-                log=click.echo)
-    except (PrepareError, PromptError) as e:
-        raise InputError(str(e)) from None
+    prepare(PrepareSettings(target, prompts, out, max_new_tokens, limit, batch_size, shard_size, engine, device),
+            log=click.echo)
 
 
-@data_main.command("merge")
+@data_command.command("merge")
 @click.argument("inputs", nargs=-1, required=True, type=click.Path(exists=True, file_okay=False, path_type=Path))
 @click.option("--out", required=True, type=click.Path(path_type=Path), help="merged output folder (must not exist)")
 @click.option("--overwrite", is_flag=True, help="replace an existing --out")
 def data_merge(inputs, out, overwrite) -> None:
     """Copy the shards of several datasets into one new folder; inputs stay untouched."""
-    from dflash.prepare import PrepareError, merge
+    from dflash.prepare import merge
 
-    try:
-        merge(list(inputs), out, overwrite, log=click.echo)
-    except PrepareError as e:
-        raise InputError(str(e)) from None
+    merge(list(inputs), out, overwrite, log=click.echo)
 
 
-@click.command(context_settings=CONTEXT)
+@click.command(cls=Command, context_settings=CONTEXT)
 @click.option("--target", default="smollm2", show_default=True, help="HF model folder, or smollm2 (embedded)")
 @click.option("--drafter", required=True, type=click.Path(exists=True, file_okay=False, path_type=Path),
               help="run dir (output_dir) or drafter folder (config.json + model.safetensors)")
@@ -213,20 +172,29 @@ def data_merge(inputs, out, overwrite) -> None:
 @click.option("--limit", type=click.IntRange(min=1), default=16, show_default=True, help="first N prompts")
 @click.option("--device", default="cpu", show_default=True, help="cpu or cuda")
 @click.option("--json", "json_out", type=click.Path(dir_okay=False, path_type=Path), help="also write the report here")
-def eval_main(target, drafter, prompts, block_size, max_new_tokens, limit, device, json_out) -> None:
+def eval_command(target, drafter, prompts, block_size, max_new_tokens, limit, device, json_out) -> None:
     """Acceptance length of a drafter against its target (greedy speculative decoding, checked lossless)."""
-    from dflash.eval import EvalError, evaluate, print_report
-    from dflash.prompts import PromptError
+    from dflash.eval import evaluate, print_report
 
-    try:
-        report = evaluate(target, drafter, prompts, block_size, max_new_tokens, limit, device, log=click.echo)
-    except (EvalError, PromptError) as e:
-        raise InputError(str(e)) from None
+    report = evaluate(target, drafter, prompts, block_size, max_new_tokens, limit, device, log=click.echo)
     print_report(report, log=click.echo)
     if json_out:
         json_out.write_text(report.to_json())
     if not report.lossless:
         sys.exit(1)
+
+
+def train_main(argv: list[str] | None = None) -> None:
+    """dflash-train: user errors are one line (`dflash-train: error: ...`), never a traceback."""
+    run_cli(train_command, "dflash-train", argv)
+
+
+def data_main(argv: list[str] | None = None) -> None:
+    run_cli(data_command, "dflash-data", argv)
+
+
+def eval_main(argv: list[str] | None = None) -> None:
+    run_cli(eval_command, "dflash-eval", argv)
 
 
 if __name__ == "__main__":

@@ -150,6 +150,8 @@ class RunConfig(_Strict):
 class ConfigError(DflashError):
     """A run config that cannot be read or does not validate; the message is one line."""
 
+    exit_code = 2  # bad input
+
 
 def _format_validation(err: ValidationError, source: str) -> str:
     """Every validation error on one line: `source: field: problem; field: problem`."""

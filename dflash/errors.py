@@ -48,3 +48,38 @@ def run_cli(command, prog: str, argv: list[str] | None = None) -> None:
         click.echo(f"{prog}: error: {e.one_line()}", err=True)
         sys.exit(e.exit_code)
     sys.exit(code if isinstance(code, int) else 0)
+
+
+def _click_error(e: DflashError):
+    import click
+
+    err = click.ClickException(e.one_line())
+    err.exit_code = e.exit_code
+    return err
+
+
+def _command_classes():
+    """click Command/Group classes whose commands turn a DflashError into a one-line click error (same exit code),
+    so a command behaves the same under run_cli, click's standalone mode and click's test runner."""
+    import click
+
+    class Command(click.Command):
+        def invoke(self, ctx):
+            try:
+                return super().invoke(ctx)
+            except DflashError as e:
+                raise _click_error(e) from None
+
+    class Group(click.Group):
+        command_class = Command
+
+        def invoke(self, ctx):
+            try:
+                return super().invoke(ctx)
+            except DflashError as e:
+                raise _click_error(e) from None
+
+    return Command, Group
+
+
+Command, Group = _command_classes()

@@ -38,6 +38,8 @@ from dflash.target import target_embed_and_head
 class EvalError(DflashError):
     """Bad input to dflash-eval (paths, shapes that do not match); one line."""
 
+    exit_code = 2  # bad input
+
 
 @dataclass
 class EvalReport:

@@ -38,6 +38,8 @@ INFER_PROFILE_CMD = "uv run --no-default-groups --group infer-cu130 --group dev 
 class PrepareError(DflashError):
     """Bad input for prepare/merge; the message is one line naming the problem and the fix."""
 
+    exit_code = 2  # bad input
+
 
 @dataclass
 class PrepareSettings:

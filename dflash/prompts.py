@@ -31,6 +31,8 @@ MIN_CHARS, MAX_CHARS = 20, 400  # turns outside this length (characters) make po
 class PromptError(DflashError):
     """Prompts that cannot be used; the message is one line naming the source and the fix."""
 
+    exit_code = 2  # bad input
+
 
 def chitchat_json() -> Path:
     """dataset.json inside the installed chitchat-dataset distribution (its module is not imported)."""

@@ -150,7 +150,7 @@ def test_resume_from_a_damaged_checkpoint_is_one_line(finished_run, tmp_path, ca
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "Traceback" not in proc.stderr
-    errors = [line for line in proc.stderr.splitlines() if line.startswith("Error:")]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("dflash-train: error: ")]
     assert len(errors) == 1 and proc.stderr.rstrip().endswith(errors[0]), proc.stderr
     assert re.search(expect, errors[0]), errors[0]
     assert not marker.exists()

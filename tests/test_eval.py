@@ -8,7 +8,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from dflash.cli import eval_main
+from dflash.cli import eval_command
 from dflash.eval import Decoder, EvalError, evaluate_drafters, find_drafter_folder, load_eval_target
 from dflash.model import DFlashDrafter, drafter_config_from_target
 from dflash.prompts import chat_prompt_ids
@@ -92,14 +92,14 @@ def test_cli_reports_and_exit_codes(root, tmp_path):
     prompts = tmp_path / "p.txt"
     prompts.write_text(f"{word_text(4)}\n{word_text(5, 3)}\n")
     out = tmp_path / "r.json"
-    res = CliRunner().invoke(eval_main, ["--target", str(target), "--drafter", str(run), "--prompts", str(prompts),
+    res = CliRunner().invoke(eval_command, ["--target", str(target), "--drafter", str(run), "--prompts", str(prompts),
                                          "--max-new-tokens", "12", "--json", str(out)])
     assert res.exit_code == 0, res.output
     assert "mean acceptance length" in res.output and "lossless: " in res.output
     assert json.loads(out.read_text())["lossless"] is True
     assert find_drafter_folder(run) == run / "drafter"
 
-    res = CliRunner().invoke(eval_main, ["--target", str(target), "--drafter", str(tmp_path), "--prompts",
+    res = CliRunner().invoke(eval_command, ["--target", str(target), "--drafter", str(tmp_path), "--prompts",
                                          str(prompts)])
     assert res.exit_code == 2
     assert "not a drafter folder" in res.output

@@ -9,7 +9,7 @@ import pytest
 from click.testing import CliRunner
 
 from dflash import prepare as prep
-from dflash.cli import data_main
+from dflash.cli import data_command
 from dflash.data import ShardDataset
 from dflash.prompts import HELD_OUT, is_held_out, load_prompts
 from dflash.synthetic import word_text, word_tokenizer
@@ -33,7 +33,7 @@ def prompt_file(tmp_path):
 def _prepare(target, prompts, out, *extra):
     args = ["prepare", "--target", str(target), "--prompts", str(prompts), "--out", str(out),
             "--max-new-tokens", "6", "--shard-size", "4", "--batch-size", "3", "--device", "cpu", *extra]
-    return CliRunner().invoke(data_main, args)
+    return CliRunner().invoke(data_command, args)
 
 
 def _rows(path):
@@ -131,7 +131,7 @@ def test_merge_keeps_inputs_and_refuses_to_overwrite(target, prompt_file, tmp_pa
     assert _prepare(target, prompt_file, tmp_path / "a", "--limit", "5").exit_code == 0
     assert _prepare(target, prompt_file, tmp_path / "b").exit_code == 0
     before = {p: p.read_bytes() for d in ("a", "b") for p in (tmp_path / d).iterdir()}
-    res = CliRunner().invoke(data_main, ["merge", str(tmp_path / "a"), str(tmp_path / "b"),
+    res = CliRunner().invoke(data_command, ["merge", str(tmp_path / "a"), str(tmp_path / "b"),
                                          "--out", str(tmp_path / "c")])
     assert res.exit_code == 0, res.output
     a, _ = _rows(tmp_path / "a")
@@ -139,9 +139,9 @@ def test_merge_keeps_inputs_and_refuses_to_overwrite(target, prompt_file, tmp_pa
     assert _rows(tmp_path / "c")[0] == a + b
     assert {p: p.read_bytes() for p in before} == before
 
-    res = CliRunner().invoke(data_main, ["merge", str(tmp_path / "a"), "--out", str(tmp_path / "c")])
+    res = CliRunner().invoke(data_command, ["merge", str(tmp_path / "a"), "--out", str(tmp_path / "c")])
     assert res.exit_code == 2 and "already exists; pick another --out or pass --overwrite" in res.output
-    res = CliRunner().invoke(data_main, ["merge", str(tmp_path / "a"), "--out", str(tmp_path / "c"), "--overwrite"])
+    res = CliRunner().invoke(data_command, ["merge", str(tmp_path / "a"), "--out", str(tmp_path / "c"), "--overwrite"])
     assert res.exit_code == 0 and _rows(tmp_path / "c")[0] == a
 
 

@@ -216,3 +216,22 @@ def test_feature_cache_is_refused_for_split_runs():
 
     with pytest.raises(ConfigError, match="cache_features works in co-located runs only"):
         config_from_dict({"train": {"cache_features": True}, "topology": {"target_gpus": ["0"], "drafter_gpus": ["1"]}})
+
+
+def test_list_valued_set_and_bad_set_values_are_one_line(tmp_path):
+    """`--set` takes TOML values (lists work) through the one parser; a bad value names the field, no traceback."""
+    cfg, raw = tiny_config(tmp_path, max_steps=1)
+    config = write_toml(raw, tmp_path / "run.toml")
+    ok = subprocess.run(train_cmd(config, "--fresh", "--set", "drafter.target_layer_ids=[0, 2]"), cwd=REPO,
+                        capture_output=True, text=True)
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    saved = json.loads((Path(cfg.output_dir) / "config.json").read_text())
+    assert saved["drafter"]["target_layer_ids"] == [0, 2]
+    bad = subprocess.run(train_cmd(config, "--fresh", "--set", 'drafter.target_layer_ids=[0, "x"]',
+                                   "--set", "train.lr=-1"), cwd=REPO, capture_output=True, text=True)
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr
+    line = bad.stderr.strip()
+    assert line.startswith("dflash-train: error: ") and "\n" not in line, bad.stderr
+    assert "drafter.target_layer_ids.1" in line and "train.lr" in line  # every validation error, on one line
+    nokey = subprocess.run(train_cmd(config, "--fresh", "--set", "train.lr"), cwd=REPO, capture_output=True, text=True)
+    assert nokey.returncode == 2 and "expected SECTION.KEY=VALUE" in nokey.stderr

@@ -46,6 +46,9 @@ from dflash.synthetic import write_target  # noqa: E402
 STEPS = 3
 
 T06, T8, T27 = "configs/targets/qwen3-0.6b", "configs/targets/qwen3-8b", "configs/targets/qwen3-27b"
+T36 = "configs/targets/qwen3.6-27b"  # the incident's target (Qwen3.6-27B text shapes; the drafter role reads only them)
+# The incident's drafter role: 49152-token batches of up to 64 rows, 1024 anchors per batch, block 32, 5 layers, KL 0.5
+INCIDENT = dict(batch_anchors=1024, kl_weight=0.5, gamma=10.0)
 
 
 def _cfg(target, budget, batch, anchors, block, layers, **train) -> dict:
@@ -66,11 +69,15 @@ CONFIGS = {
     "0.6b-8k-a256-b16-d1": _cfg(T06, 8192, 1, 256, 16, 1),
     "0.6b-16k-a512-b32-d3": _cfg(T06, 16384, 8, 512, 32, 3),
     "27b-16k-d5": _cfg(T27, 16384, 1, 512, 32, 5),
+    "q36-27b-49k-a1024-b32-d5-kl-layer": _cfg(T36, 49152, 64, 1024, 32, 5, recompute="layer", **INCIDENT),
+    "q36-27b-49k-a1024-b32-d5-kl-mlp": _cfg(T36, 49152, 64, 1024, 32, 5, recompute="mlp", **INCIDENT),
+    "q36-27b-49k-a1024-b32-d5-kl-off": _cfg(T36, 49152, 64, 1024, 32, 5, recompute="off", **INCIDENT),
 }
 # Priority order: every target role first (no compilation, ~15 s each), then the drafter roles
 # (each compiles flex attention), the most different shapes first.
-PLAN = [(n, "target") for n in CONFIGS] + [
-    (n, "drafter") for n in ("8b-48k-a1024-b32-d1", "0.6b-48k-a1024-b16-d5-cap4096", "8b-32k-a256-b32-d3-kl",
+PLAN = [(n, "target") for n in CONFIGS if not n.startswith("q36")] + [
+    (n, "drafter") for n in ("q36-27b-49k-a1024-b32-d5-kl-layer", "q36-27b-49k-a1024-b32-d5-kl-mlp",
+                             "q36-27b-49k-a1024-b32-d5-kl-off", "8b-48k-a1024-b32-d1", "0.6b-48k-a1024-b16-d5-cap4096", "8b-32k-a256-b32-d3-kl",
                              "8b-16k-a512-b16-d5", "0.6b-8k-a256-b16-d1", "0.6b-16k-a512-b32-d3")
 ]
 TINY_PLAN = [("tiny-a", "target"), ("tiny-a", "drafter"), ("tiny-b-kl", "target"), ("tiny-b-kl", "drafter")]
@@ -168,7 +175,7 @@ def _drafter_role(cfg, device, steps, nvml, torch) -> dict:
     """The trainer's own step (dflash.step) on random features of the memory model's worst batch shape."""
     from transformers import AutoConfig
 
-    from dflash.memory import workload
+    from dflash.memory import recompute_mode, workload
     from dflash.model import DFlashDrafter, drafter_config_from_target
     from dflash.step import build_optimizer, clip_and_step, micro_step, resolve_mask_token_id, set_lr
     from dflash.target import torch_dtype
@@ -178,6 +185,7 @@ def _drafter_role(cfg, device, steps, nvml, torch) -> dict:
     dcfg = drafter_config_from_target(tconf, cfg.drafter.num_layers, cfg.drafter.block_size,
                                       cfg.drafter.target_layer_ids or None, resolve_mask_token_id(cfg, tconf))
     drafter = DFlashDrafter(dcfg).to(device, torch.float32)
+    drafter.set_recompute(recompute_mode(cfg))
     dtype = torch_dtype(cfg.target.dtype)
     V, H = tconf.vocab_size, tconf.hidden_size
     embed = (torch.randn(V, H, device=device, dtype=dtype) * 0.02).requires_grad_(False)

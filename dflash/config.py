@@ -92,7 +92,12 @@ class TrainConfig(_Strict):
         1, ge=1, le=1024, description="batches each drafter rank trains per optimizer step (a step takes "
         "grad_accum x drafter ranks batches)"
     )
-    loss_chunk: int = Field(8192, ge=16, description="query tokens per logits/loss chunk")
+    loss_chunk: int = Field(8192, ge=16, description="query tokens per logits/loss chunk (one fp32 [chunk, vocab] buffer; "
+                            "two with kl_weight > 0)")
+    recompute: Literal["auto", "off", "mlp", "layer"] = Field(
+        "auto", description="activation recompute per drafter layer: off (fastest), mlp (recompute each layer's MLP in "
+        "backward), layer (whole layers); auto = the fastest the memory model fits on the GPU (off on CPU)",
+    )
     cache_features: bool = Field(
         False, description="keep each sample's target features in memory after its first batch, so later epochs "
         "skip the target (co-located runs on small data: ~tokens x layers x hidden x 4 bytes)",

@@ -169,20 +169,50 @@ def _math_dtype(head_VH: torch.Tensor) -> torch.dtype:
     return torch.promote_types(head_VH.dtype, torch.float32)
 
 
+ROWS_PER_MATMUL = 1024  # rows of a chunk sent through the lm_head at once: bounds the bf16 temporaries
+
+
+def _logits_into(h_cH: torch.Tensor, head_VH: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """h @ head.T as one [c, V] buffer of `dtype`, filled ROWS_PER_MATMUL rows at a time.
+
+    The matmul runs in the head's dtype (bf16 on GPU); only a [rows, V] slice of it exists at a
+    time, so the chunk costs one math-dtype buffer instead of a bf16 and an fp32 copy of it.
+    """
+    out_cV = torch.empty(h_cH.shape[0], head_VH.shape[0], dtype=dtype, device=h_cH.device)
+    h_cH = h_cH.to(head_VH.dtype)
+    for r in range(0, h_cH.shape[0], ROWS_PER_MATMUL):
+        out_cV[r:r + ROWS_PER_MATMUL] = h_cH[r:r + ROWS_PER_MATMUL] @ head_VH.T
+    return out_cV
+
+
+def _log_softmax_(x_cV: torch.Tensor) -> torch.Tensor:
+    """log_softmax over the last dim, in place (no second [c, V] buffer)."""
+    x_cV.sub_(x_cV.amax(dim=-1, keepdim=True))
+    lse_c1 = torch.empty_like(x_cV[:, :1])
+    for r in range(0, x_cV.shape[0], ROWS_PER_MATMUL):  # exp of a row slice at a time
+        lse_c1[r:r + ROWS_PER_MATMUL] = x_cV[r:r + ROWS_PER_MATMUL].exp().sum(dim=-1, keepdim=True).log_()
+    return x_cV.sub_(lse_c1)
+
+
 def _chunk_loss(h_cH, head_VH, labels_c, w_c, t_cH, kl_weight, want_grad):
-    """Per-token CE and KL of one chunk, argmax correctness, and d(sum w*loss)/dh if wanted."""
+    """Per-token CE and KL of one chunk, argmax correctness, and d(sum w*loss)/dh if wanted.
+
+    Memory: one [c, V] math-dtype buffer (two with soft labels) plus [ROWS_PER_MATMUL, V]
+    temporaries; log-softmax, softmax and the gradient are formed in place in that buffer.
+    """
     dtype = _math_dtype(head_VH)
-    logits_cV = h_cH.to(head_VH.dtype) @ head_VH.T
-    correct_c = logits_cV.argmax(dim=-1) == labels_c
-    logp_cV = torch.log_softmax(logits_cV, dim=-1, dtype=dtype)  # one fused pass, upcast inside
-    del logits_cV
+    logp_cV = _logits_into(h_cH, head_VH, dtype)
+    correct_c = logp_cV.argmax(dim=-1) == labels_c
+    _log_softmax_(logp_cV)
     ce_c = -logp_cV.gather(1, labels_c[:, None]).squeeze(1)
     kl_c = target_p_cV = None
     if t_cH is not None and kl_weight > 0:
-        target_logp_cV = torch.log_softmax(t_cH.to(head_VH.dtype) @ head_VH.T, dim=-1, dtype=dtype)
-        target_p_cV = target_logp_cV.exp()
-        kl_c = (target_p_cV * target_logp_cV.sub_(logp_cV)).sum(dim=-1)
-        del target_logp_cV
+        target_logp_cV = _log_softmax_(_logits_into(t_cH, head_VH, dtype))
+        kl_c = torch.empty_like(ce_c)
+        for r in range(0, kl_c.shape[0], ROWS_PER_MATMUL):
+            tl = target_logp_cV[r:r + ROWS_PER_MATMUL]
+            kl_c[r:r + ROWS_PER_MATMUL] = (tl.exp() * (tl - logp_cV[r:r + ROWS_PER_MATMUL])).sum(dim=-1)
+        target_p_cV = target_logp_cV.exp_()
     if not want_grad:
         return ce_c, kl_c, correct_c, None
     # d loss / d logits = p - (1-kl) * onehot(label) - kl * p_target, times the token weight.
@@ -191,9 +221,12 @@ def _chunk_loss(h_cH, head_VH, labels_c, w_c, t_cH, kl_weight, want_grad):
     grad_cV[rows, labels_c] -= (1.0 - kl_weight) if target_p_cV is not None else 1.0
     if target_p_cV is not None:
         grad_cV.sub_(target_p_cV, alpha=kl_weight)
+        del target_p_cV
     grad_cV.mul_(w_c[:, None].to(dtype))
-    grad_cH = (grad_cV.to(head_VH.dtype) @ head_VH).to(h_cH.dtype)
-    return ce_c, kl_c, correct_c, grad_cH
+    grad_cH = torch.empty(h_cH.shape, dtype=head_VH.dtype, device=h_cH.device)
+    for r in range(0, grad_cV.shape[0], ROWS_PER_MATMUL):
+        grad_cH[r:r + ROWS_PER_MATMUL] = grad_cV[r:r + ROWS_PER_MATMUL].to(head_VH.dtype) @ head_VH
+    return ce_c, kl_c, correct_c, grad_cH.to(h_cH.dtype)
 
 
 def _check_loss_inputs(hidden_BQH, head_VH, labels_BQ, weight_BQ, block_size, chunk, target_hidden_BQH, kl_weight):

@@ -46,6 +46,7 @@ from dflash.errors import DflashError
 
 GiB = 1024**3
 BF16 = 2  # bytes; autocast dtype of the drafter, frozen embedding/lm_head copies
+LOSS_ROWS_PER_MATMUL = 1024  # dflash.loss.ROWS_PER_MATMUL (this module imports no torch)
 FP32 = 4  # bytes; master weights, grads, AdamW states, loss buffers, norm statistics
 INT32 = 4  # bytes; flex attention block-mask indices
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
@@ -121,14 +122,15 @@ class Calibration:
     backward_transient_layers: float = 1.0
     drafter_activation_scale: float = 0.9666  # fitted to tests/data/memory_calibration.json (6 drafter configurations)
 
-    # Loss chunk (dflash/loss.py _ChunkedLMHeadLoss), per [chunk, vocab] element at its peak:
-    # CE: inside log_softmax(bf16 logits, dtype=float32) torch first makes an fp32 copy, so the
-    # bf16 logits, that copy and the fp32 log-probs live together (2 fp32 + 1 bf16) ...
-    loss_fp32_buffers: float = 2.0
-    loss_bf16_buffers: float = 1.0
-    # ... with kl_weight > 0: the drafter's log-probs, the target's log-probs and probs and
-    # their product, all fp32 (the bf16 buffers are gone by then): 2 more than loss_fp32_buffers.
-    kl_fp32_buffers: float = 2.0
+    # Loss chunk (dflash/loss.py _chunk_loss), per [chunk, vocab] element at its peak: the logits
+    # are written into one fp32 buffer slice by slice and log-softmax, softmax and the gradient are
+    # formed in place in it (CE: 1 fp32 buffer) ...
+    loss_fp32_buffers: float = 1.0
+    # ... with kl_weight > 0 the target's log-probs / probs are a second fp32 buffer ...
+    kl_fp32_buffers: float = 1.0
+    # ... plus temporaries over ROWS_PER_MATMUL rows at a time: the bf16 matmul slice and an fp32
+    # exp (KL: two fp32 slices), in fp32 units per [rows, vocab] element.
+    loss_slice_fp32_buffers: float = 2.0
 
     def context_bytes(self, cuda: str) -> int:
         major = cuda_major(cuda)
@@ -451,17 +453,51 @@ def _step_only_parts(cfg: RunConfig, shape: TargetShape, step_activation_bytes: 
     ]
 
 
-def drafter_layer_bytes(shape: TargetShape, w: Workload, cal: Calibration) -> int:
-    """Activations one drafter layer saves for backward over the whole batch."""
-    per_q = BF16 * (cal.drafter_act_h * shape.hidden + cal.drafter_act_q * shape.q_width + cal.drafter_act_i * shape.intermediate)
+def drafter_layer_bytes(shape: TargetShape, w: Workload, cal: Calibration, recompute: str = "off") -> int:
+    """Activations one drafter layer saves for backward over the whole batch.
+
+    recompute "mlp" keeps the MLP's input instead of its post-attention norm and intermediate
+    activations; "layer" keeps only the layer's input (the rest is rebuilt during backward).
+    """
+    if recompute == "layer":
+        return int(w.queries * BF16 * shape.hidden)
+    act_h, act_i = cal.drafter_act_h, cal.drafter_act_i
+    if recompute == "mlp":
+        act_h, act_i = act_h / 2 + 1, 0.0  # the input norm's half of act_h, plus the checkpointed input
+    per_q = BF16 * (act_h * shape.hidden + cal.drafter_act_q * shape.q_width + act_i * shape.intermediate)
     per_q += FP32 * (shape.heads + shape.heads + 2)  # attention logsumexp, q-norm and 2 layer-norm statistics
     per_kv = BF16 * cal.drafter_act_kv * shape.kv_width + FP32 * shape.kv_heads  # + k-norm statistics
     return int(w.queries * per_q + w.kv_tokens * per_kv)
 
 
+def recompute_mode(cfg: RunConfig) -> str:
+    """The configured recompute, with auto read as off (callers that know the GPU use choose_recompute)."""
+    return "off" if cfg.train.recompute == "auto" else cfg.train.recompute
+
+
+def choose_recompute(cfg: RunConfig, role: GpuRole, cuda: str, gpu_bytes: int, cal: Calibration = DEFAULT_CALIBRATION,
+                     shape: TargetShape | None = None) -> tuple[str, int]:
+    """(mode, need bytes) for train.recompute = auto: the fastest mode whose peak fits gpu_bytes, else "layer"."""
+    shape = shape or load_target_shape(cfg.target.path)
+    need = 0
+    for mode in ("off", "mlp", "layer"):
+        need = sum(p.bytes for p in role_parts(with_recompute(cfg, mode), shape, role, cuda, cal))
+        if need <= gpu_bytes:
+            return mode, need
+    return "layer", need
+
+
+def with_recompute(cfg: RunConfig, mode: str) -> RunConfig:
+    out = cfg.model_copy(deep=True)
+    out.train.recompute = mode
+    return out
+
+
 def _drafter_step_parts(cfg: RunConfig, shape: TargetShape, w: Workload, cal: Calibration) -> list[Part]:
     n = cfg.drafter.num_layers
-    layer = drafter_layer_bytes(shape, w, cal)
+    mode = recompute_mode(cfg)
+    layer = drafter_layer_bytes(shape, w, cal, mode)
+    full_layer = drafter_layer_bytes(shape, w, cal)  # what backward rebuilds of one recomputed layer
     h, v, d = shape.hidden, shape.vocab, shape.head_dim
     q_blocks = math.ceil(w.queries_per_seq / FLEX_BLOCK)
     kv_blocks = math.ceil((w.seq_len + w.queries_per_seq) / FLEX_BLOCK)
@@ -474,19 +510,19 @@ def _drafter_step_parts(cfg: RunConfig, shape: TargetShape, w: Workload, cal: Ca
     # forward pass and kept for backward; with soft labels the target's last hidden state is
     # gathered per query [Q, H] and then selected [M, H].
     loss_inputs = 2 * BF16 * m * h + (BF16 * (w.queries + m) * h if kl else 0)
-    if kl:
-        per_elem = FP32 * (cal.loss_fp32_buffers + cal.kl_fp32_buffers)
-    else:
-        per_elem = FP32 * cal.loss_fp32_buffers + BF16 * cal.loss_bf16_buffers
-    chunk = int(w.loss_chunk * v * per_elem)
+    per_elem = FP32 * (cal.loss_fp32_buffers + (cal.kl_fp32_buffers if kl else 0.0))
+    rows = min(w.loss_chunk, LOSS_ROWS_PER_MATMUL)
+    chunk = int(w.loss_chunk * v * per_elem + rows * v * FP32 * cal.loss_slice_fp32_buffers)
     rope = BF16 * 2 * d * (2 * w.queries + 2 * w.tokens)  # cos+sin for queries, context, and [context; queries]
-    backward = int(cal.backward_transient_layers * layer) + attn_ws
+    backward = int(cal.backward_transient_layers * full_layer) + attn_ws
+    if mode != "off":  # the recomputed layer's (or MLP's) activations live while its gradient is formed
+        backward += full_layer - drafter_layer_bytes(shape, w, cal, "mlp" if mode == "mlp" else "layer")
     return [
         Part("context projection (fc out, hidden norm fp32 pair + bf16 out)", (2 * FP32 + BF16) * w.tokens * h + FP32 * w.tokens,
              "activation"),
         Part(f"block tokens ({w.queries} queries: ids, labels, weights, embeddings, RoPE)",
              w.queries * (40 + BF16 * h) + rope, "activation"),
-        Part(f"layer activations ({n} layers x {layer / GiB:.2f} GiB)", n * layer, "activation"),
+        Part(f"layer activations ({n} layers x {layer / GiB:.2f} GiB, recompute {mode})", n * layer, "activation"),
         Part("final norm (fp32 pair + bf16 out)", (2 * FP32 + BF16) * w.queries * h + FP32 * w.queries, "activation"),
         Part(f"flex block mask ({w.sequences} seqs)", mask, "activation"),
         Part(f"loss inputs ({m} weighted queries: hidden + its gradient{', target hidden' if kl else ''})", loss_inputs,

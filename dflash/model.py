@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from dflash.attention import TrainMask, attend
 from dflash.config import default_target_layer_ids  # noqa: F401 (also used by importers of dflash.model)
@@ -249,9 +250,17 @@ class DrafterLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = DrafterMLP(cfg)
 
-    def forward(self, x_BQH, ctx_BSH, rope_q, rope_kv, attn):
+    def forward(self, x_BQH, ctx_BSH, rope_q, rope_kv, attn, recompute_mlp: bool = False):
         x_BQH = x_BQH + self.self_attn(self.input_layernorm(x_BQH), ctx_BSH, rope_q, rope_kv, attn)
-        return x_BQH + self.mlp(self.post_attention_layernorm(x_BQH))
+        if recompute_mlp:  # keep only the MLP's input; its [Q, intermediate] activations are recomputed in backward
+            return x_BQH + checkpoint(self._norm_mlp, x_BQH, use_reentrant=False)
+        return x_BQH + self._norm_mlp(x_BQH)
+
+    def _norm_mlp(self, x_BQH):
+        return self.mlp(self.post_attention_layernorm(x_BQH))
+
+
+RECOMPUTE_MODES = ("off", "mlp", "layer")  # activation recompute per drafter layer: none, the MLP, the whole layer
 
 
 def _to_param_dtype(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -268,7 +277,14 @@ class DFlashDrafter(nn.Module):
         self.hidden_norm = RMSNorm(H, cfg.rms_norm_eps)
         self.layers = nn.ModuleList(DrafterLayer(cfg) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(H, cfg.rms_norm_eps)
+        self.recompute = "off"  # a training setting (train.recompute), not part of the saved model
         self.apply(self._init_weights)
+
+    def set_recompute(self, mode: str) -> None:
+        """off: keep every activation; mlp: recompute each layer's MLP in backward; layer: each whole layer."""
+        if mode not in RECOMPUTE_MODES:
+            raise ValueError(f"recompute must be one of {RECOMPUTE_MODES}, got {mode!r}")
+        self.recompute = mode
 
     @staticmethod
     def _init_weights(module: nn.Module):
@@ -298,8 +314,12 @@ class DFlashDrafter(nn.Module):
         rope_q = rope_cos_sin(query_pos_BQ, cfg.head_dim, cfg.rope_theta, rope_dtype)
         rope_ctx = rope_cos_sin(context_pos_BS, cfg.head_dim, cfg.rope_theta, rope_dtype)
         rope_kv = tuple(torch.cat([c, q], dim=1) for c, q in zip(rope_ctx, rope_q))
+        mode = self.recompute if torch.is_grad_enabled() else "off"
         for layer in self.layers:
-            x_BQH = layer(x_BQH, ctx_BSH, rope_q, rope_kv, attn)
+            if mode == "layer":
+                x_BQH = checkpoint(layer, x_BQH, ctx_BSH, rope_q, rope_kv, attn, use_reentrant=False)
+            else:
+                x_BQH = layer(x_BQH, ctx_BSH, rope_q, rope_kv, attn, recompute_mlp=mode == "mlp")
         return self.norm(x_BQH)
 
     def save_pretrained(self, out_dir: str | Path, dtype: torch.dtype | None = None) -> Path:

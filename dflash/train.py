@@ -107,6 +107,8 @@ class Trainer:
         dcfg = drafter_config_from_target(tcfg, cfg.drafter.num_layers, cfg.drafter.block_size,
                                           cfg.drafter.target_layer_ids or None, resolve_mask_token_id(cfg, tcfg))
         self.drafter = DFlashDrafter(dcfg).to(self.device, torch.float32)
+        self.recompute, self.recompute_why = self._choose_recompute()
+        self.drafter.set_recompute(self.recompute)
         self.embed_w, self.head_w = source.frozen_weights()
         self.optimizer = build_optimizer(self.drafter, cfg, self.device)
         self.step = 0
@@ -119,6 +121,24 @@ class Trainer:
 
             self.model = DDP(self.drafter, process_group=group,
                              device_ids=[self.device.index] if self.device.type == "cuda" else None)
+
+    def _choose_recompute(self) -> tuple[str, str]:
+        """train.recompute as configured, or for auto the fastest mode the memory model fits on this GPU."""
+        from dflash.memory import choose_recompute, recompute_mode
+
+        mode = self.cfg.train.recompute
+        if mode != "auto":
+            return mode, "as configured"
+        if self.device.type != "cuda":
+            return "off", "auto on CPU"
+        free, _total = torch.cuda.mem_get_info(self.device)
+        usable = free + torch.cuda.memory_reserved(self.device)  # what this process can hold
+        role = "drafter" if self.cfg.topology.target_gpus else "colocated"
+        try:
+            mode, need = choose_recompute(self.cfg, role, torch.version.cuda or "12.8", usable)
+        except ValueError as e:  # a shape the memory model cannot read: keep every activation
+            return recompute_mode(self.cfg), f"auto: memory model unavailable ({e})"
+        return mode, f"auto: predicted peak {need / 2**30:.1f} GiB of {usable / 2**30:.1f} GiB usable on {self.device}"
 
     @classmethod
     def colocated(cls, cfg: RunConfig, resume_from: Path | None = None, log=print) -> Trainer:
@@ -207,7 +227,8 @@ class Trainer:
         d = self.drafter.config
         n_params = sum(p.numel() for p in self.drafter.parameters())
         self.log(f"drafter: {d.num_hidden_layers} layers, block {d.block_size}, target layers {d.target_layer_ids}, "
-                 f"{n_params / 1e6:.1f}M trainable params; attention {self.attn_backend} on {self.device}"
+                 f"{n_params / 1e6:.1f}M trainable params; attention {self.attn_backend} on {self.device}; "
+                 f"recompute {self.recompute} ({self.recompute_why})"
                  + (f"; {self.world} data-parallel drafter ranks" if self.world > 1 else ""))
         self.log(f"features: {self.source.describe()}")
         self.log(f"schedule: {self.total_steps} steps of {self.batches_per_step} batches, lr {self.cfg.train.lr} "

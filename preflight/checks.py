@@ -19,7 +19,7 @@ from packaging.version import InvalidVersion, Version
 from dflash.compile_manifest import MANIFEST_NAME, differences
 from dflash.config import ConfigError, default_target_layer_ids
 from dflash.errors import DflashError
-from dflash.memory import drafter_state_bytes, role_need_bytes
+from dflash.memory import choose_recompute, drafter_state_bytes, role_need_bytes
 from preflight.estimate import DEFAULT_CUDA
 from preflight.facts import MODEL_SOURCE_FILES, PROJECT_DIST, Context
 from preflight.lockfile import is_gpu_stack, judge_lock
@@ -311,12 +311,18 @@ def _no_shape(ctx: Context) -> str:
     return ctx.target_error or f"target shape of {ctx.config.target.path} was not gathered"
 
 
-def _need(ctx: Context, roles: list[str]) -> tuple[int, str]:
-    """Bytes one GPU with these roles needs (both roles: the co-located GPU), from the gathered target shape."""
+def _need(ctx: Context, roles: list[str], free: int | None = None) -> tuple[int, str]:
+    """Bytes one GPU with these roles needs (both roles: the co-located GPU), from the gathered target shape.
+
+    train.recompute = auto is judged as the trainer will resolve it: the fastest mode that fits `free`.
+    """
     if ctx.target_shape is None:
         raise ConfigError(_no_shape(ctx))
     cuda = ctx.profile.cuda if ctx.profile else DEFAULT_CUDA
     role = "colocated" if len(roles) == 2 else roles[0]
+    if ctx.config.train.recompute == "auto" and free is not None and role != "target":
+        mode, need = choose_recompute(ctx.config, role, cuda, free, shape=ctx.target_shape)
+        return need, f"{MEMORY_MODEL}, recompute auto -> {mode}"
     return role_need_bytes(ctx.config, role, cuda, shape=ctx.target_shape), MEMORY_MODEL
 
 
@@ -324,14 +330,13 @@ def check_gpu_memory(ctx: Context, need_fn: Callable[[Context, list[str]], tuple
     gate = _gpu_gate(ctx, "gpu-memory")
     if gate:
         return gate
-    need_fn = need_fn or _need
     rows, short, lines = [], [], []
     model = ""
     for name, roles, gpu, _why in _resolved(ctx):
         if gpu is None:
             continue
         try:
-            need, model = need_fn(ctx, roles)
+            need, model = need_fn(ctx, roles) if need_fn else _need(ctx, roles, gpu.memory_free)
         except DflashError as e:
             return _r("gpu-memory", "fail", f"memory model failed: {e.one_line()}",
                       f"dflash-estimate --config {_config_arg(ctx)}")

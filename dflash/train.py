@@ -252,11 +252,16 @@ class Trainer:
         try:
             pending = self._next(stream) if self.step < self.total_steps else None
             window = {"t0": time.perf_counter(), "tokens": 0}
+            first_step = self.step + 1
             stopping = False
             while pending is not None:
                 epoch, position, mine = pending
                 m = self.train_step(mine)
                 self.sampler.load_state_dict(position)
+                if self.step == first_step:
+                    self.first_step_s = time.perf_counter() - window["t0"]
+                    self.log(f"first step: {self.first_step_s:.1f} s (compilation included); "
+                             f"{compiled_graphs()} compiled graph(s)")
                 pending = self._next(stream) if self.step < self.total_steps else None  # post receives early
                 window["tokens"] += sum(int(b["lengths"].sum()) for _, b in mine)
                 stopping = self._agree(stop.requested)
@@ -314,6 +319,7 @@ class Trainer:
             m = _mean_over_ranks(m, self.group, self.device)
             counters = _sum_over_ranks(counters, self.group, self.device)
         rec = dict(m, step=self.step, epoch=epoch, tok_per_s=round(counters["tokens"] / dt, 1),
+                   compiled_graphs=compiled_graphs(),
                    mem_gib=round(torch.cuda.max_memory_allocated(self.device) / 2**30, 2)
                    if self.device.type == "cuda" else None)
         if hasattr(self.source, "rates"):
@@ -353,10 +359,18 @@ class Trainer:
             self.log(f"resume with: dflash-train --config <this config> --resume latest  (output_dir {self.out})")
             return 0
         self.drafter.save_pretrained(self.out / "drafter")
-        self.log(f"done: {self.step} steps; checkpoint {path}; drafter saved to {self.out / 'drafter'}")
+        self.log(f"done: {self.step} steps; checkpoint {path}; drafter saved to {self.out / 'drafter'}; "
+                 f"{compiled_graphs()} compiled graph(s) in this process")
         if hasattr(self.source, "summary"):
             self.log(self.source.summary(self.out / "metrics.jsonl"))
         return 0
+
+
+def compiled_graphs() -> int:
+    """Graphs torch.compile has built in this process so far (a number that grows with every recompile)."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
 
 
 def _mean_over_ranks(m: dict, group, device) -> dict:

@@ -235,3 +235,13 @@ def test_list_valued_set_and_bad_set_values_are_one_line(tmp_path):
     assert "drafter.target_layer_ids.1" in line and "train.lr" in line  # every validation error, on one line
     nokey = subprocess.run(train_cmd(config, "--fresh", "--set", "train.lr"), cwd=REPO, capture_output=True, text=True)
     assert nokey.returncode == 2 and "expected SECTION.KEY=VALUE" in nokey.stderr
+
+
+def test_metrics_count_compiled_graphs(tmp_path):
+    """Every metrics row says how many graphs torch.compile built so far (recompiles show up as growth)."""
+    cfg, _ = tiny_config(tmp_path, max_steps=3)
+    lines = []
+    assert run(cfg, None, log=lines.append, progress=False) == 0
+    rows = metrics(Path(cfg.output_dir))
+    assert all(isinstance(r["compiled_graphs"], int) for r in rows)
+    assert any(line.startswith("first step: ") for line in lines)

@@ -105,7 +105,8 @@ class TrainConfig(_Strict):
         None, ge=1, le=MAX_TOKENS, description="cap on anchors summed over a batch (None = max_anchors per sequence, uncapped); "
         "bounds the drafter's query tokens per step to batch_anchors x block_size",
     )
-    gamma: float = Field(10.0, gt=0, description="slot weight decay: slot k weighs exp(-(k-1)/gamma)")
+    gamma: float = Field(10.0, ge=1e-6, description="slot weight decay: slot k weighs exp(-(k-1)/gamma) (at least "
+                         "1e-6, which already weights slot 1 alone; near 1e-38 gamma is 0 in float32 and the loss nan)")
     kl_weight: float = Field(0.0, ge=0.0, le=1.0, description="share of the soft-label KL in the loss (0 = pure CE)")
     lr: float = Field(6e-4, gt=0, le=1.0, description="peak learning rate")
     warmup_ratio: float = Field(0.04, ge=0.0, lt=1.0, description="share of steps with linear warmup")

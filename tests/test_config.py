@@ -32,6 +32,7 @@ def test_floats_must_be_finite(field, value):
     ("train.seed=-1", "train.seed: Input should be greater than or equal to 0"),
     (f"train.seed={MAX_SEED + 1}", f"train.seed: Input should be less than or equal to {MAX_SEED}"),
     ("train.weight_decay=2", "train.weight_decay: Input should be less than or equal to 1"),
+    ("train.gamma=1e-300", "train.gamma: Input should be greater than or equal to 0.000001"),
     ("topology.timeout_s=100000000000000000000000", "topology.timeout_s: Input should be less than or equal to"),
     ("drafter.target_layer_ids=[3, -1]", "drafter.target_layer_ids.1: Input should be greater than or equal to 0"),
     ("drafter.mask_token_id=100000000000000000000000", "drafter.mask_token_id: Input should be less than or equal to"),

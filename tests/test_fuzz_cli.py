@@ -109,6 +109,15 @@ def world(tmp_path_factory):
     return root
 
 
+@pytest.fixture
+def keep_environ():
+    """dflash-train sets the profile's variables in os.environ once its input is valid: undo that after a case."""
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
+
+
 def snapshot(root: Path) -> dict:
     """Every file and folder under root: size, mtime and content hash."""
     out = {}
@@ -285,17 +294,15 @@ def _fill(argv: list[str], root: Path) -> list[str]:
 
 @pytest.mark.parametrize("prog, argv, says, code, env", CASES,
                          ids=[f"{c[0]}:{' '.join(c[1])[:60]}" for c in CASES])
-def test_malformed_input_is_one_line_and_touches_nothing(world, capsys, monkeypatch, prog, argv, says, code, env):
+def test_malformed_input_is_one_line_and_touches_nothing(world, capsys, monkeypatch, keep_environ, prog, argv, says, code,
+                                                        env):
     for key, value in (env or {}).items():
         monkeypatch.setenv(key, value)
-    saved_environ = dict(os.environ)
     before = snapshot(world)
     capsys.readouterr()
     with pytest.raises(SystemExit) as e:
         _main(prog)(_fill(argv, world))
     out, err = capsys.readouterr()
-    os.environ.clear()
-    os.environ.update(saved_environ)
     lines = err.strip().splitlines()
     assert "Traceback" not in out + err, err
     assert len(lines) == 1, f"{len(lines)} lines on stderr:\n{err}"
@@ -337,15 +344,23 @@ def test_usage_errors_are_decided_before_torch_is_imported(world, cmd, says):
     assert lines[1] == "False", "torch was imported before the usage error was decided"
 
 
-def test_gate_refuses_a_config_that_does_not_fit_the_target(world, tmp_path, capsys):
-    """Values that validate but cannot work with this target: the gate's `config` check refuses, exit 1, before
-    torch loads a model; the run dir gets only its preflight report."""
+@pytest.mark.parametrize("change, says", [
+    ({"drafter": {"target_layer_ids": [1, 99], "mask_token_id": 10**6}},
+     ["drafter.target_layer_ids [99] outside 0..3 of the 4-layer target", "drafter.mask_token_id 1000000 outside 0..127",
+      "fix: set drafter.target_layer_ids"]),
+    ({"drafter": {"num_layers": 8}}, ["cannot spread 8 distinct layers over [1, 1] of a 4-layer target"]),
+    ({"target": {"path": "{root}/nosuch-model"}}, ["target.path", "nosuch-model/config.json: not found"]),
+    ({"target": {"path": "{root}/bad/target-broken"}}, ["target-broken/config.json: not valid JSON"]),
+])
+def test_gate_refuses_a_config_that_does_not_fit_the_target(world, tmp_path, capsys, keep_environ, change, says):
+    """Values that validate but cannot work with this target: the gate's `config` check refuses (exit 1) before a
+    model loads; the run dir gets only its preflight report."""
     from dflash.cli import train_main
 
     raw = tomllib.loads((world / "run.toml").read_text())
     raw["output_dir"] = str(tmp_path / "run")
-    raw["drafter"]["target_layer_ids"] = [1, 99]
-    raw["drafter"]["mask_token_id"] = 10**6
+    for section, values in change.items():
+        raw[section].update({k: v.replace("{root}", str(world)) if isinstance(v, str) else v for k, v in values.items()})
     config = tmp_path / "run.toml"
     config.write_text(toml_text(raw))
     with pytest.raises(SystemExit) as e:
@@ -353,8 +368,7 @@ def test_gate_refuses_a_config_that_does_not_fit_the_target(world, tmp_path, cap
     err = capsys.readouterr().err
     assert e.value.code == 1 and "Traceback" not in err
     fail = next(line for line in err.splitlines() if line.startswith("preflight: FAIL config"))
-    assert "drafter.target_layer_ids [99] outside 0..3 of the 4-layer target" in fail
-    assert "drafter.mask_token_id 1000000 outside 0..127" in fail and "fix: set drafter" in fail
+    assert all(s in fail for s in says), fail
     assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["preflight.json"]
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -259,8 +260,13 @@ def test_non_finite_loss_stops_the_run_and_saves_nothing_from_it(tmp_path, monke
     cfg, raw = tiny_config(tmp_path, max_steps=10, save_every=2, keep_last=2)
     config = write_toml(raw, tmp_path / "run.toml")
     _poison_loss_from(monkeypatch, 5)
-    with pytest.raises(SystemExit) as e:
-        train_main(["--config", str(config), "--fresh", "--no-progress", "--waive", "model-source", "--reason", "tests"])
+    environ = dict(os.environ)  # dflash-train sets the profile's variables in this process: undone below
+    try:
+        with pytest.raises(SystemExit) as e:
+            train_main(["--config", str(config), "--fresh", "--no-progress", "--waive", "model-source", "--reason", "tests"])
+    finally:
+        os.environ.clear()
+        os.environ.update(environ)
     err = capsys.readouterr().err.strip().splitlines()
     assert e.value.code == 1 and "Traceback" not in "\n".join(err)
     assert err[-1].startswith("dflash-train: error: step 5: loss nan, gradient norm nan: training diverged; nothing "

@@ -13,16 +13,19 @@ from pathlib import Path
 
 import click
 
-from dflash.config import RunConfig, load_config, parse_overrides
+from dflash.config import MAX_TOKENS, RunConfig, load_config, parse_overrides
 from dflash.errors import Command, Group, run_cli
 
 CONTEXT = {"help_option_names": ["-h", "--help"]}
 
 
 def parse_waivers(waive: tuple[str, ...], reason: tuple[str, ...]) -> dict[str, str]:
+    """--waive/--reason pairs, checked (known check id, non-empty reason) before anything is touched or loaded."""
+    from preflight.gate import validate_waivers
+
     if len(waive) != len(reason):
         raise click.UsageError("give one --reason for each --waive (e.g. --waive env-drift --reason 'device image')")
-    return dict(zip(waive, reason))
+    return validate_waivers(dict(zip(waive, reason)))
 
 
 def _gpu_list(text: str | None) -> list[str] | None:
@@ -70,16 +73,18 @@ def train_command(config_path, demo, resume, fresh, sets, max_steps, output_dir,
         sys.exit(run_demo())
     if config_path is None:
         raise click.UsageError("give --config RUN.toml (see configs/), or --demo")
+    if resume is not None and not resume.strip():
+        raise click.UsageError("--resume needs `latest` or a checkpoint folder")
     overrides = parse_overrides(sets)
     if max_steps:
         overrides["train.max_steps"] = max_steps
-    if output_dir:
+    if output_dir is not None:
         overrides["output_dir"] = output_dir
     if target_gpus is not None or drafter_gpus is not None:
         overrides["topology.target_gpus"] = _gpu_list(target_gpus) or []
         overrides["topology.drafter_gpus"] = _gpu_list(drafter_gpus) or []
     cfg = load_config(config_path, overrides)
-    waivers = parse_waivers(waive, reason)
+    waivers = parse_waivers(waive, reason)  # before the run dir is touched (--fresh moves checkpoints aside)
 
     from preflight.gate import apply_profile_env
 
@@ -112,9 +117,9 @@ def data_command() -> None:
 
 @data_command.command("stats")
 @click.argument("path", type=click.Path(exists=True, file_okay=False))
-@click.option("--token-budget", type=click.IntRange(min=16), default=49152, show_default=True)
-@click.option("--max-batch-size", type=click.IntRange(min=1), default=64, show_default=True)
-@click.option("--num-buckets", type=click.IntRange(min=1), default=16, show_default=True)
+@click.option("--token-budget", type=click.IntRange(16, MAX_TOKENS), default=49152, show_default=True)
+@click.option("--max-batch-size", type=click.IntRange(1, MAX_TOKENS), default=64, show_default=True)
+@click.option("--num-buckets", type=click.IntRange(1, 1024), default=16, show_default=True)
 def data_stats(path, token_budget, max_batch_size, num_buckets) -> None:
     """Samples, tokens, length histogram and the bucket table the trainer would use."""
     import numpy as np
@@ -167,15 +172,17 @@ def data_merge(inputs, out, overwrite) -> None:
 @click.option("--drafter", required=True, type=click.Path(exists=True, file_okay=False, path_type=Path),
               help="run dir (output_dir) or drafter folder (config.json + model.safetensors)")
 @click.option("--prompts", default="held-out", show_default=True, help="held-out, chitchat, or a .txt/.jsonl file")
-@click.option("--block-size", type=click.IntRange(min=2), help="tokens per drafted block (default: the drafter's)")
+@click.option("--block-size", type=click.IntRange(2, 128), help="tokens per drafted block (default: the drafter's)")
 @click.option("--max-new-tokens", type=click.IntRange(min=1), default=64, show_default=True)
 @click.option("--limit", type=click.IntRange(min=1), default=16, show_default=True, help="first N prompts")
-@click.option("--device", default="cpu", show_default=True, help="cpu or cuda")
+@click.option("--device", default="cpu", show_default=True, help="cpu or cuda (cuda:N)")
 @click.option("--json", "json_out", type=click.Path(dir_okay=False, path_type=Path), help="also write the report here")
 def eval_command(target, drafter, prompts, block_size, max_new_tokens, limit, device, json_out) -> None:
     """Acceptance length of a drafter against its target (greedy speculative decoding, checked lossless)."""
     from dflash.eval import evaluate, print_report
 
+    if json_out and not json_out.absolute().parent.is_dir():
+        raise click.UsageError(f"--json {json_out}: the folder {json_out.absolute().parent} does not exist")
     report = evaluate(target, drafter, prompts, block_size, max_new_tokens, limit, device, log=click.echo)
     print_report(report, log=click.echo)
     if json_out:

@@ -7,14 +7,16 @@ This module imports no torch: preflight reads it in a process that must stay lig
 
 from __future__ import annotations
 
+import copy
+import datetime
 import hashlib
 import json
 import math
 import tomllib
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from dflash.errors import DflashError
 
@@ -35,13 +37,26 @@ def default_target_layer_ids(num_target_layers: int, n: int) -> list[int]:
     return [math.floor(first + i * step + 0.5) for i in range(n)]
 
 
+# Upper bounds of values that can never work (each is far above any real run, far below an overflow).
+MAX_TOKENS = 2**24  # padded tokens in one batch: 16M x even a 1024-wide hidden state in bf16 is 32 GiB per layer
+MAX_TOKEN_ID = 2**31 - 1  # token ids are int32 in the shards and int64 in torch; no vocabulary comes near
+MAX_SEED = 2**32 - 1  # numpy's default_rng and torch.manual_seed both take it; anchors add the batch index
+
+
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # allow_inf_nan=False: an inf or nan float (weight_decay = inf) trains NaN weights; refuse it here
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
+
+
+def _no_nul(value: str) -> str:
+    if "\0" in value:
+        raise ValueError("contains a NUL character; give a plain path")
+    return value
 
 
 class TargetConfig(_Strict):
     path: str = Field(
-        "smollm2",
+        "smollm2", min_length=1,
         description="HF model folder (config.json + weights), or 'smollm2' for the embedded default",
     )
     dtype: Literal["bfloat16", "float16", "float32"] = Field(
@@ -51,40 +66,52 @@ class TargetConfig(_Strict):
         False, description="build the target from config.json with random weights (benchmarks, tests)"
     )
 
+    _path = field_validator("path")(_no_nul)
+
 
 class DrafterConfig(_Strict):
     num_layers: int = Field(5, ge=1, le=64, description="drafter decoder layers")
     block_size: int = Field(32, ge=2, le=128, description="tokens drafted per block (slot 0 = anchor token)")
-    target_layer_ids: list[int] = Field(
-        default_factory=list,
-        description="target layers whose hidden states feed the drafter; empty = spread evenly over [1, L-3]",
+    target_layer_ids: list[Annotated[int, Field(ge=0, le=1023)]] = Field(
+        default_factory=list, max_length=64,
+        description="target layers (0-based, < the target's layer count; preflight `config` checks it) whose hidden "
+        "states feed the drafter; empty = spread evenly over [1, L-3]",
     )
     mask_token_id: int | None = Field(
-        None, ge=0, description="token id filling the non-anchor slots; None = resolved from the tokenizer"
+        None, ge=0, le=MAX_TOKEN_ID, description="token id filling the non-anchor slots (< the target's vocab; "
+        "preflight `config` checks it); None = resolved from the tokenizer"
     )
 
 
 class DataConfig(_Strict):
-    path: str = Field("data/train", description="folder of Arrow shards with input_ids and loss_mask")
-    token_budget: int = Field(49152, ge=16, description="max padded tokens per batch (tokens)")
-    max_batch_size: int = Field(64, ge=1, description="max sequences per batch")
+    path: str = Field("data/train", min_length=1, description="folder of Arrow shards with input_ids and loss_mask")
+    token_budget: int = Field(49152, ge=16, le=MAX_TOKENS, description="max padded tokens per batch (tokens; "
+                              f"at most {MAX_TOKENS}: more activations than any GPU holds)")
+    max_batch_size: int = Field(64, ge=1, le=MAX_TOKENS, description="max sequences per batch (at most "
+                                f"{MAX_TOKENS}: a batch never holds more sequences than tokens)")
     num_buckets: int = Field(16, ge=1, le=1024, description="length buckets for batching")
     max_length: int | None = Field(
-        None, ge=2, description="samples longer than this (tokens) fail the dataset check; None = token_budget"
+        None, ge=2, le=MAX_TOKENS, description="samples longer than this (tokens) fail the dataset check; "
+        "None = token_budget"
     )
+
+    _path = field_validator("path")(_no_nul)
 
 
 class TrainConfig(_Strict):
-    max_anchors: int = Field(1024, ge=1, description="anchors sampled per sequence per step")
+    max_anchors: int = Field(1024, ge=1, le=MAX_TOKENS, description="anchors sampled per sequence per step "
+                             "(at most one per token)")
     batch_anchors: int | None = Field(
-        None, ge=1, description="cap on anchors summed over a batch (None = max_anchors per sequence, uncapped); "
+        None, ge=1, le=MAX_TOKENS, description="cap on anchors summed over a batch (None = max_anchors per sequence, uncapped); "
         "bounds the drafter's query tokens per step to batch_anchors x block_size",
     )
-    gamma: float = Field(10.0, gt=0, description="slot weight decay: slot k weighs exp(-(k-1)/gamma)")
+    gamma: float = Field(10.0, ge=1e-6, description="slot weight decay: slot k weighs exp(-(k-1)/gamma) (at least "
+                         "1e-6, which already weights slot 1 alone; near 1e-38 gamma is 0 in float32 and the loss nan)")
     kl_weight: float = Field(0.0, ge=0.0, le=1.0, description="share of the soft-label KL in the loss (0 = pure CE)")
     lr: float = Field(6e-4, gt=0, le=1.0, description="peak learning rate")
     warmup_ratio: float = Field(0.04, ge=0.0, lt=1.0, description="share of steps with linear warmup")
-    weight_decay: float = Field(0.01, ge=0.0, description="AdamW weight decay")
+    weight_decay: float = Field(0.01, ge=0.0, le=1.0, description="AdamW weight decay (at most 1: each step scales "
+                                "weights by 1 - lr x weight_decay, and lr <= 1)")
     grad_clip: float = Field(1.0, ge=0.0, description="max grad norm (0 = off)")
     epochs: int = Field(6, ge=1, description="passes over the dataset")
     max_steps: int | None = Field(None, ge=1, description="stop after this many optimizer steps (None = epochs)")
@@ -92,7 +119,7 @@ class TrainConfig(_Strict):
         1, ge=1, le=1024, description="batches each drafter rank trains per optimizer step (a step takes "
         "grad_accum x drafter ranks batches)"
     )
-    loss_chunk: int = Field(8192, ge=16, description="query tokens per logits/loss chunk (one fp32 [chunk, vocab] buffer; "
+    loss_chunk: int = Field(8192, ge=16, le=MAX_TOKENS, description="query tokens per logits/loss chunk (one fp32 [chunk, vocab] buffer; "
                             "two with kl_weight > 0)")
     recompute: Literal["auto", "off", "mlp", "layer"] = Field(
         "auto", description="activation recompute per drafter layer: off (fastest), mlp (recompute each layer's MLP in "
@@ -106,7 +133,8 @@ class TrainConfig(_Strict):
     save_every: int = Field(500, ge=1, description="steps between checkpoints")
     keep_last: int = Field(3, ge=1, description="checkpoints kept")
     compile: bool = Field(True, description="torch.compile flex attention on CUDA")
-    seed: int = Field(0, description="seed for init, shuffling and anchors")
+    seed: int = Field(0, ge=0, le=MAX_SEED, description="seed for init, shuffling and anchors (numpy and torch "
+                      f"take 0..{MAX_SEED})")
 
 
 class TopologyConfig(_Strict):
@@ -117,7 +145,8 @@ class TopologyConfig(_Strict):
         default_factory=list, description="GPUs training the drafter; both empty = co-located on one device"
     )
     queue_depth: int = Field(2, ge=1, le=64, description="batches a target rank may have in flight per send queue")
-    timeout_s: int = Field(300, ge=10, description="seconds a rank waits on a peer before the run is failed")
+    timeout_s: int = Field(300, ge=10, le=7 * 86400, description="seconds a rank waits on a peer before the run is "
+                           "failed (at most a week: a peer silent that long is gone)")
 
     @model_validator(mode="after")
     def _disjoint(self) -> TopologyConfig:
@@ -130,7 +159,7 @@ class TopologyConfig(_Strict):
 
 
 class RunConfig(_Strict):
-    output_dir: str = Field("runs/default", description="run dir: checkpoints, metrics, preflight report")
+    output_dir: str = Field("runs/default", min_length=1, description="run dir: checkpoints, metrics, preflight report")
     device: Literal["cuda", "cpu"] = Field("cuda", description="cuda, or cpu (GPU checks are skipped)")
     profile: str = Field("train-cu128", description="environment profile the run needs (envs/<profile>.toml)")
     target: TargetConfig = Field(default_factory=TargetConfig)
@@ -138,6 +167,8 @@ class RunConfig(_Strict):
     data: DataConfig = Field(default_factory=DataConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
     topology: TopologyConfig = Field(default_factory=TopologyConfig)
+
+    _output_dir = field_validator("output_dir")(_no_nul)
 
     @model_validator(mode="after")
     def _cache_is_colocated(self) -> RunConfig:
@@ -170,23 +201,36 @@ def _format_validation(err: ValidationError, source: str) -> str:
     return f"{source}: " + "; ".join(parts)
 
 
+_DATE_TIME = (datetime.date, datetime.time, datetime.datetime)
+
+
 def parse_overrides(pairs: tuple[str, ...] | list[str]) -> dict:
     """`--set` pairs -> dotted overrides, the one parser every command uses.
 
     Values are TOML values, so lists and numbers work (`topology.target_gpus=["0","1"]`,
-    `train.lr=1e-4`); a value that is not valid TOML is taken as a bare string
-    (`target.path=/models/qwen3`).
+    `train.lr=1e-4`); a value that is not valid TOML, or is a TOML date or time, is taken as
+    a bare string (`target.path=/models/qwen3`). A table (`train={lr=1}`) is refused: it would
+    replace the whole section, every other field falling back to its default.
     """
     out = {}
     for pair in pairs:
         key, sep, raw = pair.partition("=")
-        if not sep or not key.strip():
+        key = key.strip()
+        if not sep or not key:
             raise ConfigError(f"--set {pair!r}: expected SECTION.KEY=VALUE, e.g. --set train.lr=1e-4")
+        if not all(part.strip() for part in key.split(".")):
+            raise ConfigError(f"--set {pair!r}: empty name in {key!r}; write SECTION.KEY=VALUE, e.g. --set train.lr=1e-4")
         try:
             value = tomllib.loads(f"v = {raw}")["v"]
-        except tomllib.TOMLDecodeError:
+        except (tomllib.TOMLDecodeError, RecursionError):
             value = raw
-        out[key.strip()] = value
+        if isinstance(value, _DATE_TIME):
+            value = raw.strip()
+        if isinstance(value, dict):
+            first, example = next(iter(value.items()), ("KEY", "VALUE"))
+            raise ConfigError(f"--set {pair!r}: a table would replace all of {key}, every other field falling back to "
+                              f"its default; set one field per --set, e.g. --set {key}.{first}={json.dumps(example, default=str)}")
+        out[".".join(part.strip() for part in key.split("."))] = value
     return out
 
 
@@ -194,28 +238,44 @@ def load_config(path: str | Path, overrides: dict | None = None) -> RunConfig:
     """Read a TOML run config, apply dotted overrides ({'train.lr': 1e-4}), validate."""
     path = Path(path)
     try:
-        raw = tomllib.loads(path.read_text())
+        raw = tomllib.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise ConfigError(f"{path}: no such config file") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path}: not UTF-8 text (byte {e.object[e.start:e.start + 1].hex()} at offset {e.start}); "
+                          "save the config as UTF-8 TOML") from None
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"{path}: not valid TOML: {e}") from None
+    except RecursionError:
+        raise ConfigError(f"{path}: values nested too deeply to be a run config; see configs/ for the layout") from None
     except OSError as e:
         raise ConfigError(f"{path}: cannot read: {e.strerror}") from None
+    except ValueError as e:  # a path with a NUL byte
+        raise ConfigError(f"{path!r}: cannot read: {e}") from None
     return config_from_dict(raw, overrides, source=str(path))
 
 
 def config_from_dict(raw: dict, overrides: dict | None = None, source: str = "config") -> RunConfig:
-    raw = json.loads(json.dumps(raw))  # deep copy
+    """Apply dotted overrides to a parsed config (a copy), validate; every problem is one ConfigError line."""
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{source}: expected a table of sections, got {type(raw).__name__}; see configs/")
+    raw = copy.deepcopy(raw)  # TOML dates and times stay as they are: validation names the field they are in
     for dotted, value in (overrides or {}).items():
         node = raw
         *parents, leaf = dotted.split(".")
-        for p in parents:
+        for depth, p in enumerate(parents):
             node = node.setdefault(p, {})
+            if not isinstance(node, dict):
+                where = ".".join(parents[: depth + 1])
+                raise ConfigError(f"{source}: cannot set {dotted}: {where} is a value ({node!r}), not a section; "
+                                  f"set {where}=VALUE")
         node[leaf] = value
     try:
         return RunConfig.model_validate(raw)
     except ValidationError as e:
         raise ConfigError(_format_validation(e, source)) from None
+    except RecursionError:
+        raise ConfigError(f"{source}: values nested too deeply to be a run config; see configs/ for the layout") from None
 
 
 def dump_config(cfg: RunConfig) -> str:

@@ -41,6 +41,11 @@ def run_cli(command, prog: str, argv: list[str] | None = None) -> None:
     except (click.Abort, KeyboardInterrupt):
         click.echo(f"{prog}: aborted", err=True)
         sys.exit(130)
+    except click.exceptions.NoArgsIsHelpError as e:  # a group called without its subcommand
+        names = e.ctx.command.list_commands(e.ctx) if isinstance(e.ctx.command, click.Group) else []
+        click.echo(f"{prog}: error: missing command" + (f"; give one of {', '.join(names)}" if names else "")
+                   + f" (see {prog} --help)", err=True)
+        sys.exit(e.exit_code)
     except click.ClickException as e:
         click.echo(f"{prog}: error: {' '.join(e.format_message().split())}", err=True)
         sys.exit(e.exit_code)

@@ -41,7 +41,7 @@ from typing import Callable, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from dflash import smollm2
-from dflash.config import ConfigError, RunConfig
+from dflash.config import MAX_TOKENS, ConfigError, RunConfig
 from dflash.errors import DflashError
 
 GiB = 1024**3
@@ -256,6 +256,8 @@ def load_target_shape(path: str) -> TargetShape:
         raise ConfigError(f"{path}/config.json: not found; set target.path to an HF model folder containing config.json") from None
     except json.JSONDecodeError as e:
         raise ConfigError(f"{path}/config.json: not valid JSON ({e.msg} at line {e.lineno}); restore the file from the model's source") from None
+    except (UnicodeDecodeError, RecursionError) as e:
+        raise ConfigError(f"{path}/config.json: not UTF-8 JSON a model config can be ({e}); restore the file from the model's source") from None
     except OSError as e:
         raise ConfigError(f"{path}/config.json: cannot read ({e.strerror}); check the path and its permissions") from None
     if not isinstance(raw, dict):
@@ -711,7 +713,7 @@ def _limit(cfg: RunConfig, shape: TargetShape, role: GpuRole, setting: Setting, 
 
     bs = cfg.drafter.block_size
     if setting == "token_budget":
-        lo, cap = max(16, bs), 2**40
+        lo, cap = max(16, bs), MAX_TOKENS  # the run config refuses more
     elif setting == "max_batch_size":
         lo, cap = 1, max(1, cfg.data.token_budget // bs)
     else:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import shutil
 import time
 from dataclasses import dataclass
@@ -218,28 +219,50 @@ def tokenize_prompts(prompts: list[str], tokenizer, context: int | None, max_new
 
 
 def prepare(s: PrepareSettings, log=print, progress: bool | None = None) -> dict:
-    """Generate, tokenize and write the missing shards of `s.out`; returns the final manifest."""
+    """Generate, tokenize and write the missing shards of `s.out`; returns the final manifest.
+
+    Every setting, the prompts and the target folder are checked before torch or the target loads.
+    """
     import sys
 
-    from tqdm import tqdm
-    from transformers import AutoTokenizer
-
-    from dflash.smollm2 import resolve_target
+    from dflash import smollm2
+    from dflash.memory import load_target_shape
 
     check_engine(s.engine)
+    if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", s.device):
+        raise PrepareError(f"--device {s.device!r}: use auto, cpu or cuda (cuda:N for one GPU)")
     source = load_prompts(s.prompts)
     fingerprint = source_fingerprint(source)  # of the whole source, so a resume may raise --limit
     prompts = source[: s.limit]
     if not prompts:
         raise PrepareError(f"--prompts {s.prompts} --limit {s.limit}: no prompts selected")
-    model_path = resolve_target(s.target, log=log)
-    if not (model_path / "config.json").is_file():
+    if s.target == smollm2.NAME:
+        if not smollm2.is_converted():
+            smollm2.gguf_file()  # one line when the package is missing, before a conversion starts
+    elif not (Path(s.target) / "config.json").is_file():
         raise PrepareError(
             f"--target {s.target}: no config.json there (expected a Hugging Face model folder or 'smollm2')"
         )
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    else:
+        load_target_shape(s.target)  # a broken config.json is one line here
     out = Path(s.out)
-    manifest = _check_resumable(out, read_manifest(out), _settings_key(s, fingerprint, tokenizer))
+    if out.exists() and not out.is_dir():
+        raise PrepareError(f"--out {out}: is a file; give a folder (new, or one prepared with the same settings)")
+    existing = read_manifest(out)
+
+    from tqdm import tqdm
+    from transformers import AutoTokenizer
+
+    model_path = smollm2.resolve_target(s.target, log=log)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(model_path)
+    except (OSError, ValueError, KeyError) as e:
+        raise PrepareError(f"--target {s.target}: cannot load its tokenizer ({' '.join(str(e).split())[:200]}); give a "
+                           "Hugging Face model folder with tokenizer files") from None
+    if len(tokenizer) < 2:  # transformers builds an empty tokenizer when the folder has no tokenizer files
+        raise PrepareError(f"--target {s.target}: its tokenizer has no vocabulary (tokenizer files missing); give a "
+                           "Hugging Face model folder with tokenizer files")
+    manifest = _check_resumable(out, existing, _settings_key(s, fingerprint, tokenizer))
     context = context_length(model_path)
     prompt_ids = tokenize_prompts(prompts, tokenizer, context, s.max_new_tokens)
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import json
+import math
 import os
 import signal
 import sys
@@ -44,9 +45,15 @@ from dflash.step import (
     set_lr,
 )
 
-__all__ = ["RunError", "StopFlag", "Trainer", "run", "run_device", "warm_cache"]
+__all__ = ["NonFiniteError", "RunError", "StopFlag", "Trainer", "run", "run_device", "warm_cache"]
 
 DUPLICATE_SIGNAL_S = 2.0  # the same signal again within this many seconds is the same stop
+DIVERGED_FIX = ("nothing was saved from it, earlier checkpoints are intact; lower train.lr or check the data, then "
+                "dflash-train --resume latest")
+
+
+class NonFiniteError(RunError):
+    """A loss, gradient norm or weight that is inf or nan: the run stops before saving anything from that step."""
 
 
 @dataclass
@@ -162,6 +169,10 @@ class Trainer:
     def save(self) -> Path:
         from preflight.gate import provenance
 
+        bad = [name for name, p in self.drafter.named_parameters() if not bool(torch.isfinite(p).all())]
+        if bad:  # a step with a finite loss can still write non-finite weights (grad_clip = 0 and a nan gradient)
+            raise NonFiniteError(f"step {self.step}: drafter weights are not finite ({', '.join(bad[:3])}); {DIVERGED_FIX}")
+
         state = {"step": self.step, "sampler": self.sampler.state_dict(), "rng_cpu": torch.get_rng_state(),
                  "rng_cuda": torch.cuda.get_rng_state() if self.device.type == "cuda" else None,
                  "n_drafters": self.world}
@@ -186,6 +197,9 @@ class Trainer:
         grad_norm = clip_and_step(self.drafter, self.optimizer, self.cfg)
         self.step += 1
         out = average_metrics(parts)
+        if not math.isfinite(out["loss"]) or (grad_norm is not None and not math.isfinite(grad_norm)):
+            raise NonFiniteError(f"step {self.step}: loss {out['loss']}, gradient norm {grad_norm}: training diverged; "
+                                 f"{DIVERGED_FIX}")
         out.update(lr=lr, grad_norm=grad_norm)
         return out
 

@@ -28,10 +28,10 @@ from preflight.report import CheckResult
 
 CHECK_IDS = (
     "profile", "torch-build", "env-drift", "cuda-libs", "gpu-visibility", "gpu-memory", "gpu-processes",
-    "compile-cache", "model-source", "run-dir", "dataset", "disk", "env-vars",
+    "compile-cache", "model-source", "config", "run-dir", "dataset", "disk", "env-vars",
 )
 # Checks that judge a run, not the environment: without --config they are skipped (and say so).
-NEEDS_CONFIG = ("gpu-memory", "gpu-processes", "run-dir", "dataset", "disk")
+NEEDS_CONFIG = ("gpu-memory", "gpu-processes", "config", "run-dir", "dataset", "disk")
 # Checks that judge the profile's environment: skipped when the profile manifest did not load.
 NEEDS_PROFILE = ("torch-build", "env-drift", "cuda-libs", "compile-cache", "env-vars")
 GiB = 1024**3
@@ -473,6 +473,40 @@ def check_model_source(ctx: Context) -> CheckResult:
 # ---------------------------------------------------------------- run
 
 
+def check_config(ctx: Context) -> CheckResult:
+    """What the config schema cannot judge alone: the target must load, and the values that index into it fit it."""
+    cfg, where = ctx.config, _config_arg(ctx)
+    shape = ctx.target_shape
+    if shape is None:
+        return _r("config", "fail", f"target.path {cfg.target.path!r} cannot be read: {_no_shape(ctx)}",
+                  f"set target.path in {where} to a Hugging Face model folder with config.json, or 'smollm2'",
+                  target=cfg.target.path)
+    layers, vocab = shape.num_layers, shape.vocab
+    data = dict(target=cfg.target.path, num_layers=layers, vocab=vocab)
+    problems, fixes = [], []
+    ids = list(cfg.drafter.target_layer_ids)
+    if ids:
+        outside = [i for i in ids if i >= layers]
+        if outside:
+            problems.append(f"drafter.target_layer_ids {outside} outside 0..{layers - 1} of the {layers}-layer target")
+            fixes.append(f"set drafter.target_layer_ids in {where} to ids in 0..{layers - 1}, or [] to spread them evenly")
+    else:
+        try:
+            ids = default_target_layer_ids(layers, cfg.drafter.num_layers)
+        except ValueError as e:
+            problems.append(f"drafter.target_layer_ids [] ({e})")
+            fixes.append(f"lower drafter.num_layers in {where}, or set drafter.target_layer_ids")
+    mask = cfg.drafter.mask_token_id
+    if mask is not None and mask >= vocab:
+        problems.append(f"drafter.mask_token_id {mask} outside 0..{vocab - 1} (the target's vocab_size is {vocab})")
+        fixes.append(f"set drafter.mask_token_id in {where} below {vocab}, or remove it to take the pad token")
+    data.update(target_layer_ids=ids, mask_token_id=mask)
+    if problems:
+        return _r("config", "fail", "; ".join(problems), "; ".join(fixes), problems=problems, **data)
+    return _r("config", "pass", f"target {cfg.target.path}: {layers} layers, vocab {vocab:,}; the drafter reads layers "
+              f"{ids}, mask token {'from the target' if mask is None else mask}", **data)
+
+
 def _default_layer_ids(ctx: Context, n: int) -> list[int] | None:
     """The target layers an empty drafter.target_layer_ids resolves to, or None when unknown."""
     if ctx.config is None or ctx.target_shape is None:
@@ -673,6 +707,7 @@ CHECKS: dict[str, Callable[[Context], CheckResult]] = {
     "gpu-processes": check_gpu_processes,
     "compile-cache": check_compile_cache,
     "model-source": check_model_source,
+    "config": check_config,
     "run-dir": check_run_dir,
     "dataset": check_dataset,
     "disk": check_disk,

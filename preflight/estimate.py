@@ -22,6 +22,7 @@ from preflight.nvml import GpuInfo, NvmlGpuInfo, NvmlUnavailable, resolve_gpu, v
 from preflight.profiles import ProfileError, load_profile
 
 DEFAULT_CUDA = "12.8"  # the training profile's CUDA, when the config's profile cannot be read
+MAX_GPU_BYTES = 2**46  # 64 TiB: no single GPU comes near (an H200 has 141 GB); larger is a typo
 _UNITS = {
     "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
     "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
@@ -39,10 +40,13 @@ def parse_size(text: str) -> int:
     m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]+)\s*", text)
     if not m or m.group(2).lower() not in _UNITS:
         raise EstimateError(f"cannot read GPU memory size {text!r}; write a number and a unit, e.g. 95GiB, 80GB or 96000MiB")
-    size = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
-    if size <= 0:
+    size = float(m.group(1)) * _UNITS[m.group(2).lower()]  # inf for a number of hundreds of digits
+    if size > MAX_GPU_BYTES:
+        raise EstimateError(f"GPU memory size {text!r} is more than {MAX_GPU_BYTES // 2**40} TiB, far above any GPU; "
+                            "give the memory of one GPU, e.g. 95GiB")
+    if int(size) <= 0:
         raise EstimateError(f"GPU memory size {text!r} must be positive; e.g. 95GiB")
-    return size
+    return int(size)
 
 
 def profile_cuda(profile: str) -> tuple[str, str]:

@@ -608,7 +608,7 @@ def gather(
     lock = lock_path(profile_name, envs_dir)
     ctx.lock_file = f"{envs_dir.name}/{lock.name}"
     try:
-        ctx.lock_text = lock.read_text()
+        ctx.lock_text = lock.read_text(encoding="utf-8", errors="replace")  # stray bytes fail the profile check
     except OSError:
         ctx.lock_text = None
     ctx.distributions = installed_distributions()

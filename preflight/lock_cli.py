@@ -41,7 +41,7 @@ def write() -> None:
 @command.command()
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object")
 @click.option("--no-export", is_flag=True, help="skip the comparison with a fresh export (no uv needed)")
-@click.option("--envs-dir", type=click.Path(file_okay=False, path_type=Path), default=ENVS_DIR,
+@click.option("--envs-dir", type=click.Path(exists=True, file_okay=False, path_type=Path), default=ENVS_DIR,
               show_default="envs/", help="folder of profile manifests and locks")
 def check(as_json: bool, no_export: bool, envs_dir: Path) -> int:
     """Fail (exit 1, one line per problem) unless every lock is current, host-free and consistent."""
@@ -71,7 +71,7 @@ def diff(a: str, b: str) -> None:
         path = ENVS_DIR / f"{name}.lock"
         if not path.exists():
             raise click.UsageError(f"envs/{name}.lock missing; run `uv run dflash-lock write`")
-        locks.append(parse_lock(path.read_text()))
+        locks.append(parse_lock(path.read_text(encoding="utf-8", errors="replace")))
     rows = diff_locks(*locks)
     width = max([len(r[0]) for r in rows] + [7])
     click.echo(f"{'package':<{width}}  {a:<16}  {b}")

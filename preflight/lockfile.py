@@ -307,7 +307,7 @@ def check_all(envs_dir: Path = ENVS_DIR, root: Path = REPO_ROOT, fresh: bool = T
                 expected = export_profile(profile, root)
             except LockToolError as e:
                 problems.append(Problem(name, "export", f"{e}; run `uv run dflash-lock write`"))
-        problems += judge_lock(profile, path.read_text(), expected)
+        problems += judge_lock(profile, path.read_text(encoding="utf-8", errors="replace"), expected)
     return problems
 
 

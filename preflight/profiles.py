@@ -69,6 +69,8 @@ def load_profile(name: str, envs_dir: Path = ENVS_DIR) -> Profile:
         prof = Profile.model_validate(raw)
     except tomllib.TOMLDecodeError as e:
         raise ProfileError(f"{path.name}: not valid TOML: {e}") from None
+    except UnicodeDecodeError as e:
+        raise ProfileError(f"{path.name}: not UTF-8 text ({e.reason} at byte {e.start}); save it as UTF-8") from None
     except ValidationError as e:
         first = e.errors()[0]
         where = ".".join(str(p) for p in first["loc"])

@@ -97,7 +97,7 @@ def test_without_config_run_checks_skip_and_say_so(tmp_path):
     ctx.config = None
     results = run_checks(ctx)
     skipped = [r.id for r in results if r.status == "skip"]
-    assert skipped == list(NEEDS_CONFIG) == ["gpu-memory", "gpu-processes", "run-dir", "dataset", "disk"]
+    assert skipped == list(NEEDS_CONFIG) == ["gpu-memory", "gpu-processes", "config", "run-dir", "dataset", "disk"]
     assert all("--config" in by_id(results, i).summary for i in NEEDS_CONFIG)
     assert by_id(results, "gpu-visibility").status == "pass"  # still proves NVML is reachable
 
@@ -538,3 +538,36 @@ def test_disk_unknown_target_warns_and_estimates_from_the_memory_model(tmp_path)
     assert r.status == "warn" and "checkpoint size unknown" in r.summary
     r = checks.check_disk(make_ctx(tmp_path))
     assert r.status == "pass" and 0 < r.data["checkpoint_bytes"] < GiB
+
+
+def test_config_passes_with_the_resolved_layers_and_mask_source(tmp_path):
+    r = checks.check_config(make_ctx(tmp_path))  # SmolLM2: 30 layers, vocab 49152, 5 drafter layers
+    assert r.status == "pass", r.summary
+    assert r.data["target_layer_ids"] == [1, 8, 14, 21, 27] and "mask token from the target" in r.summary
+
+
+@pytest.mark.parametrize("drafter, field, allowed", [
+    ({"target_layer_ids": [1, 30, 99]}, "drafter.target_layer_ids [30, 99]", "outside 0..29 of the 30-layer target"),
+    ({"mask_token_id": 49152}, "drafter.mask_token_id 49152", "outside 0..49151"),
+    ({"num_layers": 40}, "drafter.target_layer_ids []", "cannot spread 40 distinct layers over [1, 27]"),
+])
+def test_config_fails_on_values_that_do_not_fit_the_target_naming_field_range_and_fix(tmp_path, drafter, field, allowed):
+    r = checks.check_config(make_ctx(tmp_path, config={"drafter": drafter}))
+    assert r.status == "fail" and field in r.summary and allowed in r.summary, r.summary
+    assert "run.toml" in r.fix
+
+
+@pytest.mark.parametrize("setup, says", [
+    (lambda d: None, "config.json: not found"),
+    (lambda d: (d.mkdir(), (d / "config.json").write_text("{not json")), "not valid JSON"),
+    (lambda d: (d.mkdir(), (d / "config.json").write_text('{"hidden_size": 64}')), "missing key"),
+    (lambda d: (d.mkdir(), (d / "config.json").write_text('{"num_hidden_layers": 0, "hidden_size": 64, '
+                '"intermediate_size": 64, "num_attention_heads": 4, "vocab_size": 10}')), "sizes must be positive"),
+])
+def test_config_fails_when_the_target_cannot_be_read(tmp_path, setup, says):
+    target = tmp_path / "target"
+    setup(target)
+    ctx = make_ctx(tmp_path, config={"target": {"path": str(target)}})
+    r = checks.check_config(ctx)
+    assert r.status == "fail" and "target.path" in r.summary and says in r.summary, r.summary
+    assert r.fix.startswith("set target.path in run.toml")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -245,3 +246,57 @@ def test_metrics_count_compiled_graphs(tmp_path):
     rows = metrics(Path(cfg.output_dir))
     assert all(isinstance(r["compiled_graphs"], int) for r in rows)
     assert any(line.startswith("first step: ") for line in lines)
+
+
+def _poison_loss_from(monkeypatch, first_bad_step: int) -> None:
+    """micro_step returns a nan loss (and so nan gradients) from the given optimizer step on (one batch per step)."""
+    import dflash.train as train_mod
+
+    real, calls = train_mod.micro_step, []
+
+    def poisoned(*args, **kwargs):
+        loss, m = real(*args, **kwargs)
+        calls.append(1)
+        return (loss * float("nan"), dict(m, loss=float("nan"))) if len(calls) >= first_bad_step else (loss, m)
+
+    monkeypatch.setattr(train_mod, "micro_step", poisoned)
+
+
+def test_non_finite_loss_stops_the_run_and_saves_nothing_from_it(tmp_path, monkeypatch, capsys):
+    """A nan loss at step 5 (checkpoints every 2): exit 1 with one error line; step 4 stays the newest checkpoint,
+    it is not pruned, no drafter/ export is written and no metrics row of the bad step."""
+    from dflash.cli import train_main
+
+    cfg, raw = tiny_config(tmp_path, max_steps=10, save_every=2, keep_last=2)
+    config = write_toml(raw, tmp_path / "run.toml")
+    _poison_loss_from(monkeypatch, 5)
+    environ = dict(os.environ)  # dflash-train sets the profile's variables in this process: undone below
+    try:
+        with pytest.raises(SystemExit) as e:
+            train_main(["--config", str(config), "--fresh", "--no-progress", "--waive", "model-source", "--reason", "tests"])
+    finally:
+        os.environ.clear()
+        os.environ.update(environ)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 1 and "Traceback" not in "\n".join(err)
+    assert err[-1].startswith("dflash-train: error: step 5: loss nan, gradient norm nan: training diverged; nothing "
+                              "was saved from it"), err[-1]
+    out = Path(cfg.output_dir)
+    assert [c.name for c in ckpt.list_checkpoints(out)] == ["step_00000002", "step_00000004"]
+    assert not (out / "drafter").exists()
+    assert [r["step"] for r in metrics(out)] == [1, 2, 3, 4]
+    good = DFlashDrafter.from_pretrained(out / "checkpoints" / "step_00000004" / "drafter")
+    assert all(bool(torch.isfinite(p).all()) for p in good.parameters())
+
+
+def test_non_finite_weights_are_never_saved(tmp_path):
+    """weight_decay = inf (now refused by the config; forced here past validation): step 1's loss is finite but
+    its update is not, and the save of step 1 refuses to write the non-finite weights."""
+    from dflash.train import NonFiniteError
+
+    cfg, _ = tiny_config(tmp_path, max_steps=3, save_every=1)
+    cfg.train.__dict__["weight_decay"] = float("inf")  # bypass validate_assignment: what an older config could hold
+    with pytest.raises(NonFiniteError, match=r"step 1: drafter weights are not finite .*earlier checkpoints are intact"):
+        run(cfg, None, log=lambda *_: None, progress=False)
+    out = Path(cfg.output_dir)
+    assert ckpt.list_checkpoints(out) == [] and not (out / "drafter").exists()

@@ -1,0 +1,101 @@
+"""The run config's rules on CPU: values that can never work are refused by field, with their range, on one line."""
+
+from __future__ import annotations
+
+import datetime
+
+import pytest
+
+from dflash.config import MAX_SEED, MAX_TOKENS, ConfigError, config_from_dict, load_config, parse_overrides
+
+
+def refused(raw: dict | None = None, sets: tuple[str, ...] = ()) -> str:
+    with pytest.raises(ConfigError) as e:
+        config_from_dict(raw or {}, parse_overrides(sets))
+    line = e.value.one_line()
+    assert line == str(e.value), "a config error is one line"
+    return line
+
+
+@pytest.mark.parametrize("field", ["train.weight_decay", "train.lr", "train.gamma", "train.grad_clip", "train.kl_weight",
+                                   "train.warmup_ratio"])
+@pytest.mark.parametrize("value", ["inf", "-inf", "nan"])
+def test_floats_must_be_finite(field, value):
+    assert f"{field}: Input should be a finite number" in refused(sets=(f"{field}={value}",))
+
+
+@pytest.mark.parametrize("setting, says", [
+    ("data.token_budget=100000000000000000000000", f"data.token_budget: Input should be less than or equal to {MAX_TOKENS}"),
+    ("data.max_batch_size=100000000000000000000000", "data.max_batch_size: Input should be less than or equal to"),
+    ("train.max_anchors=100000000000000000000000", "train.max_anchors: Input should be less than or equal to"),
+    ("train.loss_chunk=100000000000000000000000", "train.loss_chunk: Input should be less than or equal to"),
+    ("train.seed=-1", "train.seed: Input should be greater than or equal to 0"),
+    (f"train.seed={MAX_SEED + 1}", f"train.seed: Input should be less than or equal to {MAX_SEED}"),
+    ("train.weight_decay=2", "train.weight_decay: Input should be less than or equal to 1"),
+    ("train.gamma=1e-300", "train.gamma: Input should be greater than or equal to 0.000001"),
+    ("topology.timeout_s=100000000000000000000000", "topology.timeout_s: Input should be less than or equal to"),
+    ("drafter.target_layer_ids=[3, -1]", "drafter.target_layer_ids.1: Input should be greater than or equal to 0"),
+    ("drafter.mask_token_id=100000000000000000000000", "drafter.mask_token_id: Input should be less than or equal to"),
+    ('output_dir=""', "output_dir: String should have at least 1 character"),
+    ('target.path="a\\u0000b"', "target.path: Value error, contains a NUL character"),
+])
+def test_values_that_can_never_work_are_refused_with_their_range(setting, says):
+    assert says in refused(sets=(setting,))
+
+
+def test_the_bounds_admit_every_committed_config():
+    from pathlib import Path
+
+    for path in sorted((Path(__file__).resolve().parent.parent / "configs").glob("*.toml")):
+        load_config(path)
+
+
+def test_set_table_value_is_refused_not_a_silent_section_reset():
+    line = refused({"train": {"epochs": 3}}, ("train={lr=1}",))
+    assert "--set 'train={lr=1}': a table would replace all of train" in line and "--set train.lr=1" in line
+
+
+def test_set_below_a_value_names_the_value():
+    line = refused({"train": {"lr": 1e-3}}, ("train.lr.x=1",))
+    assert "cannot set train.lr.x: train.lr is a value (0.001), not a section; set train.lr=VALUE" in line
+    assert "train.lr: Input should be a valid number" in refused(sets=("train.lr.x=1",))
+    assert "topology.target_gpus is a value ([])" in refused({"topology": {"target_gpus": []}}, ("topology.target_gpus.0=1",))
+    assert "topology.target_gpus: Input should be a valid list" in refused(sets=("topology.target_gpus.0=1",))
+
+
+@pytest.mark.parametrize("pair", ["train..lr=1", ".lr=1", "train.=1", "=1", "train.lr"])
+def test_set_malformed_keys(pair):
+    with pytest.raises(ConfigError, match="SECTION.KEY=VALUE"):
+        parse_overrides([pair])
+
+
+def test_set_values_are_toml_dates_and_bad_toml_are_strings():
+    assert parse_overrides(["output_dir=1979-05-27", "target.path=/models/q", " train.lr = 1e-4"]) == {
+        "output_dir": "1979-05-27", "target.path": "/models/q", "train.lr": 1e-4}
+    assert config_from_dict({}, parse_overrides(["output_dir=1979-05-27T07:32:00Z"])).output_dir == "1979-05-27T07:32:00Z"
+    assert parse_overrides(["target.path=" + "[" * 2000]) == {"target.path": "[" * 2000}  # too deep for TOML: a string
+
+
+def test_toml_datetime_in_a_file_names_its_field(tmp_path):
+    path = tmp_path / "run.toml"
+    path.write_text("output_dir = 1979-05-27T07:32:00Z\n[train]\nlr = 1979-05-27\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(path)
+    assert "output_dir: Input should be a valid string" in str(e.value) and "train.lr: Input should be a valid number" in str(e.value)
+    assert "output_dir: Input should be a valid string" in refused({"output_dir": datetime.time(7, 32)})
+
+
+@pytest.mark.parametrize("content, says", [
+    (b"output_dir = \"r\xff\xfe\"\n", "not UTF-8 text (byte ff at offset 15); save the config as UTF-8 TOML"),
+    (b"a = " + b"[" * 3000 + b"]" * 3000, "nested too deeply"),
+    (b"[train\n", "not valid TOML"),
+    (b"train = 5\n", "train: Input should be a valid dictionary"),
+])
+def test_unreadable_config_files_are_one_line(tmp_path, content, says):
+    path = tmp_path / "run.toml"
+    path.write_bytes(content)
+    with pytest.raises(ConfigError) as e:
+        load_config(path)
+    assert says in e.value.one_line()
+    with pytest.raises(ConfigError, match="is a directory|cannot read"):
+        load_config(tmp_path)

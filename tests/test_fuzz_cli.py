@@ -1,0 +1,388 @@
+"""Malformed input to every command: one line on stderr, a non-zero exit, no traceback, nothing touched.
+
+Each case calls a command's entry function in this process (``main(argv)`` ends in SystemExit)
+against one world: a tiny target, a dataset, a run dir with checkpoints and a drafter, and a
+valid run config. After every case the world must be byte for byte as it was (no checkpoint
+moved aside, no preflight report, no new output folder). A few cases run in a fresh interpreter
+to show that a usage error is decided before torch is imported.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from trainkit import tiny_config
+
+REPO = Path(__file__).resolve().parent.parent
+BIG = "1" + "0" * 23  # 10^23
+
+
+def toml_text(raw: dict) -> str:
+    lines = [f"{k} = {json.dumps(v)}" for k, v in raw.items() if not isinstance(v, dict)]
+    for key, section in raw.items():
+        if isinstance(section, dict):
+            lines += [f"[{key}]"] + [f"{k} = {json.dumps(v)}" for k, v in section.items()]
+    return "\n".join(lines) + "\n"
+
+
+def with_line(raw: dict, section: str, line: str) -> str:
+    """The config as TOML with one raw TOML line replacing or adding a key of `section`."""
+    key = line.split("=")[0].strip()
+    text = toml_text({k: ({kk: vv for kk, vv in v.items() if kk != key} if k == section else v)
+                      for k, v in raw.items() if k != key})
+    if section:
+        return text.replace(f"[{section}]\n", f"[{section}]\n{line}\n")
+    return f"{line}\n{text}"
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    from dflash.train import run
+
+    root = tmp_path_factory.mktemp("fuzz")
+    cfg, raw = tiny_config(root, max_steps=2, save_every=1)
+    run(cfg, None, log=lambda *_: None, progress=False)  # run/ holds checkpoints, metrics and drafter/
+    good = root / "run.toml"
+    good.write_text(toml_text(raw))
+    bad = root / "bad"
+    bad.mkdir()
+    files = {
+        "not-utf8.toml": toml_text(raw).encode().replace(b'"cpu"', b'"c\xffpu"'),
+        "binary.toml": bytes(range(256)) * 4,
+        "not-toml.toml": b"[train\nlr = \n",
+        "datetime.toml": with_line(raw, "", "output_dir = 1979-05-27T07:32:00Z").encode(),
+        "unknown-key.toml": with_line(raw, "train", "learning_rate = 1e-3").encode(),
+        "section-scalar.toml": with_line(raw, "", "train = 5").encode().replace(b"[train]", b"[unused]"),
+        "wd-inf.toml": with_line(raw, "train", "weight_decay = inf").encode(),
+        "lr-nan.toml": with_line(raw, "train", "lr = nan").encode(),
+        "budget-huge.toml": with_line(raw, "data", f"token_budget = {BIG}").encode(),
+        "batch-huge.toml": with_line(raw, "data", f"max_batch_size = {BIG}").encode(),
+        "layer-negative.toml": with_line(raw, "drafter", "target_layer_ids = [-1]").encode(),
+        "seed-negative.toml": with_line(raw, "train", "seed = -1").encode(),
+        "deep.toml": b"a = " + b"[" * 3000 + b"]" * 3000 + b"\n",
+        "nul-path.toml": with_line(raw, "target", 'path = "a\\u0000b"').encode(),
+        "colocated-split.toml": toml_text(raw).encode(),
+        "prompts-not-utf8.txt": b"hello \xff\xfe world\n",
+        "prompts-empty.txt": b"\n\n",
+        "prompts-bad.jsonl": b'{"prompt": "hi"}\n{not json\n',
+        "nvml-garbage.json": b"\x00\x01 not json",
+        "gpu-config.toml": with_line(raw, "", 'device = "cuda"').encode(),
+    }
+    for name, content in files.items():
+        (bad / name).write_bytes(content)
+    # drafters: a good one's config.json with broken weights, and the reverse
+    drafter = root / "run" / "drafter"
+    for name, weights, config in [
+        ("garbage-weights", b"\x00garbage" * 64, None),
+        ("truncated-weights", (drafter / "model.safetensors").read_bytes()[:500], None),
+        ("empty-weights", b"", None),
+        ("config-not-json", None, b"{not json"),
+        ("config-list", None, b"[1, 2]"),
+        ("config-missing-fields", None, b'{"architectures": ["DFlashDraftModel"]}'),
+    ]:
+        folder = bad / name
+        folder.mkdir()
+        (folder / "model.safetensors").write_bytes(weights if weights is not None else (drafter / "model.safetensors").read_bytes())
+        (folder / "config.json").write_bytes(config if config is not None else (drafter / "config.json").read_bytes())
+    (bad / "empty-dir").mkdir()
+    (bad / "garbage-shards").mkdir()
+    (bad / "garbage-shards" / "shard-00000.arrow").write_bytes(b"not arrow at all")
+    (bad / "target-broken").mkdir()
+    (bad / "target-broken" / "config.json").write_text("{broken")
+    (bad / "target-not-utf8").mkdir()
+    (bad / "target-not-utf8" / "config.json").write_bytes(b'{"hidden_size": "\xff"}')
+    envs = bad / "envs-not-utf8"
+    envs.mkdir()
+    (envs / "train-cu128.toml").write_text((REPO / "envs" / "train-cu128.toml").read_text())
+    (envs / "train-cu128.lock").write_bytes(b"torch==2.10.0 \\\n    --hash=sha256:\xff\xfe\n")
+    envs = bad / "envs-profile-not-utf8"
+    envs.mkdir()
+    (envs / "train-cu128.toml").write_bytes(b'name = "train-\xff"\n')
+    return root
+
+
+@pytest.fixture
+def keep_environ():
+    """dflash-train sets the profile's variables in os.environ once its input is valid: undo that after a case."""
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
+
+
+def snapshot(root: Path) -> dict:
+    """Every file and folder under root: size, mtime and content hash."""
+    out = {}
+    for p in sorted(root.rglob("*")):
+        rel = str(p.relative_to(root))
+        if p.is_dir():
+            out[rel] = "dir"
+        else:
+            st = p.stat()
+            out[rel] = (st.st_size, st.st_mtime_ns, hashlib.sha256(p.read_bytes()).hexdigest())
+    return out
+
+
+def _main(prog: str):
+    if prog == "dflash-train":
+        from dflash.cli import train_main as main
+    elif prog == "dflash-data":
+        from dflash.cli import data_main as main
+    elif prog == "dflash-eval":
+        from dflash.cli import eval_main as main
+    elif prog == "dflash-preflight":
+        from preflight.cli import main
+    elif prog == "dflash-estimate":
+        from preflight.estimate_cli import main
+    elif prog == "dflash-lock":
+        from preflight.lock_cli import main
+    else:
+        from dflash.split import main
+    return main
+
+
+R, G, B = "{root}", "{root}/run.toml", "{root}/bad"  # placeholders, filled in per case
+TRAIN = ["--config", G, "--no-progress"]
+TORCHRUN = {"RANK": "0", "WORLD_SIZE": "2"}
+
+# (prog, argv, a piece of the error line, exit code, extra environment)
+CASES = [
+    # ---- dflash-train: config files
+    ("dflash-train", ["--config", f"{R}/nosuch.toml"], "no such config file", 2, None),
+    ("dflash-train", ["--config", f"{B}/not-utf8.toml"], "not UTF-8 text (byte ff", 2, None),
+    ("dflash-train", ["--config", f"{B}/binary.toml"], "not UTF-8 text", 2, None),
+    ("dflash-train", ["--config", f"{B}/not-toml.toml"], "not valid TOML", 2, None),
+    ("dflash-train", ["--config", f"{B}/datetime.toml"], "output_dir: Input should be a valid string", 2, None),
+    ("dflash-train", ["--config", f"{B}/unknown-key.toml"], "train.learning_rate: unknown key", 2, None),
+    ("dflash-train", ["--config", f"{B}/section-scalar.toml"], "train: Input should be a valid dictionary", 2, None),
+    ("dflash-train", ["--config", f"{B}/wd-inf.toml", "--fresh"], "train.weight_decay: Input should be a finite number", 2, None),
+    ("dflash-train", ["--config", f"{B}/lr-nan.toml"], "train.lr: Input should be a finite number", 2, None),
+    ("dflash-train", ["--config", f"{B}/budget-huge.toml"], "data.token_budget: Input should be less than or equal to", 2, None),
+    ("dflash-train", ["--config", f"{B}/batch-huge.toml"], "data.max_batch_size: Input should be less than or equal", 2, None),
+    ("dflash-train", ["--config", f"{B}/layer-negative.toml"], "drafter.target_layer_ids.0: Input should be greater", 2, None),
+    ("dflash-train", ["--config", f"{B}/seed-negative.toml"], "train.seed: Input should be greater than or equal to 0", 2, None),
+    ("dflash-train", ["--config", f"{B}/deep.toml"], "nested too deeply", 2, None),
+    ("dflash-train", ["--config", f"{B}/nul-path.toml"], "target.path: Value error, contains a NUL character", 2, None),
+    ("dflash-train", ["--config", B], "is a directory", 2, None),
+    # ---- dflash-train: flags (a valid config whose run dir holds checkpoints)
+    ("dflash-train", [*TRAIN, "--fresh", "--set", "train.lr.x=1"], "cannot set train.lr.x: train.lr is a value", 2, None),
+    ("dflash-train", [*TRAIN, "--fresh", "--set", "train={lr=1}"], "a table would replace all of train", 2, None),
+    ("dflash-train", [*TRAIN, "--fresh", "--set", "train..lr=1"], "empty name", 2, None),
+    ("dflash-train", [*TRAIN, "--fresh", "--set", "=1"], "expected SECTION.KEY=VALUE", 2, None),
+    ("dflash-train", [*TRAIN, "--fresh", "--set", "train.weight_decay=inf"], "train.weight_decay: Input should be a finite", 2, None),
+    ("dflash-train", [*TRAIN, "--fresh", "--set", f"data.token_budget={BIG}"], "data.token_budget: Input should be less", 2, None),
+    ("dflash-train", [*TRAIN, "--fresh", "--set", "nosuch.key=1"], "nosuch: unknown key", 2, None),
+    ("dflash-train", [*TRAIN, "--fresh", "--waive", "nosuch", "--reason", "x"], "--waive nosuch: unknown check id", 2, None),
+    ("dflash-train", [*TRAIN, "--fresh", "--waive", "env-drift"], "give one --reason for each --waive", 2, None),
+    ("dflash-train", [*TRAIN, "--fresh", "--waive", "env-drift", "--reason", " "], "give a non-empty --reason", 2, None),
+    ("dflash-train", [*TRAIN, "--resume", "latest", "--fresh"], "--resume and --fresh exclude each other", 2, None),
+    ("dflash-train", [*TRAIN], "already holds checkpoints", 2, None),
+    ("dflash-train", [*TRAIN, "--resume", f"{R}/nosuch-checkpoint"], "nosuch-checkpoint", 2, None),
+    ("dflash-train", [*TRAIN, "--fresh", "--resume", ""], "--resume needs `latest` or a checkpoint folder", 2, None),
+    ("dflash-train", [*TRAIN, "--fresh", "--max-steps", "0"], "--max-steps", 2, None),
+    ("dflash-train", [*TRAIN, "--fresh", "--max-steps", "many"], "--max-steps", 2, None),
+    ("dflash-train", [*TRAIN, "--fresh", "--target-gpus", ",", "--drafter-gpus", "1"], "GPU list is empty", 2, None),
+    ("dflash-train", [*TRAIN, "--fresh", "--target-gpus", "0"], "give both target_gpus and drafter_gpus", 2, None),
+    ("dflash-train", [*TRAIN, "--fresh", "--target-gpus", "0", "--drafter-gpus", "0"], "in both target_gpus and drafter_gpus", 2, None),
+    ("dflash-train", [*TRAIN, "--fresh", "--output-dir", ""], "output_dir: String should have at least 1 character", 2, None),
+    ("dflash-train", [*TRAIN, "--fresh", "--bogus"], "No such option '--bogus'", 2, None),
+    ("dflash-train", [], "give --config RUN.toml", 2, None),
+    ("dflash-train", ["--config"], "Option '--config' requires an argument", 2, None),
+    # ---- dflash-data
+    ("dflash-data", [], "missing command; give one of merge, prepare, stats", 2, None),
+    ("dflash-data", ["bogus"], "No such command 'bogus'", 2, None),
+    ("dflash-data", ["stats", f"{R}/nosuch"], "does not exist", 2, None),
+    ("dflash-data", ["stats", G], "is a file", 2, None),
+    ("dflash-data", ["stats", f"{B}/empty-dir"], "empty-dir: no *.arrow shards", 1, None),
+    ("dflash-data", ["stats", f"{B}/garbage-shards"], "shard-00000.arrow: not a readable Arrow IPC file", 1, None),
+    ("dflash-data", ["stats", f"{R}/data", "--token-budget", BIG], "--token-budget", 2, None),
+    ("dflash-data", ["stats", f"{R}/data", "--num-buckets", "0"], "--num-buckets", 2, None),
+    ("dflash-data", ["prepare", "--device", "tpu", "--out", f"{R}/new", "--prompts", f"{B}/prompts-empty.txt"],
+     "--device 'tpu': use auto, cpu or cuda", 2, None),
+    ("dflash-data", ["prepare", "--engine", "vllm", "--out", f"{R}/new"], "--engine", 2, None),
+    ("dflash-data", ["prepare", "--prompts", f"{R}/nosuch.txt", "--out", f"{R}/new"], "no such prompt file", 2, None),
+    ("dflash-data", ["prepare", "--prompts", f"{B}/prompts-not-utf8.txt", "--out", f"{R}/new"], "cannot read it as UTF-8", 2, None),
+    ("dflash-data", ["prepare", "--prompts", f"{B}/prompts-empty.txt", "--out", f"{R}/new"], "holds no prompts", 2, None),
+    ("dflash-data", ["prepare", "--prompts", f"{B}/prompts-bad.jsonl", "--out", f"{R}/new"], "prompts-bad.jsonl:2: not valid JSON", 2, None),
+    ("dflash-data", ["prepare", "--prompts", f"{B}/prompts-bad.jsonl", "--limit", "0", "--out", f"{R}/new"], "--limit", 2, None),
+    ("dflash-data", ["prepare", "--target", f"{R}/nosuch", "--prompts", G, "--out", f"{R}/new"], "no config.json there", 2, None),
+    ("dflash-data", ["prepare", "--target", f"{B}/target-broken", "--prompts", G, "--out", f"{R}/new"], "not valid JSON", 2, None),
+    ("dflash-data", ["prepare", "--target", f"{B}/target-not-utf8", "--prompts", G, "--out", f"{R}/new"], "not UTF-8 JSON", 2, None),
+    ("dflash-data", ["prepare", "--target", f"{R}/tiny-target", "--prompts", G, "--out", f"{R}/new"], "tokenizer has no vocabulary", 2, None),
+    ("dflash-data", ["prepare", "--prompts", G], "Missing option '--out'", 2, None),
+    ("dflash-data", ["prepare", "--prompts", G, "--out", G], "is a file", 2, None),
+    ("dflash-data", ["merge", "--out", f"{R}/new"], "Missing argument 'INPUTS...'", 2, None),
+    ("dflash-data", ["merge", f"{R}/nosuch", "--out", f"{R}/new"], "does not exist", 2, None),
+    ("dflash-data", ["merge", f"{R}/data", "--out", f"{R}/data"], "inputs stay untouched", 2, None),
+    ("dflash-data", ["merge", f"{R}/data", "--out", f"{R}/run"], "already exists", 2, None),
+    ("dflash-data", ["merge", f"{B}/empty-dir", "--out", f"{R}/new"], "empty-dir", 2, None),
+    # ---- dflash-eval
+    ("dflash-eval", ["--drafter", f"{R}/nosuch"], "does not exist", 2, None),
+    ("dflash-eval", ["--drafter", f"{B}/empty-dir"], "not a drafter folder", 2, None),
+    ("dflash-eval", ["--drafter", f"{B}/garbage-weights"], "not a complete safetensors file", 2, None),
+    ("dflash-eval", ["--drafter", f"{B}/truncated-weights"], "not a complete safetensors file", 2, None),
+    ("dflash-eval", ["--drafter", f"{B}/empty-weights"], "not a complete safetensors file", 2, None),
+    ("dflash-eval", ["--drafter", f"{B}/config-not-json"], "not a readable JSON file", 2, None),
+    ("dflash-eval", ["--drafter", f"{B}/config-list"], "not a JSON object", 2, None),
+    ("dflash-eval", ["--drafter", f"{B}/config-missing-fields", "--prompts", G], "not a drafter this version can load", 2, None),
+    ("dflash-eval", ["--drafter", f"{R}/run", "--target", f"{R}/tiny-target", "--prompts", G], "tokenizer has no vocabulary", 2, None),
+    ("dflash-eval", ["--drafter", f"{R}/run", "--device", "tpu"], "--device 'tpu': use cpu or cuda", 2, None),
+    ("dflash-eval", ["--drafter", f"{R}/run", "--block-size", BIG], "--block-size", 2, None),
+    ("dflash-eval", ["--drafter", f"{R}/run", "--limit", "0"], "--limit", 2, None),
+    ("dflash-eval", ["--drafter", f"{R}/run", "--prompts", f"{R}/nosuch.txt"], "no such prompt file", 2, None),
+    ("dflash-eval", ["--drafter", f"{R}/run", "--prompts", f"{B}/prompts-not-utf8.txt"], "cannot read it as UTF-8", 2, None),
+    ("dflash-eval", ["--drafter", f"{R}/run", "--target", f"{R}/nosuch", "--prompts", G], "no config.json there", 2, None),
+    ("dflash-eval", ["--drafter", f"{R}/run", "--json", f"{R}/nosuch/report.json", "--prompts", G], "does not exist", 2, None),
+    ("dflash-eval", ["--drafter", f"{R}/run", "--json", R], "is a directory", 2, None),
+    ("dflash-eval", [], "Missing option '--drafter'", 2, None),
+    # ---- dflash-preflight (the checks themselves failing is exit 1 with a report; these are usage errors)
+    ("dflash-preflight", [], "Missing option '--profile'", 2, None),
+    ("dflash-preflight", ["--profile", "nosuch"], "unknown profile 'nosuch'", 2, None),
+    ("dflash-preflight", ["--profile", "../nosuch"], "unknown profile", 2, None),
+    ("dflash-preflight", ["--profile", "train-cu128", "--config", f"{B}/not-utf8.toml"], "not UTF-8 text", 2, None),
+    ("dflash-preflight", ["--profile", "train-cu128", "--config", f"{B}/datetime.toml"], "output_dir: Input should be", 2, None),
+    ("dflash-preflight", ["--profile", "train-cu128", "--config", f"{B}/wd-inf.toml"], "train.weight_decay: Input should be a finite", 2, None),
+    ("dflash-preflight", ["--profile", "train-cu128", "--config", f"{R}/nosuch.toml"], "no such config file", 2, None),
+    ("dflash-preflight", ["--profile", "train-cu128", "--waive", "nosuch", "--reason", "x"], "unknown check id", 2, None),
+    ("dflash-preflight", ["--profile", "train-cu128", "--waive", "env-drift"], "1 --waive but 0 --reason", 2, None),
+    ("dflash-preflight", ["--profile", "train-cu128", "--resume", "--fresh"], "exclude each other", 2, None),
+    ("dflash-preflight", ["--profile", "train-cu128", "--nvml-fake", f"{R}/nosuch.json"], "--nvml-fake", 2, None),
+    ("dflash-preflight", ["--profile", "train-cu128", "--nvml-fake", f"{B}/nvml-garbage.json"], "--nvml-fake", 2, None),
+    ("dflash-preflight", ["--profile", "train-cu128", "--nvml-fake", G], "--nvml-fake", 2, None),
+    # ---- dflash-estimate
+    ("dflash-estimate", ["--config", G, "--gpu-memory", "99999999999999999999999999TiB"], "far above any GPU", 2, None),
+    ("dflash-estimate", ["--config", G, "--gpu-memory", "1" + "0" * 400 + "GiB"], "far above any GPU", 2, None),
+    ("dflash-estimate", ["--config", G, "--gpu-memory", "95"], "write a number and a unit", 2, None),
+    ("dflash-estimate", ["--config", G, "--gpu-memory", "0GiB"], "must be positive", 2, None),
+    ("dflash-estimate", ["--config", G, "--gpu-memory", "nanGiB"], "write a number and a unit", 2, None),
+    ("dflash-estimate", ["--config", G, "--gpu-memory", "95GiB", "--from-nvml"], "not both", 2, None),
+    ("dflash-estimate", ["--config", G, "--cuda", "abc"], "CUDA version must look like", 2, None),
+    ("dflash-estimate", ["--config", G, "--set", "train={lr=1}"], "a table would replace", 2, None),
+    ("dflash-estimate", ["--config", f"{B}/not-utf8.toml"], "not UTF-8 text", 2, None),
+    ("dflash-estimate", ["--config", f"{B}/budget-huge.toml", "--gpu-memory", "95GiB"], "data.token_budget", 2, None),
+    ("dflash-estimate", ["--config", G, "--set", f"target.path={B}/target-not-utf8"], "not UTF-8 JSON", 2, None),
+    ("dflash-estimate", [], "Missing option '--config'", 2, None),
+    # ---- dflash-lock
+    ("dflash-lock", [], "missing command; give one of check, diff, write", 2, None),
+    ("dflash-lock", ["diff", "nosuch", "train-cu128"], "unknown profile 'nosuch'", 2, None),
+    ("dflash-lock", ["diff", "train-cu128"], "Missing argument 'B'", 2, None),
+    ("dflash-lock", ["check", "--envs-dir", f"{R}/nosuch"], "does not exist", 2, None),
+    ("dflash-lock", ["check", "--envs-dir", G], "is a file", 2, None),
+    ("dflash-lock", ["write", "extra"], "unexpected extra argument", 2, None),
+    # ---- python -m dflash.split (a rank under torchrun)
+    ("dflash.split", ["--config", G], "run under torchrun", 2, None),
+    ("dflash.split", [], "give --config RUN.toml", 2, TORCHRUN),
+    ("dflash.split", ["--config", G, "--resume", "latest", "--fresh"], "exclude each other", 2, TORCHRUN),
+    ("dflash.split", ["--config", G, "--waive", "env-drift"], "give one --reason for each --waive", 2, TORCHRUN),
+    ("dflash.split", ["--config", f"{B}/not-utf8.toml"], "not UTF-8 text", 2, TORCHRUN),
+    ("dflash.split", ["--config", G, "--set", "train={lr=1}"], "a table would replace", 2, TORCHRUN),
+    ("dflash.split", ["--config", G], "topology.target_gpus / drafter_gpus are empty", 2, TORCHRUN),
+]
+
+
+def _fill(argv: list[str], root: Path) -> list[str]:
+    return [a.replace("{root}", str(root)) for a in argv]
+
+
+@pytest.mark.parametrize("prog, argv, says, code, env", CASES,
+                         ids=[f"{c[0]}:{' '.join(c[1])[:60]}" for c in CASES])
+def test_malformed_input_is_one_line_and_touches_nothing(world, capsys, monkeypatch, keep_environ, prog, argv, says, code,
+                                                        env):
+    for key, value in (env or {}).items():
+        monkeypatch.setenv(key, value)
+    before = snapshot(world)
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        _main(prog)(_fill(argv, world))
+    out, err = capsys.readouterr()
+    lines = err.strip().splitlines()
+    assert "Traceback" not in out + err, err
+    assert len(lines) == 1, f"{len(lines)} lines on stderr:\n{err}"
+    assert lines[0].startswith(f"{prog}: error: "), lines[0]
+    assert says.replace("{root}", str(world)) in lines[0], lines[0]
+    assert e.value.code == code, (e.value.code, lines[0])
+    assert snapshot(world) == before, "the command changed files it must not touch"
+
+
+def test_there_are_enough_cases_for_every_command():
+    progs = [c[0] for c in CASES]
+    assert len(CASES) >= 50
+    assert {p: progs.count(p) >= 5 for p in set(progs)} == {p: True for p in set(progs)}
+
+
+@pytest.mark.parametrize("cmd, says", [
+    (["-m", "dflash.cli", "--config", "{root}/run.toml", "--set", "train.lr.x=1"], "train.lr is a value"),
+    (["-m", "dflash.cli", "--config", "{root}/run.toml", "--fresh", "--waive", "nosuch", "--reason", "x"], "unknown check id"),
+    (["-c", "from dflash.cli import data_main; data_main()", "prepare", "--device", "tpu", "--out", "{root}/new"],
+     "--device 'tpu'"),
+    (["-c", "from dflash.cli import eval_main; eval_main()", "--drafter", "{root}/bad/garbage-weights"],
+     "not a complete safetensors file"),
+    (["-m", "preflight.estimate_cli", "--config", "{root}/run.toml", "--gpu-memory", "99999999999999999999999999TiB"],
+     "far above any GPU"),
+])
+def test_usage_errors_are_decided_before_torch_is_imported(world, cmd, says):
+    """In a fresh interpreter: the error line comes out and torch was never imported (seconds, not minutes)."""
+    probe = "import atexit, sys; atexit.register(lambda: print('torch' in sys.modules, file=sys.stderr)); "
+    if cmd[0] == "-m":
+        code = probe + f"import runpy; sys.argv = [{cmd[1]!r}] + sys.argv[1:]; runpy.run_module({cmd[1]!r}, run_name='__main__')"
+        args = cmd[2:]
+    else:
+        code, args = probe + cmd[1], cmd[2:]
+    res = subprocess.run([sys.executable, "-c", code, *_fill(args, world)], cwd=REPO, capture_output=True, text=True,
+                         timeout=120)
+    lines = res.stderr.strip().splitlines()
+    assert res.returncode == 2 and len(lines) == 2, res.stderr
+    assert says in lines[0] and "Traceback" not in res.stderr, lines[0]
+    assert lines[1] == "False", "torch was imported before the usage error was decided"
+
+
+@pytest.mark.parametrize("change, says", [
+    ({"drafter": {"target_layer_ids": [1, 99], "mask_token_id": 10**6}},
+     ["drafter.target_layer_ids [99] outside 0..3 of the 4-layer target", "drafter.mask_token_id 1000000 outside 0..127",
+      "fix: set drafter.target_layer_ids"]),
+    ({"drafter": {"num_layers": 8}}, ["cannot spread 8 distinct layers over [1, 1] of a 4-layer target"]),
+    ({"target": {"path": "{root}/nosuch-model"}}, ["target.path", "nosuch-model/config.json: not found"]),
+    ({"target": {"path": "{root}/bad/target-broken"}}, ["target-broken/config.json: not valid JSON"]),
+])
+def test_gate_refuses_a_config_that_does_not_fit_the_target(world, tmp_path, capsys, keep_environ, change, says):
+    """Values that validate but cannot work with this target: the gate's `config` check refuses (exit 1) before a
+    model loads; the run dir gets only its preflight report."""
+    from dflash.cli import train_main
+
+    raw = tomllib.loads((world / "run.toml").read_text())
+    raw["output_dir"] = str(tmp_path / "run")
+    for section, values in change.items():
+        raw[section].update({k: v.replace("{root}", str(world)) if isinstance(v, str) else v for k, v in values.items()})
+    config = tmp_path / "run.toml"
+    config.write_text(toml_text(raw))
+    with pytest.raises(SystemExit) as e:
+        train_main(["--config", str(config), "--no-progress", "--waive", "model-source", "--reason", "tests"])
+    err = capsys.readouterr().err
+    assert e.value.code == 1 and "Traceback" not in err
+    fail = next(line for line in err.splitlines() if line.startswith("preflight: FAIL config"))
+    assert all(s in fail for s in says), fail
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["preflight.json"]
+
+
+def test_lock_and_profile_files_that_are_not_utf8_are_findings_not_tracebacks(world, capsys):
+    """A lock or profile manifest with stray bytes: `dflash-lock check` lists the problem (exit 1), and preflight's
+    `profile` check fails instead of crashing the gather."""
+    from preflight.checks import check_profile
+    from preflight.facts import gather
+    from preflight.lock_cli import main
+
+    for envs, says in [("envs-not-utf8", "train-cu128: "), ("envs-profile-not-utf8", "train-cu128.toml: not UTF-8 text")]:
+        with pytest.raises(SystemExit) as e:
+            main(["check", "--no-export", "--envs-dir", str(world / "bad" / envs)])
+        out, err = capsys.readouterr()
+        assert e.value.code == 1 and says in out and "Traceback" not in out + err, out + err
+        r = check_profile(gather("train-cu128", envs_dir=world / "bad" / envs))
+        assert r.status == "fail", r.summary

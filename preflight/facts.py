@@ -265,7 +265,7 @@ def torch_build() -> TorchBuild | None:
     return TorchBuild(parsed[0], parsed[1], str(path))
 
 
-def _env_root(bin_dir: Path) -> str | None:
+def python_env_root(bin_dir: Path) -> str | None:
     """The Python environment (venv or conda) whose bin dir this is, or None."""
     root = bin_dir.parent
     if bin_dir.name in ("bin", "Scripts") and ((root / "pyvenv.cfg").is_file() or (root / "conda-meta").is_dir()):
@@ -280,7 +280,7 @@ def path_entries(path_value: str, prefix: str) -> list[PathEntry]:
         if not raw:
             continue
         p = Path(raw)
-        root = _env_root(p) if p.is_dir() else None
+        root = python_env_root(p) if p.is_dir() else None
         out.append(PathEntry(raw, p.is_dir(), root, bool(root) and os.path.realpath(root) == me))
     return out
 

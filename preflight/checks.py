@@ -20,6 +20,7 @@ from dflash.compile_manifest import MANIFEST_NAME, differences
 from dflash.config import ConfigError, default_target_layer_ids
 from dflash.errors import DflashError
 from dflash.memory import drafter_state_bytes, role_need_bytes
+from preflight.envs import run_command, sync_command
 from preflight.estimate import DEFAULT_CUDA
 from preflight.facts import MODEL_SOURCE_FILES, PROJECT_DIST, Context
 from preflight.lockfile import is_gpu_stack, judge_lock
@@ -52,9 +53,30 @@ def _listing(items: list[str], limit: int = 4) -> str:
     return shown + (f" (+{len(items) - limit} more)" if len(items) > limit else "")
 
 
-def sync_fix(ctx: Context) -> str:
-    groups = ctx.profile.groups if ctx.profile else [ctx.profile_name]
-    return "uv sync --frozen --no-default-groups " + " ".join(f"--group {g}" for g in groups)
+def _in_profile(ctx: Context, command: str) -> str:
+    """`command` run in the profile's environment, as typed on any clone: `uv run` builds and uses uv's default
+    environment (.venv); any other profile's environment is built from its lock first, then run in."""
+    name = ctx.profile_name
+    if ctx.env_identity is None or ctx.env_identity.default:
+        return f"uv run {command}"
+    return f"{sync_command(name)} && {run_command(name, command)}"
+
+
+def _preflight_command(ctx: Context) -> str:
+    return f"dflash-preflight --profile {ctx.profile_name}" + (f" --config {ctx.config_path}" if ctx.config_path else "")
+
+
+def _wrong_env(ctx: Context) -> bool:
+    return ctx.env_identity is not None and not ctx.env_identity.matches
+
+
+def sync_fix(ctx: Context, reinstall: list[str] | tuple[str, ...] = ()) -> str:
+    """Rebuild the profile's environment from its committed lock (works on a fresh clone: no uv.lock needed).
+    When this interpreter is not that environment, the fix is to check the profile's own environment instead
+    (building it first when it is not uv's default one)."""
+    if _wrong_env(ctx):
+        return _in_profile(ctx, _preflight_command(ctx))
+    return sync_command(ctx.profile_name, reinstall)
 
 
 def _config_arg(ctx: Context) -> str:
@@ -81,12 +103,22 @@ def check_profile(ctx: Context) -> CheckResult:
         return _r("profile", "fail", f"{ctx.lock_file} does not validate: {_listing(problems, 2)}",
                   "uv run dflash-lock write  (then review the diff)", problems=problems)
     if ctx.config is not None and ctx.config.profile != name:
-        return _r("profile", "fail", f"the run config asks for profile {ctx.config.profile}; this check is for {name}",
-                  f"dflash-preflight --profile {ctx.config.profile} --config {_config_arg(ctx)}")
+        other = ctx.config.profile
+        check = f"dflash-preflight --profile {other} --config {_config_arg(ctx)}"
+        return _r("profile", "fail", f"the run config asks for profile {other}; this check is for {name}",
+                  f"{sync_command(other)} && {run_command(other, check)}")
     lock = ctx.lock
-    return _r("profile", "pass",
-              f"envs/{name}.toml and {ctx.lock_file} validate: {len(lock.pins)} pins, torch {ctx.profile.torch}, "
-              f"CUDA {ctx.profile.cuda}", pins=len(lock.pins), torch=ctx.profile.torch, cuda=ctx.profile.cuda)
+    summary = (f"envs/{name}.toml and {ctx.lock_file} validate: {len(lock.pins)} pins, torch {ctx.profile.torch}, "
+               f"CUDA {ctx.profile.cuda}")
+    data = dict(pins=len(lock.pins), torch=ctx.profile.torch, cuda=ctx.profile.cuda)
+    ident = ctx.env_identity
+    if ident is not None:
+        data.update(environment=ident.prefix, profile_environment=ident.profile_env)
+    if _wrong_env(ctx):
+        return _r("profile", "warn", f"{summary}; but this interpreter runs in {ident.prefix}, not in profile {name}'s "
+                  f"environment {ident.profile_env}: the environment checks below judge {ident.prefix}",
+                  _in_profile(ctx, _preflight_command(ctx)), **data)
+    return _r("profile", "pass", summary + (f"; running in its environment {ident.profile_env}" if ident else ""), **data)
 
 
 def check_torch_build(ctx: Context) -> CheckResult:
@@ -406,7 +438,7 @@ def check_compile_cache(ctx: Context) -> CheckResult:
     if _on_cpu(ctx):
         return _r("compile-cache", "skip", "device = cpu: nothing is compiled")
     cc = ctx.compile_cache
-    fix = WARM_CACHE_FIX.format(config=_config_arg(ctx))
+    fix = _in_profile(ctx, WARM_CACHE_FIX.format(config=_config_arg(ctx)))
     size = f" ({cc.size_bytes / 1e6:,.0f} MB)" if cc.size_bytes else ""
     data = dict(path=cc.path, exists=cc.exists, size_bytes=cc.size_bytes, manifest=cc.manifest)
     if cc.env_override:
@@ -455,7 +487,7 @@ def check_model_source(ctx: Context) -> CheckResult:
         if ms.mode == "git":
             fix = f"git stash push --include-untracked -- {' '.join(ms.modified)}  (review first: git diff -- {' '.join(ms.modified)})"
         else:
-            fix = f"uv sync --frozen --reinstall-package {PROJECT_DIST}"
+            fix = f"uv pip install --reinstall --no-deps {ms.commit}  (from the wheel or sdist it came from)"
         return _r("model-source", "fail", f"drafter source modified against {where}: {files}{stat}",
                   fix, **data)
     if not ms.verified:

@@ -30,6 +30,7 @@ from dflash import rundir
 from dflash.compile_manifest import ManifestError, read_manifest
 from dflash.config import ConfigError, RunConfig
 from dflash.memory import TargetShape, load_target_shape
+from preflight.envs import locate
 from preflight.lockfile import LockFile, parse_lock
 from preflight.nvml import GpuInfo, NvmlSnapshot, NvmlUnavailable
 from preflight.profiles import ENVS_DIR, REPO_ROOT, Profile, ProfileError, load_profile, lock_path
@@ -60,6 +61,17 @@ class LibDir:
     path: str
     exists: bool
     libs: dict[str, int | None] = field(default_factory=dict)  # file name -> CUDA major (None = unknown)
+
+
+@dataclass
+class EnvIdentity:
+    prefix: str  # this interpreter's environment (sys.prefix): the one the environment checks judge
+    profile_env: str  # where the profile's environment lives (`dflash-env path`)
+    default: bool  # that is uv's project environment (.venv), the one `uv run` builds and uses
+
+    @property
+    def matches(self) -> bool:
+        return os.path.realpath(self.prefix) == os.path.realpath(self.profile_env)
 
 
 @dataclass
@@ -172,6 +184,7 @@ class Context:
     env: dict[str, str] = field(default_factory=dict)
     path_entries: list[PathEntry] = field(default_factory=list)
     ld_dirs: list[LibDir] = field(default_factory=list)
+    env_identity: EnvIdentity | None = None  # None: not gathered (tests), nothing judged about it
     gpus: GpuFacts = field(default_factory=lambda: GpuFacts(error="NVML not queried"))
     model_source: ModelSource = field(default_factory=lambda: ModelSource(mode="none"))
     compile_cache: CompileCache | None = None
@@ -603,6 +616,8 @@ def gather(
     ctx = Context(profile_name=profile_name, config=config, config_path=config_path, resume_intent=resume_intent, env=env)
     try:
         ctx.profile = load_profile(profile_name, envs_dir)
+        where = locate(profile_name, envs_dir)
+        ctx.env_identity = EnvIdentity(sys.prefix, str(where.path), where.default)
     except ProfileError as e:
         ctx.profile_error = str(e)
     lock = lock_path(profile_name, envs_dir)

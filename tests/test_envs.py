@@ -4,6 +4,8 @@ another's environment (the incident: syncing the inference stack into the traini
 from __future__ import annotations
 
 import os
+import shlex
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -40,10 +42,10 @@ def lock_entry(lock: Path, package: str) -> str:
     return "\n".join(out) + "\n"
 
 
-def standin(tmp_path: Path, lock: str | None = None) -> Path:
+def standin(tmp_path: Path, lock: str | None = None, envs_dir: Path | None = None) -> Path:
     """A CPU-installable stand-in for the inference profile: one pure-Python package of envs/infer-cu130.lock."""
-    d = tmp_path / "envs"
-    d.mkdir()
+    d = envs_dir or tmp_path / "envs"
+    d.mkdir(exist_ok=True)
     (d / "standin.toml").write_text(STANDIN)
     (d / "standin.lock").write_text(lock if lock is not None else lock_entry(ENVS_DIR / "infer-cu130.lock", "mdurl"))
     return d
@@ -218,3 +220,30 @@ def test_sync_raises_env_error_not_a_traceback_for_a_missing_lock(tmp_path):
     (envs_dir / "standin.lock").unlink()
     with pytest.raises(EnvError, match=r"envs/standin.lock unreadable"):
         envs.sync("standin", envs_dir, log=lambda m: None)
+
+
+def fresh_clone(tmp_path: Path) -> Path:
+    """The files a `git clone` of this working tree would hold: tracked files only (no uv.lock, no .venv)."""
+    listed = subprocess.run(["git", "-C", str(REPO), "ls-files", "-z"], capture_output=True, check=True).stdout
+    clone = tmp_path / "clone"
+    for rel in filter(None, listed.decode().split("\0")):
+        src, dst = REPO / rel, clone / rel
+        if src.is_file():
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            dst.write_bytes(src.read_bytes())
+    return clone
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("git") is None or not (REPO / ".git").exists(), reason="needs a git checkout")
+def test_the_printed_sync_command_works_on_a_fresh_clone_and_touches_no_other_env(tmp_path):
+    clone = fresh_clone(tmp_path)
+    assert not (clone / "uv.lock").exists() and not (clone / ".venv").exists()
+    standin(clone, envs_dir=clone / "envs")
+    environ = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "UV_PROJECT_ENVIRONMENT", "UV_NO_SYNC")}
+    p = subprocess.run(shlex.split(sync_command("standin")), cwd=clone, env=environ, capture_output=True, text=True,
+                       timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert p.stdout.startswith(f"created {clone / '.venvs' / 'standin'} (profile standin")
+    assert not (clone / ".venv").exists(), "building the stand-in profile created the training environment"
+    assert env_drift(clone / ".venvs" / "standin", (clone / "envs" / "standin.lock").read_text()) == []

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -17,6 +18,7 @@ from preflight.facts import (
     Context,
     Dataset,
     Disk,
+    EnvIdentity,
     GpuFacts,
     LibDir,
     ModelSource,
@@ -121,6 +123,52 @@ def test_profile_fails_on_invalid_lock_and_wrong_profile(tmp_path):
     ctx = make_ctx(tmp_path, config={"profile": "infer-cu130"})
     r = checks.check_profile(ctx)
     assert r.status == "fail" and "asks for profile infer-cu130" in r.summary
+    assert r.fix == ("uv run --isolated --no-default-groups dflash-env sync --profile infer-cu130 && uv run --isolated "
+                     "--no-default-groups dflash-env run --profile infer-cu130 -- dflash-preflight --profile infer-cu130 "
+                     "--config run.toml")
+
+
+def test_profile_warns_when_this_interpreter_is_not_the_profiles_environment(tmp_path):
+    ctx = make_ctx(tmp_path)
+    ctx.env_identity = EnvIdentity(str(tmp_path / "venv"), str(tmp_path / "venv"), default=True)
+    r = checks.check_profile(ctx)
+    assert r.status == "pass" and r.summary.endswith(f"; running in its environment {tmp_path / 'venv'}")
+    # dflash-preflight --profile infer-cu130 run in the training env: every environment check would judge the wrong env
+    ctx = make_ctx(tmp_path, config={"profile": "infer-cu130"})
+    ctx.profile_name, ctx.profile = "infer-cu130", load_profile("infer-cu130")
+    ctx.lock_text = "torch==2.14.1 --hash=sha256:00\nnvidia-cuda-runtime==13.0.96 --hash=sha256:01\n"
+    ctx.env_identity = EnvIdentity(str(tmp_path / ".venv"), str(tmp_path / ".venvs/infer-cu130"), default=False)
+    r = checks.check_profile(ctx)
+    assert r.status == "warn" and f"this interpreter runs in {tmp_path / '.venv'}, not in profile infer-cu130's" in r.summary
+    run_there = ("uv run --isolated --no-default-groups dflash-env sync --profile infer-cu130 && uv run --isolated "
+                 "--no-default-groups dflash-env run --profile infer-cu130 -- dflash-preflight --profile infer-cu130 "
+                 "--config run.toml")
+    assert r.fix == run_there
+    assert checks.check_torch_build(ctx).fix == run_there  # not "sync": the profile's own env may be fine
+    # the training profile outside .venv (a conda shell): `uv run` builds and uses .venv
+    ctx = make_ctx(tmp_path)
+    ctx.env_identity = EnvIdentity("/opt/conda", str(tmp_path / ".venv"), default=True)
+    assert checks.check_profile(ctx).fix == "uv run dflash-preflight --profile train-cu128 --config run.toml"
+
+
+def test_every_fix_line_works_on_a_fresh_clone(tmp_path):
+    """No uv.lock in a clone (git-ignored) and no dflash-* command on PATH: every fix goes through `uv run` or
+    dflash-env's launcher, never `uv sync --frozen`."""
+    ctx = make_ctx(tmp_path, config={"profile": "infer-cu130"})
+    ctx.torch = TorchBuild("2.11.0+cu130", "13.0", "torch/version.py")
+    ctx.distributions["sglang"] = ["0.5.23"]
+    ctx.distributions["nvidia-cuda-runtime"] = ["13.0.96"]
+    ctx.compile_cache = CompileCache(str(tmp_path / "cache"), False)
+    ctx.model_source = ModelSource("record", commit="dflash==0.1.0", modified=["dflash/loss.py"])
+    fixes = [r.fix for r in run_checks(ctx) if r.fix]
+    ctx.env_identity = EnvIdentity("/opt/conda", str(tmp_path / ".venvs/infer-cu130"), default=False)
+    fixes += [r.fix for r in run_checks(ctx) if r.fix]
+    assert len(fixes) >= 8
+    for fix in fixes:
+        assert "uv sync" not in fix and "--frozen" not in fix, fix
+        for m in re.finditer(r"(?<![\w/.-])dflash-[a-z]+(?![\w.-])", fix):
+            before = fix[:m.start()]
+            assert before.endswith(("uv run ", "uv run --isolated --no-default-groups ", " -- ")), fix
 
 
 def test_profile_that_did_not_load_fails_and_dependent_checks_skip(tmp_path):
@@ -140,7 +188,7 @@ def test_torch_build_cuda13_swap_fails_naming_both(tmp_path):
     r = checks.check_torch_build(ctx)
     assert r.status == "fail"
     assert r.summary == "torch 2.11.0+cu130 (CUDA 13.0) installed; profile train-cu128 locks 2.10.0 (CUDA 12.8)"
-    assert r.fix == "uv sync --frozen --no-default-groups --group train-cu128 --group demo --group dev"
+    assert r.fix == "uv run --isolated --no-default-groups dflash-env sync --profile train-cu128"
 
 
 def test_torch_build_same_version_other_cuda_and_missing_fail(tmp_path):
@@ -162,7 +210,7 @@ def test_env_drift_gpu_stack_fails_other_warns(tmp_path):
     r = checks.check_env_drift(ctx)
     assert r.status == "fail"
     assert "sglang 0.5.23 not in lock" in r.summary and "triton 3.5.1 installed (lock 3.6.0)" in r.summary
-    assert r.fix == "uv sync --frozen --no-default-groups --group train-cu128 --group demo --group dev"
+    assert r.fix == "uv run --isolated --no-default-groups dflash-env sync --profile train-cu128"
     ctx = make_ctx(tmp_path)
     ctx.distributions["rich"] = ["15.0.0"]
     del ctx.distributions["click"]
@@ -328,7 +376,7 @@ def test_compile_cache_cold_warns_with_warm_command(tmp_path):
     ctx.compile_cache = CompileCache(str(tmp_path / "cache"), False)
     r = checks.check_compile_cache(ctx)
     assert r.status == "warn" and r.summary.startswith("cold:")
-    assert r.fix == "dflash-train --config run.toml --warm-cache"
+    assert r.fix == "uv run dflash-train --config run.toml --warm-cache"
 
 
 def test_compile_cache_mismatch_warns_naming_field(tmp_path):
@@ -363,7 +411,8 @@ def test_model_source_record_mode(tmp_path):
     ctx.model_source = ModelSource("record", commit="dflash==0.1.0", modified=["dflash/loss.py"],
                                    states={"dflash/loss.py": "differs from RECORD"}, verified=["dflash/model.py"])
     r = checks.check_model_source(ctx)
-    assert r.status == "fail" and "dflash==0.1.0" in r.summary and "reinstall-package dflash" in r.fix
+    assert r.status == "fail" and "dflash==0.1.0" in r.summary
+    assert r.fix.startswith("uv pip install --reinstall --no-deps dflash==0.1.0")
     ctx.model_source = ModelSource("record", commit="dflash==0.1.0", verified=["dflash/model.py"])
     assert checks.check_model_source(ctx).status == "pass"
 

@@ -22,7 +22,7 @@ from dflash.errors import DflashError
 from dflash.memory import drafter_state_bytes, role_need_bytes
 from preflight.envs import run_command, sync_command
 from preflight.estimate import DEFAULT_CUDA
-from preflight.facts import MODEL_SOURCE_FILES, PROJECT_DIST, Context
+from preflight.facts import MODEL_SOURCE_PACKAGE, PROJECT_DIST, Context
 from preflight.lockfile import is_gpu_stack, judge_lock
 from preflight.nvml import NO_DRIVER, Gpu, resolve_gpu, visible_gpus
 from preflight.report import CheckResult
@@ -178,16 +178,51 @@ def check_env_drift(ctx: Context) -> CheckResult:
     other = [text for name, text in items if not is_gpu_stack(name)]
     data = dict(missing=missing, changed=changed, not_in_lock=extra, duplicates=twice, gpu_stack=gpu,
                 checked=len(pins))
-    if not items:
+    edited, unverified, record_note = _record_findings(ctx, data)
+    if not items and not edited and not unverified:
         return _r("env-drift", "pass", f"{len(pins)} locked distributions installed at their locked versions, "
-                  f"nothing else installed", **data)
+                  f"nothing else installed{record_note}", **data)
     parts = []
+    if edited:
+        parts.append(f"files edited in place: {_listing(edited, 2)}")
     if gpu:
         parts.append(f"{len(gpu)} GPU-stack drift{'s' if len(gpu) > 1 else ''}: {_listing(gpu)}")
     if other:
         parts.append(f"{len(other)} other: {_listing(other, 3)}")
-    return _r("env-drift", "fail" if gpu else "warn", f"environment differs from {ctx.lock_file}: " + "; ".join(parts),
-              sync_fix(ctx), **data)
+    if unverified:
+        parts.append(f"not verifiable against a RECORD: {_listing(unverified, 2)}")
+    reinstall = [r["name"] for r in data["record"]["modified"]] if edited else []
+    return _r("env-drift", "fail" if gpu or edited else "warn",
+              f"environment differs from {ctx.lock_file}: " + "; ".join(parts), sync_fix(ctx, reinstall), **data)
+
+
+def _record_findings(ctx: Context, data: dict) -> tuple[list[str], list[str], str]:
+    """RECORD verification of the GPU stack and the target's code: (edited, unverifiable, note for a pass).
+
+    A file that differs from the hash its distribution's RECORD lists was edited after install (a line appended
+    to transformers' Qwen3 modeling file passes a version comparison): always a failure."""
+    rec = ctx.records
+    if rec is None:
+        return [], [], ""
+    edited, unverified = [], []
+    modified, missing_record = [], []
+    for c in rec.checks:
+        bad = c.modified + c.missing
+        if bad:
+            what = ", ".join([*(f"{f} differs" for f in c.modified[:2]), *(f"{f} missing" for f in c.missing[:2])][:2])
+            more = f" (+{len(bad) - 2} more)" if len(bad) > 2 else ""
+            edited.append(f"{c.name} {c.version}: {what}{more}")
+            modified.append({"name": c.name, "version": c.version, "modified": c.modified[:20],
+                             "missing": c.missing[:20], "count": len(bad)})
+        elif c.error and c.error != "not installed":
+            unverified.append(f"{c.name} ({c.error})")
+            missing_record.append({"name": c.name, "why": c.error})
+    hashed, sized = sum(c.hashed for c in rec.checks), sum(c.sized for c in rec.checks)
+    data["record"] = dict(distributions=len(rec.checks), hashed=hashed, sized=sized, seconds=round(rec.seconds, 3),
+                          modified=modified, unverified=missing_record)
+    note = (f"; {len(rec.checks)} GPU-stack and target distributions match their RECORD ({hashed:,} files hashed, "
+            f"{sized} native libraries by size, {rec.seconds:.1f} s)")
+    return edited, unverified, note
 
 
 def _version_tuple(text: str) -> tuple[int, ...]:
@@ -474,27 +509,36 @@ def check_compile_cache(ctx: Context) -> CheckResult:
 
 
 def check_model_source(ctx: Context) -> CheckResult:
+    """Every source file of the package a training run executes (dflash/*.py) against git HEAD, or outside a
+    checkout against the installed distribution's RECORD hashes. An edit fails; an untracked file warns (no
+    committed module imports it, so it changes nothing until a modified one does)."""
     ms = ctx.model_source
-    data = dict(mode=ms.mode, commit=ms.commit, files=list(MODEL_SOURCE_FILES), modified=ms.states,
-                verified=ms.verified, absent=ms.absent, diff_stat=ms.diff_stat)
+    data = dict(mode=ms.mode, commit=ms.commit, files=len(ms.files), modified=ms.states,
+                verified=len(ms.verified), absent=ms.absent, diff_stat=ms.diff_stat)
+    pkg = f"{MODEL_SOURCE_PACKAGE}/"
     if ms.error:
-        return _r("model-source", "warn", f"cannot verify the drafter source: {ms.error}", None, **data)
+        return _r("model-source", "warn", f"cannot verify the training source {pkg}: {ms.error}", None, **data)
     where = f"git HEAD {ms.commit[:12]}" if ms.mode == "git" and ms.commit else (ms.commit or "?")
-    if ms.modified:
-        files = ", ".join(f"{m} ({ms.states.get(m, 'modified')})" for m in ms.modified)
+    changed = [m for m in ms.modified if ms.states.get(m) != "untracked"]
+    untracked = [m for m in ms.modified if ms.states.get(m) == "untracked"]
+    if ms.mode != "git":
+        fix = f"uv pip install --reinstall --no-deps {ms.commit}  (from the wheel or sdist it came from)"
+    else:
+        fix = (f"git stash push --include-untracked -- {' '.join(ms.modified)}  (review first: git status -- "
+               f"{' '.join(ms.modified)}; or commit them)")
+    if changed:
+        files = ", ".join(f"{m} ({ms.states.get(m, 'modified')})" for m in changed)
         last = [line.strip() for line in ms.diff_stat.splitlines() if "changed" in line]
         stat = f"; git diff --stat: {last[-1]}" if last else ""
-        if ms.mode == "git":
-            fix = f"git stash push --include-untracked -- {' '.join(ms.modified)}  (review first: git diff -- {' '.join(ms.modified)})"
-        else:
-            fix = f"uv pip install --reinstall --no-deps {ms.commit}  (from the wheel or sdist it came from)"
-        return _r("model-source", "fail", f"drafter source modified against {where}: {files}{stat}",
-                  fix, **data)
+        more = f"; also untracked: {_listing(untracked, 2)}" if untracked else ""
+        return _r("model-source", "fail", f"training source modified against {where}: {files}{stat}{more}", fix, **data)
+    if untracked:
+        return _r("model-source", "warn", f"{len(untracked)} file(s) in {pkg} not in {where} (untracked): "
+                  f"{_listing(untracked, 3)}; no committed module imports them", fix, **data)
     if not ms.verified:
-        return _r("model-source", "warn", f"none of {', '.join(MODEL_SOURCE_FILES)} could be verified against {where}",
-                  None, **data)
-    absent = f" ({', '.join(ms.absent)} not present)" if ms.absent else ""
-    return _r("model-source", "pass", f"{len(ms.verified)} drafter source files match {where}{absent}", **data)
+        return _r("model-source", "warn", f"no file of {pkg} could be verified against {where}", None, **data)
+    absent = f" ({len(ms.absent)} listed without a hash)" if ms.absent else ""
+    return _r("model-source", "pass", f"all {len(ms.verified)} source files of {pkg} match {where}{absent}", **data)
 
 
 # ---------------------------------------------------------------- run

@@ -23,6 +23,8 @@ from preflight.facts import (
     LibDir,
     ModelSource,
     PathEntry,
+    RecordCheck,
+    Records,
     RunDir,
     Shard,
     TorchBuild,
@@ -229,6 +231,47 @@ def test_env_drift_project_is_never_drift_and_local_label_matches(tmp_path):
     assert checks.check_env_drift(ctx).status == "warn"
 
 
+def _records(*checks_: RecordCheck, seconds: float = 0.8) -> Records:
+    return Records(list(checks_), seconds)
+
+
+def test_env_drift_passes_with_records_and_says_what_was_verified(tmp_path):
+    ctx = make_ctx(tmp_path)
+    ctx.records = _records(RecordCheck("torch", "2.10.0", hashed=11_700, sized=70),
+                           RecordCheck("transformers", "5.19.0", hashed=2700))
+    r = checks.check_env_drift(ctx)
+    assert r.status == "pass"
+    assert r.summary.endswith("; 2 GPU-stack and target distributions match their RECORD (14,400 files hashed, "
+                              "70 native libraries by size, 0.8 s)")
+    assert r.data["record"] == {"distributions": 2, "hashed": 14_400, "sized": 70, "seconds": 0.8, "modified": [],
+                                "unverified": []}
+
+
+def test_env_drift_fails_on_a_file_edited_inside_site_packages(tmp_path):
+    """Same versions everywhere, but a line appended to transformers' Qwen3 modeling file: the version check alone
+    passes it; the RECORD hash does not."""
+    ctx = make_ctx(tmp_path)
+    qwen3 = "transformers/models/qwen3/modeling_qwen3.py"
+    ctx.records = _records(RecordCheck("torch", "2.10.0", hashed=11_700),
+                           RecordCheck("transformers", "5.19.0", hashed=2700, modified=[qwen3]),
+                           RecordCheck("nvidia-nccl-cu12", "2.27.5", sized=3, missing=["nvidia/nccl/lib/libnccl.so.2"]))
+    r = checks.check_env_drift(ctx)
+    assert r.status == "fail"
+    assert r.summary == ("environment differs from envs/train-cu128.lock: files edited in place: transformers 5.19.0: "
+                         f"{qwen3} differs, nvidia-nccl-cu12 2.27.5: nvidia/nccl/lib/libnccl.so.2 missing")
+    assert r.fix == ("uv run --isolated --no-default-groups dflash-env sync --profile train-cu128 "
+                     "--reinstall transformers --reinstall nvidia-nccl-cu12")
+    assert [m["name"] for m in r.data["record"]["modified"]] == ["transformers", "nvidia-nccl-cu12"]
+
+
+def test_env_drift_warns_on_a_distribution_without_a_record(tmp_path):
+    ctx = make_ctx(tmp_path)
+    ctx.records = _records(RecordCheck("torch", "2.10.0", error="no RECORD: installed by a tool that keeps none"))
+    r = checks.check_env_drift(ctx)
+    assert r.status == "warn" and "not verifiable against a RECORD: torch (no RECORD" in r.summary
+    assert r.data["record"]["unverified"] == [{"name": "torch", "why": "no RECORD: installed by a tool that keeps none"}]
+
+
 # ---------------------------------------------------------------- cuda-libs
 
 
@@ -415,6 +458,30 @@ def test_model_source_record_mode(tmp_path):
     assert r.fix.startswith("uv pip install --reinstall --no-deps dflash==0.1.0")
     ctx.model_source = ModelSource("record", commit="dflash==0.1.0", verified=["dflash/model.py"])
     assert checks.check_model_source(ctx).status == "pass"
+
+
+def test_model_source_covers_the_whole_package_and_untracked_files_warn(tmp_path):
+    ctx = make_ctx(tmp_path)
+    every = ["dflash/attention.py", "dflash/data.py", "dflash/model.py", "dflash/step.py", "dflash/train.py"]
+    ctx.model_source = ModelSource("git", commit="0123456789abcdef", files=every, verified=every)
+    r = checks.check_model_source(ctx)
+    assert (r.status, r.summary) == ("pass", "all 5 source files of dflash/ match git HEAD 0123456789ab")
+    # a hack in the data loader changes a run as much as one in the model
+    ctx.model_source = ModelSource("git", commit="0123456789abcdef", files=[*every, "dflash/scratch.py"],
+                                   modified=["dflash/data.py", "dflash/scratch.py"],
+                                   states={"dflash/data.py": "modified", "dflash/scratch.py": "untracked"},
+                                   verified=[f for f in every if f != "dflash/data.py"])
+    r = checks.check_model_source(ctx)
+    assert r.status == "fail" and r.summary.startswith("training source modified against git HEAD 0123456789ab: "
+                                                       "dflash/data.py (modified)")
+    assert r.summary.endswith("; also untracked: dflash/scratch.py")
+    # an untracked file alone is imported by no committed module: a warning, with the same fix
+    ctx.model_source = ModelSource("git", commit="0123456789abcdef", files=[*every, "dflash/scratch.py"],
+                                   modified=["dflash/scratch.py"], states={"dflash/scratch.py": "untracked"},
+                                   verified=every)
+    r = checks.check_model_source(ctx)
+    assert r.status == "warn" and "1 file(s) in dflash/ not in git HEAD 0123456789ab (untracked): dflash/scratch.py" in r.summary
+    assert r.fix.startswith("git stash push --include-untracked -- dflash/scratch.py")
 
 
 # ---------------------------------------------------------------- run-dir

@@ -87,22 +87,36 @@ def test_scan_lib_dir_reads_cuda_major(tmp_path):
 
 
 @pytest.mark.skipif(shutil.which("git") is None, reason="git not installed")
-def test_model_source_git_names_modified_and_untracked(tmp_path):
+def test_model_source_git_covers_every_module_of_the_package(tmp_path):
     git = ["git", "-C", str(tmp_path), "-c", "user.name=t", "-c", "user.email=t@example.com"]
     subprocess.run(["git", "init", "-q", str(tmp_path)], check=True)
     (tmp_path / "dflash").mkdir()
     (tmp_path / "dflash" / "model.py").write_text("x = 1\n")
-    (tmp_path / "dflash" / "attention.py").write_text("y = 1\n")
+    (tmp_path / "dflash" / "data.py").write_text("y = 1\n")
+    (tmp_path / "dflash" / "notes.txt").write_text("not code\n")
+    (tmp_path / "bench.py").write_text("outside the package\n")
     subprocess.run([*git, "add", "."], check=True)
     subprocess.run([*git, "commit", "-q", "-m", "init"], check=True)
     clean = facts.model_source(tmp_path)
-    assert clean.mode == "git" and not clean.modified and clean.verified == ["dflash/model.py", "dflash/attention.py"]
-    assert sorted(clean.absent) == ["dflash/loss.py", "dflash/target.py"]
+    assert clean.mode == "git" and not clean.modified
+    assert clean.files == clean.verified == ["dflash/data.py", "dflash/model.py"]
     (tmp_path / "dflash" / "model.py").write_text("x = 1\nimport pdb; pdb.set_trace()\n")
+    (tmp_path / "dflash" / "data.py").unlink()
     (tmp_path / "dflash" / "loss.py").write_text("hack = True\n")
+    (tmp_path / "bench.py").write_text("edited, but not the package\n")
     src = facts.model_source(tmp_path)
-    assert src.states == {"dflash/model.py": "modified", "dflash/loss.py": "untracked"}
-    assert "1 file changed" in src.diff_stat and src.commit and len(src.commit) == 40
+    assert src.states == {"dflash/model.py": "modified", "dflash/data.py": "deleted", "dflash/loss.py": "untracked"}
+    assert src.files == ["dflash/data.py", "dflash/loss.py", "dflash/model.py"] and src.verified == []
+    assert "2 files changed" in src.diff_stat and src.commit and len(src.commit) == 40
+
+
+def test_model_source_of_this_checkout_covers_all_of_dflash():
+    src = facts.model_source()
+    if src.mode != "git" or src.error:
+        pytest.skip("not a git checkout")
+    assert set(src.files) >= {f"dflash/{p.name}" for p in (facts.REPO_ROOT / "dflash").glob("*.py")
+                              if f"dflash/{p.name}" not in src.states or src.states[f"dflash/{p.name}"] != "untracked"}
+    assert "dflash/train.py" in src.files and "dflash/data.py" in src.files
 
 
 @pytest.mark.skipif(shutil.which("git") is None, reason="git not installed")
@@ -121,28 +135,63 @@ def test_git_commit_is_the_checkouts_head_and_none_elsewhere(tmp_path):
     assert facts.git_commit(tmp_path / "plain") is None
 
 
-def test_model_source_record_verifies_hashes(tmp_path, monkeypatch):
-    site = tmp_path / "site"
-    pkg = site / "fakeproj"
-    pkg.mkdir(parents=True)
-    (pkg / "model.py").write_text("x = 1\n")
-    (pkg / "loss.py").write_text("y = 1\n")
+def _h(data: bytes) -> str:
+    return "sha256=" + base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
 
-    def h(data: bytes) -> str:
-        return "sha256=" + base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
 
-    info = site / "fakeproj-1.0.dist-info"
-    info.mkdir()
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: fakeproj\nVersion: 1.0\n")
-    model_hash, loss_hash = h(b"x = 1\n"), h(b"y = 1\n")
-    (info / "RECORD").write_text(f"fakeproj/model.py,{model_hash},6\nfakeproj/loss.py,{loss_hash},6\n")
+def fake_dist(site: Path, name: str, files: dict[str, bytes], version: str = "1.0") -> Path:
+    """An installed distribution under `site` with a RECORD of sha256 hashes and sizes, as an installer writes it."""
+    info = site / f"{name}-{version}.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
+    rows = []
+    for rel, data in files.items():
+        (site / rel).parent.mkdir(parents=True, exist_ok=True)
+        (site / rel).write_bytes(data)
+        rows.append(f"{rel},{'' if rel.endswith('.pyc') else _h(data)},{'' if rel.endswith('.pyc') else len(data)}")
+    rows.append(f"{info.name}/RECORD,,")
+    (info / "RECORD").write_text("\n".join(rows) + "\n")
+    return site
+
+
+def test_model_source_record_verifies_every_module_of_the_package(tmp_path, monkeypatch):
+    site = fake_dist(tmp_path / "site", "fakeproj", {"fakeproj/model.py": b"x = 1\n", "fakeproj/loss.py": b"y = 1\n",
+                                                     "fakeproj/data.json": b"{}"})
     monkeypatch.syspath_prepend(str(site))
-    files = ("fakeproj/model.py", "fakeproj/loss.py", "fakeproj/target.py")
-    ok = facts.model_source_record(files, "fakeproj")
+    ok = facts.model_source_record("fakeproj", "fakeproj")
     assert ok.mode == "record" and ok.verified == ["fakeproj/model.py", "fakeproj/loss.py"] and not ok.modified
-    assert ok.absent == ["fakeproj/target.py"] and ok.commit == "fakeproj==1.0"
-    (pkg / "loss.py").write_text("y = 2  # hack\n")
-    assert facts.model_source_record(files, "fakeproj").modified == ["fakeproj/loss.py"]
+    assert ok.files == ok.verified and ok.commit == "fakeproj==1.0"
+    (site / "fakeproj" / "loss.py").write_text("y = 2  # hack\n")
+    assert facts.model_source_record("fakeproj", "fakeproj").modified == ["fakeproj/loss.py"]
+
+
+def test_verify_records_catches_an_edited_file_inside_site_packages(tmp_path, monkeypatch):
+    """The incident's class of change: a line appended to an installed package's Python file, version unchanged."""
+    modeling = "faketransformers/models/qwen3/modeling_qwen3.py"
+    site = fake_dist(tmp_path / "site", "faketransformers", {
+        modeling: b"class Qwen3: pass\n", "faketransformers/__init__.py": b"",
+        "faketransformers/__pycache__/x.cpython-311.pyc": b"cache", "faketransformers/lib/libkern.so.12": b"\x7fELF" * 8})
+    fake_dist(site, "fakenorecord", {"fakenorecord/a.py": b""})
+    (site / "fakenorecord-1.0.dist-info" / "RECORD").unlink()
+    monkeypatch.syspath_prepend(str(site))
+    clean = facts.verify_records(["faketransformers", "fakenorecord"], workers=2)
+    a, b = sorted(clean.checks, key=lambda c: c.name)
+    assert (b.name, b.hashed, b.sized, b.modified, b.missing, b.error) == ("faketransformers", 2, 1, [], [], None)
+    assert a.error.startswith("no RECORD") and clean.seconds > 0
+    with open(site / modeling, "a") as f:
+        f.write("import pdb; pdb.set_trace()  # debugging hack\n")
+    (site / "faketransformers" / "__pycache__" / "x.cpython-311.pyc").write_bytes(b"recompiled")  # never hashed
+    (site / "faketransformers" / "__init__.py").unlink()
+    (site / "faketransformers" / "lib" / "libkern.so.12").write_bytes(b"\x7fELF" * 9)  # another build: other size
+    hit = facts.verify_records(["faketransformers"]).checks[0]
+    assert hit.modified == [modeling, "faketransformers/lib/libkern.so.12"]
+    assert hit.missing == ["faketransformers/__init__.py"]
+
+
+def test_the_gpu_stack_and_the_target_code_are_verified_and_nothing_else():
+    assert all(facts.record_verified(n) for n in ("torch", "triton", "nvidia-nccl-cu12", "transformers", "tokenizers",
+                                                 "safetensors", "sglang", "flashinfer-python"))
+    assert not any(facts.record_verified(n) for n in ("click", "pyarrow", "dflash", "rich"))
 
 
 def _ckpt(root: Path, step: int, meta: dict | str | None) -> Path:

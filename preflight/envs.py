@@ -7,9 +7,11 @@
 Where: the profile whose groups are pyproject's ``[tool.uv] default-groups`` lives in ``.venv`` (the
 environment ``uv run`` builds and uses, with the same versions: ``dflash-lock check`` proves the lock is
 the export of those groups); every other profile in ``.venvs/<profile>``. How: ``uv venv``, then
-``uv pip sync --require-hashes envs/<profile>.lock`` (exactly the lock, every wheel hash-checked; uv.lock
-is git-ignored and never used), then the project itself editable without dependencies. Nothing here
-touches any environment but the named profile's. The ``dflash-env`` command (``preflight.env_cli``) only
+``uv pip sync --require-hashes --link-mode copy envs/<profile>.lock`` (exactly the lock, every wheel
+hash-checked; uv.lock is git-ignored and never used), then the project itself editable without dependencies.
+Files are copied, not hard-linked into uv's cache (uv's default): a hard link is one file shared by every
+environment built from that cache, so an edit in one profile's environment would edit the other's. Nothing
+here touches any environment but the named profile's. The ``dflash-env`` command (``preflight.env_cli``) only
 formats what these functions return.
 """
 
@@ -156,6 +158,31 @@ def env_drift(env: Path, lock_text: str) -> list[str]:
     return out
 
 
+def linked_distributions(env: Path, sample: int = 5) -> list[str]:
+    """Distributions in venv `env` whose files are hard links (uv's default install: links into its cache).
+
+    A hard-linked file is one inode shared with the cache and with every other environment linked to it, so
+    an edit in place in one environment edits them all; `sync` copies instead and re-copies these."""
+    out = []
+    for sp in site_packages(env):
+        for info in sorted(sp.glob("*.dist-info")):
+            try:
+                rows = (info / "RECORD").read_text().splitlines()
+                name = next(line[5:].strip() for line in (info / "METADATA").read_text().splitlines()
+                            if line.startswith("Name:"))
+            except (OSError, StopIteration):
+                continue
+            files = [r.split(",")[0] for r in rows if r and not r.startswith(("..", info.name))][:sample]
+            for rel in files:
+                try:
+                    if os.stat(sp / rel).st_nlink > 1:
+                        out.append(canonicalize_name(name))
+                        break
+                except OSError:
+                    continue
+    return sorted(set(out))
+
+
 def _uv(args: list[str], cwd: Path) -> None:
     """Run uv with its progress on this terminal; a failure is one EnvError line (uv printed the details)."""
     try:
@@ -199,13 +226,18 @@ def sync(
         if created:
             log(f"profile {name}: creating {env.path}")
             _uv(["venv", str(env.path), "--prompt", name, *(["--python", python] if python else [])], project)
-        log(f"profile {name}: installing exactly {envs_dir.name}/{env.lock.name} (hashes required)")
-        args = ["pip", "sync", "--python", str(env.path), "--require-hashes"]
-        for r in reinstall:
+        linked = [n for n in linked_distributions(env.path) if n in parse_lock(text).pins and n not in reinstall]
+        if linked:
+            log(f"profile {name}: {len(linked)} distribution(s) are hard links into uv's cache (shared with every "
+                "environment linked to it): copying them")
+        log(f"profile {name}: installing exactly {envs_dir.name}/{env.lock.name} (hashes required, files copied)")
+        args = ["pip", "sync", "--python", str(env.path), "--require-hashes", "--link-mode", "copy"]
+        for r in [*reinstall, *linked]:
             args += ["--reinstall-package", r]
         _uv([*args, str(env.lock)], project)
         log(f"profile {name}: installing the project from {project} (editable, no dependencies)")
-        _uv(["pip", "install", "--python", str(env.path), "--no-deps", "--editable", str(project)], project)
+        _uv(["pip", "install", "--python", str(env.path), "--no-deps", "--link-mode", "copy", "--editable", str(project)],
+            project)
     except (EnvError, LockToolError) as e:
         raise EnvError(f"profile {name}: {e.one_line()}; {env.path} may be half-built: rerun "
                        f"`{sync_command(name, reinstall)}`") from None

@@ -199,10 +199,19 @@ def test_sync_builds_the_standin_profile_from_its_lock_and_leaves_the_training_e
                         "standin", "--", "python", "-c", "raise SystemExit(7)"], cwd=REPO, capture_output=True, timeout=60)
     assert p.returncode == 7  # run is the command: its exit code, nothing added
 
-    # a second sync is an update: the same lock, nothing else installed meanwhile is kept
-    subprocess.run([str(env / "bin" / "python"), "-c", "pass"], check=True)
-    code, out, _ = cli(capsys, "--envs-dir", str(envs_dir), "sync", "--profile", "standin")
+    # files are copies, never hard links into uv's cache: an edit in place here cannot reach another environment
+    init = next(envs.site_packages(env)[0].glob("mdurl/__init__.py"))
+    assert init.stat().st_nlink == 1 and envs.linked_distributions(env) == []
+    # an environment that uv linked (its default) is re-copied by the next sync
+    shared = tmp_path / "cache-copy.py"
+    shared.write_bytes(init.read_bytes())
+    init.unlink()
+    os.link(shared, init)
+    assert envs.linked_distributions(env) == ["mdurl"]
+    code, out, err = cli(capsys, "--envs-dir", str(envs_dir), "sync", "--profile", "standin")
     assert code == 0 and out.startswith(f"updated {env}")
+    assert "1 distribution(s) are hard links into uv's cache" in err
+    assert init.stat().st_nlink == 1 and shared.stat().st_nlink == 1
     assert site_listing() == before
 
 

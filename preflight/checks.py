@@ -279,12 +279,53 @@ def check_cuda_libs(ctx: Context) -> CheckResult:
             fixes.append(f"upgrade the NVIDIA driver to >= {p.driver_min} (CUDA {p.cuda})")
     data = dict(cuda_major=major, wheels=wheels, ld_library_path=[d.path for d in ctx.ld_dirs],
                 foreign_ld_dirs=foreign_dirs, **driver)
+    warnings, warn_fixes = _foreign_cuda_toolkits(ctx, data)
     if problems:
-        return _r("cuda-libs", "fail", f"profile {p.name} is CUDA {p.cuda}: {_listing(problems, 3)}",
-                  "; ".join(dict.fromkeys(fixes)), **data)
+        return _r("cuda-libs", "fail", f"profile {p.name} is CUDA {p.cuda}: {_listing(problems + warnings, 3)}",
+                  "; ".join(dict.fromkeys(fixes + warn_fixes)), **data)
+    if warnings:
+        return _r("cuda-libs", "warn", f"profile {p.name} is CUDA {p.cuda}: {'; '.join(warnings)}",
+                  "; ".join(warn_fixes), **data)
     ld = f"{len(ctx.ld_dirs)} LD_LIBRARY_PATH dirs clean" if ctx.ld_dirs else "LD_LIBRARY_PATH unset"
     return _r("cuda-libs", "pass",
               f"{len(wheels)} CUDA wheels are CUDA {major}; {ld}" + (f"; {driver_note}" if driver_note else ""), **data)
+
+
+def _cuda_major(version: str) -> int | None:
+    head = version.split(".")[0]
+    return int(head) if head.isdigit() else None
+
+
+def _foreign_cuda_toolkits(ctx: Context, data: dict) -> tuple[list[str], list[str]]:
+    """Warnings (and fixes) for CUDA of another major outside the wheels: an nvcc on PATH, libraries in the linker
+    cache. torch loads its own CUDA libraries by RPATH, so neither breaks torch itself; each can break what is
+    built or loaded at run time, and each finding says what."""
+    major = ctx.profile.cuda_major
+    warnings, fixes = [], []
+    toolkits = [e for e in ctx.path_entries if e.cuda_toolkit]
+    data["path_cuda_toolkits"] = [{"path": e.path, "cuda": e.cuda_toolkit} for e in toolkits]
+    for i, e in enumerate(toolkits):
+        tk = _cuda_major(e.cuda_toolkit)
+        if tk is None or tk == major:
+            continue
+        which = "the nvcc that runs" if i == 0 else "an nvcc later on PATH"
+        warnings.append(f"PATH dir {e.path} holds {which}, CUDA {e.cuda_toolkit}: CUDA code compiled at run time "
+                        f"(torch.utils.cpp_extension, flashinfer/DeepGEMM JIT, anything calling nvcc or ptxas by name) "
+                        f"would target CUDA {tk}, not this profile's {ctx.profile.cuda}")
+        fixes.append(f"put a CUDA {ctx.profile.cuda} toolkit's bin before {e.path} on PATH and export CUDA_HOME to it, "
+                     f"or drop {e.path} from PATH")
+    cache = ctx.ld_cache or []
+    foreign = [(d, sorted(lib for lib, m in d.libs.items() if m is not None and m != major)) for d in cache]
+    foreign = [(d, libs) for d, libs in foreign if libs]
+    data["ld_cache_foreign"] = [{"dir": d.path, "libs": libs} for d, libs in foreign]
+    for d, libs in foreign:
+        majors = sorted({d.libs[lib] for lib in libs})
+        warnings.append(f"the linker cache (ldconfig -p) lists {', '.join(libs)} (CUDA {'/'.join(map(str, majors))}) "
+                        f"in {d.path}: a library loaded by name without an RPATH (ctypes, a JIT-built extension, "
+                        f"NCCL plugins) can load it instead of the CUDA {major} wheels torch uses")
+        fixes.append(f"remove {d.path} from /etc/ld.so.conf.d/ and run `sudo ldconfig` (only code that loads CUDA "
+                     "libraries by name is affected)")
+    return warnings, fixes
 
 
 # ---------------------------------------------------------------- GPUs
@@ -700,38 +741,79 @@ def check_disk(ctx: Context) -> CheckResult:
     return _r("disk", "pass", summary, **data)
 
 
+# Variables newer torch reads before the one a profile sets: a value there decides, so it must agree.
+READ_FIRST = {"PYTORCH_CUDA_ALLOC_CONF": "PYTORCH_ALLOC_CONF"}
+# Commands named first when a foreign environment provides them: what a run starts by name.
+KEY_COMMANDS = ("python", "python3", "pip", "pip3", "torchrun", "ninja", "nvcc", "ptxas", "gcc", "g++", "cc", "c++",
+                "ld", "uv", "sglang", "hf", "huggingface-cli")
+
+
+def _commands(names: list[str], limit: int = 4) -> str:
+    key = [n for n in KEY_COMMANDS if n in names]
+    ordered = key + [n for n in names if n not in key]
+    return _listing(ordered, limit)
+
+
 def check_env_vars(ctx: Context) -> CheckResult:
+    """The profile's variables (dflash-train sets the unset ones itself, so unset passes; a different value, here
+    or in a variable torch reads first, fails) and PATH (other Python environments anywhere on it warn)."""
     p = ctx.profile
-    wrong = []
+    wrong, will_set, overridden = [], [], []
     for key, want in sorted(p.env.items()):
         have = ctx.env.get(key)
-        if have != want:
+        first = READ_FIRST.get(key)
+        if first is not None and ctx.env.get(first) not in (None, want):
+            overridden.append((first, ctx.env[first], key, want))
+        if have is None:
+            will_set.append((key, want))
+        elif have != want:
             wrong.append((key, want, have))
-    fail_fix = " ".join(f"{k}={w}" for k, w, _ in wrong)
-    missing_dirs = [e.path for e in ctx.path_entries if not e.exists]
-    shadow = []
-    for e in ctx.path_entries:
-        if e.is_self:
-            break
-        if e.python_env:
-            shadow.append(e.path)
+    foreign, missing_dirs, self_at = _path_findings(ctx)
     data = dict(required=dict(p.env), wrong=[{"name": k, "expected": w, "actual": h} for k, w, h in wrong],
-                path_missing=missing_dirs, path_other_envs=shadow,
-                self_on_path=any(e.is_self for e in ctx.path_entries))
-    if wrong:
-        said = ", ".join(f"{k}={h!r} (need {w!r})" if h is not None else f"{k} unset (need {w!r})" for k, w, h in wrong)
-        return _r("env-vars", "fail", f"profile {p.name} requires {said}", f"export {fail_fix}", **data)
+                will_set=[{"name": k, "value": w} for k, w in will_set],
+                overridden=[{"name": f, "actual": v, "overrides": k, "expected": w} for f, v, k, w in overridden],
+                path_missing=missing_dirs, path_other_envs=foreign, self_on_path=self_at is not None)
+    if wrong or overridden:
+        said = [f"{k}={h!r} (need {w!r}; dflash-train keeps a value you set)" for k, w, h in wrong]
+        said += [f"{f}={v!r} overrides {k} (torch reads {f} first; need {w!r} or unset)" for f, v, k, w in overridden]
+        fix = " ".join([*(f"export {k}={w};" for k, w, _ in wrong), *(f"unset {f};" for f, *_ in overridden)])
+        return _r("env-vars", "fail", f"profile {p.name}: {', '.join(said)}", fix.rstrip(";"), **data)
     notes = []
-    if shadow:
-        where = "ahead of this one" if data["self_on_path"] else "and not this one's"
-        notes.append(f"PATH has bin dirs of other Python environments {where}: {_listing(shadow, 3)}")
+    if foreign:
+        listed = [f"{e['path']} ({'ahead of' if e['ahead'] else 'after'} this environment; "
+                  + (f"runs {_commands(e['commands'])}" if e["commands"] else "all its commands are found earlier")
+                  + ")" for e in foreign]
+        notes.append("PATH holds bin dirs of other Python environments; a command started by name that no earlier "
+                     f"entry has runs from them: {_listing(listed, 3)}")
     if missing_dirs:
         notes.append(f"PATH entries that do not exist: {_listing(missing_dirs, 3)}")
+    set_note = ", ".join(f"{k}={w}" for k, w in will_set)
     if notes:
-        keep = [e.path for e in ctx.path_entries if e.exists and e.path not in shadow]
-        return _r("env-vars", "warn", "; ".join(notes), f"export PATH={os.pathsep.join(keep)}", **data)
-    req = f"{len(p.env)} required variable(s) set" if p.env else "no variables required"
-    return _r("env-vars", "pass", f"{req}; PATH clean ({len(ctx.path_entries)} entries)", **data)
+        drop = {e["path"] for e in foreign}
+        keep = [e.path for e in ctx.path_entries if e.exists and e.path not in drop]
+        fix = f"export PATH={os.pathsep.join(keep)}  (`dflash-env run` runs a command with them off PATH)"
+        if will_set:
+            notes.append(f"dflash-train sets {set_note} (unset here)")
+        return _r("env-vars", "warn", "; ".join(notes), fix, **data)
+    parts = [] if p.env else ["no variables required"]
+    if len(p.env) > len(will_set):
+        parts.append(f"{len(p.env) - len(will_set)} required variable(s) set")
+    if will_set:
+        parts.append(f"{', '.join(k for k, _ in will_set)} unset here: dflash-train sets {set_note} before torch loads")
+    return _r("env-vars", "pass", f"{'; '.join(parts)}; PATH clean ({len(ctx.path_entries)} entries)", **data)
+
+
+def _path_findings(ctx: Context) -> tuple[list[dict], list[str], int | None]:
+    """(other Python environments on PATH with what runs from each, missing PATH dirs, this env's position)."""
+    self_at = next((i for i, e in enumerate(ctx.path_entries) if e.is_self), None)
+    foreign = [{"path": e.path, "env": e.python_env, "ahead": self_at is None or i < self_at,
+                "commands": e.commands[:50], "count": len(e.commands)}
+               for i, e in enumerate(ctx.path_entries) if e.python_env and not e.is_self]
+    for f in foreign:  # what a run starts by name first, the rest after
+        key = [n for n in KEY_COMMANDS if n in f["commands"]]
+        f["commands"] = key + [n for n in f["commands"] if n not in key]
+    missing = [e.path for e in ctx.path_entries if not e.exists]
+    return foreign, missing, self_at
 
 
 CHECKS: dict[str, Callable[[Context], CheckResult]] = {

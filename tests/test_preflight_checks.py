@@ -289,6 +289,28 @@ def test_cuda_libs_foreign_wheel_and_ld_path_fail(tmp_path):
     assert f"export LD_LIBRARY_PATH={good}" in r.fix
 
 
+def test_cuda_libs_warns_on_a_toolkit_of_another_major_on_path_and_in_the_linker_cache(tmp_path):
+    ctx = make_ctx(tmp_path)
+    ctx.path_entries.append(PathEntry("/usr/local/cuda-12.8/bin", True, cuda_toolkit="12.8.93"))
+    ctx.ld_cache = [LibDir("/usr/lib/x86_64-linux-gnu", True, {"libnccl.so.2": None})]
+    assert checks.check_cuda_libs(ctx).status == "pass"  # same major; a NCCL of unknown CUDA is not judged
+    ctx.path_entries.insert(1, PathEntry("/usr/local/bin", True, cuda_toolkit="13.0"))
+    ctx.ld_cache.append(LibDir("/usr/local/cuda-13.0/lib", True, {"libcudart.so.13": 13, "libcudart.so": 13}))
+    r = checks.check_cuda_libs(ctx)
+    assert r.status == "warn"
+    assert ("PATH dir /usr/local/bin holds the nvcc that runs, CUDA 13.0: CUDA code compiled at run time "
+            "(torch.utils.cpp_extension") in r.summary and "would target CUDA 13, not this profile's 12.8" in r.summary
+    assert ("the linker cache (ldconfig -p) lists libcudart.so, libcudart.so.13 (CUDA 13) in /usr/local/cuda-13.0/lib: "
+            "a library loaded by name without an RPATH") in r.summary
+    assert "put a CUDA 12.8 toolkit's bin before /usr/local/bin on PATH" in r.fix
+    assert "remove /usr/local/cuda-13.0/lib from /etc/ld.so.conf.d/ and run `sudo ldconfig`" in r.fix
+    assert r.data["ld_cache_foreign"] == [{"dir": "/usr/local/cuda-13.0/lib", "libs": ["libcudart.so", "libcudart.so.13"]}]
+    assert [t["cuda"] for t in r.data["path_cuda_toolkits"]] == ["13.0", "12.8.93"]
+    ctx.distributions["nvidia-cuda-runtime"] = ["13.0.96"]  # with a failure, the warnings are listed after it
+    r = checks.check_cuda_libs(ctx)
+    assert r.status == "fail" and r.summary.index("13.0.96 is a CUDA 13 wheel") < r.summary.index("PATH dir /usr/local/bin")
+
+
 def test_cuda_libs_old_driver_and_no_driver_fail_cpu_skips_driver(tmp_path):
     old = recorded()
     old["cuda_driver_version"], old["driver_version"] = "12.4", "550.54.15"
@@ -598,24 +620,59 @@ def test_disk_fails_when_checkpoints_do_not_fit(tmp_path):
 # ---------------------------------------------------------------- env-vars
 
 
-def test_env_vars_required_variable_fails(tmp_path):
+def test_env_vars_a_variable_the_trainer_sets_passes_and_says_so(tmp_path):
+    """Standalone preflight on a correct box: PYTORCH_CUDA_ALLOC_CONF is unset because dflash-train sets it."""
     ctx = make_ctx(tmp_path)
     ctx.env = {}
     r = checks.check_env_vars(ctx)
-    assert r.status == "fail" and "PYTORCH_CUDA_ALLOC_CONF unset" in r.summary
+    assert r.status == "pass" and r.summary.startswith(
+        "PYTORCH_CUDA_ALLOC_CONF unset here: dflash-train sets PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True "
+        "before torch loads; PATH clean")
+    assert r.data["will_set"] == [{"name": "PYTORCH_CUDA_ALLOC_CONF", "value": "expandable_segments:True"}]
+
+
+def test_env_vars_a_conflicting_value_fails(tmp_path):
+    ctx = make_ctx(tmp_path)
+    ctx.env = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:False"}
+    r = checks.check_env_vars(ctx)
+    assert r.status == "fail" and "PYTORCH_CUDA_ALLOC_CONF='expandable_segments:False' (need 'expandable_segments:True'" in r.summary
     assert r.fix == "export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"
 
 
-def test_env_vars_polluted_path_warns_naming_entries(tmp_path):
+@pytest.mark.parametrize("cuda_conf", [None, "expandable_segments:True"])
+def test_env_vars_pytorch_alloc_conf_is_read_first_and_must_agree(tmp_path, cuda_conf):
     ctx = make_ctx(tmp_path)
-    other = str(tmp_path / "sglang-env" / "bin")
+    ctx.env = {"PYTORCH_ALLOC_CONF": "max_split_size_mb:128"}
+    if cuda_conf:
+        ctx.env["PYTORCH_CUDA_ALLOC_CONF"] = cuda_conf
+    r = checks.check_env_vars(ctx)
+    assert r.status == "fail"
+    assert "PYTORCH_ALLOC_CONF='max_split_size_mb:128' overrides PYTORCH_CUDA_ALLOC_CONF (torch reads PYTORCH_ALLOC_CONF first" in r.summary
+    assert r.fix == "unset PYTORCH_ALLOC_CONF"
+    ctx.env["PYTORCH_ALLOC_CONF"] = "expandable_segments:True"  # the same setting under the newer name
+    assert checks.check_env_vars(ctx).status == "pass"
+
+
+def test_env_vars_other_python_envs_anywhere_on_path_warn_naming_what_runs_from_them(tmp_path):
+    """`uv run` puts its env first, so an sglang env later on PATH used to pass: it still runs every command the
+    earlier entries lack (ninja, nvcc, a second torchrun...)."""
+    ctx = make_ctx(tmp_path)
+    after = str(tmp_path / "sglang-env" / "bin")
+    ahead = str(tmp_path / "conda" / "bin")
     gone = str(tmp_path / "gone" / "bin")
-    ctx.path_entries.insert(0, PathEntry(other, True, str(tmp_path / "sglang-env")))
+    ctx.path_entries.append(PathEntry(after, True, str(tmp_path / "sglang-env"), commands=["sglang", "ninja", "torchrun"]))
+    ctx.path_entries.insert(0, PathEntry(ahead, True, str(tmp_path / "conda"), commands=["conda", "python", "pip"]))
     ctx.path_entries.append(PathEntry(gone, False))
     r = checks.check_env_vars(ctx)
     assert r.status == "warn"
-    assert other in r.summary and gone in r.summary
-    assert r.data["path_other_envs"] == [other] and other not in r.fix
+    assert f"{after} (after this environment; runs torchrun, ninja, sglang)" in r.summary
+    assert f"{ahead} (ahead of this environment; runs python, pip, conda)" in r.summary and gone in r.summary
+    assert [(e["path"], e["ahead"]) for e in r.data["path_other_envs"]] == [(ahead, True), (after, False)]
+    assert after not in r.fix and ahead not in r.fix and r.fix.startswith("export PATH=")
+    ctx.path_entries = [e for e in ctx.path_entries if e.path != ahead and e.exists]
+    ctx.path_entries[-1].commands = []
+    r = checks.check_env_vars(ctx)
+    assert r.status == "warn" and f"{after} (after this environment; all its commands are found earlier)" in r.summary
 
 
 def test_crashing_check_becomes_a_failure_not_a_traceback(tmp_path, monkeypatch):

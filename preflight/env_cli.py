@@ -68,6 +68,8 @@ def run_cmd(envs_dir: Path, profile_name: str, cmd: tuple[str, ...]) -> None:
     """Run COMMAND in the profile's environment (its bin first on PATH, other Python environments off PATH)."""
     env = require_built(_locate(envs_dir, profile_name))
     environ, dropped = run_environ(env, os.environ)
+    launcher = os.path.realpath(Path(sys.prefix) / "bin")  # this command's own environment: no news to the user
+    dropped = [d for d in dropped if os.path.realpath(d) != launcher]
     if dropped:
         click.echo(f"dflash-env: left out of PATH (other Python environments): {', '.join(dropped)}", err=True)
     exe = shutil.which(cmd[0], path=environ["PATH"])

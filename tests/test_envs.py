@@ -187,14 +187,19 @@ def test_sync_builds_the_standin_profile_from_its_lock_and_leaves_the_training_e
     assert (code, out) == (0, f"{env}\n")
     # `run`: the profile's interpreter, its package, the project, and the training env's bin dir off PATH
     probe = ("import os, sys, mdurl, dflash; print(sys.prefix); print(os.path.dirname(dflash.__file__)); "
-             "print(os.environ['PATH'].split(os.pathsep)[0]); print(os.environ['UV_NO_SYNC'])")
-    environ = dict(os.environ, PATH=os.pathsep.join([str(Path(sys.prefix) / "bin"), os.environ.get("PATH", "")]))
+             "print(os.environ['UV_NO_SYNC']); print(os.environ['PATH'])")
+    other = fake_venv(tmp_path / "sglang-env", {})
+    here = str(Path(sys.prefix) / "bin")  # the training env, which runs dflash-env here
+    environ = dict(os.environ, PATH=os.pathsep.join([here, str(other / "bin"), os.environ.get("PATH", "")]))
     p = subprocess.run([sys.executable, "-m", "preflight.env_cli", "--envs-dir", str(envs_dir), "run", "--profile",
                         "standin", "--", "python", "-c", probe], cwd=REPO, env=environ, capture_output=True, text=True,
                        timeout=60)
     assert p.returncode == 0, p.stderr
-    assert p.stdout.splitlines() == [str(env), str(REPO / "dflash"), str(env / "bin"), "1"]
-    assert f"left out of PATH (other Python environments): {Path(sys.prefix) / 'bin'}" in p.stderr
+    prefix, package, no_sync, path = p.stdout.splitlines()
+    assert (prefix, package, no_sync) == (str(env), str(REPO / "dflash"), "1")
+    path = path.split(os.pathsep)
+    assert path[0] == str(env / "bin") and here not in path and str(other / "bin") not in path
+    assert p.stderr == f"dflash-env: left out of PATH (other Python environments): {other / 'bin'}\n"
     p = subprocess.run([sys.executable, "-m", "preflight.env_cli", "--envs-dir", str(envs_dir), "run", "--profile",
                         "standin", "--", "python", "-c", "raise SystemExit(7)"], cwd=REPO, capture_output=True, timeout=60)
     assert p.returncode == 7  # run is the command: its exit code, nothing added

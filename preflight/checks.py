@@ -20,8 +20,9 @@ from dflash.compile_manifest import MANIFEST_NAME, differences
 from dflash.config import ConfigError, default_target_layer_ids
 from dflash.errors import DflashError
 from dflash.memory import choose_recompute, drafter_state_bytes, role_need_bytes
+from preflight.envs import run_command, sync_command
 from preflight.estimate import DEFAULT_CUDA
-from preflight.facts import MODEL_SOURCE_FILES, PROJECT_DIST, Context
+from preflight.facts import MODEL_SOURCE_PACKAGE, PROJECT_DIST, Context
 from preflight.lockfile import is_gpu_stack, judge_lock
 from preflight.nvml import NO_DRIVER, Gpu, resolve_gpu, visible_gpus
 from preflight.report import CheckResult
@@ -52,9 +53,30 @@ def _listing(items: list[str], limit: int = 4) -> str:
     return shown + (f" (+{len(items) - limit} more)" if len(items) > limit else "")
 
 
-def sync_fix(ctx: Context) -> str:
-    groups = ctx.profile.groups if ctx.profile else [ctx.profile_name]
-    return "uv sync --frozen --no-default-groups " + " ".join(f"--group {g}" for g in groups)
+def _in_profile(ctx: Context, command: str) -> str:
+    """`command` run in the profile's environment, as typed on any clone: `uv run` builds and uses uv's default
+    environment (.venv); any other profile's environment is built from its lock first, then run in."""
+    name = ctx.profile_name
+    if ctx.env_identity is None or ctx.env_identity.default:
+        return f"uv run {command}"
+    return f"{sync_command(name)} && {run_command(name, command)}"
+
+
+def _preflight_command(ctx: Context) -> str:
+    return f"dflash-preflight --profile {ctx.profile_name}" + (f" --config {ctx.config_path}" if ctx.config_path else "")
+
+
+def _wrong_env(ctx: Context) -> bool:
+    return ctx.env_identity is not None and not ctx.env_identity.matches
+
+
+def sync_fix(ctx: Context, reinstall: list[str] | tuple[str, ...] = ()) -> str:
+    """Rebuild the profile's environment from its committed lock (works on a fresh clone: no uv.lock needed).
+    When this interpreter is not that environment, the fix is to check the profile's own environment instead
+    (building it first when it is not uv's default one)."""
+    if _wrong_env(ctx):
+        return _in_profile(ctx, _preflight_command(ctx))
+    return sync_command(ctx.profile_name, reinstall)
 
 
 def _config_arg(ctx: Context) -> str:
@@ -81,12 +103,22 @@ def check_profile(ctx: Context) -> CheckResult:
         return _r("profile", "fail", f"{ctx.lock_file} does not validate: {_listing(problems, 2)}",
                   "uv run dflash-lock write  (then review the diff)", problems=problems)
     if ctx.config is not None and ctx.config.profile != name:
-        return _r("profile", "fail", f"the run config asks for profile {ctx.config.profile}; this check is for {name}",
-                  f"dflash-preflight --profile {ctx.config.profile} --config {_config_arg(ctx)}")
+        other = ctx.config.profile
+        check = f"dflash-preflight --profile {other} --config {_config_arg(ctx)}"
+        return _r("profile", "fail", f"the run config asks for profile {other}; this check is for {name}",
+                  f"{sync_command(other)} && {run_command(other, check)}")
     lock = ctx.lock
-    return _r("profile", "pass",
-              f"envs/{name}.toml and {ctx.lock_file} validate: {len(lock.pins)} pins, torch {ctx.profile.torch}, "
-              f"CUDA {ctx.profile.cuda}", pins=len(lock.pins), torch=ctx.profile.torch, cuda=ctx.profile.cuda)
+    summary = (f"envs/{name}.toml and {ctx.lock_file} validate: {len(lock.pins)} pins, torch {ctx.profile.torch}, "
+               f"CUDA {ctx.profile.cuda}")
+    data = dict(pins=len(lock.pins), torch=ctx.profile.torch, cuda=ctx.profile.cuda)
+    ident = ctx.env_identity
+    if ident is not None:
+        data.update(environment=ident.prefix, profile_environment=ident.profile_env)
+    if _wrong_env(ctx):
+        return _r("profile", "warn", f"{summary}; but this interpreter runs in {ident.prefix}, not in profile {name}'s "
+                  f"environment {ident.profile_env}: the environment checks below judge {ident.prefix}",
+                  _in_profile(ctx, _preflight_command(ctx)), **data)
+    return _r("profile", "pass", summary + (f"; running in its environment {ident.profile_env}" if ident else ""), **data)
 
 
 def check_torch_build(ctx: Context) -> CheckResult:
@@ -146,16 +178,51 @@ def check_env_drift(ctx: Context) -> CheckResult:
     other = [text for name, text in items if not is_gpu_stack(name)]
     data = dict(missing=missing, changed=changed, not_in_lock=extra, duplicates=twice, gpu_stack=gpu,
                 checked=len(pins))
-    if not items:
+    edited, unverified, record_note = _record_findings(ctx, data)
+    if not items and not edited and not unverified:
         return _r("env-drift", "pass", f"{len(pins)} locked distributions installed at their locked versions, "
-                  f"nothing else installed", **data)
+                  f"nothing else installed{record_note}", **data)
     parts = []
+    if edited:
+        parts.append(f"files edited in place: {_listing(edited, 2)}")
     if gpu:
         parts.append(f"{len(gpu)} GPU-stack drift{'s' if len(gpu) > 1 else ''}: {_listing(gpu)}")
     if other:
         parts.append(f"{len(other)} other: {_listing(other, 3)}")
-    return _r("env-drift", "fail" if gpu else "warn", f"environment differs from {ctx.lock_file}: " + "; ".join(parts),
-              sync_fix(ctx), **data)
+    if unverified:
+        parts.append(f"not verifiable against a RECORD: {_listing(unverified, 2)}")
+    reinstall = [r["name"] for r in data["record"]["modified"]] if edited else []
+    return _r("env-drift", "fail" if gpu or edited else "warn",
+              f"environment differs from {ctx.lock_file}: " + "; ".join(parts), sync_fix(ctx, reinstall), **data)
+
+
+def _record_findings(ctx: Context, data: dict) -> tuple[list[str], list[str], str]:
+    """RECORD verification of the GPU stack and the target's code: (edited, unverifiable, note for a pass).
+
+    A file that differs from the hash its distribution's RECORD lists was edited after install (a line appended
+    to transformers' Qwen3 modeling file passes a version comparison): always a failure."""
+    rec = ctx.records
+    if rec is None:
+        return [], [], ""
+    edited, unverified = [], []
+    modified, missing_record = [], []
+    for c in rec.checks:
+        bad = c.modified + c.missing
+        if bad:
+            what = ", ".join([*(f"{f} differs" for f in c.modified[:2]), *(f"{f} missing" for f in c.missing[:2])][:2])
+            more = f" (+{len(bad) - 2} more)" if len(bad) > 2 else ""
+            edited.append(f"{c.name} {c.version}: {what}{more}")
+            modified.append({"name": c.name, "version": c.version, "modified": c.modified[:20],
+                             "missing": c.missing[:20], "count": len(bad)})
+        elif c.error and c.error != "not installed":
+            unverified.append(f"{c.name} ({c.error})")
+            missing_record.append({"name": c.name, "why": c.error})
+    hashed, sized = sum(c.hashed for c in rec.checks), sum(c.sized for c in rec.checks)
+    data["record"] = dict(distributions=len(rec.checks), hashed=hashed, sized=sized, seconds=round(rec.seconds, 3),
+                          modified=modified, unverified=missing_record)
+    note = (f"; {len(rec.checks)} GPU-stack and target distributions match their RECORD ({hashed:,} files hashed, "
+            f"{sized} native libraries by size, {rec.seconds:.1f} s)")
+    return edited, unverified, note
 
 
 def _version_tuple(text: str) -> tuple[int, ...]:
@@ -212,12 +279,53 @@ def check_cuda_libs(ctx: Context) -> CheckResult:
             fixes.append(f"upgrade the NVIDIA driver to >= {p.driver_min} (CUDA {p.cuda})")
     data = dict(cuda_major=major, wheels=wheels, ld_library_path=[d.path for d in ctx.ld_dirs],
                 foreign_ld_dirs=foreign_dirs, **driver)
+    warnings, warn_fixes = _foreign_cuda_toolkits(ctx, data)
     if problems:
-        return _r("cuda-libs", "fail", f"profile {p.name} is CUDA {p.cuda}: {_listing(problems, 3)}",
-                  "; ".join(dict.fromkeys(fixes)), **data)
+        return _r("cuda-libs", "fail", f"profile {p.name} is CUDA {p.cuda}: {_listing(problems + warnings, 3)}",
+                  "; ".join(dict.fromkeys(fixes + warn_fixes)), **data)
+    if warnings:
+        return _r("cuda-libs", "warn", f"profile {p.name} is CUDA {p.cuda}: {'; '.join(warnings)}",
+                  "; ".join(warn_fixes), **data)
     ld = f"{len(ctx.ld_dirs)} LD_LIBRARY_PATH dirs clean" if ctx.ld_dirs else "LD_LIBRARY_PATH unset"
     return _r("cuda-libs", "pass",
               f"{len(wheels)} CUDA wheels are CUDA {major}; {ld}" + (f"; {driver_note}" if driver_note else ""), **data)
+
+
+def _cuda_major(version: str) -> int | None:
+    head = version.split(".")[0]
+    return int(head) if head.isdigit() else None
+
+
+def _foreign_cuda_toolkits(ctx: Context, data: dict) -> tuple[list[str], list[str]]:
+    """Warnings (and fixes) for CUDA of another major outside the wheels: an nvcc on PATH, libraries in the linker
+    cache. torch loads its own CUDA libraries by RPATH, so neither breaks torch itself; each can break what is
+    built or loaded at run time, and each finding says what."""
+    major = ctx.profile.cuda_major
+    warnings, fixes = [], []
+    toolkits = [e for e in ctx.path_entries if e.cuda_toolkit]
+    data["path_cuda_toolkits"] = [{"path": e.path, "cuda": e.cuda_toolkit} for e in toolkits]
+    for i, e in enumerate(toolkits):
+        tk = _cuda_major(e.cuda_toolkit)
+        if tk is None or tk == major:
+            continue
+        which = "the nvcc that runs" if i == 0 else "an nvcc later on PATH"
+        warnings.append(f"PATH dir {e.path} holds {which}, CUDA {e.cuda_toolkit}: CUDA code compiled at run time "
+                        f"(torch.utils.cpp_extension, flashinfer/DeepGEMM JIT, anything calling nvcc or ptxas by name) "
+                        f"would target CUDA {tk}, not this profile's {ctx.profile.cuda}")
+        fixes.append(f"put a CUDA {ctx.profile.cuda} toolkit's bin before {e.path} on PATH and export CUDA_HOME to it, "
+                     f"or drop {e.path} from PATH")
+    cache = ctx.ld_cache or []
+    foreign = [(d, sorted(lib for lib, m in d.libs.items() if m is not None and m != major)) for d in cache]
+    foreign = [(d, libs) for d, libs in foreign if libs]
+    data["ld_cache_foreign"] = [{"dir": d.path, "libs": libs} for d, libs in foreign]
+    for d, libs in foreign:
+        majors = sorted({d.libs[lib] for lib in libs})
+        warnings.append(f"the linker cache (ldconfig -p) lists {', '.join(libs)} (CUDA {'/'.join(map(str, majors))}) "
+                        f"in {d.path}: a library loaded by name without an RPATH (ctypes, a JIT-built extension, "
+                        f"NCCL plugins) can load it instead of the CUDA {major} wheels torch uses")
+        fixes.append(f"remove {d.path} from /etc/ld.so.conf.d/ and run `sudo ldconfig` (only code that loads CUDA "
+                     "libraries by name is affected)")
+    return warnings, fixes
 
 
 # ---------------------------------------------------------------- GPUs
@@ -411,7 +519,7 @@ def check_compile_cache(ctx: Context) -> CheckResult:
     if _on_cpu(ctx):
         return _r("compile-cache", "skip", "device = cpu: nothing is compiled")
     cc = ctx.compile_cache
-    fix = WARM_CACHE_FIX.format(config=_config_arg(ctx))
+    fix = _in_profile(ctx, WARM_CACHE_FIX.format(config=_config_arg(ctx)))
     size = f" ({cc.size_bytes / 1e6:,.0f} MB)" if cc.size_bytes else ""
     data = dict(path=cc.path, exists=cc.exists, size_bytes=cc.size_bytes, manifest=cc.manifest)
     if cc.env_override:
@@ -447,27 +555,36 @@ def check_compile_cache(ctx: Context) -> CheckResult:
 
 
 def check_model_source(ctx: Context) -> CheckResult:
+    """Every source file of the package a training run executes (dflash/*.py) against git HEAD, or outside a
+    checkout against the installed distribution's RECORD hashes. An edit fails; an untracked file warns (no
+    committed module imports it, so it changes nothing until a modified one does)."""
     ms = ctx.model_source
-    data = dict(mode=ms.mode, commit=ms.commit, files=list(MODEL_SOURCE_FILES), modified=ms.states,
-                verified=ms.verified, absent=ms.absent, diff_stat=ms.diff_stat)
+    data = dict(mode=ms.mode, commit=ms.commit, files=len(ms.files), modified=ms.states,
+                verified=len(ms.verified), absent=ms.absent, diff_stat=ms.diff_stat)
+    pkg = f"{MODEL_SOURCE_PACKAGE}/"
     if ms.error:
-        return _r("model-source", "warn", f"cannot verify the drafter source: {ms.error}", None, **data)
+        return _r("model-source", "warn", f"cannot verify the training source {pkg}: {ms.error}", None, **data)
     where = f"git HEAD {ms.commit[:12]}" if ms.mode == "git" and ms.commit else (ms.commit or "?")
-    if ms.modified:
-        files = ", ".join(f"{m} ({ms.states.get(m, 'modified')})" for m in ms.modified)
+    changed = [m for m in ms.modified if ms.states.get(m) != "untracked"]
+    untracked = [m for m in ms.modified if ms.states.get(m) == "untracked"]
+    if ms.mode != "git":
+        fix = f"uv pip install --reinstall --no-deps {ms.commit}  (from the wheel or sdist it came from)"
+    else:
+        fix = (f"git stash push --include-untracked -- {' '.join(ms.modified)}  (review first: git status -- "
+               f"{' '.join(ms.modified)}; or commit them)")
+    if changed:
+        files = ", ".join(f"{m} ({ms.states.get(m, 'modified')})" for m in changed)
         last = [line.strip() for line in ms.diff_stat.splitlines() if "changed" in line]
         stat = f"; git diff --stat: {last[-1]}" if last else ""
-        if ms.mode == "git":
-            fix = f"git stash push --include-untracked -- {' '.join(ms.modified)}  (review first: git diff -- {' '.join(ms.modified)})"
-        else:
-            fix = f"uv sync --frozen --reinstall-package {PROJECT_DIST}"
-        return _r("model-source", "fail", f"drafter source modified against {where}: {files}{stat}",
-                  fix, **data)
+        more = f"; also untracked: {_listing(untracked, 2)}" if untracked else ""
+        return _r("model-source", "fail", f"training source modified against {where}: {files}{stat}{more}", fix, **data)
+    if untracked:
+        return _r("model-source", "warn", f"{len(untracked)} file(s) in {pkg} not in {where} (untracked): "
+                  f"{_listing(untracked, 3)}; no committed module imports them", fix, **data)
     if not ms.verified:
-        return _r("model-source", "warn", f"none of {', '.join(MODEL_SOURCE_FILES)} could be verified against {where}",
-                  None, **data)
-    absent = f" ({', '.join(ms.absent)} not present)" if ms.absent else ""
-    return _r("model-source", "pass", f"{len(ms.verified)} drafter source files match {where}{absent}", **data)
+        return _r("model-source", "warn", f"no file of {pkg} could be verified against {where}", None, **data)
+    absent = f" ({len(ms.absent)} listed without a hash)" if ms.absent else ""
+    return _r("model-source", "pass", f"all {len(ms.verified)} source files of {pkg} match {where}{absent}", **data)
 
 
 # ---------------------------------------------------------------- run
@@ -663,38 +780,79 @@ def check_disk(ctx: Context) -> CheckResult:
     return _r("disk", "pass", summary, **data)
 
 
+# Variables newer torch reads before the one a profile sets: a value there decides, so it must agree.
+READ_FIRST = {"PYTORCH_CUDA_ALLOC_CONF": "PYTORCH_ALLOC_CONF"}
+# Commands named first when a foreign environment provides them: what a run starts by name.
+KEY_COMMANDS = ("python", "python3", "pip", "pip3", "torchrun", "ninja", "nvcc", "ptxas", "gcc", "g++", "cc", "c++",
+                "ld", "uv", "sglang", "hf", "huggingface-cli")
+
+
+def _commands(names: list[str], limit: int = 4) -> str:
+    key = [n for n in KEY_COMMANDS if n in names]
+    ordered = key + [n for n in names if n not in key]
+    return _listing(ordered, limit)
+
+
 def check_env_vars(ctx: Context) -> CheckResult:
+    """The profile's variables (dflash-train sets the unset ones itself, so unset passes; a different value, here
+    or in a variable torch reads first, fails) and PATH (other Python environments anywhere on it warn)."""
     p = ctx.profile
-    wrong = []
+    wrong, will_set, overridden = [], [], []
     for key, want in sorted(p.env.items()):
         have = ctx.env.get(key)
-        if have != want:
+        first = READ_FIRST.get(key)
+        if first is not None and ctx.env.get(first) not in (None, want):
+            overridden.append((first, ctx.env[first], key, want))
+        if have is None:
+            will_set.append((key, want))
+        elif have != want:
             wrong.append((key, want, have))
-    fail_fix = " ".join(f"{k}={w}" for k, w, _ in wrong)
-    missing_dirs = [e.path for e in ctx.path_entries if not e.exists]
-    shadow = []
-    for e in ctx.path_entries:
-        if e.is_self:
-            break
-        if e.python_env:
-            shadow.append(e.path)
+    foreign, missing_dirs, self_at = _path_findings(ctx)
     data = dict(required=dict(p.env), wrong=[{"name": k, "expected": w, "actual": h} for k, w, h in wrong],
-                path_missing=missing_dirs, path_other_envs=shadow,
-                self_on_path=any(e.is_self for e in ctx.path_entries))
-    if wrong:
-        said = ", ".join(f"{k}={h!r} (need {w!r})" if h is not None else f"{k} unset (need {w!r})" for k, w, h in wrong)
-        return _r("env-vars", "fail", f"profile {p.name} requires {said}", f"export {fail_fix}", **data)
+                will_set=[{"name": k, "value": w} for k, w in will_set],
+                overridden=[{"name": f, "actual": v, "overrides": k, "expected": w} for f, v, k, w in overridden],
+                path_missing=missing_dirs, path_other_envs=foreign, self_on_path=self_at is not None)
+    if wrong or overridden:
+        said = [f"{k}={h!r} (need {w!r}; dflash-train keeps a value you set)" for k, w, h in wrong]
+        said += [f"{f}={v!r} overrides {k} (torch reads {f} first; need {w!r} or unset)" for f, v, k, w in overridden]
+        fix = " ".join([*(f"export {k}={w};" for k, w, _ in wrong), *(f"unset {f};" for f, *_ in overridden)])
+        return _r("env-vars", "fail", f"profile {p.name}: {', '.join(said)}", fix.rstrip(";"), **data)
     notes = []
-    if shadow:
-        where = "ahead of this one" if data["self_on_path"] else "and not this one's"
-        notes.append(f"PATH has bin dirs of other Python environments {where}: {_listing(shadow, 3)}")
+    if foreign:
+        listed = [f"{e['path']} ({'ahead of' if e['ahead'] else 'after'} this environment; "
+                  + (f"runs {_commands(e['commands'])}" if e["commands"] else "all its commands are found earlier")
+                  + ")" for e in foreign]
+        notes.append("PATH holds bin dirs of other Python environments; a command started by name that no earlier "
+                     f"entry has runs from them: {_listing(listed, 3)}")
     if missing_dirs:
         notes.append(f"PATH entries that do not exist: {_listing(missing_dirs, 3)}")
+    set_note = ", ".join(f"{k}={w}" for k, w in will_set)
     if notes:
-        keep = [e.path for e in ctx.path_entries if e.exists and e.path not in shadow]
-        return _r("env-vars", "warn", "; ".join(notes), f"export PATH={os.pathsep.join(keep)}", **data)
-    req = f"{len(p.env)} required variable(s) set" if p.env else "no variables required"
-    return _r("env-vars", "pass", f"{req}; PATH clean ({len(ctx.path_entries)} entries)", **data)
+        drop = {e["path"] for e in foreign}
+        keep = [e.path for e in ctx.path_entries if e.exists and e.path not in drop]
+        fix = f"export PATH={os.pathsep.join(keep)}  (`dflash-env run` runs a command with them off PATH)"
+        if will_set:
+            notes.append(f"dflash-train sets {set_note} (unset here)")
+        return _r("env-vars", "warn", "; ".join(notes), fix, **data)
+    parts = [] if p.env else ["no variables required"]
+    if len(p.env) > len(will_set):
+        parts.append(f"{len(p.env) - len(will_set)} required variable(s) set")
+    if will_set:
+        parts.append(f"{', '.join(k for k, _ in will_set)} unset here: dflash-train sets {set_note} before torch loads")
+    return _r("env-vars", "pass", f"{'; '.join(parts)}; PATH clean ({len(ctx.path_entries)} entries)", **data)
+
+
+def _path_findings(ctx: Context) -> tuple[list[dict], list[str], int | None]:
+    """(other Python environments on PATH with what runs from each, missing PATH dirs, this env's position)."""
+    self_at = next((i for i, e in enumerate(ctx.path_entries) if e.is_self), None)
+    foreign = [{"path": e.path, "env": e.python_env, "ahead": self_at is None or i < self_at,
+                "commands": e.commands[:50], "count": len(e.commands)}
+               for i, e in enumerate(ctx.path_entries) if e.python_env and not e.is_self]
+    for f in foreign:  # what a run starts by name first, the rest after
+        key = [n for n in KEY_COMMANDS if n in f["commands"]]
+        f["commands"] = key + [n for n in f["commands"] if n not in key]
+    missing = [e.path for e in ctx.path_entries if not e.exists]
+    return foreign, missing, self_at
 
 
 CHECKS: dict[str, Callable[[Context], CheckResult]] = {

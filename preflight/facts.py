@@ -10,7 +10,9 @@ NVML (``preflight.nvml``).
 from __future__ import annotations
 
 import base64
+import csv
 import hashlib
+import json
 import os
 import platform
 import re
@@ -30,13 +32,21 @@ from dflash import rundir
 from dflash.compile_manifest import ManifestError, read_manifest
 from dflash.config import ConfigError, RunConfig
 from dflash.memory import TargetShape, load_target_shape
+from preflight.envs import locate
 from preflight.lockfile import LockFile, parse_lock
 from preflight.nvml import GpuInfo, NvmlSnapshot, NvmlUnavailable
 from preflight.profiles import ENVS_DIR, REPO_ROOT, Profile, ProfileError, load_profile, lock_path
 
-# The drafter model source: a debugging hack left in any of these changes what a run trains.
-MODEL_SOURCE_FILES = ("dflash/model.py", "dflash/attention.py", "dflash/loss.py", "dflash/target.py")
+# The code a training run executes: a debugging hack left in any module of the package changes what a run trains.
+MODEL_SOURCE_PACKAGE = "dflash"
+MODEL_SOURCE_PATHSPEC = f"{MODEL_SOURCE_PACKAGE}/*.py"  # git pathspec: every .py file under dflash/
 PROJECT_DIST = "dflash"  # the project itself: never drift
+# Installed distributions whose files are checked against their RECORD hashes: besides the GPU stack
+# (lockfile.is_gpu_stack: torch, triton, nvidia-*, ...), the packages whose code runs the target and drafter.
+RECORD_VERIFIED = ("transformers", "tokenizers", "safetensors")
+# Native libraries are compared with RECORD by size only: hashing them reads gigabytes (the CUDA wheels) at
+# every launch, while an edit, the incident's class of change, lands in Python sources, which are hashed.
+NATIVE_FILE = re.compile(r"\.(?:so(?:\.\d+)*|a|o|bc|cubin|fatbin)$")
 CUDA_LIBS = ("libcudart", "libcublas", "libnccl")  # LD_LIBRARY_PATH libraries tied to a CUDA major
 
 
@@ -53,6 +63,8 @@ class PathEntry:
     exists: bool
     python_env: str | None = None  # root of the venv/conda env whose bin dir this is
     is_self: bool = False  # this interpreter's environment
+    commands: list[str] = field(default_factory=list)  # another env's executables no earlier PATH entry has: run from here
+    cuda_toolkit: str | None = None  # CUDA version of the toolkit whose bin dir this is (holds nvcc); "?" when unknown
 
 
 @dataclass
@@ -60,6 +72,17 @@ class LibDir:
     path: str
     exists: bool
     libs: dict[str, int | None] = field(default_factory=dict)  # file name -> CUDA major (None = unknown)
+
+
+@dataclass
+class EnvIdentity:
+    prefix: str  # this interpreter's environment (sys.prefix): the one the environment checks judge
+    profile_env: str  # where the profile's environment lives (`dflash-env path`)
+    default: bool  # that is uv's project environment (.venv), the one `uv run` builds and uses
+
+    @property
+    def matches(self) -> bool:
+        return os.path.realpath(self.prefix) == os.path.realpath(self.profile_env)
 
 
 @dataclass
@@ -71,9 +94,29 @@ class GpuFacts:
 
 
 @dataclass
+class RecordCheck:
+    """One installed distribution's files against the sha256 hashes and sizes its RECORD lists."""
+
+    name: str
+    version: str
+    hashed: int = 0  # files whose hash was compared
+    sized: int = 0  # native libraries compared by size
+    modified: list[str] = field(default_factory=list)  # content differs from RECORD
+    missing: list[str] = field(default_factory=list)  # listed in RECORD, gone from disk
+    error: str | None = None  # why nothing could be verified (no RECORD, no hashes in it)
+
+
+@dataclass
+class Records:
+    checks: list[RecordCheck] = field(default_factory=list)
+    seconds: float = 0.0  # wall time of the verification
+
+
+@dataclass
 class ModelSource:
     mode: str  # "git" | "record" | "none"
     commit: str | None = None  # git HEAD, or "dflash==<version>" for RECORD mode
+    files: list[str] = field(default_factory=list)  # every source file of the package that was looked at
     modified: list[str] = field(default_factory=list)
     states: dict[str, str] = field(default_factory=dict)  # modified file -> "modified" | "untracked" | "deleted" | ...
     diff_stat: str = ""
@@ -172,6 +215,9 @@ class Context:
     env: dict[str, str] = field(default_factory=dict)
     path_entries: list[PathEntry] = field(default_factory=list)
     ld_dirs: list[LibDir] = field(default_factory=list)
+    env_identity: EnvIdentity | None = None  # None: not gathered (tests), nothing judged about it
+    records: Records | None = None  # RECORD verification of the GPU stack and target code; None: not gathered
+    ld_cache: list[LibDir] | None = None  # CUDA libraries in `ldconfig -p`, by folder; None: not asked or no ldconfig
     gpus: GpuFacts = field(default_factory=lambda: GpuFacts(error="NVML not queried"))
     model_source: ModelSource = field(default_factory=lambda: ModelSource(mode="none"))
     compile_cache: CompileCache | None = None
@@ -265,7 +311,89 @@ def torch_build() -> TorchBuild | None:
     return TorchBuild(parsed[0], parsed[1], str(path))
 
 
-def _env_root(bin_dir: Path) -> str | None:
+def record_verified(name: str) -> bool:
+    """Whether env-drift checks this distribution's files against its RECORD (GPU stack and target code)."""
+    from preflight.lockfile import is_gpu_stack
+
+    return is_gpu_stack(name) or canonicalize_name(name) in RECORD_VERIFIED
+
+
+@dataclass
+class _RecordEntry:
+    path: str  # absolute
+    rel: str  # as RECORD lists it
+    algo: str
+    digest: str  # urlsafe base64, no padding
+    size: int | None
+    native: bool
+
+
+def _record_entries(name: str) -> tuple[RecordCheck, list[_RecordEntry]]:
+    """The RECORD entries of installed distribution `name` to verify (csv read directly: torch lists ~12K files)."""
+    try:
+        dist = metadata.distribution(name)
+    except metadata.PackageNotFoundError:
+        return RecordCheck(name, "?", error="not installed"), []
+    check = RecordCheck(name, dist.version)
+    text = dist.read_text("RECORD")
+    if text is None:
+        check.error = "no RECORD: installed by a tool that keeps none, nothing to verify against"
+        return check, []
+    base = str(dist.locate_file(""))
+    out = []
+    for row in csv.reader(text.splitlines()):
+        if len(row) < 2 or "=" not in row[1] or row[0].endswith(".pyc"):  # RECORD lists itself without a hash
+            continue
+        algo, _, digest = row[1].partition("=")
+        size = int(row[2]) if len(row) > 2 and row[2].isdigit() else None
+        out.append(_RecordEntry(os.path.normpath(os.path.join(base, row[0])), row[0], algo, digest, size,
+                                bool(NATIVE_FILE.search(row[0]))))
+    if not out:
+        check.error = "RECORD lists no hashes"
+    return check, out
+
+
+def _verify_entry(e: _RecordEntry) -> str | None:
+    """None when the file matches its RECORD entry, else "modified" or "missing"."""
+    try:
+        if e.native:
+            return None if e.size is None or os.stat(e.path).st_size == e.size else "modified"
+        with open(e.path, "rb") as f:
+            digest = hashlib.file_digest(f, e.algo).digest()
+    except FileNotFoundError:
+        return "missing"
+    except (OSError, ValueError):
+        return "modified"  # unreadable, or a hash algorithm this Python lacks
+    return None if base64.urlsafe_b64encode(digest).rstrip(b"=").decode() == e.digest else "modified"
+
+
+def verify_records(names: list[str], workers: int | None = None) -> Records:
+    """Check the installed files of distributions `names` against their RECORD: sha256 for every file but
+    .pyc caches and native libraries (those by size), read in parallel batches (hashlib releases the GIL)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    t0 = time.perf_counter()
+    checks, jobs = [], []
+    for name in sorted(names):
+        check, entries = _record_entries(name)
+        checks.append(check)
+        jobs += [(check, e) for e in entries]
+    batches = [jobs[i:i + 512] for i in range(0, len(jobs), 512)]
+    with ThreadPoolExecutor(workers or min(8, os.cpu_count() or 1)) as pool:
+        for batch, verdicts in zip(batches, pool.map(lambda b: [_verify_entry(e) for _, e in b], batches)):
+            for (check, e), verdict in zip(batch, verdicts):
+                if e.native:
+                    check.sized += 1
+                else:
+                    check.hashed += 1
+                if verdict == "missing":
+                    check.missing.append(e.rel)
+                elif verdict == "modified":
+                    check.modified.append(e.rel)
+    return Records(checks, time.perf_counter() - t0)
+
+
+def python_env_root(bin_dir: Path) -> str | None:
     """The Python environment (venv or conda) whose bin dir this is, or None."""
     root = bin_dir.parent
     if bin_dir.name in ("bin", "Scripts") and ((root / "pyvenv.cfg").is_file() or (root / "conda-meta").is_dir()):
@@ -273,15 +401,58 @@ def _env_root(bin_dir: Path) -> str | None:
     return None
 
 
+def _executables(d: Path) -> set[str]:
+    try:
+        with os.scandir(d) as it:
+            return {e.name for e in it if e.is_file() and os.access(e.path, os.X_OK)}
+    except OSError:
+        return set()
+
+
+_TOOLKIT_VERSION = re.compile(r"(?:CUDA Version|release) (\d+\.\d+(?:\.\d+)?)")
+
+
+def toolkit_cuda(bin_dir: Path) -> str:
+    """The CUDA version of the nvcc in a PATH dir: the toolkit's version.json / version.txt beside the (resolved)
+    nvcc, else what `nvcc --version` says (wrapper scripts), else the folder's name; "?" when nothing says."""
+    nvcc = (bin_dir / "nvcc").resolve()
+    root = nvcc.parent.parent
+    try:
+        return str(json.loads((root / "version.json").read_text())["cuda"]["version"])
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    for text in (lambda: (root / "version.txt").read_text(),
+                 lambda: subprocess.run([str(nvcc), "--version"], capture_output=True, text=True, timeout=10).stdout):
+        try:
+            m = _TOOLKIT_VERSION.search(text())
+        except (OSError, subprocess.SubprocessError):
+            continue
+        if m:
+            return m.group(1)
+    hint = re.search(r"cuda[-_]?(\d+\.\d+)", str(root), re.I)
+    return hint.group(1) if hint else "?"
+
+
 def path_entries(path_value: str, prefix: str) -> list[PathEntry]:
+    """PATH in order. For another Python environment's bin dir, the executables that run from it (no earlier entry
+    has them); for a CUDA toolkit's bin dir (nvcc), its version."""
     me = os.path.realpath(prefix)
     out = []
+    earlier: set[str] = set()
     for raw in path_value.split(os.pathsep):
         if not raw:
             continue
         p = Path(raw)
-        root = _env_root(p) if p.is_dir() else None
-        out.append(PathEntry(raw, p.is_dir(), root, bool(root) and os.path.realpath(root) == me))
+        is_dir = p.is_dir()
+        root = python_env_root(p) if is_dir else None
+        entry = PathEntry(raw, is_dir, root, bool(root) and os.path.realpath(root) == me)
+        names = _executables(p) if is_dir else set()
+        if root and not entry.is_self:
+            entry.commands = sorted(names - earlier)
+        if "nvcc" in names:
+            entry.cuda_toolkit = toolkit_cuda(p)
+        earlier |= names
+        out.append(entry)
     return out
 
 
@@ -289,15 +460,9 @@ _SONAME = re.compile(r"^(libcudart|libcublas|libnccl)\.so(?:\.(\d+))?")
 _PATH_CUDA = re.compile(r"(?:cuda[-_]?|cu)(\d{2})(?:\.\d+)?(?![\d])", re.I)
 
 
-def scan_lib_dir(path: str) -> LibDir:
-    p = Path(path)
-    if not p.is_dir():
-        return LibDir(path, False)
+def _lib_majors(path: str, names) -> dict[str, int | None]:
+    """libcudart/libcublas/libnccl file name -> CUDA major; libnccl (and unversioned names) take the dir's major."""
     libs: dict[str, int | None] = {}
-    try:
-        names = sorted(os.listdir(p))
-    except OSError:
-        return LibDir(path, True)
     for name in names:
         m = _SONAME.match(name)
         if not m:
@@ -312,7 +477,43 @@ def scan_lib_dir(path: str) -> LibDir:
         hint = _PATH_CUDA.search(path)
         fallback = known.pop() if len(known) == 1 else (int(hint.group(1)) if hint else None)
         libs = {k: (v if v is not None else fallback) for k, v in libs.items()}
-    return LibDir(path, True, libs)
+    return libs
+
+
+def scan_lib_dir(path: str) -> LibDir:
+    p = Path(path)
+    if not p.is_dir():
+        return LibDir(path, False)
+    try:
+        names = sorted(os.listdir(p))
+    except OSError:
+        return LibDir(path, True)
+    return LibDir(path, True, _lib_majors(path, names))
+
+
+_LDCONFIG_LINE = re.compile(r"^\s*(\S+) \(([^)]*)\) => (\S+)\s*$")
+
+
+def parse_ldconfig(text: str) -> list[LibDir]:
+    """CUDA libraries in the dynamic linker's cache (`ldconfig -p`), grouped by folder; 64-bit entries only."""
+    by_dir: dict[str, list[str]] = {}
+    for line in text.splitlines():
+        m = _LDCONFIG_LINE.match(line)
+        if m and _SONAME.match(m.group(1)) and "64" in m.group(2):
+            by_dir.setdefault(os.path.dirname(m.group(3)), []).append(m.group(1))
+    return [LibDir(d, True, _lib_majors(d, sorted(names))) for d, names in sorted(by_dir.items())]
+
+
+def ld_cache() -> list[LibDir] | None:
+    """The CUDA libraries `ldconfig -p` lists, or None when there is no ldconfig to ask."""
+    exe = shutil.which("ldconfig") or next((p for p in ("/sbin/ldconfig", "/usr/sbin/ldconfig") if os.path.exists(p)), None)
+    if exe is None:
+        return None
+    try:
+        out = subprocess.run([exe, "-p"], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return parse_ldconfig(out.stdout) if out.returncode == 0 else None
 
 
 # ---------------------------------------------------------------- model source
@@ -335,12 +536,13 @@ def _is_git_checkout(root: Path) -> bool:
     return os.path.realpath(top) == os.path.realpath(root)
 
 
-def model_source_git(root: Path, files=MODEL_SOURCE_FILES) -> ModelSource:
+def model_source_git(root: Path, pathspec: str = MODEL_SOURCE_PATHSPEC) -> ModelSource:
+    """Every file of the package (tracked or not) against git HEAD: modified, deleted, untracked, ... by path."""
     try:
         head = _git(root, "rev-parse", "HEAD").strip()
-        porcelain = _git(root, "status", "--porcelain", "--untracked-files=all", "--", *files)
-        stat = _git(root, "diff", "--stat", "HEAD", "--", *files).rstrip()
-        tracked = set(_git(root, "ls-files", "--", *files).split())
+        porcelain = _git(root, "status", "--porcelain", "--untracked-files=all", "--", pathspec)
+        stat = _git(root, "diff", "--stat", "HEAD", "--", pathspec).rstrip()
+        tracked = set(_git(root, "ls-files", "--", pathspec).split())
     except (RuntimeError, OSError, subprocess.SubprocessError) as e:
         return ModelSource(mode="git", error=f"git failed: {e}")
     codes = {"??": "untracked", "D": "deleted", "A": "added", "R": "renamed", "M": "modified", "T": "type changed"}
@@ -351,32 +553,39 @@ def model_source_git(root: Path, files=MODEL_SOURCE_FILES) -> ModelSource:
         xy, path = line[:2], line[3:].strip()
         states[path] = codes.get(xy) or next((codes[c] for c in xy if c in codes), "modified")
     modified = sorted(states)
-    absent = [f for f in files if not (root / f).exists() and f not in tracked]
-    verified = [f for f in files if f in tracked and f not in modified]
-    return ModelSource(mode="git", commit=head, modified=modified, states=states, diff_stat=stat, absent=absent,
+    files = sorted(tracked | {p for p, st in states.items() if st == "untracked"})
+    verified = [f for f in files if f in tracked and f not in states]
+    return ModelSource(mode="git", commit=head, files=files, modified=modified, states=states, diff_stat=stat,
                        verified=verified)
 
 
-def model_source_record(files=MODEL_SOURCE_FILES, dist_name: str = PROJECT_DIST) -> ModelSource:
-    """Verify installed files against the distribution's RECORD sha256 hashes."""
+def _matches_record(path: Path, entry) -> bool | None:
+    """Whether a file's content has the hash its RECORD entry lists (None: the file cannot be read)."""
+    try:
+        with open(path, "rb") as f:
+            digest = hashlib.file_digest(f, entry.hash.mode).digest()
+    except (OSError, ValueError):
+        return None
+    return base64.urlsafe_b64encode(digest).rstrip(b"=").decode() == entry.hash.value
+
+
+def model_source_record(package: str = MODEL_SOURCE_PACKAGE, dist_name: str = PROJECT_DIST) -> ModelSource:
+    """Every installed `package/**.py` file against the distribution's RECORD sha256 hashes."""
     try:
         dist = metadata.distribution(dist_name)
     except metadata.PackageNotFoundError:
         return ModelSource(mode="none", error=f"not a git checkout and distribution {dist_name!r} is not installed")
-    recorded = {str(f).replace(os.sep, "/"): f for f in (dist.files or [])}
     src = ModelSource(mode="record", commit=f"{dist_name}=={dist.version}")
-    for rel in files:
-        entry = recorded.get(rel)
-        if entry is None or entry.hash is None:
-            src.absent.append(rel)
+    for entry in dist.files or []:
+        rel = str(entry).replace(os.sep, "/")
+        if not (rel.startswith(f"{package}/") and rel.endswith(".py")):
             continue
-        try:
-            digest = hashlib.new(entry.hash.mode, Path(dist.locate_file(entry)).read_bytes()).digest()
-        except OSError:
-            src.modified.append(rel)  # recorded but unreadable or gone
+        src.files.append(rel)
+        if entry.hash is None:
+            src.absent.append(rel)  # listed without a hash: nothing to verify against
             continue
-        b64 = base64.urlsafe_b64encode(digest).rstrip(b"=").decode()
-        (src.verified if b64 == entry.hash.value else src.modified).append(rel)
+        ok = _matches_record(Path(dist.locate_file(entry)), entry)
+        (src.verified if ok else src.modified).append(rel)  # unreadable or gone counts as modified
     src.states = {m: "differs from RECORD" for m in src.modified}
     return src
 
@@ -603,6 +812,8 @@ def gather(
     ctx = Context(profile_name=profile_name, config=config, config_path=config_path, resume_intent=resume_intent, env=env)
     try:
         ctx.profile = load_profile(profile_name, envs_dir)
+        where = locate(profile_name, envs_dir)
+        ctx.env_identity = EnvIdentity(sys.prefix, str(where.path), where.default)
     except ProfileError as e:
         ctx.profile_error = str(e)
     lock = lock_path(profile_name, envs_dir)
@@ -612,9 +823,11 @@ def gather(
     except OSError:
         ctx.lock_text = None
     ctx.distributions = installed_distributions()
+    ctx.records = verify_records([n for n in ctx.distributions if record_verified(n)])
     ctx.torch = torch_build()
     ctx.path_entries = path_entries(env.get("PATH", ""), sys.prefix)
     ctx.ld_dirs = [scan_lib_dir(p) for p in env.get("LD_LIBRARY_PATH", "").split(os.pathsep) if p]
+    ctx.ld_cache = ld_cache()
     ctx.gpus = gpu_facts(gpu_info, env)
     ctx.model_source = model_source(root)
     if ctx.profile is not None:

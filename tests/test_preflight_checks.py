@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -17,10 +18,13 @@ from preflight.facts import (
     Context,
     Dataset,
     Disk,
+    EnvIdentity,
     GpuFacts,
     LibDir,
     ModelSource,
     PathEntry,
+    RecordCheck,
+    Records,
     RunDir,
     Shard,
     TorchBuild,
@@ -121,6 +125,52 @@ def test_profile_fails_on_invalid_lock_and_wrong_profile(tmp_path):
     ctx = make_ctx(tmp_path, config={"profile": "infer-cu130"})
     r = checks.check_profile(ctx)
     assert r.status == "fail" and "asks for profile infer-cu130" in r.summary
+    assert r.fix == ("uv run --isolated --no-default-groups dflash-env sync --profile infer-cu130 && uv run --isolated "
+                     "--no-default-groups dflash-env run --profile infer-cu130 -- dflash-preflight --profile infer-cu130 "
+                     "--config run.toml")
+
+
+def test_profile_warns_when_this_interpreter_is_not_the_profiles_environment(tmp_path):
+    ctx = make_ctx(tmp_path)
+    ctx.env_identity = EnvIdentity(str(tmp_path / "venv"), str(tmp_path / "venv"), default=True)
+    r = checks.check_profile(ctx)
+    assert r.status == "pass" and r.summary.endswith(f"; running in its environment {tmp_path / 'venv'}")
+    # dflash-preflight --profile infer-cu130 run in the training env: every environment check would judge the wrong env
+    ctx = make_ctx(tmp_path, config={"profile": "infer-cu130"})
+    ctx.profile_name, ctx.profile = "infer-cu130", load_profile("infer-cu130")
+    ctx.lock_text = "torch==2.14.1 --hash=sha256:00\nnvidia-cuda-runtime==13.0.96 --hash=sha256:01\n"
+    ctx.env_identity = EnvIdentity(str(tmp_path / ".venv"), str(tmp_path / ".venvs/infer-cu130"), default=False)
+    r = checks.check_profile(ctx)
+    assert r.status == "warn" and f"this interpreter runs in {tmp_path / '.venv'}, not in profile infer-cu130's" in r.summary
+    run_there = ("uv run --isolated --no-default-groups dflash-env sync --profile infer-cu130 && uv run --isolated "
+                 "--no-default-groups dflash-env run --profile infer-cu130 -- dflash-preflight --profile infer-cu130 "
+                 "--config run.toml")
+    assert r.fix == run_there
+    assert checks.check_torch_build(ctx).fix == run_there  # not "sync": the profile's own env may be fine
+    # the training profile outside .venv (a conda shell): `uv run` builds and uses .venv
+    ctx = make_ctx(tmp_path)
+    ctx.env_identity = EnvIdentity("/opt/conda", str(tmp_path / ".venv"), default=True)
+    assert checks.check_profile(ctx).fix == "uv run dflash-preflight --profile train-cu128 --config run.toml"
+
+
+def test_every_fix_line_works_on_a_fresh_clone(tmp_path):
+    """No uv.lock in a clone (git-ignored) and no dflash-* command on PATH: every fix goes through `uv run` or
+    dflash-env's launcher, never `uv sync --frozen`."""
+    ctx = make_ctx(tmp_path, config={"profile": "infer-cu130"})
+    ctx.torch = TorchBuild("2.11.0+cu130", "13.0", "torch/version.py")
+    ctx.distributions["sglang"] = ["0.5.23"]
+    ctx.distributions["nvidia-cuda-runtime"] = ["13.0.96"]
+    ctx.compile_cache = CompileCache(str(tmp_path / "cache"), False)
+    ctx.model_source = ModelSource("record", commit="dflash==0.1.0", modified=["dflash/loss.py"])
+    fixes = [r.fix for r in run_checks(ctx) if r.fix]
+    ctx.env_identity = EnvIdentity("/opt/conda", str(tmp_path / ".venvs/infer-cu130"), default=False)
+    fixes += [r.fix for r in run_checks(ctx) if r.fix]
+    assert len(fixes) >= 8
+    for fix in fixes:
+        assert "uv sync" not in fix and "--frozen" not in fix, fix
+        for m in re.finditer(r"(?<![\w/.-])dflash-[a-z]+(?![\w.-])", fix):
+            before = fix[:m.start()]
+            assert before.endswith(("uv run ", "uv run --isolated --no-default-groups ", " -- ")), fix
 
 
 def test_profile_that_did_not_load_fails_and_dependent_checks_skip(tmp_path):
@@ -140,7 +190,7 @@ def test_torch_build_cuda13_swap_fails_naming_both(tmp_path):
     r = checks.check_torch_build(ctx)
     assert r.status == "fail"
     assert r.summary == "torch 2.11.0+cu130 (CUDA 13.0) installed; profile train-cu128 locks 2.10.0 (CUDA 12.8)"
-    assert r.fix == "uv sync --frozen --no-default-groups --group train-cu128 --group demo --group dev"
+    assert r.fix == "uv run --isolated --no-default-groups dflash-env sync --profile train-cu128"
 
 
 def test_torch_build_same_version_other_cuda_and_missing_fail(tmp_path):
@@ -162,7 +212,7 @@ def test_env_drift_gpu_stack_fails_other_warns(tmp_path):
     r = checks.check_env_drift(ctx)
     assert r.status == "fail"
     assert "sglang 0.5.23 not in lock" in r.summary and "triton 3.5.1 installed (lock 3.6.0)" in r.summary
-    assert r.fix == "uv sync --frozen --no-default-groups --group train-cu128 --group demo --group dev"
+    assert r.fix == "uv run --isolated --no-default-groups dflash-env sync --profile train-cu128"
     ctx = make_ctx(tmp_path)
     ctx.distributions["rich"] = ["15.0.0"]
     del ctx.distributions["click"]
@@ -181,6 +231,47 @@ def test_env_drift_project_is_never_drift_and_local_label_matches(tmp_path):
     assert checks.check_env_drift(ctx).status == "warn"
 
 
+def _records(*checks_: RecordCheck, seconds: float = 0.8) -> Records:
+    return Records(list(checks_), seconds)
+
+
+def test_env_drift_passes_with_records_and_says_what_was_verified(tmp_path):
+    ctx = make_ctx(tmp_path)
+    ctx.records = _records(RecordCheck("torch", "2.10.0", hashed=11_700, sized=70),
+                           RecordCheck("transformers", "5.19.0", hashed=2700))
+    r = checks.check_env_drift(ctx)
+    assert r.status == "pass"
+    assert r.summary.endswith("; 2 GPU-stack and target distributions match their RECORD (14,400 files hashed, "
+                              "70 native libraries by size, 0.8 s)")
+    assert r.data["record"] == {"distributions": 2, "hashed": 14_400, "sized": 70, "seconds": 0.8, "modified": [],
+                                "unverified": []}
+
+
+def test_env_drift_fails_on_a_file_edited_inside_site_packages(tmp_path):
+    """Same versions everywhere, but a line appended to transformers' Qwen3 modeling file: the version check alone
+    passes it; the RECORD hash does not."""
+    ctx = make_ctx(tmp_path)
+    qwen3 = "transformers/models/qwen3/modeling_qwen3.py"
+    ctx.records = _records(RecordCheck("torch", "2.10.0", hashed=11_700),
+                           RecordCheck("transformers", "5.19.0", hashed=2700, modified=[qwen3]),
+                           RecordCheck("nvidia-nccl-cu12", "2.27.5", sized=3, missing=["nvidia/nccl/lib/libnccl.so.2"]))
+    r = checks.check_env_drift(ctx)
+    assert r.status == "fail"
+    assert r.summary == ("environment differs from envs/train-cu128.lock: files edited in place: transformers 5.19.0: "
+                         f"{qwen3} differs, nvidia-nccl-cu12 2.27.5: nvidia/nccl/lib/libnccl.so.2 missing")
+    assert r.fix == ("uv run --isolated --no-default-groups dflash-env sync --profile train-cu128 "
+                     "--reinstall transformers --reinstall nvidia-nccl-cu12")
+    assert [m["name"] for m in r.data["record"]["modified"]] == ["transformers", "nvidia-nccl-cu12"]
+
+
+def test_env_drift_warns_on_a_distribution_without_a_record(tmp_path):
+    ctx = make_ctx(tmp_path)
+    ctx.records = _records(RecordCheck("torch", "2.10.0", error="no RECORD: installed by a tool that keeps none"))
+    r = checks.check_env_drift(ctx)
+    assert r.status == "warn" and "not verifiable against a RECORD: torch (no RECORD" in r.summary
+    assert r.data["record"]["unverified"] == [{"name": "torch", "why": "no RECORD: installed by a tool that keeps none"}]
+
+
 # ---------------------------------------------------------------- cuda-libs
 
 
@@ -196,6 +287,28 @@ def test_cuda_libs_foreign_wheel_and_ld_path_fail(tmp_path):
     assert "nvidia-cuda-runtime 13.0.96 is a CUDA 13 wheel" in r.summary
     assert r.data["foreign_ld_dirs"] == [bad]
     assert f"export LD_LIBRARY_PATH={good}" in r.fix
+
+
+def test_cuda_libs_warns_on_a_toolkit_of_another_major_on_path_and_in_the_linker_cache(tmp_path):
+    ctx = make_ctx(tmp_path)
+    ctx.path_entries.append(PathEntry("/usr/local/cuda-12.8/bin", True, cuda_toolkit="12.8.93"))
+    ctx.ld_cache = [LibDir("/usr/lib/x86_64-linux-gnu", True, {"libnccl.so.2": None})]
+    assert checks.check_cuda_libs(ctx).status == "pass"  # same major; a NCCL of unknown CUDA is not judged
+    ctx.path_entries.insert(1, PathEntry("/usr/local/bin", True, cuda_toolkit="13.0"))
+    ctx.ld_cache.append(LibDir("/usr/local/cuda-13.0/lib", True, {"libcudart.so.13": 13, "libcudart.so": 13}))
+    r = checks.check_cuda_libs(ctx)
+    assert r.status == "warn"
+    assert ("PATH dir /usr/local/bin holds the nvcc that runs, CUDA 13.0: CUDA code compiled at run time "
+            "(torch.utils.cpp_extension") in r.summary and "would target CUDA 13, not this profile's 12.8" in r.summary
+    assert ("the linker cache (ldconfig -p) lists libcudart.so, libcudart.so.13 (CUDA 13) in /usr/local/cuda-13.0/lib: "
+            "a library loaded by name without an RPATH") in r.summary
+    assert "put a CUDA 12.8 toolkit's bin before /usr/local/bin on PATH" in r.fix
+    assert "remove /usr/local/cuda-13.0/lib from /etc/ld.so.conf.d/ and run `sudo ldconfig`" in r.fix
+    assert r.data["ld_cache_foreign"] == [{"dir": "/usr/local/cuda-13.0/lib", "libs": ["libcudart.so", "libcudart.so.13"]}]
+    assert [t["cuda"] for t in r.data["path_cuda_toolkits"]] == ["13.0", "12.8.93"]
+    ctx.distributions["nvidia-cuda-runtime"] = ["13.0.96"]  # with a failure, the warnings are listed after it
+    r = checks.check_cuda_libs(ctx)
+    assert r.status == "fail" and r.summary.index("13.0.96 is a CUDA 13 wheel") < r.summary.index("PATH dir /usr/local/bin")
 
 
 def test_cuda_libs_old_driver_and_no_driver_fail_cpu_skips_driver(tmp_path):
@@ -329,7 +442,7 @@ def test_compile_cache_cold_warns_with_warm_command(tmp_path):
     ctx.compile_cache = CompileCache(str(tmp_path / "cache"), False)
     r = checks.check_compile_cache(ctx)
     assert r.status == "warn" and r.summary.startswith("cold:")
-    assert r.fix == "dflash-train --config run.toml --warm-cache"
+    assert r.fix == "uv run dflash-train --config run.toml --warm-cache"
 
 
 def test_compile_cache_mismatch_warns_naming_field(tmp_path):
@@ -364,9 +477,34 @@ def test_model_source_record_mode(tmp_path):
     ctx.model_source = ModelSource("record", commit="dflash==0.1.0", modified=["dflash/loss.py"],
                                    states={"dflash/loss.py": "differs from RECORD"}, verified=["dflash/model.py"])
     r = checks.check_model_source(ctx)
-    assert r.status == "fail" and "dflash==0.1.0" in r.summary and "reinstall-package dflash" in r.fix
+    assert r.status == "fail" and "dflash==0.1.0" in r.summary
+    assert r.fix.startswith("uv pip install --reinstall --no-deps dflash==0.1.0")
     ctx.model_source = ModelSource("record", commit="dflash==0.1.0", verified=["dflash/model.py"])
     assert checks.check_model_source(ctx).status == "pass"
+
+
+def test_model_source_covers_the_whole_package_and_untracked_files_warn(tmp_path):
+    ctx = make_ctx(tmp_path)
+    every = ["dflash/attention.py", "dflash/data.py", "dflash/model.py", "dflash/step.py", "dflash/train.py"]
+    ctx.model_source = ModelSource("git", commit="0123456789abcdef", files=every, verified=every)
+    r = checks.check_model_source(ctx)
+    assert (r.status, r.summary) == ("pass", "all 5 source files of dflash/ match git HEAD 0123456789ab")
+    # a hack in the data loader changes a run as much as one in the model
+    ctx.model_source = ModelSource("git", commit="0123456789abcdef", files=[*every, "dflash/scratch.py"],
+                                   modified=["dflash/data.py", "dflash/scratch.py"],
+                                   states={"dflash/data.py": "modified", "dflash/scratch.py": "untracked"},
+                                   verified=[f for f in every if f != "dflash/data.py"])
+    r = checks.check_model_source(ctx)
+    assert r.status == "fail" and r.summary.startswith("training source modified against git HEAD 0123456789ab: "
+                                                       "dflash/data.py (modified)")
+    assert r.summary.endswith("; also untracked: dflash/scratch.py")
+    # an untracked file alone is imported by no committed module: a warning, with the same fix
+    ctx.model_source = ModelSource("git", commit="0123456789abcdef", files=[*every, "dflash/scratch.py"],
+                                   modified=["dflash/scratch.py"], states={"dflash/scratch.py": "untracked"},
+                                   verified=every)
+    r = checks.check_model_source(ctx)
+    assert r.status == "warn" and "1 file(s) in dflash/ not in git HEAD 0123456789ab (untracked): dflash/scratch.py" in r.summary
+    assert r.fix.startswith("git stash push --include-untracked -- dflash/scratch.py")
 
 
 # ---------------------------------------------------------------- run-dir
@@ -483,24 +621,59 @@ def test_disk_fails_when_checkpoints_do_not_fit(tmp_path):
 # ---------------------------------------------------------------- env-vars
 
 
-def test_env_vars_required_variable_fails(tmp_path):
+def test_env_vars_a_variable_the_trainer_sets_passes_and_says_so(tmp_path):
+    """Standalone preflight on a correct box: PYTORCH_CUDA_ALLOC_CONF is unset because dflash-train sets it."""
     ctx = make_ctx(tmp_path)
     ctx.env = {}
     r = checks.check_env_vars(ctx)
-    assert r.status == "fail" and "PYTORCH_CUDA_ALLOC_CONF unset" in r.summary
+    assert r.status == "pass" and r.summary.startswith(
+        "PYTORCH_CUDA_ALLOC_CONF unset here: dflash-train sets PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True "
+        "before torch loads; PATH clean")
+    assert r.data["will_set"] == [{"name": "PYTORCH_CUDA_ALLOC_CONF", "value": "expandable_segments:True"}]
+
+
+def test_env_vars_a_conflicting_value_fails(tmp_path):
+    ctx = make_ctx(tmp_path)
+    ctx.env = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:False"}
+    r = checks.check_env_vars(ctx)
+    assert r.status == "fail" and "PYTORCH_CUDA_ALLOC_CONF='expandable_segments:False' (need 'expandable_segments:True'" in r.summary
     assert r.fix == "export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"
 
 
-def test_env_vars_polluted_path_warns_naming_entries(tmp_path):
+@pytest.mark.parametrize("cuda_conf", [None, "expandable_segments:True"])
+def test_env_vars_pytorch_alloc_conf_is_read_first_and_must_agree(tmp_path, cuda_conf):
     ctx = make_ctx(tmp_path)
-    other = str(tmp_path / "sglang-env" / "bin")
+    ctx.env = {"PYTORCH_ALLOC_CONF": "max_split_size_mb:128"}
+    if cuda_conf:
+        ctx.env["PYTORCH_CUDA_ALLOC_CONF"] = cuda_conf
+    r = checks.check_env_vars(ctx)
+    assert r.status == "fail"
+    assert "PYTORCH_ALLOC_CONF='max_split_size_mb:128' overrides PYTORCH_CUDA_ALLOC_CONF (torch reads PYTORCH_ALLOC_CONF first" in r.summary
+    assert r.fix == "unset PYTORCH_ALLOC_CONF"
+    ctx.env["PYTORCH_ALLOC_CONF"] = "expandable_segments:True"  # the same setting under the newer name
+    assert checks.check_env_vars(ctx).status == "pass"
+
+
+def test_env_vars_other_python_envs_anywhere_on_path_warn_naming_what_runs_from_them(tmp_path):
+    """`uv run` puts its env first, so an sglang env later on PATH used to pass: it still runs every command the
+    earlier entries lack (ninja, nvcc, a second torchrun...)."""
+    ctx = make_ctx(tmp_path)
+    after = str(tmp_path / "sglang-env" / "bin")
+    ahead = str(tmp_path / "conda" / "bin")
     gone = str(tmp_path / "gone" / "bin")
-    ctx.path_entries.insert(0, PathEntry(other, True, str(tmp_path / "sglang-env")))
+    ctx.path_entries.append(PathEntry(after, True, str(tmp_path / "sglang-env"), commands=["sglang", "ninja", "torchrun"]))
+    ctx.path_entries.insert(0, PathEntry(ahead, True, str(tmp_path / "conda"), commands=["conda", "python", "pip"]))
     ctx.path_entries.append(PathEntry(gone, False))
     r = checks.check_env_vars(ctx)
     assert r.status == "warn"
-    assert other in r.summary and gone in r.summary
-    assert r.data["path_other_envs"] == [other] and other not in r.fix
+    assert f"{after} (after this environment; runs torchrun, ninja, sglang)" in r.summary
+    assert f"{ahead} (ahead of this environment; runs python, pip, conda)" in r.summary and gone in r.summary
+    assert [(e["path"], e["ahead"]) for e in r.data["path_other_envs"]] == [(ahead, True), (after, False)]
+    assert after not in r.fix and ahead not in r.fix and r.fix.startswith("export PATH=")
+    ctx.path_entries = [e for e in ctx.path_entries if e.path != ahead and e.exists]
+    ctx.path_entries[-1].commands = []
+    r = checks.check_env_vars(ctx)
+    assert r.status == "warn" and f"{after} (after this environment; all its commands are found earlier)" in r.summary
 
 
 def test_crashing_check_becomes_a_failure_not_a_traceback(tmp_path, monkeypatch):

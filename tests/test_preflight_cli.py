@@ -125,6 +125,20 @@ def test_cpu_run_skips_gpu_checks(capsys, tmp_path):
     assert "NVML" not in cuda_libs["summary"]  # the driver is not asked for on a CPU run
 
 
+def test_standalone_preflight_passes_env_vars_for_what_dflash_train_sets(capsys, tmp_path, monkeypatch):
+    """No false alarm on a correct box: the allocator variable is the trainer's to set; another value fails."""
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF")
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
+    cfg = str(write_run(tmp_path, device="cpu"))
+    code, out, _ = run(capsys, "--profile", "train-cu128", "--json", "--nvml-fake", "none", "--config", cfg)
+    env_vars = next(c for c in json.loads(out)["checks"] if c["id"] == "env-vars")
+    assert env_vars["status"] in ("pass", "warn")  # warn only for a polluted PATH of this machine
+    assert "dflash-train sets PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True" in env_vars["summary"]
+    monkeypatch.setenv("PYTORCH_ALLOC_CONF", "backend:cudaMallocAsync")
+    code, out, _ = run(capsys, "--profile", "train-cu128", "--json", "--nvml-fake", "none", "--config", cfg)
+    assert statuses(out)["env-vars"] == "fail" and code == 1
+
+
 def test_busy_gpus_fail_and_waivers_turn_exit_to_0(capsys, tmp_path):
     cfg = write_run(tmp_path, topology=(["0", "1", "2", "3", "4"], ["5", "6", "7"]))
     code, out, _ = run(capsys, "--profile", "train-cu128", "--json", "--nvml-fake", str(FIXTURE), "--config", str(cfg))

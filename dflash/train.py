@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from dflash import checkpoint as ckpt
+from dflash import rundir
 from dflash.config import RunConfig, dump_config
 from dflash.data import collate, prefetch
 from dflash.model import DFlashDrafter, drafter_config_from_target
@@ -51,7 +52,7 @@ DUPLICATE_SIGNAL_S = 2.0  # the same signal again within this many seconds is th
 
 @dataclass
 class StopFlag:
-    """Set by SIGINT/SIGTERM; the loop finishes its step, checkpoints and exits 0."""
+    """Set by SIGINT/SIGTERM; the loop finishes its step, checkpoints and returns (dflash-train exits 75)."""
     requested: bool = False
     signame: str = ""
     _at: float = 0.0
@@ -327,11 +328,13 @@ class Trainer:
             return 0
         latest = ckpt.list_checkpoints(self.out)
         path = latest[-1] if latest else None
-        if stopping:
+        if stopping:  # the marker tells a scheduler this run is unfinished (dflash-train exits EXIT_STOPPED)
+            rundir.write_stopped(self.out, stop.signame or "a peer signal", self.step, path)
             self.log(f"stopped by {stop.signame or 'a peer signal'} at step {self.step}; checkpoint {path}")
             self.log(f"resume with: dflash-train --config <this config> --resume latest  (output_dir {self.out})")
             return 0
         self.drafter.save_pretrained(self.out / "drafter")
+        rundir.clear_stopped(self.out)
         self.log(f"done: {self.step} steps; checkpoint {path}; drafter saved to {self.out / 'drafter'}")
         if hasattr(self.source, "summary"):
             self.log(self.source.summary(self.out / "metrics.jsonl"))

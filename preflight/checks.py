@@ -494,14 +494,31 @@ def _incompatible(ctx: Context, saved: dict) -> list[str]:
     return out
 
 
+# What fixes the cosine lr schedule of a run: changed on a resume, the schedule changes (dflash.rundir.schedule_change).
+SCHEDULE_FIELDS = (("train", "max_steps"), ("train", "epochs"), ("train", "grad_accum"), ("train", "lr"),
+                   ("train", "warmup_ratio"), ("data", "token_budget"), ("data", "max_batch_size"),
+                   ("data", "num_buckets"))
+
+
+def _schedule_changes(ctx: Context, saved: dict) -> list[str]:
+    now = ctx.config.model_dump()
+    out = []
+    for section, key in SCHEDULE_FIELDS:
+        old = (saved.get(section) or {}).get(key)
+        if old != now[section][key]:
+            out.append(f"{section}.{key} {old!r} -> {now[section][key]!r}")
+    return out
+
+
 def check_run_dir(ctx: Context) -> CheckResult:
     rd = ctx.run_dir
     intent = ctx.resume_intent
+    how = "sizes and sha256" if rd.deep else "sizes"
     data = dict(path=rd.path, exists=rd.exists, writable=rd.writable, intent=intent,
-                checkpoints=[c.step for c in rd.checkpoints])
+                checkpoints=[c.step for c in rd.checkpoints], verified_by=how)
     if not rd.writable:
-        return _r("run-dir", "fail", f"output dir {rd.path} is not writable: {rd.problem}",
-                  f"set output_dir in {_config_arg(ctx)} to a writable folder", **data)
+        return _r("run-dir", "fail", f"output dir {rd.path} cannot be written: {rd.problem}",
+                  f"set output_dir in {_config_arg(ctx)} to a writable folder with free space", **data)
     newest = rd.newest
     if newest is None:
         if intent == "resume":
@@ -518,14 +535,35 @@ def check_run_dir(ctx: Context) -> CheckResult:
     if intent == "fresh":
         return _r("run-dir", "pass", f"--fresh: {len(rd.checkpoints)} existing checkpoint(s) (newest {name}, "
                   f"step {newest.step}) will be moved aside, not resumed", **data)
-    if newest.meta is None or newest.error:
-        return _r("run-dir", "fail", f"--resume: newest checkpoint {name} cannot be resumed: {newest.error}",
-                  "use --fresh, or give --resume an earlier checkpoint folder", **data)
-    bad = _incompatible(ctx, newest.meta.get("config") or {})
+    # --resume latest takes the newest checkpoint that verifies (dflash.rundir.resolve_resume)
+    usable = [c for c in rd.checkpoints if c.meta is not None and not c.error]
+    chosen = usable[-1] if usable else None
+    skipped = [c for c in rd.checkpoints if chosen is None or c.step > chosen.step]
+    data["skipped"] = [{"step": c.step, "problem": c.error or "meta.json unreadable"} for c in skipped]
+    said = "; ".join(f"{os.path.basename(c.path)}: {c.error or 'meta.json unreadable'}" for c in skipped)
+    if chosen is None:
+        only = skipped[0]
+        what = f"newest checkpoint {name} cannot be resumed: {only.error or 'meta.json unreadable'}" \
+            if len(skipped) == 1 else f"none of the {len(skipped)} checkpoints verifies ({how}): {said}"
+        return _r("run-dir", "fail", f"--resume: {what}", "use --fresh, or give --resume an earlier checkpoint "
+                  "folder (moved aside ones are under checkpoints.abandoned-*)", **data)
+    cname = os.path.basename(chosen.path)
+    data["resume"] = {"step": chosen.step, "path": chosen.path}
+    bad = _incompatible(ctx, chosen.meta.get("config") or {})
     if bad:
-        return _r("run-dir", "fail", f"--resume: {name} (step {newest.step}) is incompatible with this config: "
+        return _r("run-dir", "fail", f"--resume: {cname} (step {chosen.step}) is incompatible with this config: "
                   f"{', '.join(bad)}", f"use --fresh, or restore those settings in {_config_arg(ctx)}", **data)
-    old = newest.meta.get("dataset") or {}
+    notes, fixes = [], []
+    if skipped:
+        notes.append(f"--resume latest skips {said}")
+        fixes.append("move the damaged checkpoint(s) aside, or pass --fresh")
+    schedule = _schedule_changes(ctx, chosen.meta.get("config") or {})
+    if schedule:
+        data["schedule_changes"] = schedule
+        notes.append(f"the lr schedule changes ({', '.join(schedule)}): dflash-train refuses this resume without "
+                     "--allow-schedule-change")
+        fixes.append(f"restore those settings in {_config_arg(ctx)}, or pass --allow-schedule-change")
+    old = chosen.meta.get("dataset") or {}
     ds = ctx.dataset
     changes = []
     if ds is not None and ds.error is None and not any(s.error for s in ds.shards):
@@ -539,10 +577,13 @@ def check_run_dir(ctx: Context) -> CheckResult:
         if old.get("path") and old.get("path") != ds.path:
             changes.append(f"path {old['path']} -> {ds.path}")
     if changes:
-        return _r("run-dir", "warn", f"--resume from {name} (step {newest.step}); dataset changed since: "
-                  f"{'; '.join(changes)} (the epoch restarts from its first batch)",
-                  "use --fresh if the new data should start a new run", **data)
-    return _r("run-dir", "pass", f"--resume from {name} (step {newest.step}): config compatible, dataset unchanged", **data)
+        notes.append(f"dataset changed since: {'; '.join(changes)} (the epoch restarts from its first batch)")
+        fixes.append("use --fresh if the new data should start a new run")
+    if notes:
+        return _r("run-dir", "warn", f"--resume from {cname} (step {chosen.step}); " + "; ".join(notes),
+                  "; ".join(fixes), **data)
+    return _r("run-dir", "pass", f"--resume from {cname} (step {chosen.step}, {how} verified): config and lr "
+              "schedule unchanged, dataset unchanged", **data)
 
 
 def check_dataset(ctx: Context) -> CheckResult:
@@ -601,6 +642,11 @@ def checkpoint_bytes(ctx: Context) -> tuple[int | None, str]:
     return drafter_state_bytes(ctx.config, ctx.target_shape), "estimate: drafter params x 12 B (fp32 weights, AdamW m and v)"
 
 
+def _size(n: int | float) -> str:
+    """GiB, or MiB below one GiB (a tiny run's checkpoints and a full disk both read as 0.0 GiB otherwise)."""
+    return _gib(n) if n >= GiB else f"{n / MiB:.1f} MiB"
+
+
 def check_disk(ctx: Context) -> CheckResult:
     dk = ctx.disk
     cfg = ctx.config
@@ -610,16 +656,16 @@ def check_disk(ctx: Context) -> CheckResult:
     one, how = checkpoint_bytes(ctx)
     data = dict(path=dk.path, free_bytes=dk.free_bytes, checkpoint_bytes=one, basis=how, keep_last=cfg.train.keep_last)
     if one is None:
-        return _r("disk", "warn", f"{_gib(dk.free_bytes)} free at {dk.path}; checkpoint size unknown ({how})",
+        return _r("disk", "warn", f"{_size(dk.free_bytes)} free at {dk.path}; checkpoint size unknown ({how})",
                   f"check target.path in {_config_arg(ctx)}", **data)
     existing = len(ctx.run_dir.checkpoints) if ctx.run_dir and ctx.resume_intent == "resume" else 0
     count = max(1, cfg.train.keep_last + 1 - existing)  # keep_last kept + one being written
     need = count * one
     data.update(need_bytes=need, checkpoints_to_write=count)
-    summary = (f"{_gib(dk.free_bytes)} free at {dk.path}; {count} more checkpoint(s) of {_gib(one)} "
-               f"({how}) need {_gib(need)}")
+    summary = (f"{_size(dk.free_bytes)} free at {dk.path}; {count} more checkpoint(s) of {_size(one)} "
+               f"({how}) need {_size(need)}")
     if dk.free_bytes < need:
-        return _r("disk", "fail", summary, f"free {_gib(need - dk.free_bytes)} at {dk.path}, lower train.keep_last, "
+        return _r("disk", "fail", summary, f"free {_size(need - dk.free_bytes)} at {dk.path}, lower train.keep_last, "
                   f"or move output_dir to a larger disk", **data)
     return _r("disk", "pass", summary, **data)
 

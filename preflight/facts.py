@@ -97,7 +97,7 @@ class Checkpoint:
     step: int
     path: str
     meta: dict | None = None
-    error: str | None = None
+    error: str | None = None  # why a resume would refuse it (dflash.rundir.checkpoint_problem)
     size_bytes: int = 0
 
 
@@ -106,8 +106,9 @@ class RunDir:
     path: str
     exists: bool
     writable: bool
-    problem: str | None = None  # why it is not usable
+    problem: str | None = None  # why it is not usable (dflash.rundir.write_problem)
     checkpoints: list[Checkpoint] = field(default_factory=list)  # finished saves, oldest first
+    deep: bool = False  # sha256 compared too (--verify-data), not only sizes
 
     @property
     def newest(self) -> Checkpoint | None:
@@ -440,30 +441,27 @@ def compile_cache(profile: Profile, env: dict[str, str]) -> CompileCache:
     return cc
 
 
-def _writable(path: Path) -> tuple[bool, str | None]:
-    probe = path
-    while not probe.exists():
-        if probe.parent == probe:
-            return False, f"no existing parent of {path}"
-        probe = probe.parent
-    if not probe.is_dir():
-        return False, f"{probe} exists and is not a directory"
-    if not os.access(probe, os.W_OK | os.X_OK):
-        return False, f"{probe} is not writable by this user"
-    return True, None
+def run_dir(output_dir: str, deep: bool = False) -> RunDir:
+    """The run dir and its finished checkpoints, judged by dflash.rundir's rules (the ones `--resume` applies).
 
-
-def run_dir(output_dir: str) -> RunDir:
-    """The run dir and its finished checkpoints, judged by dflash.rundir's rules (the ones `--resume` applies)."""
+    Every checkpoint's files are checked against the sizes meta.json recorded; with ``deep`` (--verify-data)
+    also their sha256, newest first until one verifies (the one `--resume latest` would load).
+    """
     path = Path(output_dir)
-    ok, problem = _writable(path)
-    rd = RunDir(str(path), path.is_dir(), ok, problem)
+    problem = rundir.write_problem(path)
+    rd = RunDir(str(path), path.is_dir(), problem is None, problem, deep=deep)
     for d in rundir.list_checkpoints(path):
         ck = Checkpoint(rundir.checkpoint_step(d), str(d))
         ck.meta, ck.error = rundir.meta_or_problem(d)
         if ck.error is None:
-            ck.error = rundir.checkpoint_problem(d)
+            ck.error = rundir.checkpoint_problem(d, meta=ck.meta)
         rd.checkpoints.append(ck)
+    if deep:
+        for ck in reversed(rd.checkpoints):
+            if ck.error is None:
+                ck.error = rundir.checkpoint_problem(ck.path, deep=True, meta=ck.meta)
+                if ck.error is None:
+                    break
     if rd.checkpoints:
         rd.checkpoints[-1].size_bytes = _dir_size(Path(rd.checkpoints[-1].path))
     return rd
@@ -519,7 +517,7 @@ def scan_shard(path: Path, limit: int, first_row: int, keep: int = 3) -> Shard:
     return shard
 
 
-def dataset(cfg: RunConfig) -> Dataset:
+def dataset(cfg: RunConfig, deep: bool = False) -> Dataset:
     from dflash.data import shard_files  # the trainer's rule for which files are shards
 
     limit = cfg.data.token_budget if cfg.data.max_length is None else min(cfg.data.token_budget, cfg.data.max_length)
@@ -597,8 +595,12 @@ def gather(
     envs_dir: Path = ENVS_DIR,
     root: Path = REPO_ROOT,
     environ: dict[str, str] | None = None,
+    verify_data: bool = False,
 ) -> Context:
-    """Collect every fact. ``gpu_info`` None = do not query NVML (use it when device = cpu)."""
+    """Collect every fact. ``gpu_info`` None = do not query NVML (use it when device = cpu).
+
+    ``verify_data``: also hash every shard and the checkpoint a resume loads (reads every byte).
+    """
     env = dict(os.environ if environ is None else environ)
     ctx = Context(profile_name=profile_name, config=config, config_path=config_path, resume_intent=resume_intent, env=env)
     try:
@@ -621,8 +623,8 @@ def gather(
         ctx.compile_cache = compile_cache(ctx.profile, env)
     if config is not None:
         ctx.target_shape, ctx.target_error = target_shape(config)
-        ctx.run_dir = run_dir(config.output_dir)
-        ctx.dataset = dataset(config)
+        ctx.run_dir = run_dir(config.output_dir, deep=verify_data and resume_intent == "resume")
+        ctx.dataset = dataset(config, deep=verify_data)
         ctx.disk = disk(config.output_dir)
     ctx.host = host_info(ctx.gpus, root)
     return ctx

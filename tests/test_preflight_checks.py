@@ -379,7 +379,9 @@ def _with_checkpoint(ctx, step=690, config_over=None, samples=1000, fingerprint=
     meta = {"step": step, "config": saved,
             "dataset": {"path": ctx.config.data.path, "samples": samples,
                         "fingerprint": fingerprint or ctx.dataset.fingerprint}}
-    ctx.run_dir.checkpoints = [Checkpoint(500, "ckpt/step_00000500"), Checkpoint(step, f"ckpt/step_{step:08d}", meta)]
+    older = dict(meta, step=500)
+    ctx.run_dir.checkpoints = [Checkpoint(500, "ckpt/step_00000500", older),
+                               Checkpoint(step, f"ckpt/step_{step:08d}", meta)]
     return ctx
 
 
@@ -400,6 +402,7 @@ def test_run_dir_resume_refuses_a_checkpoint_the_trainer_would_refuse(tmp_path):
     from dflash.rundir import LEGACY_REASON
 
     ctx = _with_checkpoint(make_ctx(tmp_path))
+    ctx.run_dir.checkpoints = ctx.run_dir.checkpoints[1:]
     ctx.run_dir.newest.error = LEGACY_REASON  # what facts.run_dir records for an old pickled trainer_state.pt
     ctx.resume_intent = "resume"
     r = checks.check_run_dir(ctx)
@@ -407,6 +410,36 @@ def test_run_dir_resume_refuses_a_checkpoint_the_trainer_would_refuse(tmp_path):
     assert "--fresh" in r.fix
     ctx.resume_intent = "fresh"
     assert checks.check_run_dir(ctx).status == "pass"
+
+
+def test_run_dir_resume_skips_damaged_newer_checkpoints_as_the_trainer_does(tmp_path):
+    """`--resume latest` takes the newest checkpoint that verifies; preflight says which one and what it skips."""
+    ctx = _with_checkpoint(make_ctx(tmp_path))
+    ctx.resume_intent = "resume"
+    truncated = "optimizer.pt is 4,096 bytes, meta.json recorded 8,192 (truncated or rewritten since the save)"
+    ctx.run_dir.newest.error = truncated
+    r = checks.check_run_dir(ctx)
+    assert r.status == "warn"
+    assert r.summary == f"--resume from step_00000500 (step 500); --resume latest skips step_00000690: {truncated}"
+    assert r.data["resume"]["step"] == 500 and r.data["skipped"] == [{"step": 690, "problem": truncated}]
+    ctx.run_dir.checkpoints[0].error = "trainer_state.json content differs from its sha256 in meta.json (damaged since " \
+                                       "the save)"
+    ctx.run_dir.deep = True
+    r = checks.check_run_dir(ctx)
+    assert r.status == "fail" and r.summary.startswith("--resume: none of the 2 checkpoints verifies (sizes and "
+                                                       "sha256): step_00000500: trainer_state.json content differs")
+    assert "--fresh" in r.fix
+
+
+def test_run_dir_resume_that_changes_the_lr_schedule_warns(tmp_path):
+    """The incident's `--max-steps` on resume: lr fell 18x in 5 steps while preflight said "config compatible"."""
+    ctx = _with_checkpoint(make_ctx(tmp_path), config_over={"train.max_steps": 20_000, "train.lr": 3e-4})
+    ctx.resume_intent = "resume"
+    r = checks.check_run_dir(ctx)
+    assert r.status == "warn" and "compatible" not in r.summary
+    assert "the lr schedule changes (train.max_steps 20000 -> None, train.lr 0.0003 -> 0.0006): dflash-train refuses " \
+           "this resume without --allow-schedule-change" in r.summary
+    assert "--allow-schedule-change" in r.fix and r.data["schedule_changes"][0] == "train.max_steps 20000 -> None"
 
 
 def test_run_dir_resume_incompatible_fails(tmp_path):
@@ -432,7 +465,7 @@ def test_run_dir_unwritable_and_resume_without_checkpoint_fail(tmp_path):
     assert r.status == "fail" and "no finished checkpoint" in r.summary
     ctx.run_dir = RunDir(ctx.config.output_dir, True, False, "run is not writable by this user")
     r = checks.check_run_dir(ctx)
-    assert r.status == "fail" and "not writable" in r.summary
+    assert r.status == "fail" and r.summary.endswith("cannot be written: run is not writable by this user")
 
 
 # ---------------------------------------------------------------- dataset

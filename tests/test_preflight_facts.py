@@ -186,6 +186,37 @@ def test_run_dir_flags_checkpoints_a_resume_would_refuse(tmp_path):
     assert "optimizer.pt" in facts.run_dir(str(run)).newest.error
 
 
+def _recorded_ckpt(run: Path, step: int) -> Path:
+    """A checkpoint whose meta.json records its files' sizes and sha256, as save_checkpoint writes it."""
+    from dflash.rundir import CHECKPOINT_FILES, FILES_KEY, META_NAME, record_files
+
+    d = _ckpt(run, step, None)
+    (d / "drafter.safetensors").unlink()
+    for name in set(CHECKPOINT_FILES) - {META_NAME}:
+        (d / name).parent.mkdir(parents=True, exist_ok=True)
+        (d / name).write_bytes(bytes(range(256)) * 64)
+    (d / META_NAME).write_text(json.dumps({"step": step, FILES_KEY: record_files(d)}))
+    return d
+
+
+def test_run_dir_checks_recorded_sizes_and_with_verify_data_the_sha256(tmp_path):
+    run = tmp_path / "run"
+    _recorded_ckpt(run, 500)
+    newest = _recorded_ckpt(run, 600)
+    assert [c.error for c in facts.run_dir(str(run)).checkpoints] == [None, None]
+    data = bytearray((newest / "optimizer.pt").read_bytes())
+    data[100:164] = bytes(b ^ 0xFF for b in data[100:164])  # 64 flipped bytes: same size
+    (newest / "optimizer.pt").write_bytes(bytes(data))
+    assert facts.run_dir(str(run)).newest.error is None  # sizes only: preflight's quick look cannot see it
+    deep = facts.run_dir(str(run), deep=True)
+    assert deep.deep and deep.newest.error == "optimizer.pt content differs from its sha256 in meta.json (damaged " \
+                                               "since the save)"
+    assert deep.checkpoints[0].error is None  # the one `--resume latest` takes
+    (newest / "optimizer.pt").write_bytes(bytes(data[:1000]))
+    assert facts.run_dir(str(run)).newest.error == ("optimizer.pt is 1,000 bytes, meta.json recorded 16,384 "
+                                                    "(truncated or rewritten since the save)")
+
+
 def test_run_dir_not_writable_when_parent_is_a_file(tmp_path):
     (tmp_path / "file").write_text("")
     rd = facts.run_dir(str(tmp_path / "file" / "run"))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -134,8 +135,8 @@ def test_resume_after_kill_matches_uninterrupted(tmp_path):
     step = int(saved.name.split("_")[1])
     assert 10 <= step < 20
     out = subprocess.run(train_cmd(config, "--resume", "latest"), cwd=REPO, capture_output=True, text=True)
-    assert out.returncode == 0, out.stdout + out.stderr
-    assert f"resumed from {saved}" in out.stdout
+    assert out.returncode == 0, out.stdout + out.stderr  # finished: 0, and no stop marker
+    assert f"resumed from {saved}" in out.stdout and not (run_dir / "stopped.json").exists()
     rows = metrics(run_dir)
     assert [r["step"] for r in rows] == list(range(1, 21))  # each step once: the killed run's later rows moved aside
     abandoned = list(run_dir.glob("metrics.abandoned-*.jsonl"))
@@ -147,7 +148,8 @@ def test_resume_after_kill_matches_uninterrupted(tmp_path):
         assert r["accept_len"] == pytest.approx(ref[s]["accept_len"], rel=1e-6)
 
 
-def test_sigterm_finishes_step_checkpoints_and_exits_zero(tmp_path):
+def test_sigterm_finishes_step_checkpoints_and_exits_75(tmp_path):
+    """A scheduler tells a stopped run from a finished one: exit 75 (EX_TEMPFAIL) and stopped.json in the run dir."""
     cfg, raw = tiny_config(tmp_path, max_steps=5000, save_every=1000)
     config = write_toml(raw, tmp_path / "run.toml")
     proc = subprocess.Popen(train_cmd(config, "--fresh"), cwd=REPO, stdout=subprocess.PIPE,
@@ -159,10 +161,13 @@ def test_sigterm_finishes_step_checkpoints_and_exits_zero(tmp_path):
         time.sleep(0.05)
     proc.send_signal(signal.SIGTERM)
     out, _ = proc.communicate(timeout=60)
-    assert proc.returncode == 0, out
+    assert proc.returncode == 75, out
     assert "stopped by SIGTERM" in out and "--resume latest" in out
     last = ckpt.list_checkpoints(cfg.output_dir)[-1]
     assert int(last.name.split("_")[1]) == metrics(Path(cfg.output_dir))[-1]["step"]
+    marker = json.loads((Path(cfg.output_dir) / "stopped.json").read_text())
+    assert marker["signal"] == "SIGTERM" and marker["checkpoint"] == str(last) and marker["exit_code"] == 75
+    assert marker["step"] == int(last.name.split("_")[1])
 
 
 def test_refuses_without_resume_or_fresh_when_checkpoints_exist(tmp_path):
@@ -193,8 +198,18 @@ def test_resume_from_an_older_checkpoint_moves_newer_ones_aside(tmp_path):
     older = ckpt.checkpoints_dir(cfg.output_dir) / "step_00000002"
     raw["train"]["max_steps"] = 3
     config = write_toml(raw, tmp_path / "run.toml")
-    out = subprocess.run(train_cmd(config, "--resume", str(older)), cwd=REPO, capture_output=True, text=True)
+    refused = subprocess.run(train_cmd(config, "--resume", str(older)), cwd=REPO, capture_output=True, text=True)
+    assert refused.returncode == 2 and "Traceback" not in refused.stderr
+    assert refused.stderr.strip() == ("dflash-train: error: --resume step_00000002 (step 2) would change the lr "
+                                      "schedule: total steps 6 -> 3 (train.max_steps 6 -> 3); pass "
+                                      "--allow-schedule-change to accept it, or restore the checkpoint's settings")
+    assert [c.name for c in ckpt.list_checkpoints(cfg.output_dir)] == ["step_00000002", "step_00000004",
+                                                                       "step_00000006"]  # nothing moved
+    out = subprocess.run(train_cmd(config, "--resume", str(older), "--allow-schedule-change"), cwd=REPO,
+                         capture_output=True, text=True)
     assert out.returncode == 0, out.stdout + out.stderr
+    assert ("--allow-schedule-change: resuming step_00000002 (step 2) with a new lr schedule: total steps 6 -> 3 "
+            "(train.max_steps 6 -> 3)") in out.stdout
     assert "2 newer checkpoint(s) moved to" in out.stdout
     names = [c.name for c in ckpt.list_checkpoints(cfg.output_dir)]
     assert names == ["step_00000002", "step_00000003"]  # the resumed-from one is kept, latest is this run's
@@ -235,3 +250,16 @@ def test_list_valued_set_and_bad_set_values_are_one_line(tmp_path):
     assert "drafter.target_layer_ids.1" in line and "train.lr" in line  # every validation error, on one line
     nokey = subprocess.run(train_cmd(config, "--fresh", "--set", "train.lr"), cwd=REPO, capture_output=True, text=True)
     assert nokey.returncode == 2 and "expected SECTION.KEY=VALUE" in nokey.stderr
+
+
+def test_warm_cache_of_a_cuda_config_without_a_gpu_fails_in_one_line(tmp_path):
+    _, raw = tiny_config(tmp_path)
+    raw["device"] = "cuda"
+    config = write_toml(raw, tmp_path / "run.toml")
+    out = subprocess.run(train_cmd(config, "--warm-cache"), cwd=REPO, capture_output=True, text=True,
+                         env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    assert out.returncode == 1 and "Traceback" not in out.stderr, out.stdout + out.stderr
+    errors = [x for x in out.stderr.splitlines() if x.startswith("dflash-train: error: ")]
+    assert len(errors) == 1 and out.stderr.strip().endswith(errors[0]), out.stderr
+    line = errors[0]
+    assert line.startswith(f"dflash-train: error: --warm-cache: {config} says device = \"cuda\" but torch sees no GPU")

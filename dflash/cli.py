@@ -4,6 +4,7 @@
     uv run dflash-train --config configs/tiny-cpu.toml --resume latest
     uv run dflash-train --config configs/qwen3-8b-1gpu.toml --warm-cache
     uv run dflash-data stats data/train
+    uv run dflash-data manifest data/train --target models/qwen3-8b
 
 dflash-train exit codes: 0 the run finished, 1 it failed (or the gate refused it), 2 bad input,
 75 a signal stopped it after a checkpoint (resume with --resume latest; dflash.rundir.EXIT_STOPPED).
@@ -192,12 +193,29 @@ def data_prepare(target, prompts, out, max_new_tokens, limit, batch_size, shard_
 @data_command.command("merge")
 @click.argument("inputs", nargs=-1, required=True, type=click.Path(exists=True, file_okay=False, path_type=Path))
 @click.option("--out", required=True, type=click.Path(path_type=Path), help="merged output folder (must not exist)")
-@click.option("--overwrite", is_flag=True, help="replace an existing --out")
+@click.option("--overwrite", is_flag=True, help="replace an existing --out (the old one is moved aside, not deleted)")
 def data_merge(inputs, out, overwrite) -> None:
-    """Copy the shards of several datasets into one new folder; inputs stay untouched."""
+    """Copy the shards of several datasets into one new folder; inputs are never written.
+
+    Refuses an input given twice (same folder or same shard content), an --out inside an input,
+    and inputs built for different targets.
+    """
     from dflash.prepare import merge
 
     merge(list(inputs), out, overwrite, log=click.echo)
+
+
+@data_command.command("manifest")
+@click.argument("path", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.option("--target", required=True, help="the HF model folder (or smollm2) the data was tokenized for")
+def data_manifest(path, target) -> None:
+    """Record the target and every shard's size and sha256 in PATH/manifest.json (data written by other tools).
+
+    Refused when a token id does not fit the target's vocabulary.
+    """
+    from dflash.prepare import record_manifest
+
+    record_manifest(path, target, log=click.echo)
 
 
 @click.command(cls=Command, context_settings=CONTEXT)

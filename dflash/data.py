@@ -128,7 +128,7 @@ def compare_targets(recorded: dict, current: dict) -> tuple[list[str], list[str]
 
     A mismatch makes the token ids mean other tokens or crash the embedding (another vocabulary size,
     other tokenizer files); a note is a difference the ids survive (completions of another model
-    with the same tokenizer, a tokenizer that could not be compared).
+    with the same tokenizer). Tokenizers are compared when both sides have tokenizer files.
     """
     bad, notes = [], []
     if recorded.get("vocab_size") != current.get("vocab_size"):
@@ -136,8 +136,6 @@ def compare_targets(recorded: dict, current: dict) -> tuple[list[str], list[str]
     a, b = recorded.get("tokenizer_sha256"), current.get("tokenizer_sha256")
     if a and b and a != b:
         bad.append(f"tokenizer files differ (sha256 {a[:12]} -> {b[:12]})")
-    elif not (a and b):
-        notes.append("tokenizer files not compared (" + ("none recorded" if not a else "the target has none") + ")")
     model = [f"{k} {recorded.get(k)} -> {current.get(k)}" for k in ("model_type", "num_layers", "hidden")
              if recorded.get(k) != current.get(k)]
     if model and not bad:

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from importlib import metadata
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from packaging.utils import canonicalize_name
 
@@ -33,6 +34,9 @@ from dflash.memory import TargetShape, load_target_shape
 from preflight.lockfile import LockFile, parse_lock
 from preflight.nvml import GpuInfo, NvmlSnapshot, NvmlUnavailable
 from preflight.profiles import ENVS_DIR, REPO_ROOT, Profile, ProfileError, load_profile, lock_path
+
+if TYPE_CHECKING:
+    from dflash.data import ValueStats  # numpy + pyarrow: imported only when a dataset is read
 
 # The drafter model source: a debugging hack left in any of these changes what a run trains.
 MODEL_SOURCE_FILES = ("dflash/model.py", "dflash/attention.py", "dflash/loss.py", "dflash/target.py")
@@ -128,6 +132,8 @@ class Shard:
     mask_mismatch: tuple[int, int, int] | None = None  # (row, input_ids len, loss_mask len)
     size_bytes: int = 0
     error: str | None = None
+    values: ValueStats | None = None  # token id / loss_mask ranges, learnable positions (None: not read)
+    sha256: str | None = None  # of the file, read only with --verify-data
 
 
 @dataclass
@@ -136,6 +142,11 @@ class Dataset:
     limit: int  # longest sample that can fit a batch (tokens)
     shards: list[Shard] = field(default_factory=list)
     error: str | None = None  # the folder itself
+    manifest: dict | None = None  # manifest.json beside the shards (dflash.data), None when absent
+    manifest_error: str | None = None  # why it could not be read
+    target: dict | None = None  # the run's target fingerprint (dflash.data.target_fingerprint)
+    target_error: str | None = None  # why it could not be taken
+    deep: bool = False  # shard sha256 computed (--verify-data)
 
     @property
     def samples(self) -> int:
@@ -475,11 +486,12 @@ def _list_lengths(column):
 
 
 def scan_shard(path: Path, limit: int, first_row: int, keep: int = 3) -> Shard:
+    """Rows, lengths, samples over `limit`, and the value ranges (dflash.data.value_stats) of one shard."""
     import numpy as np
     import pyarrow as pa
     import pyarrow.ipc as ipc
 
-    from dflash.data import COLUMNS
+    from dflash.data import COLUMNS, value_stats
 
     shard = Shard(path.name, first_row=first_row, size_bytes=path.stat().st_size)
     try:
@@ -497,6 +509,8 @@ def scan_shard(path: Path, limit: int, first_row: int, keep: int = 3) -> Shard:
                     return shard
             ids = _list_lengths(table.column("input_ids"))
             mask = _list_lengths(table.column("loss_mask"))
+            if np.array_equal(ids, mask):
+                shard.values = value_stats(table.column("input_ids"), table.column("loss_mask"))
     except (pa.ArrowException, OSError, ValueError) as e:
         shard.error = f"not a readable Arrow IPC file: {str(e).splitlines()[0][:160]}"
         return shard
@@ -518,10 +532,13 @@ def scan_shard(path: Path, limit: int, first_row: int, keep: int = 3) -> Shard:
 
 
 def dataset(cfg: RunConfig, deep: bool = False) -> Dataset:
-    from dflash.data import shard_files  # the trainer's rule for which files are shards
+    """The shards of data.path (the trainer's rule for which files are shards), their manifest, the run's target
+    fingerprint to compare it with, and with ``deep`` (--verify-data) every shard's sha256."""
+    from dflash.data import read_manifest, shard_files, target_fingerprint
+    from dflash.filehash import sha256_files
 
     limit = cfg.data.token_budget if cfg.data.max_length is None else min(cfg.data.token_budget, cfg.data.max_length)
-    ds = Dataset(cfg.data.path, limit)
+    ds = Dataset(cfg.data.path, limit, deep=deep)
     root = Path(cfg.data.path)
     paths = shard_files(root)
     if not paths and not root.is_dir():
@@ -534,6 +551,21 @@ def dataset(cfg: RunConfig, deep: bool = False) -> Dataset:
         ds.shards.append(shard)
     if not ds.shards:
         ds.error = f"no *.arrow shards in {root}"
+        return ds
+    if root.is_dir():
+        ds.manifest, ds.manifest_error = read_manifest(root)
+    try:
+        ds.target = target_fingerprint(cfg.target.path)
+    except (ConfigError, OSError) as e:
+        ds.target_error = e.one_line() if isinstance(e, ConfigError) else f"{cfg.target.path}: {e.strerror}"
+    if deep:
+        hashes = sha256_files(paths)
+        for shard, path in zip(ds.shards, paths):
+            digest = hashes[path]
+            if isinstance(digest, OSError):
+                shard.error = shard.error or f"unreadable ({digest.strerror})"
+            else:
+                shard.sha256 = digest
     return ds
 
 

@@ -255,6 +255,27 @@ def test_dataset_fingerprint_matches_the_trainer(tmp_path):
     assert facts.dataset(_cfg(tmp_path)).fingerprint == ShardDataset(tmp_path / "data").fingerprint
 
 
+def test_dataset_reads_values_manifest_target_and_with_verify_data_the_sha256(tmp_path):
+    from dflash.data import ValueStats, shard_records, target_fingerprint, write_manifest
+
+    (tmp_path / "data").mkdir()
+    _shard(tmp_path / "data" / "a.arrow", [10, 1, 3])  # ids 0..n-1, loss_mask all 1
+    _shard(tmp_path / "data" / "b.arrow", [4])
+    ds = facts.dataset(_cfg(tmp_path))
+    assert [s.values for s in ds.shards] == [ValueStats(0, 9, 1, 1, 9 + 0 + 2), ValueStats(0, 3, 1, 1, 3)]
+    assert ds.manifest is None and ds.manifest_error is None and not ds.deep
+    assert ds.target == target_fingerprint("smollm2") and ds.target["vocab_size"] == 49_152
+    assert all(s.sha256 is None for s in ds.shards)  # hashed only when asked
+    write_manifest(tmp_path / "data", {"target": ds.target, "shards": shard_records((tmp_path / "data").glob("*.arrow"))})
+    deep = facts.dataset(_cfg(tmp_path), deep=True)
+    assert deep.deep and deep.manifest["shards"]["a.arrow"]["sha256"] == deep.shards[0].sha256
+    (tmp_path / "data" / "manifest.json").write_text("{")
+    assert facts.dataset(_cfg(tmp_path)).manifest_error.startswith("manifest.json unreadable")
+    bad_target = config_from_dict({"output_dir": str(tmp_path / "run"), "data": {"path": str(tmp_path / "data")},
+                                   "target": {"path": str(tmp_path / "nowhere")}})
+    assert "config.json: not found" in facts.dataset(bad_target).target_error
+
+
 def test_dataset_corrupt_shards_are_named(tmp_path):
     (tmp_path / "data").mkdir()
     _shard(tmp_path / "data" / "a.arrow", [10, 20])

@@ -263,3 +263,42 @@ def test_warm_cache_of_a_cuda_config_without_a_gpu_fails_in_one_line(tmp_path):
     assert len(errors) == 1 and out.stderr.strip().endswith(errors[0]), out.stderr
     line = errors[0]
     assert line.startswith(f"dflash-train: error: --warm-cache: {config} says device = \"cuda\" but torch sees no GPU")
+
+
+def _flip_middle(file: Path, n: int = 64) -> None:
+    data = bytearray(file.read_bytes())
+    mid = len(data) // 2
+    data[mid:mid + n] = bytes(b ^ 0xFF for b in data[mid:mid + n])
+    file.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("case", ["id >= vocab", "all-zero loss_mask", "1-token samples", "64 flipped bytes"])
+def test_data_the_run_cannot_learn_from_stops_at_the_gate(tmp_path, case):
+    """Each passed preflight before, then crashed in step 1 or "trained" with exit 0; now the dataset check fails."""
+    from dflash.data import shard_records, target_fingerprint, write_manifest, write_shard
+
+    cfg, raw = tiny_config(tmp_path, max_steps=2)
+    data = Path(cfg.data.path)
+    shards = sorted(data.glob("*.arrow"))
+    if case == "id >= vocab":
+        write_shard(data / "shard-00009.arrow", [[5, 6, 200]], [[0, 1, 1]])  # the tiny target's vocabulary is 128
+        expect = "token ids up to 200 (shard-00009.arrow) but the target's vocabulary is 128"
+    elif case == "all-zero loss_mask":
+        for shard in shards:
+            write_shard(shard, [[5, 6, 7]] * 4, [[0, 0, 0]] * 4)
+        expect = "nothing to learn: loss_mask is 0 everywhere"
+    elif case == "1-token samples":
+        for shard in shards:
+            write_shard(shard, [[5]] * 4, [[1]] * 4)
+        expect = "nothing to learn: no sample has two consecutive loss_mask = 1 tokens"
+    else:
+        write_manifest(data, {"target": target_fingerprint(cfg.target.path), "shards": shard_records(shards)})
+        _flip_middle(shards[1])
+        expect = "shard-00001.arrow content differs from its sha256 in manifest.json"
+    config = write_toml(raw, tmp_path / "run.toml")
+    out = subprocess.run(train_cmd(config, "--fresh", "--verify-data"), cwd=REPO, capture_output=True, text=True)
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert "Traceback" not in out.stderr
+    failed = [line for line in out.stderr.splitlines() if line.startswith("preflight: FAIL ")]
+    assert len(failed) == 1 and failed[0].startswith("preflight: FAIL dataset: ") and expect in failed[0], out.stderr
+    assert not (Path(cfg.output_dir) / "metrics.jsonl").exists()  # no step ran

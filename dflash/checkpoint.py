@@ -7,7 +7,9 @@ leaves the previous checkpoint loadable; only the newest keep_last are kept.
 The trainer state is plain JSON (step, sampler position, ...) plus its tensors (RNG states) in
 safetensors, and the optimizer state is loaded with ``weights_only=True``: loading a checkpoint
 runs no code from it. A checkpoint of an older version (a pickled ``trainer_state.pt``) is
-refused with a one-line CheckpointError, as is a missing or corrupt file.
+refused with a one-line CheckpointError, as is a missing or corrupt file. meta.json records the
+size and sha256 of every other file of the checkpoint, so a resume can tell a damaged checkpoint
+from an intact one before loading it (``dflash.rundir.checkpoint_problem``).
 
     path = save_checkpoint(out, step, drafter, optimizer, {"step": step, "sampler": {...}, "rng_cpu": t},
                            cfg, dataset_meta, keep_last, provenance=preflight.gate.provenance(cfg.profile))
@@ -28,6 +30,7 @@ import torch
 from dflash.config import RunConfig
 from dflash.rundir import (  # noqa: F401  (CheckpointError, checkpoints_dir, ...: re-exported for callers)
     DRAFTER_DIR,
+    FILES_KEY,
     META_NAME,
     OPTIMIZER_NAME,
     STATE_JSON,
@@ -42,6 +45,7 @@ from dflash.rundir import (  # noqa: F401  (CheckpointError, checkpoints_dir, ..
     legacy_message,
     list_checkpoints,
     read_meta,
+    record_files,
     resolve_resume,
     resume_fix,
 )
@@ -129,6 +133,7 @@ def save_checkpoint(output_dir: str | Path, step: int, drafter, optimizer, train
         "config": cfg.model_dump(),
         "dataset": dataset_meta,
         **(provenance or {}),
+        FILES_KEY: record_files(tmp),  # size + sha256 of every file: a resume verifies them (dflash.rundir)
     }
     (tmp / META_NAME).write_text(json.dumps(meta, indent=2))  # last: a folder with meta.json is finished
     _fsync_tree(tmp)  # the bytes are on disk before the rename makes the checkpoint visible

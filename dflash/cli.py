@@ -4,6 +4,10 @@
     uv run dflash-train --config configs/tiny-cpu.toml --resume latest
     uv run dflash-train --config configs/qwen3-8b-1gpu.toml --warm-cache
     uv run dflash-data stats data/train
+    uv run dflash-data manifest data/train --target models/qwen3-8b
+
+dflash-train exit codes: 0 the run finished, 1 it failed (or the gate refused it), 2 bad input,
+75 a signal stopped it after a checkpoint (resume with --resume latest; dflash.rundir.EXIT_STOPPED).
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ from pathlib import Path
 import click
 
 from dflash.config import MAX_TOKENS, RunConfig, load_config, parse_overrides
-from dflash.errors import Command, Group, run_cli
+from dflash.errors import Command, DflashError, Group, run_cli
 
 CONTEXT = {"help_option_names": ["-h", "--help"]}
 
@@ -37,11 +41,17 @@ def _gpu_list(text: str | None) -> list[str] | None:
     return items
 
 
-def _gate(cfg: RunConfig, waivers: dict[str, str], intent: str | None):
+class NoGpuError(DflashError):
+    """A CUDA run config on a machine where torch sees no GPU; the message is one line."""
+
+
+def _gate(cfg: RunConfig, waivers: dict[str, str], intent: str | None, verify_data: bool = False,
+          config_path: Path | None = None):
     """The in-process preflight gate; prints its lines. Its result (`.ok`: training may start)."""
     from preflight.gate import run_gate
 
-    result = run_gate(cfg, waivers, intent)
+    result = run_gate(cfg, waivers, intent, config_path=str(config_path) if config_path else None,
+                      verify_data=verify_data)
     for line in result.notes:
         click.echo(line, err=True)
     click.echo(result.verdict, err=not result.ok)
@@ -64,9 +74,16 @@ def _gate(cfg: RunConfig, waivers: dict[str, str], intent: str | None):
 @click.option("--warm-cache", is_flag=True, help="compile the kernels for the configured shapes and write the "
               "compile-cache manifest, then exit")
 @click.option("--no-progress", is_flag=True, help="plain log lines instead of a progress bar")
+@click.option("--allow-schedule-change", is_flag=True, help="resume even though the lr schedule changes "
+              "(other max_steps, epochs, dataset size, lr, ...); the change is printed")
+@click.option("--verify-data", is_flag=True, help="the gate also hashes every shard and the checkpoint to resume "
+              "against their recorded sha256 (reads every byte)")
 def train_command(config_path, demo, resume, fresh, sets, max_steps, output_dir, target_gpus, drafter_gpus,
-               waive, reason, warm_cache, no_progress) -> None:
-    """Train a DFlash drafter against a frozen target; refuses to start unless preflight passes."""
+               waive, reason, warm_cache, no_progress, allow_schedule_change, verify_data) -> None:
+    """Train a DFlash drafter against a frozen target; refuses to start unless preflight passes.
+
+    Exit codes: 0 finished, 1 failed or refused by the gate, 2 bad input, 75 stopped by a signal after a checkpoint.
+    """
     if demo:
         from dflash.demo import run_demo
 
@@ -90,24 +107,46 @@ def train_command(config_path, demo, resume, fresh, sets, max_steps, output_dir,
 
     apply_profile_env(cfg.profile, log=click.echo)
     if warm_cache:
+        import torch
+
+        if cfg.device == "cuda" and not torch.cuda.is_available():
+            raise NoGpuError(f"--warm-cache: {config_path} says device = \"cuda\" but torch sees no GPU (torch "
+                             f"{torch.__version__}, CUDA {torch.version.cuda or 'none'}); run it on the training "
+                             "machine, where the cache is used")
         from dflash.train import warm_cache as do_warm
 
         sys.exit(do_warm(cfg))
-    from dflash.rundir import prepare_output_dir
+    from dflash import rundir
 
-    resume_from = prepare_output_dir(cfg, resume, fresh, log=click.echo)
     intent = "resume" if resume else "fresh" if fresh else None
-    Path(cfg.output_dir).mkdir(parents=True, exist_ok=True)
-    gate = _gate(cfg, waivers, intent)
+    # A run dir that cannot be written is left as it is and reported by the gate (run-dir / disk), one line each.
+    unusable = rundir.write_problem(cfg.output_dir)
+    resume_from = None
+    if unusable is None:
+        try:
+            resume_from = rundir.prepare_output_dir(cfg, resume, fresh, log=click.echo,
+                                                    allow_schedule_change=allow_schedule_change)
+            Path(cfg.output_dir).mkdir(parents=True, exist_ok=True)
+        except OSError as e:  # the disk filled or the dir turned read-only between the look and the write
+            unusable = f"{e.filename or cfg.output_dir}: {e.strerror or e}"
+    gate = _gate(cfg, waivers, intent, verify_data, config_path)
     if not gate.ok:
         sys.exit(1)
+    if unusable:  # the gate's run-dir check was waived
+        raise rundir.RunDirError(f"output dir {cfg.output_dir}: {unusable}; set output_dir to a writable folder "
+                                 "with free space")
+    rundir.clear_stopped(cfg.output_dir)
     if cfg.topology.target_gpus:
         from dflash.split import launch
 
-        sys.exit(launch(cfg, resume_from, gate.report.run["gate_id"]))
-    from dflash.train import run
+        code = launch(cfg, resume_from, gate.report.run["gate_id"])
+    else:
+        from dflash.train import run
 
-    sys.exit(run(cfg, resume_from, progress=False if no_progress else None))
+        code = run(cfg, resume_from, progress=False if no_progress else None)
+    if code == 0 and rundir.read_stopped(cfg.output_dir):
+        code = rundir.EXIT_STOPPED  # stopped by a signal after a checkpoint: unfinished, resumable
+    sys.exit(code)
 
 
 @click.group(cls=Group, context_settings=CONTEXT)
@@ -159,12 +198,29 @@ def data_prepare(target, prompts, out, max_new_tokens, limit, batch_size, shard_
 @data_command.command("merge")
 @click.argument("inputs", nargs=-1, required=True, type=click.Path(exists=True, file_okay=False, path_type=Path))
 @click.option("--out", required=True, type=click.Path(path_type=Path), help="merged output folder (must not exist)")
-@click.option("--overwrite", is_flag=True, help="replace an existing --out")
+@click.option("--overwrite", is_flag=True, help="replace an existing --out (the old one is moved aside, not deleted)")
 def data_merge(inputs, out, overwrite) -> None:
-    """Copy the shards of several datasets into one new folder; inputs stay untouched."""
+    """Copy the shards of several datasets into one new folder; inputs are never written.
+
+    Refuses an input given twice (same folder or same shard content), an --out inside an input,
+    and inputs built for different targets.
+    """
     from dflash.prepare import merge
 
     merge(list(inputs), out, overwrite, log=click.echo)
+
+
+@data_command.command("manifest")
+@click.argument("path", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.option("--target", required=True, help="the HF model folder (or smollm2) the data was tokenized for")
+def data_manifest(path, target) -> None:
+    """Record the target and every shard's size and sha256 in PATH/manifest.json (data written by other tools).
+
+    Refused when a token id does not fit the target's vocabulary.
+    """
+    from dflash.prepare import record_manifest
+
+    record_manifest(path, target, log=click.echo)
 
 
 @click.command(cls=Command, context_settings=CONTEXT)

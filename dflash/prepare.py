@@ -2,6 +2,7 @@
 
     uv run dflash-data prepare --target smollm2 --prompts chitchat --out data/chitchat --limit 512
     uv run dflash-data merge data/a data/b --out data/ab
+    uv run dflash-data manifest data/from-elsewhere --target models/qwen3-8b   # record target + hashes
 
 Each prompt goes through the target's chat template; the target completes it greedily (batched,
 left padding); a sample is the prompt's token ids followed by the completion's token ids (up to
@@ -12,25 +13,49 @@ what the target produces.
 Shard i holds prompts [i*K, (i+1)*K) of the (limited) prompt list. ``manifest.json`` records the
 settings and, per finished shard, the prompt range it holds; a rerun with the same settings
 skips finished shards, so an interrupted prepare resumes without duplicating any sample. A
-rerun with other settings (prompts, target, max_new_tokens, shard size) is refused.
+rerun with other settings (prompts, target, max_new_tokens, shard size) is refused. The manifest
+also records the target's fingerprint and each shard's size and sha256 (``dflash.data`` owns that
+format), which preflight's `dataset` check compares with the run's target and the shards on disk.
+
+``merge`` copies shards into a new folder and never writes into an input: an --out inside an input
+(or an input inside --out) is refused, as are the same folder twice, shards with the same content
+(sha256) and inputs built for different targets; an output it replaces (--overwrite) is moved aside,
+never deleted. ``manifest`` records the target and the shard hashes of data written by other tools.
 """
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
 import os
 import re
 import shutil
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from dflash.data import SHARD_GLOB, DatasetError, ShardDataset, write_shard
+from dflash.config import ConfigError
+from dflash.data import (
+    MANIFEST_NAME,
+    SHARD_GLOB,
+    DatasetError,
+    ShardDataset,
+    ValueStats,
+    compare_targets,
+    shard_records,
+    target_fingerprint,
+    value_stats,
+    write_shard,
+)
+from dflash.data import read_manifest as _read_manifest
+from dflash.data import write_manifest as write_manifest
 from dflash.errors import DflashError
+from dflash.filehash import CHUNK
 from dflash.prompts import chat_prompt_ids, load_prompts, source_fingerprint
 
-MANIFEST = "manifest.json"
+MANIFEST = MANIFEST_NAME
 SHARD_NAME = "shard-{:05d}.arrow"
 ENGINES = ("transformers", "sglang")
 INFER_PROFILE_CMD = "uv run --no-default-groups --group infer-cu130 --group dev dflash-data prepare ..."
@@ -60,19 +85,18 @@ class PrepareSettings:
 
 
 def read_manifest(out: Path) -> dict | None:
-    path = out / MANIFEST
-    if not path.exists():
-        return None
+    """The dataset manifest of `out` (None when there is none). Raises PrepareError when it is unreadable."""
+    manifest, problem = _read_manifest(out)
+    if problem:
+        raise PrepareError(f"{out / MANIFEST}: {problem}; move the folder aside or use another --out")
+    return manifest
+
+
+def _fingerprint(target: str) -> dict:
     try:
-        return json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise PrepareError(f"{path}: unreadable manifest ({e}); move the folder aside or use another --out") from None
-
-
-def write_manifest(out: Path, manifest: dict) -> None:
-    tmp = out / f".{MANIFEST}.{os.getpid()}.tmp"
-    tmp.write_text(json.dumps(manifest, indent=2) + "\n")
-    os.replace(tmp, out / MANIFEST)
+        return target_fingerprint(target)
+    except ConfigError as e:
+        raise PrepareError(f"--target {target}: {e.one_line()}") from None
 
 
 def _settings_key(s: PrepareSettings, fingerprint: str, tokenizer) -> dict:
@@ -102,6 +126,16 @@ def _check_resumable(out: Path, manifest: dict | None, key: dict) -> dict:
             f"{out}: prepared with other settings ({what}); resume with the same ones or use another --out"
         )
     return manifest
+
+
+def _check_target(out: Path, manifest: dict, target: dict) -> None:
+    """A resumed prepare must complete the same target it started with (a model folder replaced under its path)."""
+    recorded = manifest.get("target")
+    if isinstance(recorded, dict):
+        bad, _ = compare_targets(recorded, target)
+        if bad:
+            raise PrepareError(f"{out}: prepared for another target ({', '.join(bad)}); use another --out")
+    manifest["target"] = target
 
 
 def plan_shards(num_prompts: int, shard_size: int) -> list[tuple[str, int, int]]:
@@ -263,6 +297,7 @@ def prepare(s: PrepareSettings, log=print, progress: bool | None = None) -> dict
         raise PrepareError(f"--target {s.target}: its tokenizer has no vocabulary (tokenizer files missing); give a "
                            "Hugging Face model folder with tokenizer files")
     manifest = _check_resumable(out, existing, _settings_key(s, fingerprint, tokenizer))
+    _check_target(out, manifest, _fingerprint(s.target))
     context = context_length(model_path)
     prompt_ids = tokenize_prompts(prompts, tokenizer, context, s.max_new_tokens)
 
@@ -290,7 +325,8 @@ def prepare(s: PrepareSettings, log=print, progress: bool | None = None) -> dict
             ids, masks, n_new = _generate_shard(engine, prompt_ids[start:end], s, context, pad_id, eos_ids, bar)
             write_shard(out / name, ids, masks)
             manifest["shards"][name] = {"start": start, "end": end, "samples": len(ids),
-                                        "tokens": sum(map(len, ids)), "completion_tokens": n_new}
+                                        "tokens": sum(map(len, ids)), "completion_tokens": n_new,
+                                        **shard_records([out / name])[name]}
             write_manifest(out, manifest)
             new_tokens += n_new
             rate = new_tokens / max(time.perf_counter() - t0, 1e-9)
@@ -325,42 +361,179 @@ def _generate_shard(engine, prompts_ids, s: PrepareSettings, context, pad_id, eo
 # Merge
 
 
+def _aside(path: Path, stem: str) -> Path:
+    """An unused sibling name for `path` moved out of the way: <name>.<stem>-<time>[.n]."""
+    base = path.with_name(f"{path.name}.{stem}-{time.strftime('%Y%m%d-%H%M%S')}")
+    aside, n = base, 1
+    while aside.exists():
+        aside, n = base.with_name(f"{base.name}.{n}"), n + 1
+    return aside
+
+
+def _check_merge_paths(inputs: list[Path], out: Path) -> None:
+    """No input twice, no --out inside an input (it would be written into), no input inside --out (replacing
+    --out would move it)."""
+    seen: dict[Path, Path] = {}
+    o = out.resolve()
+    for src in inputs:
+        r = src.resolve()
+        if r in seen:
+            raise PrepareError(f"merge: {src} is given twice (the same folder as {seen[r]}); give each input once")
+        seen[r] = src
+        if o == r or r in o.parents:
+            raise PrepareError(f"merge: --out {out} is inside the input {src}, which merge never writes to; "
+                               "pick an --out outside every input")
+        if o in r.parents:
+            raise PrepareError(f"merge: the input {src} is inside --out {out}, which --overwrite would move aside; "
+                               "pick another --out")
+
+
+def _copy_hashed(src: Path, dst: Path) -> str:
+    """Copy a file, returning the sha256 of the bytes copied (one read of the input)."""
+    h = hashlib.sha256()
+    with open(src, "rb", buffering=0) as fi, open(dst, "wb") as fo:
+        buf = bytearray(CHUNK)
+        view = memoryview(buf)
+        while n := fi.readinto(buf):
+            h.update(view[:n])
+            fo.write(view[:n])
+        fo.flush()
+        os.fsync(fo.fileno())
+    return h.hexdigest()
+
+
+def _duplicates(hashes: dict[str, list[str]]) -> list[str]:
+    """'a/x.arrow = b/x.arrow' for every content (sha256) held by more than one shard."""
+    return [" = ".join(where) for where in hashes.values() if len(where) > 1]
+
+
 def merge(inputs: list[Path], out: Path, overwrite: bool = False, log=print) -> dict:
-    """Copy the shards of every input into `out` (inputs untouched), in input order."""
+    """Copy the shards of every input into a new folder `out`, in input order; inputs are never written.
+
+    Refused: an input twice (same folder, or shards with the same content), --out inside an input or an
+    input inside --out, inputs built for different targets, an existing --out without `overwrite`. With
+    `overwrite` the old --out is moved aside (``<out>.replaced-<time>``), never deleted.
+    """
     out = Path(out)
+    inputs = [Path(src) for src in inputs]
     if len(inputs) < 1:
         raise PrepareError("merge: give at least one input folder")
-    for src in inputs:
-        if Path(src).resolve() == out.resolve() or out.resolve() in Path(src).resolve().parents:
-            raise PrepareError(f"merge: --out {out} is (inside) the input {src}; inputs stay untouched")
+    _check_merge_paths(inputs, out)
     if out.exists() and not overwrite:
         raise PrepareError(f"merge: {out} already exists; pick another --out or pass --overwrite")
-    sources = []
+    sources, targets, recorded = [], [], {}
     for src in inputs:
         try:
             ds = ShardDataset(src)
         except DatasetError as e:
             raise PrepareError(f"merge: {e}") from None
-        sources.append((Path(src), ds))
+        manifest, problem = _read_manifest(src)
+        if problem:
+            raise PrepareError(f"merge: {src / MANIFEST}: {problem}; restore it or move it aside")
+        target = (manifest or {}).get("target")
+        targets.append(target if isinstance(target, dict) else None)
+        for name, rec in ((manifest or {}).get("shards") or {}).items():
+            if isinstance(rec, dict) and rec.get("sha256"):
+                recorded.setdefault(rec["sha256"], []).append(str(src / name))
+        sources.append((src, ds))
+    known = [(src, t) for (src, _), t in zip(sources, targets) if t is not None]
+    for src, t in known[1:]:
+        bad, _ = compare_targets(known[0][1], t)
+        if bad:
+            raise PrepareError(f"merge: {src} was built for another target than {known[0][0]} ({', '.join(bad)}); "
+                               "merge data of one target")
+    dup = _duplicates(recorded)
+    if dup:
+        raise PrepareError(f"merge: the same shard content twice ({'; '.join(dup[:3])}); give each input once")
     tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     try:
-        entries = []
-        for j, (src, ds) in enumerate(sources):
-            for shard in ds.shards:
-                name = f"part{j:03d}-{shard.name}"
-                shutil.copyfile(shard, tmp / name)
-            entries.append({"path": str(src), "samples": ds.num_samples, "tokens": ds.num_tokens,
-                            "fingerprint": ds.fingerprint})
-        manifest = {"merged_from": entries}
+        jobs = [(src, shard, tmp / f"part{j:03d}-{shard.name}") for j, (src, ds) in enumerate(sources)
+                for shard in ds.shards]
+        with ThreadPoolExecutor(min(8, os.cpu_count() or 1)) as pool:
+            digests = list(pool.map(lambda job: _copy_hashed(job[1], job[2]), jobs))
+        by_content: dict[str, list[str]] = {}
+        for (_, shard, _), digest in zip(jobs, digests):
+            by_content.setdefault(digest, []).append(str(shard))
+        dup = _duplicates(by_content)
+        if dup:
+            raise PrepareError(f"merge: the same shard content twice ({'; '.join(dup[:3])}); give each input once")
+        entries = [{"path": str(src), "samples": ds.num_samples, "tokens": ds.num_tokens,
+                    "fingerprint": ds.fingerprint, "target": t} for (src, ds), t in zip(sources, targets)]
+        manifest = {
+            "merged_from": entries,
+            "target": known[0][1] if known and len(known) == len(sources) else None,
+            "shards": {dst.name: {"bytes": dst.stat().st_size, "sha256": digest, "from": str(shard)}
+                       for (_, shard, dst), digest in zip(jobs, digests)},
+        }
         write_manifest(tmp, manifest)
         merged = ShardDataset(tmp)  # the result must open as one dataset
-        if out.exists():
-            shutil.rmtree(out)
+        if out.exists() or out.is_symlink():
+            aside = _aside(out, "replaced")
+            out.rename(aside)
+            log(f"merge: the previous {out} moved to {aside} (nothing deleted)")
         tmp.rename(out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+    if manifest["target"] is None:
+        log(f"merge: {len(sources) - len(known)} input(s) do not record their target, so {out} does not either; "
+            "record it with: dflash-data manifest " + f"{out} --target TARGET")
     log(f"{out}: {merged.num_samples} samples, {merged.num_tokens} tokens from "
         + " + ".join(f"{e['path']} ({e['samples']})" for e in entries))
+    return manifest
+
+
+# ---------------------------------------------------------------------------------------------
+# Manifest of data written elsewhere
+
+
+def shard_values(path: Path) -> ValueStats:
+    """Token id / loss_mask ranges and learnable positions of one shard (memory-mapped, vectorised)."""
+    import pyarrow as pa
+    import pyarrow.ipc as ipc
+
+    with pa.memory_map(str(path)) as source:
+        table = ipc.open_file(source).read_all()
+        return value_stats(table.column("input_ids"), table.column("loss_mask"))
+
+
+def record_manifest(path: Path, target: str, log=print) -> dict:
+    """Record in `path`/manifest.json the target the data was built for and every shard's size and sha256.
+
+    For data written by other tools (or by an older version). Refused when a token id does not fit the
+    target's vocabulary, when the manifest already names another target, or when a shard differs from
+    the sha256 the manifest recorded (restore it, or move manifest.json aside to record the new content).
+    """
+    path = Path(path)
+    try:
+        ds = ShardDataset(path)
+    except DatasetError as e:
+        raise PrepareError(f"manifest: {e}") from None
+    fp = _fingerprint(target)
+    manifest = read_manifest(path) or {}
+    recorded_target = manifest.get("target")
+    if isinstance(recorded_target, dict):
+        bad, _ = compare_targets(recorded_target, fp)
+        if bad:
+            raise PrepareError(f"manifest: {path} is recorded as built for another target ({', '.join(bad)}); "
+                               "give that target, or move manifest.json aside")
+    stats = ValueStats()
+    for shard in ds.shards:
+        stats = stats.merge(shard_values(shard))
+    if stats.max_id is not None and (stats.max_id >= fp["vocab_size"] or stats.min_id < 0):
+        raise PrepareError(f"manifest: {path} holds token ids {stats.min_id:,}..{stats.max_id:,}, outside the "
+                           f"vocabulary of {target} ({fp['vocab_size']:,}): it was not built for this target")
+    records = shard_records(ds.shards)
+    old = manifest.get("shards") if isinstance(manifest.get("shards"), dict) else {}
+    changed = [n for n, r in records.items() if isinstance(old.get(n), dict) and old[n].get("sha256")
+               and old[n]["sha256"] != r["sha256"]]
+    if changed:
+        raise PrepareError(f"manifest: {', '.join(changed)} differ(s) from the sha256 {MANIFEST} recorded; restore "
+                           f"the shard(s), or move {MANIFEST} aside to record the new content")
+    manifest["target"] = fp
+    manifest["shards"] = {n: {**(old.get(n) if isinstance(old.get(n), dict) else {}), **r} for n, r in records.items()}
+    write_manifest(path, manifest)
+    log(f"{path / MANIFEST}: {len(records)} shard(s), {ds.num_samples} samples, {ds.num_tokens} tokens; target "
+        f"{target} (vocab {fp['vocab_size']:,}); token ids {stats.min_id}..{stats.max_id}")
     return manifest

@@ -17,16 +17,25 @@
 This module is the only place that knows these names: the trainer (``dflash.checkpoint``,
 ``dflash.train``), ``dflash-train``'s resume/fresh rule and preflight's `run-dir` facts all use
 it, so a checkpoint the trainer would refuse is one preflight refuses too.
+
+Verifying a checkpoint (`checkpoint_problem`): every file a resume loads is there, and each file
+recorded in meta.json has its recorded size (a stat: instant); ``deep`` also compares each file's
+sha256 with the recorded one (reads every byte: ~1 s per GB here, see bench/README.md). A resume
+reads every byte anyway, so `--resume` verifies deep; preflight checks sizes unless asked for
+``--verify-data``. `--resume latest` takes the newest checkpoint that verifies and says which newer
+ones it skipped and why.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from dflash.errors import DflashError, UsageError
+from dflash.filehash import sha256_files
 
 if TYPE_CHECKING:
     from dflash.config import RunConfig
@@ -35,6 +44,11 @@ CONFIG_NAME = "config.json"
 PREFLIGHT_NAME = "preflight.json"
 METRICS_NAME = "metrics.jsonl"
 DRAFTER_DIR = "drafter"
+STOPPED_NAME = "stopped.json"
+# dflash-train's exit code when a signal stopped the run after a checkpoint (sysexits EX_TEMPFAIL: try again
+# later): a scheduler resubmits with --resume latest; 0 means the run finished, 1 a failure, 2 bad input.
+EXIT_STOPPED = 75
+MIN_FREE_BYTES = 1 << 20  # below this a run cannot even write its report and config: the output dir is full
 CHECKPOINTS_DIR = "checkpoints"
 STEP_PREFIX = "step_"
 TMP_SUFFIX = ".tmp"
@@ -47,6 +61,7 @@ STATE_JSON = "trainer_state.json"
 STATE_TENSORS = "trainer_state.safetensors"
 LEGACY_STATE = "trainer_state.pt"  # the pickled state of older versions: never loaded
 CHECKPOINT_FILES = (META_NAME, f"{DRAFTER_DIR}/{WEIGHTS_NAME}", OPTIMIZER_NAME, STATE_JSON, STATE_TENSORS)
+FILES_KEY = "files"  # meta.json: {path inside the checkpoint: {"bytes": size, "sha256": hex}}, all but meta.json
 
 
 class RunDirError(UsageError):
@@ -93,17 +108,30 @@ def list_checkpoints(output_dir: str | Path) -> list[Path]:
     return sorted(done, key=checkpoint_step)
 
 
-def resolve_resume(output_dir: str | Path, resume: str) -> Path:
-    """`latest` or a checkpoint folder -> the folder to load. Raises RunDirError."""
-    if resume == "latest":
-        found = list_checkpoints(output_dir)
-        if not found:
-            raise RunDirError(f"--resume latest: no checkpoint in {checkpoints_dir(output_dir)}; use --fresh")
-        return found[-1]
-    path = Path(resume)
-    if not (path / META_NAME).exists():
-        raise RunDirError(f"--resume {resume}: not a checkpoint folder (no {META_NAME}); use --resume latest")
-    return path
+def resolve_resume(output_dir: str | Path, resume: str, deep: bool = True, log=print) -> Path:
+    """`latest` or a checkpoint folder -> the verified folder to load. Raises RunDirError or CheckpointError.
+
+    `latest` is the newest checkpoint that verifies (`checkpoint_problem`); newer ones that do not are
+    named in one line through `log`, with the reason. A folder given by path must verify itself.
+    """
+    if resume != "latest":
+        path = Path(resume)
+        if not (path / META_NAME).exists():
+            raise RunDirError(f"--resume {resume}: not a checkpoint folder (no {META_NAME}); use --resume latest")
+        return verify_checkpoint(path, deep)
+    found = list_checkpoints(output_dir)
+    if not found:
+        raise RunDirError(f"--resume latest: no checkpoint in {checkpoints_dir(output_dir)}; use --fresh")
+    skipped: list[str] = []
+    for path in reversed(found):
+        problem = checkpoint_problem(path, deep)
+        if problem is None:
+            if skipped:
+                log(f"--resume latest: skipped {'; '.join(skipped)}; resuming {path.name} (step {checkpoint_step(path)})")
+            return path
+        skipped.append(f"{path.name} ({problem})")
+    raise CheckpointError(f"--resume latest: no checkpoint in {checkpoints_dir(output_dir)} verifies: "
+                          f"{'; '.join(skipped)}; start over with --fresh")
 
 
 # ---------------------------------------------------------------- reading and verifying one checkpoint
@@ -151,38 +179,194 @@ def legacy_message(path: str | Path) -> str:
     return f"{path}: {LEGACY_REASON}; start over with --fresh"
 
 
-def checkpoint_problem(path: str | Path) -> str | None:
-    """Why a finished checkpoint cannot be resumed, judged by its files (None when every file is there)."""
+def record_files(folder: str | Path) -> dict[str, dict]:
+    """{path inside the folder: {"bytes": size, "sha256": hex}} of every file but meta.json: what a save records.
+
+    Files are hashed in parallel threads (bench/README.md has the speed). Raises OSError.
+    """
+    folder = Path(folder)
+    files = sorted(p for p in folder.rglob("*") if p.is_file() and p != folder / META_NAME)
+    hashes = sha256_files(files)
+    out = {}
+    for p in files:
+        digest = hashes[p]
+        if isinstance(digest, OSError):
+            raise digest
+        out[p.relative_to(folder).as_posix()] = {"bytes": p.stat().st_size, "sha256": digest}
+    return out
+
+
+def checkpoint_problem(path: str | Path, deep: bool = False, meta: dict | None = None) -> str | None:
+    """Why a finished checkpoint cannot be resumed (None when it verifies): an older version's pickle, a
+    missing file, an unreadable meta.json, a file whose size differs from meta.json's record, and with
+    ``deep`` one whose sha256 differs. A checkpoint saved before sizes were recorded is judged by its files.
+    """
     path = Path(path)
     if is_legacy(path):
         return LEGACY_REASON
     missing = [name for name in CHECKPOINT_FILES if not (path / name).is_file()]
     if missing:
         return f"{', '.join(missing)} missing (an incomplete checkpoint)"
+    if meta is None:
+        meta, problem = meta_or_problem(path)
+        if problem:
+            return problem
+    files = meta.get(FILES_KEY)
+    if not isinstance(files, dict):
+        return None
+    for rel, rec in sorted(files.items()):
+        try:
+            size = (path / rel).stat().st_size
+        except FileNotFoundError:
+            return f"{rel} missing (recorded in {META_NAME})"
+        except OSError as e:
+            return f"{rel} unreadable ({e.strerror})"
+        if not isinstance(rec, dict) or size != rec.get("bytes"):
+            want = rec.get("bytes") if isinstance(rec, dict) else None
+            return f"{rel} is {size:,} bytes, {META_NAME} recorded {want if want is None else format(want, ',')} " \
+                   "(truncated or rewritten since the save)"
+    if deep:
+        hashes = sha256_files(path / rel for rel in sorted(files))
+        for rel in sorted(files):
+            digest = hashes[path / rel]
+            if isinstance(digest, OSError):
+                return f"{rel} unreadable ({digest.strerror})"
+            if digest != files[rel].get("sha256"):
+                return f"{rel} content differs from its sha256 in {META_NAME} (damaged since the save)"
     return None
 
 
-def verify_checkpoint(path: str | Path) -> Path:
-    """Raise CheckpointError unless the checkpoint has every file a resume loads; returns the path."""
+def verify_checkpoint(path: str | Path, deep: bool = True) -> Path:
+    """Raise CheckpointError unless the checkpoint verifies (`checkpoint_problem`); returns the path."""
     if is_legacy(path):
         raise CheckpointError(legacy_message(path))
-    problem = checkpoint_problem(path)
+    problem = checkpoint_problem(path, deep)
     if problem:
         raise CheckpointError(f"{path}: {problem}; {resume_fix(path)}")
-    read_meta(path)
     return Path(path)
+
+
+def write_problem(output_dir: str | Path) -> str | None:
+    """Why a run cannot write its output dir (None when it can): its nearest existing folder is not a
+    folder, is on a read-only file system, or is not writable by this user; or no space is left there."""
+    path = Path(output_dir)
+    probe = path
+    while not probe.exists():
+        if probe.parent == probe:
+            return f"no existing parent of {path}"
+        probe = probe.parent
+    if not probe.is_dir():
+        return f"{probe} exists and is not a directory"
+    for folder in (probe, checkpoints_dir(path)):
+        if not folder.is_dir():
+            continue
+        try:
+            st = os.statvfs(folder)
+        except OSError as e:
+            return f"cannot inspect {folder} ({e.strerror})"
+        if st.f_flag & os.ST_RDONLY:
+            return f"{folder} is on a read-only file system"
+        if not os.access(folder, os.W_OK | os.X_OK):
+            return f"{folder} is not writable by this user"
+        free = st.f_bavail * st.f_frsize
+        if free < MIN_FREE_BYTES:
+            return f"no space left on the file system of {folder} ({free:,} bytes free)"
+    return None
+
+
+# ---------------------------------------------------------------- the lr schedule across a resume
+
+
+def schedule_change(path: str | Path, cfg: RunConfig) -> str | None:
+    """How resuming checkpoint `path` under `cfg` changes the lr schedule, or None when it does not.
+
+    The cosine schedule is fixed by the peak lr, the warmup share and the run's total optimizer steps,
+    which train.max_steps, train.epochs, train.grad_accum, the drafter ranks, the batching settings and
+    the dataset all enter. E.g. "total steps 30 -> 3 (train.max_steps 30 -> 3)". None also when the
+    checkpoint does not say enough to tell (then nothing is refused). Imports torch (dflash.step).
+    """
+    from dflash import config
+    from dflash.step import schedule, total_steps
+
+    path = Path(path)
+    meta, _ = meta_or_problem(path)
+    try:
+        state = json.loads((path / STATE_JSON).read_text())
+        old = config.RunConfig.model_validate((meta or {})["config"])
+        batches_per_epoch = int(state["sampler"]["batches_per_epoch"])
+        old_ranks = int(state.get("n_drafters") or 1)
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    new_ranks = len(cfg.topology.drafter_gpus) or 1
+    try:
+        old_total = total_steps(old, batches_per_epoch, old.train.grad_accum * old_ranks)
+        dataset, sampler, new_total = schedule(cfg, new_ranks)
+    except DflashError:  # a dataset that cannot be read: the gate's dataset check says why
+        return None
+    changes = []
+    if old_total != new_total:
+        changes.append(f"total steps {old_total:,} -> {new_total:,}")
+    for section, key in (("train", "lr"), ("train", "warmup_ratio")):
+        a, b = getattr(getattr(old, section), key), getattr(getattr(cfg, section), key)
+        if a != b:
+            changes.append(f"{section}.{key} {a} -> {b}")
+    if not changes:
+        return None
+    causes = [f"{s}.{k} {getattr(getattr(old, s), k)} -> {getattr(getattr(cfg, s), k)}"
+              for s, k in (("train", "max_steps"), ("train", "epochs"), ("train", "grad_accum"),
+                           ("data", "token_budget"), ("data", "max_batch_size"), ("data", "num_buckets"))
+              if getattr(getattr(old, s), k) != getattr(getattr(cfg, s), k)]
+    if old_ranks != new_ranks:
+        causes.append(f"drafter ranks {old_ranks} -> {new_ranks}")
+    samples = ((meta or {}).get("dataset") or {}).get("samples")
+    if isinstance(samples, int) and samples != dataset.num_samples:
+        causes.append(f"dataset {samples:,} -> {dataset.num_samples:,} samples")
+    elif batches_per_epoch != sampler.batches_per_epoch:
+        causes.append(f"batches per epoch {batches_per_epoch:,} -> {sampler.batches_per_epoch:,}")
+    return ", ".join(changes) + (f" ({', '.join(causes)})" if causes else "")
+
+
+# ---------------------------------------------------------------- a run stopped by a signal
+
+
+def write_stopped(output_dir: str | Path, signame: str, step: int, checkpoint: str | Path | None) -> Path:
+    """Mark the run dir as stopped by a signal (the trainer, at a signal stop); `clear_stopped` unmarks it."""
+    path = Path(output_dir) / STOPPED_NAME
+    tmp = path.with_name(f".{STOPPED_NAME}.tmp")
+    tmp.write_text(json.dumps({"signal": signame, "step": step, "checkpoint": str(checkpoint) if checkpoint else None,
+                               "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "exit_code": EXIT_STOPPED}) + "\n")
+    tmp.replace(path)
+    return path
+
+
+def read_stopped(output_dir: str | Path) -> dict | None:
+    """The stop marker of the last run, or None when it finished, failed, or has not run."""
+    try:
+        data = json.loads((Path(output_dir) / STOPPED_NAME).read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def clear_stopped(output_dir: str | Path) -> None:
+    (Path(output_dir) / STOPPED_NAME).unlink(missing_ok=True)
 
 
 # ---------------------------------------------------------------- the resume/fresh rule
 
 
-def prepare_output_dir(cfg: RunConfig, resume: str | None, fresh: bool, log=print) -> Path | None:
+def prepare_output_dir(cfg: RunConfig, resume: str | None, fresh: bool, log=print,
+                       allow_schedule_change: bool = False) -> Path | None:
     """Enforce the explicit resume/fresh rule before anything is loaded. Returns the checkpoint to resume, or None.
 
     - checkpoints in the run dir and neither --resume nor --fresh: RunDirError (nobody guesses);
-    - --resume: the checkpoint must verify (CheckpointError otherwise); newer checkpoints move aside
-      so `latest` stays this run's, and metrics rows after its step move to metrics.abandoned-*.jsonl;
+    - --resume: the checkpoint must verify, sizes and sha256 (`resolve_resume`: `latest` skips damaged
+      newer ones and says so; CheckpointError when none verifies); a resume that would change the lr
+      schedule (`schedule_change`) is refused unless allow_schedule_change, and the change is printed;
+      newer checkpoints move aside so `latest` stays this run's, and metrics rows after its step move
+      to metrics.abandoned-*.jsonl;
     - --fresh: the old checkpoints, metrics and final drafter move to replaced-*/ (nothing is deleted).
+    Nothing in the run dir moves before every refusal above has been decided.
     """
     out = Path(cfg.output_dir)
     existing = list_checkpoints(out)
@@ -193,10 +377,16 @@ def prepare_output_dir(cfg: RunConfig, resume: str | None, fresh: bool, log=prin
         raise RunDirError(f"{cfg.output_dir} already holds checkpoints (newest {newest.name}, step "
                           f"{checkpoint_step(newest)}); say --resume latest to continue it or --fresh to start over")
     if resume:
-        path = verify_checkpoint(resolve_resume(out, resume))
+        path = resolve_resume(out, resume, deep=True, log=log)
         step = checkpoint_step(path)
         if step is None:  # a checkpoint folder given by path under another name: its meta says the step
             step = int(read_meta(path).get("step") or 0)
+        change = schedule_change(path, cfg)
+        if change and not allow_schedule_change:
+            raise RunDirError(f"--resume {path.name} (step {step}) would change the lr schedule: {change}; "
+                              "pass --allow-schedule-change to accept it, or restore the checkpoint's settings")
+        if change:
+            log(f"--allow-schedule-change: resuming {path.name} (step {step}) with a new lr schedule: {change}")
         newer = [c for c in existing if checkpoint_step(c) > step]
         if newer and path.parent == checkpoints_dir(out):
             aside = _aside(out, "checkpoints.abandoned")

@@ -271,7 +271,8 @@ def collective_gate(cfg: RunConfig, me: Rank, local_rank: int, gate: dict) -> Pa
         try:
             from dflash.rundir import prepare_output_dir
 
-            resume = prepare_output_dir(cfg, gate.get("resume"), gate.get("fresh", False), log=print)
+            resume = prepare_output_dir(cfg, gate.get("resume"), gate.get("fresh", False), log=print,
+                                        allow_schedule_change=gate.get("allow_schedule_change", False))
             from dflash.step import schedule
 
             schedule(cfg, me.n_drafters)  # a dataset too small for one step is refused here
@@ -286,7 +287,7 @@ def collective_gate(cfg: RunConfig, me: Rank, local_rank: int, gate: dict) -> Pa
     intent = "resume" if gate.get("resume") else "fresh" if gate.get("fresh") else None
     own = {str(local_rank): [me.name]} if cfg.device == "cuda" else None
     report = run_preflight(cfg, cfg.profile, gate.get("waivers", {}), intent, gpu_override=own,
-                           write=False)
+                           write=False, verify_data=gate.get("verify_data", False))
     mine = {"rank": me.rank, "role": me.name, "gpu": str(local_rank), "host": socket.gethostname(),
             "failed": [f"{c.id}: {c.summary}" + (f"  fix: {c.fix}" if c.fix else "")
                        for c in report.checks if c.status == "fail"]}
@@ -510,7 +511,9 @@ def main(argv: list[str] | None = None) -> None:
     @click.option("--set", "sets", multiple=True, metavar="KEY=VALUE", help="override a config field")
     @click.option("--waive", multiple=True, metavar="CHECK_ID", help="waive a failing preflight check (needs --reason)")
     @click.option("--reason", multiple=True, help="why the matching --waive is acceptable (kept in the report)")
-    def command(config_path, config_json, resume, fresh, sets, waive, reason) -> int:
+    @click.option("--allow-schedule-change", is_flag=True, help="resume even though the lr schedule changes")
+    @click.option("--verify-data", is_flag=True, help="the gate also compares shards and checkpoint with their sha256")
+    def command(config_path, config_json, resume, fresh, sets, waive, reason, allow_schedule_change, verify_data) -> int:
         """One rank of a split run: `torchrun --nproc-per-node N -m dflash.split --config RUN.toml --fresh`."""
         from dflash.config import load_config, parse_overrides
 
@@ -532,7 +535,8 @@ def main(argv: list[str] | None = None) -> None:
         from preflight.gate import apply_profile_env
 
         apply_profile_env(cfg.profile, log=print if os.environ["RANK"] == "0" else (lambda *_: None))
-        return worker(cfg, None, gate={"resume": resume, "fresh": fresh, "waivers": dict(zip(waive, reason))})
+        return worker(cfg, None, gate={"resume": resume, "fresh": fresh, "waivers": dict(zip(waive, reason)),
+                                       "allow_schedule_change": allow_schedule_change, "verify_data": verify_data})
 
     run_cli(command, "dflash.split", argv)
 

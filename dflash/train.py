@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from dflash import checkpoint as ckpt
+from dflash import rundir
 from dflash.config import RunConfig, dump_config
 from dflash.data import collate, prefetch
 from dflash.model import DFlashDrafter, drafter_config_from_target
@@ -58,7 +59,7 @@ class NonFiniteError(RunError):
 
 @dataclass
 class StopFlag:
-    """Set by SIGINT/SIGTERM; the loop finishes its step, checkpoints and exits 0."""
+    """Set by SIGINT/SIGTERM; the loop finishes its step, checkpoints and returns (dflash-train exits 75)."""
     requested: bool = False
     signame: str = ""
     _at: float = 0.0
@@ -368,11 +369,13 @@ class Trainer:
             return 0
         latest = ckpt.list_checkpoints(self.out)
         path = latest[-1] if latest else None
-        if stopping:
+        if stopping:  # the marker tells a scheduler this run is unfinished (dflash-train exits EXIT_STOPPED)
+            rundir.write_stopped(self.out, stop.signame or "a peer signal", self.step, path)
             self.log(f"stopped by {stop.signame or 'a peer signal'} at step {self.step}; checkpoint {path}")
             self.log(f"resume with: dflash-train --config <this config> --resume latest  (output_dir {self.out})")
             return 0
         self.drafter.save_pretrained(self.out / "drafter")
+        rundir.clear_stopped(self.out)
         self.log(f"done: {self.step} steps; checkpoint {path}; drafter saved to {self.out / 'drafter'}; "
                  f"{compiled_graphs()} compiled graph(s) in this process")
         if hasattr(self.source, "summary"):

@@ -650,14 +650,31 @@ def _incompatible(ctx: Context, saved: dict) -> list[str]:
     return out
 
 
+# What fixes the cosine lr schedule of a run: changed on a resume, the schedule changes (dflash.rundir.schedule_change).
+SCHEDULE_FIELDS = (("train", "max_steps"), ("train", "epochs"), ("train", "grad_accum"), ("train", "lr"),
+                   ("train", "warmup_ratio"), ("data", "token_budget"), ("data", "max_batch_size"),
+                   ("data", "num_buckets"))
+
+
+def _schedule_changes(ctx: Context, saved: dict) -> list[str]:
+    now = ctx.config.model_dump()
+    out = []
+    for section, key in SCHEDULE_FIELDS:
+        old = (saved.get(section) or {}).get(key)
+        if old != now[section][key]:
+            out.append(f"{section}.{key} {old!r} -> {now[section][key]!r}")
+    return out
+
+
 def check_run_dir(ctx: Context) -> CheckResult:
     rd = ctx.run_dir
     intent = ctx.resume_intent
+    how = "sizes and sha256" if rd.deep else "sizes"
     data = dict(path=rd.path, exists=rd.exists, writable=rd.writable, intent=intent,
-                checkpoints=[c.step for c in rd.checkpoints])
+                checkpoints=[c.step for c in rd.checkpoints], verified_by=how)
     if not rd.writable:
-        return _r("run-dir", "fail", f"output dir {rd.path} is not writable: {rd.problem}",
-                  f"set output_dir in {_config_arg(ctx)} to a writable folder", **data)
+        return _r("run-dir", "fail", f"output dir {rd.path} cannot be written: {rd.problem}",
+                  f"set output_dir in {_config_arg(ctx)} to a writable folder with free space", **data)
     newest = rd.newest
     if newest is None:
         if intent == "resume":
@@ -674,14 +691,35 @@ def check_run_dir(ctx: Context) -> CheckResult:
     if intent == "fresh":
         return _r("run-dir", "pass", f"--fresh: {len(rd.checkpoints)} existing checkpoint(s) (newest {name}, "
                   f"step {newest.step}) will be moved aside, not resumed", **data)
-    if newest.meta is None or newest.error:
-        return _r("run-dir", "fail", f"--resume: newest checkpoint {name} cannot be resumed: {newest.error}",
-                  "use --fresh, or give --resume an earlier checkpoint folder", **data)
-    bad = _incompatible(ctx, newest.meta.get("config") or {})
+    # --resume latest takes the newest checkpoint that verifies (dflash.rundir.resolve_resume)
+    usable = [c for c in rd.checkpoints if c.meta is not None and not c.error]
+    chosen = usable[-1] if usable else None
+    skipped = [c for c in rd.checkpoints if chosen is None or c.step > chosen.step]
+    data["skipped"] = [{"step": c.step, "problem": c.error or "meta.json unreadable"} for c in skipped]
+    said = "; ".join(f"{os.path.basename(c.path)}: {c.error or 'meta.json unreadable'}" for c in skipped)
+    if chosen is None:
+        only = skipped[0]
+        what = f"newest checkpoint {name} cannot be resumed: {only.error or 'meta.json unreadable'}" \
+            if len(skipped) == 1 else f"none of the {len(skipped)} checkpoints verifies ({how}): {said}"
+        return _r("run-dir", "fail", f"--resume: {what}", "use --fresh, or give --resume an earlier checkpoint "
+                  "folder (moved aside ones are under checkpoints.abandoned-*)", **data)
+    cname = os.path.basename(chosen.path)
+    data["resume"] = {"step": chosen.step, "path": chosen.path}
+    bad = _incompatible(ctx, chosen.meta.get("config") or {})
     if bad:
-        return _r("run-dir", "fail", f"--resume: {name} (step {newest.step}) is incompatible with this config: "
+        return _r("run-dir", "fail", f"--resume: {cname} (step {chosen.step}) is incompatible with this config: "
                   f"{', '.join(bad)}", f"use --fresh, or restore those settings in {_config_arg(ctx)}", **data)
-    old = newest.meta.get("dataset") or {}
+    notes, fixes = [], []
+    if skipped:
+        notes.append(f"--resume latest skips {said}")
+        fixes.append("move the damaged checkpoint(s) aside, or pass --fresh")
+    schedule = _schedule_changes(ctx, chosen.meta.get("config") or {})
+    if schedule:
+        data["schedule_changes"] = schedule
+        notes.append(f"the lr schedule changes ({', '.join(schedule)}): dflash-train refuses this resume without "
+                     "--allow-schedule-change")
+        fixes.append(f"restore those settings in {_config_arg(ctx)}, or pass --allow-schedule-change")
+    old = chosen.meta.get("dataset") or {}
     ds = ctx.dataset
     changes = []
     if ds is not None and ds.error is None and not any(s.error for s in ds.shards):
@@ -695,10 +733,13 @@ def check_run_dir(ctx: Context) -> CheckResult:
         if old.get("path") and old.get("path") != ds.path:
             changes.append(f"path {old['path']} -> {ds.path}")
     if changes:
-        return _r("run-dir", "warn", f"--resume from {name} (step {newest.step}); dataset changed since: "
-                  f"{'; '.join(changes)} (the epoch restarts from its first batch)",
-                  "use --fresh if the new data should start a new run", **data)
-    return _r("run-dir", "pass", f"--resume from {name} (step {newest.step}): config compatible, dataset unchanged", **data)
+        notes.append(f"dataset changed since: {'; '.join(changes)} (the epoch restarts from its first batch)")
+        fixes.append("use --fresh if the new data should start a new run")
+    if notes:
+        return _r("run-dir", "warn", f"--resume from {cname} (step {chosen.step}); " + "; ".join(notes),
+                  "; ".join(fixes), **data)
+    return _r("run-dir", "pass", f"--resume from {cname} (step {chosen.step}, {how} verified): config and lr "
+              "schedule unchanged, dataset unchanged", **data)
 
 
 def check_dataset(ctx: Context) -> CheckResult:
@@ -743,8 +784,128 @@ def check_dataset(ctx: Context) -> CheckResult:
                   f"with {n:,} tokens > {limit_name} {ds.limit:,}",
                   f"raise data.token_budget to >= {n} in {_config_arg(ctx)}, or drop samples longer than "
                   f"{ds.limit} tokens from the shards", **data)
-    return _r("dataset", "pass", f"{len(ds.shards)} shard(s), {samples:,} samples, {tokens:,} tokens; longest "
-              f"{longest.max_len:,} tokens ({longest.name} row {longest.max_row}) fits {limit_name} {ds.limit:,}", **data)
+    fails, warns, said = _dataset_contents(ctx, data)
+    if fails:
+        return _r("dataset", "fail", "; ".join(text for text, _ in fails),
+                  "; ".join(dict.fromkeys(fix for _, fix in fails)), **data)
+    fits = f"longest {longest.max_len:,} tokens ({longest.name} row {longest.max_row}) fits {limit_name} {ds.limit:,}"
+    head = f"{len(ds.shards)} shard(s), {samples:,} samples, {tokens:,} tokens; {said}; {fits}"
+    if warns:
+        return _r("dataset", "warn", f"{head}; " + "; ".join(text for text, _ in warns),
+                  "; ".join(dict.fromkeys(fix for _, fix in warns if fix)) or None, **data)
+    return _r("dataset", "pass", head, **data)
+
+
+def _dataset_contents(ctx: Context, data: dict) -> tuple[list[tuple[str, str]], list[tuple[str, str | None]], str]:
+    """(failures, warnings, what was verified) about what the shards hold: the manifest's shard records and
+    target fingerprint, token ids against the run's vocabulary, loss_mask values, something to learn."""
+    from dflash.data import compare_targets  # the dataset identity's owner (numpy + pyarrow: only with a dataset)
+
+    ds, cfg = ctx.dataset, ctx.config
+    fails: list[tuple[str, str]] = []
+    warns: list[tuple[str, str | None]] = []
+    rebuild = (f"rebuild the data for this target (dflash-data prepare --target {cfg.target.path} ...), or set "
+               f"target.path in {_config_arg(ctx)} to the target it was built for")
+    stamp = f"dflash-data manifest {ds.path} --target {cfg.target.path}"
+    said = []
+    target_ok = False  # the manifest says the data was built for this very target
+
+    # the manifest: which shards were written, their sizes and (deep) sha256, and the target they were built for
+    manifest = ds.manifest
+    data["manifest"] = "unreadable" if ds.manifest_error else "absent" if manifest is None else "present"
+    if ds.manifest_error:
+        fails.append((f"{ds.manifest_error} in {ds.path}", f"restore {os.path.join(ds.path, 'manifest.json')}, or "
+                      f"rewrite it with {stamp}"))
+    elif manifest is None:
+        warns.append(("no manifest.json: the target the data was built for and the shard hashes are unknown (ids "
+                      "checked against the run's vocabulary only)", stamp))
+    if manifest is not None:
+        records = manifest.get("shards") if isinstance(manifest.get("shards"), dict) else {}
+        recorded = {n: r for n, r in records.items() if isinstance(r, dict) and "bytes" in r}
+        on_disk = {s.name: s for s in ds.shards}
+        problems = []
+        if recorded:
+            problems += [f"{n} not in manifest.json" for n in on_disk if n not in recorded]
+            problems += [f"{n} in manifest.json but missing" for n in recorded if n not in on_disk]
+            problems += [f"{n} is {s.size_bytes:,} bytes, manifest.json recorded {recorded[n]['bytes']:,}"
+                         for n, s in on_disk.items() if n in recorded and s.size_bytes != recorded[n]["bytes"]]
+            if ds.deep:
+                unhashed = [n for n in on_disk if n in recorded and not recorded[n].get("sha256")]
+                problems += [f"{n} content differs from its sha256 in manifest.json" for n, s in on_disk.items()
+                             if n in recorded and recorded[n].get("sha256") and s.sha256 != recorded[n]["sha256"]]
+                if unhashed:
+                    warns.append((f"no sha256 recorded for {_listing(unhashed, 3)}", stamp))
+            said.append(f"shard {'sizes and sha256' if ds.deep else 'sizes'} match manifest.json")
+        else:
+            warns.append(("manifest.json records no shard sizes or hashes (written by an older version)", stamp))
+        if problems:
+            data["manifest_problems"] = problems
+            fails.append((f"shards differ from what was written: {_listing(problems, 3)}",
+                          "regenerate or restore those shards (move a damaged one aside and rerun dflash-data prepare: "
+                          f"it redoes missing shards), or if the change was intended: {stamp}"))
+        recorded_target = manifest.get("target")
+        data["target"] = {"recorded": recorded_target, "run": ds.target}
+        if not isinstance(recorded_target, dict):
+            warns.append(("manifest.json does not say which target the data was built for", stamp))
+        elif ds.target is None:
+            warns.append((f"target fingerprint not compared: {ds.target_error}", f"check target.path in "
+                          f"{_config_arg(ctx)}"))
+        else:
+            bad, notes = compare_targets(recorded_target, ds.target)
+            if bad:
+                fails.append((f"built for another target than {cfg.target.path}: {', '.join(bad)}", rebuild))
+            else:
+                target_ok = True
+                same_tok = recorded_target.get("tokenizer_sha256") and ds.target.get("tokenizer_sha256")
+                said.append(f"built for this target (vocab {ds.target['vocab_size']:,}"
+                            + (", same tokenizer files)" if same_tok else "; tokenizer files not compared: none on "
+                               f"{'the target' if recorded_target.get('tokenizer_sha256') else 'record'})"))
+            warns += [(n, None) for n in notes]
+
+    # the values the trainer indexes with
+    vocab = ctx.target_shape.vocab if ctx.target_shape else None
+    read = [s for s in ds.shards if s.values is not None and s.values.max_id is not None]
+    ids_lo = min((s.values.min_id for s in read), default=None)
+    ids_hi = max((s.values.max_id for s in read), default=None)
+    anchors = sum(s.values.anchors for s in ds.shards if s.values is not None)
+    mask_lo = min((s.values.mask_min for s in read), default=None)
+    mask_hi = max((s.values.mask_max for s in read), default=None)
+    data["values"] = {"min_id": ids_lo, "max_id": ids_hi, "vocab": vocab, "mask_min": mask_lo, "mask_max": mask_hi,
+                      "learnable_positions": anchors}
+    if vocab is None:
+        warns.append((f"token ids not checked against the vocabulary: {_no_shape(ctx)}",
+                      f"check target.path in {_config_arg(ctx)}"))
+    over = [s for s in read if vocab is not None and s.values.max_id >= vocab]
+    negative = [s for s in read if s.values.min_id < 0]
+    damaged = (f"regenerate or restore {_listing(list(dict.fromkeys(s.name for s in over + negative)))} (damaged: "
+               f"dflash-preflight --verify-data compares each shard with its recorded sha256)")
+    if over:
+        worst = max(over, key=lambda s: s.values.max_id)
+        fails.append((f"token ids up to {worst.values.max_id:,} ({worst.name}) but the target's vocabulary is "
+                      f"{vocab:,} (ids must be < {vocab:,}; {len(over)} shard(s): {_listing([s.name for s in over], 3)})",
+                      damaged if target_ok else rebuild))
+    if negative:
+        fails.append((f"negative token ids (down to {min(s.values.min_id for s in negative):,}) in "
+                      f"{_listing([s.name for s in negative], 3)}", damaged))
+    odd_mask = [s for s in read if s.values.mask_min < 0 or s.values.mask_max > 1]
+    if odd_mask:
+        fails.append((f"loss_mask values outside 0/1 (from {mask_lo} to {mask_hi}) in "
+                      f"{_listing([s.name for s in odd_mask], 3)}",
+                      "rewrite those shards with loss_mask 0 (context) or 1 (to learn); dflash.data.write_shard "
+                      "refuses other values"))
+    if anchors == 0 and not odd_mask:
+        why = "loss_mask is 0 everywhere" if mask_hi == 0 else \
+            "no sample has two consecutive loss_mask = 1 tokens (e.g. only 1-token samples)"
+        fails.append((f"nothing to learn: {why}; a block starts at a position whose token and next token both "
+                      "have loss_mask 1",
+                      "mark the tokens to learn with loss_mask 1 (dflash-data prepare marks each completion) and keep "
+                      "samples of 2 or more tokens"))
+    if vocab is not None and ids_hi is not None and not over and not negative:
+        said.append(f"ids {ids_lo:,}..{ids_hi:,} < vocab {vocab:,}")
+    if not odd_mask and anchors:
+        said.append(f"loss_mask 0/1 with {anchors:,} learnable positions")
+    data["verified_by"] = "sizes and sha256" if ds.deep else "sizes"
+    return fails, warns, "; ".join(said)
 
 
 def checkpoint_bytes(ctx: Context) -> tuple[int | None, str]:
@@ -757,6 +918,11 @@ def checkpoint_bytes(ctx: Context) -> tuple[int | None, str]:
     return drafter_state_bytes(ctx.config, ctx.target_shape), "estimate: drafter params x 12 B (fp32 weights, AdamW m and v)"
 
 
+def _size(n: int | float) -> str:
+    """GiB, or MiB below one GiB (a tiny run's checkpoints and a full disk both read as 0.0 GiB otherwise)."""
+    return _gib(n) if n >= GiB else f"{n / MiB:.1f} MiB"
+
+
 def check_disk(ctx: Context) -> CheckResult:
     dk = ctx.disk
     cfg = ctx.config
@@ -766,16 +932,16 @@ def check_disk(ctx: Context) -> CheckResult:
     one, how = checkpoint_bytes(ctx)
     data = dict(path=dk.path, free_bytes=dk.free_bytes, checkpoint_bytes=one, basis=how, keep_last=cfg.train.keep_last)
     if one is None:
-        return _r("disk", "warn", f"{_gib(dk.free_bytes)} free at {dk.path}; checkpoint size unknown ({how})",
+        return _r("disk", "warn", f"{_size(dk.free_bytes)} free at {dk.path}; checkpoint size unknown ({how})",
                   f"check target.path in {_config_arg(ctx)}", **data)
     existing = len(ctx.run_dir.checkpoints) if ctx.run_dir and ctx.resume_intent == "resume" else 0
     count = max(1, cfg.train.keep_last + 1 - existing)  # keep_last kept + one being written
     need = count * one
     data.update(need_bytes=need, checkpoints_to_write=count)
-    summary = (f"{_gib(dk.free_bytes)} free at {dk.path}; {count} more checkpoint(s) of {_gib(one)} "
-               f"({how}) need {_gib(need)}")
+    summary = (f"{_size(dk.free_bytes)} free at {dk.path}; {count} more checkpoint(s) of {_size(one)} "
+               f"({how}) need {_size(need)}")
     if dk.free_bytes < need:
-        return _r("disk", "fail", summary, f"free {_gib(need - dk.free_bytes)} at {dk.path}, lower train.keep_last, "
+        return _r("disk", "fail", summary, f"free {_size(need - dk.free_bytes)} at {dk.path}, lower train.keep_last, "
                   f"or move output_dir to a larger disk", **data)
     return _r("disk", "pass", summary, **data)
 

@@ -3,6 +3,7 @@
     uv run dflash-preflight --profile train-cu128                       # environment only
     uv run dflash-preflight --profile train-cu128 --config RUN.toml     # + GPUs, run dir, dataset, disk
     uv run dflash-preflight --profile train-cu128 --json --waive env-drift --reason "vendor image"
+    uv run dflash-preflight --profile train-cu128 --config RUN.toml --resume --verify-data   # + every sha256
 
 Exit codes: 0 no check failed (warnings allowed), 1 a check failed, 2 usage error.
 This process never imports torch and never creates a CUDA context (GPUs are read via NVML).
@@ -32,8 +33,10 @@ EXIT_OK, EXIT_FAIL = 0, 1  # a usage error (click.UsageError) exits 2 through ru
               help="why the matching --waive is acceptable (kept in the report)")
 @click.option("--resume", is_flag=True, help="the run will resume from its newest checkpoint")
 @click.option("--fresh", is_flag=True, help="the run will start over even if checkpoints exist")
+@click.option("--verify-data", is_flag=True, help="also hash every dataset shard, and the checkpoint --resume would "
+              "load, against the sha256 recorded when they were written (reads every byte; without it: sizes)")
 @click.option("--nvml-fake", metavar="JSON|none", hidden=True, help="replay a recorded NVML snapshot (tests)")
-def command(profile_name, config_path, as_json, waive, reason, resume, fresh, nvml_fake) -> int:
+def command(profile_name, config_path, as_json, waive, reason, resume, fresh, verify_data, nvml_fake) -> int:
     """Check the environment profile NAME (and a run config) before training."""
     from dflash.config import ConfigError, load_config
     from preflight.gate import build_report, validate_waivers
@@ -65,7 +68,7 @@ def command(profile_name, config_path, as_json, waive, reason, resume, fresh, nv
         except (OSError, ValueError) as e:
             raise click.UsageError(f"--nvml-fake {nvml_fake}: {e}") from None
     intent = "resume" if resume else "fresh" if fresh else None
-    report = build_report(profile_name, cfg, waivers, intent, gpu_info, config_path)
+    report = build_report(profile_name, cfg, waivers, intent, gpu_info, config_path, verify_data=verify_data)
     if as_json:
         click.echo(report.to_json())
     else:

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from importlib import metadata
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from packaging.utils import canonicalize_name
 
@@ -36,6 +37,9 @@ from preflight.envs import locate
 from preflight.lockfile import LockFile, parse_lock
 from preflight.nvml import GpuInfo, NvmlSnapshot, NvmlUnavailable
 from preflight.profiles import ENVS_DIR, REPO_ROOT, Profile, ProfileError, load_profile, lock_path
+
+if TYPE_CHECKING:
+    from dflash.data import ValueStats  # numpy + pyarrow: imported only when a dataset is read
 
 # The code a training run executes: a debugging hack left in any module of the package changes what a run trains.
 MODEL_SOURCE_PACKAGE = "dflash"
@@ -140,7 +144,7 @@ class Checkpoint:
     step: int
     path: str
     meta: dict | None = None
-    error: str | None = None
+    error: str | None = None  # why a resume would refuse it (dflash.rundir.checkpoint_problem)
     size_bytes: int = 0
 
 
@@ -149,8 +153,9 @@ class RunDir:
     path: str
     exists: bool
     writable: bool
-    problem: str | None = None  # why it is not usable
+    problem: str | None = None  # why it is not usable (dflash.rundir.write_problem)
     checkpoints: list[Checkpoint] = field(default_factory=list)  # finished saves, oldest first
+    deep: bool = False  # sha256 compared too (--verify-data), not only sizes
 
     @property
     def newest(self) -> Checkpoint | None:
@@ -170,6 +175,8 @@ class Shard:
     mask_mismatch: tuple[int, int, int] | None = None  # (row, input_ids len, loss_mask len)
     size_bytes: int = 0
     error: str | None = None
+    values: ValueStats | None = None  # token id / loss_mask ranges, learnable positions (None: not read)
+    sha256: str | None = None  # of the file, read only with --verify-data
 
 
 @dataclass
@@ -178,6 +185,11 @@ class Dataset:
     limit: int  # longest sample that can fit a batch (tokens)
     shards: list[Shard] = field(default_factory=list)
     error: str | None = None  # the folder itself
+    manifest: dict | None = None  # manifest.json beside the shards (dflash.data), None when absent
+    manifest_error: str | None = None  # why it could not be read
+    target: dict | None = None  # the run's target fingerprint (dflash.data.target_fingerprint)
+    target_error: str | None = None  # why it could not be taken
+    deep: bool = False  # shard sha256 computed (--verify-data)
 
     @property
     def samples(self) -> int:
@@ -649,30 +661,27 @@ def compile_cache(profile: Profile, env: dict[str, str]) -> CompileCache:
     return cc
 
 
-def _writable(path: Path) -> tuple[bool, str | None]:
-    probe = path
-    while not probe.exists():
-        if probe.parent == probe:
-            return False, f"no existing parent of {path}"
-        probe = probe.parent
-    if not probe.is_dir():
-        return False, f"{probe} exists and is not a directory"
-    if not os.access(probe, os.W_OK | os.X_OK):
-        return False, f"{probe} is not writable by this user"
-    return True, None
+def run_dir(output_dir: str, deep: bool = False) -> RunDir:
+    """The run dir and its finished checkpoints, judged by dflash.rundir's rules (the ones `--resume` applies).
 
-
-def run_dir(output_dir: str) -> RunDir:
-    """The run dir and its finished checkpoints, judged by dflash.rundir's rules (the ones `--resume` applies)."""
+    Every checkpoint's files are checked against the sizes meta.json recorded; with ``deep`` (--verify-data)
+    also their sha256, newest first until one verifies (the one `--resume latest` would load).
+    """
     path = Path(output_dir)
-    ok, problem = _writable(path)
-    rd = RunDir(str(path), path.is_dir(), ok, problem)
+    problem = rundir.write_problem(path)
+    rd = RunDir(str(path), path.is_dir(), problem is None, problem, deep=deep)
     for d in rundir.list_checkpoints(path):
         ck = Checkpoint(rundir.checkpoint_step(d), str(d))
         ck.meta, ck.error = rundir.meta_or_problem(d)
         if ck.error is None:
-            ck.error = rundir.checkpoint_problem(d)
+            ck.error = rundir.checkpoint_problem(d, meta=ck.meta)
         rd.checkpoints.append(ck)
+    if deep:
+        for ck in reversed(rd.checkpoints):
+            if ck.error is None:
+                ck.error = rundir.checkpoint_problem(ck.path, deep=True, meta=ck.meta)
+                if ck.error is None:
+                    break
     if rd.checkpoints:
         rd.checkpoints[-1].size_bytes = _dir_size(Path(rd.checkpoints[-1].path))
     return rd
@@ -686,11 +695,12 @@ def _list_lengths(column):
 
 
 def scan_shard(path: Path, limit: int, first_row: int, keep: int = 3) -> Shard:
+    """Rows, lengths, samples over `limit`, and the value ranges (dflash.data.value_stats) of one shard."""
     import numpy as np
     import pyarrow as pa
     import pyarrow.ipc as ipc
 
-    from dflash.data import COLUMNS
+    from dflash.data import COLUMNS, value_stats
 
     shard = Shard(path.name, first_row=first_row, size_bytes=path.stat().st_size)
     try:
@@ -708,6 +718,8 @@ def scan_shard(path: Path, limit: int, first_row: int, keep: int = 3) -> Shard:
                     return shard
             ids = _list_lengths(table.column("input_ids"))
             mask = _list_lengths(table.column("loss_mask"))
+            if np.array_equal(ids, mask):
+                shard.values = value_stats(table.column("input_ids"), table.column("loss_mask"))
     except (pa.ArrowException, OSError, ValueError) as e:
         shard.error = f"not a readable Arrow IPC file: {str(e).splitlines()[0][:160]}"
         return shard
@@ -728,11 +740,14 @@ def scan_shard(path: Path, limit: int, first_row: int, keep: int = 3) -> Shard:
     return shard
 
 
-def dataset(cfg: RunConfig) -> Dataset:
-    from dflash.data import shard_files  # the trainer's rule for which files are shards
+def dataset(cfg: RunConfig, deep: bool = False) -> Dataset:
+    """The shards of data.path (the trainer's rule for which files are shards), their manifest, the run's target
+    fingerprint to compare it with, and with ``deep`` (--verify-data) every shard's sha256."""
+    from dflash.data import read_manifest, shard_files, target_fingerprint
+    from dflash.filehash import sha256_files
 
     limit = cfg.data.token_budget if cfg.data.max_length is None else min(cfg.data.token_budget, cfg.data.max_length)
-    ds = Dataset(cfg.data.path, limit)
+    ds = Dataset(cfg.data.path, limit, deep=deep)
     root = Path(cfg.data.path)
     paths = shard_files(root)
     if not paths and not root.is_dir():
@@ -745,6 +760,21 @@ def dataset(cfg: RunConfig) -> Dataset:
         ds.shards.append(shard)
     if not ds.shards:
         ds.error = f"no *.arrow shards in {root}"
+        return ds
+    if root.is_dir():
+        ds.manifest, ds.manifest_error = read_manifest(root)
+    try:
+        ds.target = target_fingerprint(cfg.target.path)
+    except (ConfigError, OSError) as e:
+        ds.target_error = e.one_line() if isinstance(e, ConfigError) else f"{cfg.target.path}: {e.strerror}"
+    if deep:
+        hashes = sha256_files(paths)
+        for shard, path in zip(ds.shards, paths):
+            digest = hashes[path]
+            if isinstance(digest, OSError):
+                shard.error = shard.error or f"unreadable ({digest.strerror})"
+            else:
+                shard.sha256 = digest
     return ds
 
 
@@ -806,8 +836,12 @@ def gather(
     envs_dir: Path = ENVS_DIR,
     root: Path = REPO_ROOT,
     environ: dict[str, str] | None = None,
+    verify_data: bool = False,
 ) -> Context:
-    """Collect every fact. ``gpu_info`` None = do not query NVML (use it when device = cpu)."""
+    """Collect every fact. ``gpu_info`` None = do not query NVML (use it when device = cpu).
+
+    ``verify_data``: also hash every shard and the checkpoint a resume loads (reads every byte).
+    """
     env = dict(os.environ if environ is None else environ)
     ctx = Context(profile_name=profile_name, config=config, config_path=config_path, resume_intent=resume_intent, env=env)
     try:
@@ -834,8 +868,8 @@ def gather(
         ctx.compile_cache = compile_cache(ctx.profile, env)
     if config is not None:
         ctx.target_shape, ctx.target_error = target_shape(config)
-        ctx.run_dir = run_dir(config.output_dir)
-        ctx.dataset = dataset(config)
+        ctx.run_dir = run_dir(config.output_dir, deep=verify_data and resume_intent == "resume")
+        ctx.dataset = dataset(config, deep=verify_data)
         ctx.disk = disk(config.output_dir)
     ctx.host = host_info(ctx.gpus, root)
     return ctx

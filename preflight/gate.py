@@ -111,10 +111,12 @@ def build_report(
     gpu_info: GpuInfo | None = None,
     config_path: str | None = None,
     gpu_override: dict[str, list[str]] | None = None,
+    verify_data: bool = False,
 ) -> Report:
     """Gather facts, run every check, apply waivers. GPU info defaults to real NVML (not asked when device = cpu).
 
     gpu_override {cuda index: [role]} replaces the config's GPU lists (a torchrun rank checks its own GPU).
+    verify_data: also hash every shard and the checkpoint a resume loads against their recorded sha256.
     """
     if resume_intent not in (None, "resume", "fresh"):
         raise ValueError(f"resume intent must be 'resume', 'fresh' or None, got {resume_intent!r}")
@@ -122,7 +124,7 @@ def build_report(
     if gpu_info is None and not (cfg is not None and cfg.device == "cpu"):
         gpu_info = NvmlGpuInfo()
     t0 = time.perf_counter()
-    ctx = gather(profile_name, cfg, resume_intent, gpu_info, config_path=config_path)
+    ctx = gather(profile_name, cfg, resume_intent, gpu_info, config_path=config_path, verify_data=verify_data)
     ctx.own_gpus = gpu_override
     checks = apply_waivers(run_checks(ctx), waivers)
     host = dict(ctx.host, preflight_seconds=round(time.perf_counter() - t0, 3))
@@ -138,10 +140,11 @@ def run_preflight(
     config_path: str | None = None,
     gpu_override: dict[str, list[str]] | None = None,
     write: bool = True,
+    verify_data: bool = False,
 ) -> Report:
     """Run preflight for a run and (write=True) write ``<output_dir>/preflight.json``; the caller refuses to start
     unless ``ok``. The written report carries a fresh gate_id and the config's hash: split workers check both."""
-    report = build_report(profile_name, cfg, waivers, resume_intent, gpu_info, config_path, gpu_override)
+    report = build_report(profile_name, cfg, waivers, resume_intent, gpu_info, config_path, gpu_override, verify_data)
     if write:
         write_report(cfg, report)
     return report
@@ -180,11 +183,22 @@ def run_gate(
     resume_intent: str | None = None,
     gpu_info: GpuInfo | None = None,
     config_path: str | None = None,
+    verify_data: bool = False,
 ) -> GateResult:
-    """Run preflight for a run, write its report, and say whether training may start. Raises WaiverError."""
-    report = run_preflight(cfg, cfg.profile, waivers, resume_intent, gpu_info, config_path)
+    """Run preflight for a run, write its report, and say whether training may start. Raises WaiverError.
+
+    A run dir that cannot take the report (read-only, full) is the run-dir / disk checks' finding; the
+    report is then not written and a note says so.
+    """
+    report = run_preflight(cfg, cfg.profile, waivers, resume_intent, gpu_info, config_path, write=False,
+                           verify_data=verify_data)
+    notes = []
+    try:
+        write_report(cfg, report)
+    except OSError as e:
+        notes.append(f"preflight: report not written to {Path(cfg.output_dir) / REPORT_NAME} ({e.strerror or e})")
     failed, waived = report.with_status("fail"), report.with_status("waived")
-    notes = [f"preflight: waived {c.id}: {c.summary}" for c in waived]
+    notes += [f"preflight: waived {c.id}: {c.summary}" for c in waived]
     notes += [f"preflight: FAIL {c.id}: {c.summary}" + (f"  fix: {c.fix}" if c.fix else "") for c in failed]
     if failed:
         verdict = (f"refusing to start: {len(failed)} preflight check(s) failed (report: "

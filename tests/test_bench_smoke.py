@@ -1,4 +1,4 @@
-"""CPU smoke runs of the GPU measurement scripts (bench/train_step.py, bench/memory_calibration.py)."""
+"""CPU smoke runs of the measurement scripts (bench/train_step.py, bench/memory_calibration.py, bench/data_check.py)."""
 
 from __future__ import annotations
 
@@ -45,3 +45,13 @@ def test_memory_calibration_runs_both_roles_on_cpu(tmp_path):
         assert m["nvml_used_bytes"] is None and len(m["steps"]) >= 3
         assert m["config"]["train"]["kl_weight"] == 0.5 and m["target_config"]["model_type"] == "qwen3"
     assert ms[1]["steps"][-1]["anchors"] <= 12  # train.batch_anchors caps the anchors over the batch
+
+
+def test_data_check_bench_runs_small(tmp_path):
+    out = tmp_path / "data_check.json"
+    proc = _run(["bench/data_check.py", "--tokens", "2e6", "--out", str(tmp_path / "data"), "--json", str(out),
+                 "--clean"], tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    figures = json.loads(out.read_text())
+    assert figures["tokens"] > 1_000_000 and figures["scan_warm_s_per_btok"] > 0 and figures["sha256_warm_gb_s"] > 0
+    assert "learnable positions" in proc.stdout and not (tmp_path / "data").exists()

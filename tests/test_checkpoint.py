@@ -1,11 +1,13 @@
-"""Checkpoints: what a save writes, that nothing is unpickled on load, and one-line errors for damaged ones.
+"""Checkpoints: what a save writes, that nothing is unpickled on load, and what a resume does with damaged ones.
 
-The damaged-checkpoint cases run the real `dflash-train --resume latest` command and assert its
-exit code and its one error line (no traceback), as a user would meet them.
+The damaged-checkpoint cases run the real `dflash-train --resume` command and assert its exit
+code and its lines (no traceback), as a user would meet them: `--resume latest` skips a damaged
+newest checkpoint and says why; `--resume <that folder>` refuses it in one line.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import pickle
 import re
@@ -58,6 +60,19 @@ def test_a_checkpoint_holds_json_and_tensors_and_no_pickle(finished_run):
     assert state["rng_cpu"].dtype == torch.uint8 and state["rng_cpu"].numel() > 0
 
 
+def test_meta_records_size_and_sha256_of_every_other_file(finished_run):
+    _, _, out = finished_run
+    latest = ckpt.list_checkpoints(out)[-1]
+    files = rundir.read_meta(latest)[rundir.FILES_KEY]
+    on_disk = sorted(p.relative_to(latest).as_posix() for p in latest.rglob("*") if p.is_file())
+    assert sorted(files) == [f for f in on_disk if f != rundir.META_NAME]
+    assert {"drafter/config.json", "drafter/model.safetensors", "optimizer.pt"} <= set(files)
+    for rel, rec in files.items():
+        data = (latest / rel).read_bytes()
+        assert rec == {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}, rel
+    assert rundir.checkpoint_problem(latest, deep=True) is None
+
+
 def test_trainer_state_round_trips(tmp_path):
     rng = torch.get_rng_state()
     ckpt.save_trainer_state(tmp_path, {"step": 7, "sampler": {"epoch": 1, "index": 3}, "n_drafters": 2,
@@ -106,14 +121,27 @@ def test_missing_files_are_named_by_the_loader(finished_run, tmp_path):
         ckpt.load_trainer_state(copy)
 
 
+def _flip(file: Path, n: int = 64) -> None:
+    """Flip n bytes in the middle of a file: same size, other content."""
+    data = bytearray(file.read_bytes())
+    mid = len(data) // 2
+    for i in range(mid, min(mid + n, len(data))):
+        data[i] ^= 0xFF
+    file.write_bytes(bytes(data))
+
+
 def _damage(folder: Path, case: str, marker: Path) -> None:
     if case == "old layout":
         _make_legacy(folder, marker)
     elif case == "missing optimizer.pt":
         (folder / rundir.OPTIMIZER_NAME).unlink()
-    elif case == "corrupt optimizer.pt":
+    elif case == "truncated optimizer.pt":
         data = (folder / rundir.OPTIMIZER_NAME).read_bytes()
         (folder / rundir.OPTIMIZER_NAME).write_bytes(data[: len(data) // 2])
+    elif case == "flipped bytes in optimizer.pt":
+        _flip(folder / rundir.OPTIMIZER_NAME)
+    elif case == "flipped bytes in model.safetensors":
+        _flip(folder / rundir.DRAFTER_DIR / rundir.WEIGHTS_NAME)
     elif case == "corrupt trainer_state.json":
         (folder / rundir.STATE_JSON).write_text('{"step": 2, "sampler": ')
     elif case == "corrupt trainer_state.safetensors":
@@ -122,40 +150,134 @@ def _damage(folder: Path, case: str, marker: Path) -> None:
         raise AssertionError(case)
 
 
-# (case, what the one error line must say)
+PREVIOUS = r"resume the previous one with --resume \S+step_00000001, or start over with --fresh"
+# (case, why the checkpoint does not verify: in the one error line, and in the one line that says it was skipped)
 DAMAGE = [
-    ("old layout", r"step_00000002: written by an older dflash version \(trainer_state.pt.*\); "
-                   r"start over with --fresh"),
-    ("missing optimizer.pt", r"step_00000002: optimizer.pt missing \(an incomplete checkpoint\); resume the previous "
-                             r"one with --resume \S+step_00000001, or start over with --fresh"),
-    ("corrupt optimizer.pt", r"step_00000002/optimizer.pt is corrupt \(.+\); resume the previous one with "
-                             r"--resume \S+step_00000001, or start over with --fresh"),
-    ("corrupt trainer_state.json", r"step_00000002/trainer_state.json is corrupt \(.+\); resume the previous one"),
-    ("corrupt trainer_state.safetensors", r"step_00000002/trainer_state.safetensors is corrupt \(.+\); resume the "
-                                          r"previous one"),
+    ("old layout", r"written by an older dflash version \(trainer_state.pt, a pickle this version does not load\)"),
+    ("missing optimizer.pt", r"optimizer.pt missing \(an incomplete checkpoint\)"),
+    ("truncated optimizer.pt", r"optimizer.pt is [\d,]+ bytes, meta.json recorded [\d,]+ \(truncated or rewritten since "
+                               r"the save\)"),
+    ("flipped bytes in optimizer.pt", r"optimizer.pt content differs from its sha256 in meta.json \(damaged since "
+                                      r"the save\)"),
+    ("flipped bytes in model.safetensors", r"drafter/model.safetensors content differs from its sha256 in meta.json"),
+    ("corrupt trainer_state.json", r"trainer_state.json is \d+ bytes, meta.json recorded [\d,]+"),
+    ("corrupt trainer_state.safetensors", r"trainer_state.safetensors is \d+ bytes, meta.json recorded [\d,]+"),
 ]
 
 
-@pytest.mark.parametrize("case,expect", DAMAGE, ids=[c for c, _ in DAMAGE])
-def test_resume_from_a_damaged_checkpoint_is_one_line(finished_run, tmp_path, case, expect):
+def _damaged_copy(finished_run, tmp_path, case):
     _, raw, out = finished_run
     run_dir = tmp_path / "run"
     shutil.copytree(out, run_dir)
     marker = tmp_path / "code-ran"
     _damage(rundir.checkpoint_path(run_dir, 2), case, marker)
-    before = sorted(str(p.relative_to(run_dir)) for p in run_dir.rglob("*"))
-    config = write_toml(raw, tmp_path / "run.toml")
+    return run_dir, write_toml(raw, tmp_path / "run.toml"), marker
+
+
+def _train(config: Path, run_dir: Path, *extra: str) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "dflash.cli", "--config", str(config), "--output-dir", str(run_dir), "--no-progress",
-           "--waive", "model-source", "--reason", "tests run on a working tree", "--resume", "latest"]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
+           "--waive", "model-source", "--reason", "tests run on a working tree", *extra]
+    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
+
+
+def _tree(run_dir: Path) -> list[str]:
+    return sorted(str(p.relative_to(run_dir)) for p in run_dir.rglob("*"))
+
+
+@pytest.mark.parametrize("case,why", DAMAGE, ids=[c for c, _ in DAMAGE])
+def test_resume_of_a_damaged_checkpoint_by_path_is_one_line(finished_run, tmp_path, case, why):
+    run_dir, config, marker = _damaged_copy(finished_run, tmp_path, case)
+    before = _tree(run_dir)
+    proc = _train(config, run_dir, "--resume", str(rundir.checkpoint_path(run_dir, 2)))
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "Traceback" not in proc.stderr
     errors = [line for line in proc.stderr.splitlines() if line.startswith("dflash-train: error: ")]
     assert len(errors) == 1 and proc.stderr.rstrip().endswith(errors[0]), proc.stderr
+    prefix = "" if case == "old layout" else r".*; " + PREVIOUS
+    expect = r"step_00000002: " + why + (r"; start over with --fresh" if case == "old layout" else prefix)
     assert re.search(expect, errors[0]), errors[0]
     assert not marker.exists()
-    after = sorted(str(p.relative_to(run_dir)) for p in run_dir.rglob("*"))
-    assert [p for p in after if p not in before] in ([], ["preflight.json"])  # nothing moved or trimmed
+    assert _tree(run_dir) == before  # refused before anything moved, trimmed or was written
+
+
+@pytest.mark.parametrize("case,why", [DAMAGE[2], DAMAGE[3]], ids=[DAMAGE[2][0], DAMAGE[3][0]])
+def test_resume_latest_skips_a_damaged_newest_checkpoint_and_says_why(finished_run, tmp_path, case, why):
+    """A 64-byte flip keeps the size: only the sha256 recorded at save time catches it."""
+    run_dir, config, _ = _damaged_copy(finished_run, tmp_path, case)
+    proc = _train(config, run_dir, "--resume", "latest", "--max-steps", "2")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    skipped = [line for line in proc.stdout.splitlines() if line.startswith("--resume latest: skipped")]
+    assert len(skipped) == 1, proc.stdout
+    assert re.fullmatch(r"--resume latest: skipped step_00000002 \(" + why + r"\); resuming step_00000001 \(step 1\)",
+                        skipped[0]), skipped[0]
+    assert f"resumed from {rundir.checkpoint_path(run_dir, 1)} at step 1" in proc.stdout
+    moved = list(run_dir.glob("checkpoints.abandoned-*/step_00000002"))
+    assert len(moved) == 1  # the damaged one is kept aside, never deleted
+    assert rundir.checkpoint_problem(rundir.checkpoint_path(run_dir, 2), deep=True) is None  # saved anew
+
+
+def test_resume_latest_with_no_checkpoint_that_verifies(finished_run, tmp_path):
+    run_dir, _, _ = _damaged_copy(finished_run, tmp_path, "truncated optimizer.pt")
+    _flip(rundir.checkpoint_path(run_dir, 1) / rundir.STATE_TENSORS, 8)
+    log = []
+    with pytest.raises(rundir.CheckpointError) as e:
+        rundir.resolve_resume(run_dir, "latest", log=log.append)
+    assert re.fullmatch(r"--resume latest: no checkpoint in \S+ verifies: step_00000002 \(optimizer.pt is .+\); "
+                        r"step_00000001 \(trainer_state.safetensors content differs .+\); start over with --fresh",
+                        str(e.value)), str(e.value)
+    # without deep, sizes only: the flipped one passes (preflight's quick look), the truncated one does not
+    assert rundir.resolve_resume(run_dir, "latest", deep=False, log=log.append).name == "step_00000001"
+    assert log == ["--resume latest: skipped step_00000002 (optimizer.pt is "
+                   f"{(rundir.checkpoint_path(run_dir, 2) / 'optimizer.pt').stat().st_size:,} bytes, meta.json recorded "
+                   f"{rundir.read_meta(rundir.checkpoint_path(run_dir, 2))['files']['optimizer.pt']['bytes']:,} "
+                   "(truncated or rewritten since the save)); resuming step_00000001 (step 1)"]
+
+
+def test_a_checkpoint_without_recorded_files_is_judged_by_its_loader(finished_run, tmp_path):
+    """Checkpoints saved before sizes and hashes were recorded still load, and a corrupt file is still one line."""
+    run_dir, _, _ = _damaged_copy(finished_run, tmp_path, "corrupt trainer_state.json")
+    folder = rundir.checkpoint_path(run_dir, 2)
+    meta = rundir.read_meta(folder)
+    del meta[rundir.FILES_KEY]
+    (folder / rundir.META_NAME).write_text(json.dumps(meta))
+    assert rundir.checkpoint_problem(folder, deep=True) is None
+    with pytest.raises(ckpt.CheckpointError, match=r"trainer_state.json is corrupt \(.+\); " + PREVIOUS):
+        ckpt.load_trainer_state(folder)
+
+
+def test_a_resume_that_changes_the_lr_schedule_is_refused_unless_allowed(finished_run, tmp_path):
+    from dflash.config import config_from_dict
+
+    _, raw, out = finished_run
+    run_dir = tmp_path / "run"
+    shutil.copytree(out, run_dir)
+    same = config_from_dict(dict(raw, output_dir=str(run_dir)))
+    assert rundir.schedule_change(rundir.checkpoint_path(run_dir, 2), same) is None
+    longer = config_from_dict(dict(raw, output_dir=str(run_dir), train=dict(raw["train"], max_steps=20, lr=0.02)))
+    assert rundir.schedule_change(rundir.checkpoint_path(run_dir, 2), longer) == \
+        "total steps 2 -> 20, train.lr 0.01 -> 0.02 (train.max_steps 2 -> 20)"
+    before = _tree(run_dir)
+    with pytest.raises(rundir.RunDirError, match=r"^--resume step_00000002 \(step 2\) would change the lr schedule: "
+                                                 r"total steps 2 -> 20, .*; pass --allow-schedule-change") as e:
+        rundir.prepare_output_dir(longer, "latest", False)
+    assert e.value.exit_code == 2 and _tree(run_dir) == before
+    log = []
+    assert rundir.prepare_output_dir(longer, "latest", False, log.append, allow_schedule_change=True).name == \
+        "step_00000002"
+    assert log == ["--allow-schedule-change: resuming step_00000002 (step 2) with a new lr schedule: total steps "
+                   "2 -> 20, train.lr 0.01 -> 0.02 (train.max_steps 2 -> 20)"]
+    # an epochs-based schedule: the dataset's size changes the total (a merged dataset under an old run)
+    train = {k: v for k, v in raw["train"].items() if k != "max_steps"}
+    by_epochs = config_from_dict(dict(raw, output_dir=str(run_dir), train=dict(train, epochs=1)))
+    folder = rundir.checkpoint_path(run_dir, 2)
+    meta = rundir.read_meta(folder)
+    meta["config"] = by_epochs.model_dump()
+    meta["dataset"]["samples"] = 40
+    (folder / rundir.META_NAME).write_text(json.dumps(meta))
+    state = json.loads((folder / rundir.STATE_JSON).read_text())
+    state["sampler"]["batches_per_epoch"] = 6
+    (folder / rundir.STATE_JSON).write_text(json.dumps(state))
+    assert rundir.schedule_change(folder, by_epochs) == "total steps 6 -> 9 (dataset 40 -> 64 samples)"
 
 
 def test_preflight_and_the_checkpoint_agree_on_the_dataset(finished_run):
@@ -198,7 +320,7 @@ def test_the_resume_fresh_rule(tmp_path):
         rundir.prepare_output_dir(cfg, str(out), False)
     (second / rundir.STATE_TENSORS).unlink()
     with pytest.raises(rundir.CheckpointError, match=f"trainer_state.safetensors missing .* --resume {first}"):
-        rundir.prepare_output_dir(cfg, "latest", False)
+        rundir.prepare_output_dir(cfg, str(second), False)
     assert rundir.list_checkpoints(out) == [first, second]  # refused before anything moved
     log = []
     assert rundir.prepare_output_dir(cfg, str(first), False, log.append) == first

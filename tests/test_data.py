@@ -368,3 +368,50 @@ def test_closing_a_prefetch_stops_its_thread():
     while time.time() < deadline and any(t.name == "dflash-prefetch" and t.is_alive() for t in threading.enumerate()):
         time.sleep(0.05)
     assert not any(t.name == "dflash-prefetch" and t.is_alive() for t in threading.enumerate())
+
+
+# ---------------------------------------------------------------------------------------------
+# Values and identity: what preflight's dataset check judges
+
+
+def test_value_stats_ranges_and_learnable_positions():
+    from dflash.data import ValueStats, value_stats
+
+    ids = pa.array([[5, 2, 9], [7], [1, 3], [], [4, 4, 4]], type=pa.list_(pa.int32()))
+    mask = pa.array([[0, 1, 1], [1], [1, 1], [], [1, 0, 1]], type=pa.list_(pa.int8()))
+    # learnable: (1,2) of row 0 and (0,1) of row 2; the 1-token row and pairs across rows do not count
+    assert value_stats(ids, mask) == ValueStats(1, 9, 0, 1, 2)
+    assert value_stats(ids.slice(1, 2), mask.slice(1, 2)) == ValueStats(1, 7, 1, 1, 1)  # offsets not at 0
+    chunked = value_stats(pa.chunked_array([ids, ids.slice(2)]), pa.chunked_array([mask, mask.slice(2)]))
+    assert chunked == ValueStats(1, 9, 0, 1, 3)
+    only_one_token = value_stats(pa.array([[3], [4]], type=pa.list_(pa.int32())), pa.array([[1], [1]], pa.list_(pa.int8())))
+    assert only_one_token.anchors == 0 and only_one_token.mask_max == 1
+    empty = value_stats(pa.array([[]], type=pa.list_(pa.int32())), pa.array([[]], type=pa.list_(pa.int8())))
+    assert empty == ValueStats()
+
+
+def test_compare_targets_fails_on_vocabulary_or_tokenizer_only():
+    from dflash.data import compare_targets
+
+    qwen8b = {"vocab_size": 151_936, "model_type": "qwen3", "num_layers": 36, "hidden": 4096, "tokenizer_sha256": "a" * 64}
+    assert compare_targets(qwen8b, dict(qwen8b)) == ([], [])
+    qwen27b = {"vocab_size": 248_320, "model_type": "qwen3_5", "num_layers": 64, "hidden": 5120, "tokenizer_sha256": "b" * 64}
+    bad, _ = compare_targets(qwen8b, qwen27b)
+    assert bad == ["vocab_size 151936 -> 248320", "tokenizer files differ (sha256 aaaaaaaaaaaa -> bbbbbbbbbbbb)"]
+    qwen14b = dict(qwen8b, num_layers=40, hidden=5120)  # same tokenizer, another model: ids stay valid
+    assert compare_targets(qwen8b, qwen14b) == ([], ["completions of another model with the same tokenizer "
+                                                     "(num_layers 36 -> 40, hidden 4096 -> 5120)"])
+    assert compare_targets(dict(qwen8b, tokenizer_sha256=None), qwen8b) == ([], [])  # only the vocabulary to compare
+
+
+def test_tokenizer_sha256_covers_the_tokenizer_files(tmp_path):
+    from dflash.data import tokenizer_sha256
+
+    assert tokenizer_sha256(tmp_path) is None
+    (tmp_path / "tokenizer.json").write_text('{"model": 1}')
+    (tmp_path / "config.json").write_text("{}")
+    first = tokenizer_sha256(tmp_path)
+    (tmp_path / "config.json").write_text('{"other": 1}')  # not a tokenizer file
+    assert tokenizer_sha256(tmp_path) == first
+    (tmp_path / "tokenizer.json").write_text('{"model": 2}')
+    assert tokenizer_sha256(tmp_path) != first

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from dflash.config import config_from_dict
+from dflash.data import ValueStats
 from preflight import checks
 from preflight.checks import CHECK_IDS, NEEDS_CONFIG, run_checks
 from preflight.facts import (
@@ -53,6 +54,20 @@ def recorded(idle: bool = True) -> dict:
     return d
 
 
+def healthy_dataset(path: str, shape) -> Dataset:
+    """Two shards written by dflash-data for this target: the manifest records them and the target's fingerprint."""
+    target = None if shape is None else {"vocab_size": shape.vocab, "model_type": shape.model_type,
+                                         "num_layers": shape.num_layers, "hidden": shape.hidden,
+                                         "tokenizer_sha256": "ab" * 32}
+    shards = [Shard("a.arrow", rows=600, tokens=900_000, max_len=3000, max_row=7, size_bytes=5_400_000,
+                    values=ValueStats(3, 49_000, 0, 1, 700_000), sha256="11" * 32),
+              Shard("b.arrow", rows=400, tokens=500_000, max_len=4000, max_row=12, first_row=600, size_bytes=3_000_000,
+                    values=ValueStats(0, 48_000, 0, 1, 400_000), sha256="22" * 32)]
+    manifest = {"target": target, "shards": {s.name: {"bytes": s.size_bytes, "sha256": s.sha256, "samples": s.rows}
+                                                   for s in shards}}
+    return Dataset(path, 4096, shards=shards, manifest=manifest, target=target)
+
+
 def make_ctx(tmp_path: Path, config: dict | None = None, gpus: dict | None = None, cvd: str | None = None) -> Context:
     """A machine on which every check passes: 8 idle H200s, the locked stack, a warm cache, clean source."""
     profile = load_profile("train-cu128")
@@ -75,9 +90,7 @@ def make_ctx(tmp_path: Path, config: dict | None = None, gpus: dict | None = Non
             "torch": "2.10.0+cu128", "triton": "3.6.0", "gpu_name": "NVIDIA H200", "compute_capability": "9.0",
             "drafter_hash": cfg.drafter_hash()}),
         run_dir=RunDir(cfg.output_dir, False, True),
-        dataset=Dataset(cfg.data.path, 4096, shards=[
-            Shard("a.arrow", rows=600, tokens=900_000, max_len=3000, max_row=7),
-            Shard("b.arrow", rows=400, tokens=500_000, max_len=4000, max_row=12, first_row=600)]),
+        dataset=healthy_dataset(cfg.data.path, shape),
         disk=Disk(cfg.output_dir, free_bytes=500 * GiB),
         target_shape=shape, target_error=shape_error,
         host={"pid": 4242},
@@ -518,7 +531,9 @@ def _with_checkpoint(ctx, step=690, config_over=None, samples=1000, fingerprint=
     meta = {"step": step, "config": saved,
             "dataset": {"path": ctx.config.data.path, "samples": samples,
                         "fingerprint": fingerprint or ctx.dataset.fingerprint}}
-    ctx.run_dir.checkpoints = [Checkpoint(500, "ckpt/step_00000500"), Checkpoint(step, f"ckpt/step_{step:08d}", meta)]
+    older = dict(meta, step=500)
+    ctx.run_dir.checkpoints = [Checkpoint(500, "ckpt/step_00000500", older),
+                               Checkpoint(step, f"ckpt/step_{step:08d}", meta)]
     return ctx
 
 
@@ -539,6 +554,7 @@ def test_run_dir_resume_refuses_a_checkpoint_the_trainer_would_refuse(tmp_path):
     from dflash.rundir import LEGACY_REASON
 
     ctx = _with_checkpoint(make_ctx(tmp_path))
+    ctx.run_dir.checkpoints = ctx.run_dir.checkpoints[1:]
     ctx.run_dir.newest.error = LEGACY_REASON  # what facts.run_dir records for an old pickled trainer_state.pt
     ctx.resume_intent = "resume"
     r = checks.check_run_dir(ctx)
@@ -546,6 +562,36 @@ def test_run_dir_resume_refuses_a_checkpoint_the_trainer_would_refuse(tmp_path):
     assert "--fresh" in r.fix
     ctx.resume_intent = "fresh"
     assert checks.check_run_dir(ctx).status == "pass"
+
+
+def test_run_dir_resume_skips_damaged_newer_checkpoints_as_the_trainer_does(tmp_path):
+    """`--resume latest` takes the newest checkpoint that verifies; preflight says which one and what it skips."""
+    ctx = _with_checkpoint(make_ctx(tmp_path))
+    ctx.resume_intent = "resume"
+    truncated = "optimizer.pt is 4,096 bytes, meta.json recorded 8,192 (truncated or rewritten since the save)"
+    ctx.run_dir.newest.error = truncated
+    r = checks.check_run_dir(ctx)
+    assert r.status == "warn"
+    assert r.summary == f"--resume from step_00000500 (step 500); --resume latest skips step_00000690: {truncated}"
+    assert r.data["resume"]["step"] == 500 and r.data["skipped"] == [{"step": 690, "problem": truncated}]
+    ctx.run_dir.checkpoints[0].error = "trainer_state.json content differs from its sha256 in meta.json (damaged since " \
+                                       "the save)"
+    ctx.run_dir.deep = True
+    r = checks.check_run_dir(ctx)
+    assert r.status == "fail" and r.summary.startswith("--resume: none of the 2 checkpoints verifies (sizes and "
+                                                       "sha256): step_00000500: trainer_state.json content differs")
+    assert "--fresh" in r.fix
+
+
+def test_run_dir_resume_that_changes_the_lr_schedule_warns(tmp_path):
+    """The incident's `--max-steps` on resume: lr fell 18x in 5 steps while preflight said "config compatible"."""
+    ctx = _with_checkpoint(make_ctx(tmp_path), config_over={"train.max_steps": 20_000, "train.lr": 3e-4})
+    ctx.resume_intent = "resume"
+    r = checks.check_run_dir(ctx)
+    assert r.status == "warn" and "compatible" not in r.summary
+    assert "the lr schedule changes (train.max_steps 20000 -> None, train.lr 0.0003 -> 0.0006): dflash-train refuses " \
+           "this resume without --allow-schedule-change" in r.summary
+    assert "--allow-schedule-change" in r.fix and r.data["schedule_changes"][0] == "train.max_steps 20000 -> None"
 
 
 def test_run_dir_resume_incompatible_fails(tmp_path):
@@ -571,7 +617,7 @@ def test_run_dir_unwritable_and_resume_without_checkpoint_fail(tmp_path):
     assert r.status == "fail" and "no finished checkpoint" in r.summary
     ctx.run_dir = RunDir(ctx.config.output_dir, True, False, "run is not writable by this user")
     r = checks.check_run_dir(ctx)
-    assert r.status == "fail" and "not writable" in r.summary
+    assert r.status == "fail" and r.summary.endswith("cannot be written: run is not writable by this user")
 
 
 # ---------------------------------------------------------------- dataset
@@ -600,6 +646,84 @@ def test_dataset_corrupt_shard_and_missing_folder_fail(tmp_path):
 def test_dataset_pass_reports_counts(tmp_path):
     r = checks.check_dataset(make_ctx(tmp_path))
     assert r.status == "pass" and "1,000 samples" in r.summary and r.data["longest"]["index"] == 612
+    assert ("shard sizes match manifest.json; built for this target (vocab 49,152, same tokenizer files); ids "
+            "0..49,000 < vocab 49,152; "
+            "loss_mask 0/1 with 1,100,000 learnable positions") in r.summary
+    assert r.data["values"] == {"min_id": 0, "max_id": 49_000, "vocab": 49_152, "mask_min": 0, "mask_max": 1,
+                                "learnable_positions": 1_100_000}
+
+
+def test_dataset_token_ids_outside_the_vocabulary_fail(tmp_path):
+    """ids >= vocab crash the embedding in step 1 (a device-side assert on CUDA); negative ids too."""
+    ctx = make_ctx(tmp_path)
+    ctx.dataset.shards[1].values = ValueStats(0, 151_000, 0, 1, 400_000)
+    ctx.dataset.manifest = None  # nothing recorded: the range check alone catches it
+    r = checks.check_dataset(ctx)
+    assert r.status == "fail"
+    assert ("token ids up to 151,000 (b.arrow) but the target's vocabulary is 49,152 (ids must be < 49,152; 1 "
+            "shard(s): b.arrow)") in r.summary
+    assert "dflash-data prepare --target smollm2" in r.fix and r.data["values"]["max_id"] == 151_000
+    ctx.dataset.shards[1].values = ValueStats(-7, 100, 0, 1, 400_000)
+    r = checks.check_dataset(ctx)
+    assert r.status == "fail" and "negative token ids (down to -7) in b.arrow" in r.summary
+
+
+def test_dataset_built_for_another_target_fails(tmp_path):
+    ctx = make_ctx(tmp_path)
+    ctx.dataset.manifest["target"] = dict(ctx.dataset.target, vocab_size=151_936, tokenizer_sha256="cd" * 32)
+    r = checks.check_dataset(ctx)
+    assert r.status == "fail"
+    assert ("built for another target than smollm2: vocab_size 151936 -> 49152, tokenizer files differ (sha256 "
+            "cdcdcdcdcdcd -> abababababab)") in r.summary
+    assert "rebuild the data for this target" in r.fix
+    ctx.dataset.manifest["target"] = dict(ctx.dataset.target, num_layers=12)  # same tokenizer, other model: warn
+    r = checks.check_dataset(ctx)
+    assert r.status == "warn" and "completions of another model with the same tokenizer (num_layers 12 -> 30)" \
+        in r.summary
+
+
+def test_dataset_loss_mask_values_and_nothing_to_learn_fail(tmp_path):
+    ctx = make_ctx(tmp_path)
+    ctx.dataset.shards[0].values = ValueStats(3, 49_000, 0, 2, 700_000)
+    r = checks.check_dataset(ctx)
+    assert r.status == "fail" and "loss_mask values outside 0/1 (from 0 to 2) in a.arrow" in r.summary
+    for s in ctx.dataset.shards:
+        s.values = ValueStats(3, 49_000, 0, 0, 0)
+    r = checks.check_dataset(ctx)
+    assert r.status == "fail" and "nothing to learn: loss_mask is 0 everywhere" in r.summary
+    for s in ctx.dataset.shards:
+        s.values = ValueStats(3, 49_000, 1, 1, 0)  # 1-token samples: a block needs two learnable tokens
+    r = checks.check_dataset(ctx)
+    assert r.status == "fail" and "nothing to learn: no sample has two consecutive loss_mask = 1 tokens" in r.summary
+    assert "keep samples of 2 or more tokens" in r.fix
+
+
+def test_dataset_shards_that_differ_from_the_manifest_fail(tmp_path):
+    ctx = make_ctx(tmp_path)
+    ctx.dataset.shards[0].size_bytes -= 64
+    r = checks.check_dataset(ctx)
+    assert r.status == "fail" and "a.arrow is 5,399,936 bytes, manifest.json recorded 5,400,000" in r.summary
+    ctx.dataset.shards[0].size_bytes += 64
+    ctx.dataset.shards[1].sha256 = "ff" * 32  # 64 flipped bytes: same size, other content
+    assert checks.check_dataset(ctx).status == "pass"  # sizes only: the quick look cannot see it
+    ctx.dataset.deep = True
+    r = checks.check_dataset(ctx)
+    assert r.status == "fail" and "b.arrow content differs from its sha256 in manifest.json" in r.summary
+    assert r.data["verified_by"] == "sizes and sha256"
+    ctx.dataset.shards.append(Shard("c.arrow", rows=1, tokens=5, max_len=5, values=ValueStats(1, 5, 1, 1, 4)))
+    r = checks.check_dataset(ctx)
+    assert "c.arrow not in manifest.json" in r.summary
+
+
+def test_dataset_without_manifest_warns_with_the_command_that_records_one(tmp_path):
+    ctx = make_ctx(tmp_path)
+    ctx.dataset.manifest = None
+    r = checks.check_dataset(ctx)
+    assert r.status == "warn" and "no manifest.json: the target the data was built for and the shard hashes are " \
+        "unknown" in r.summary
+    assert r.fix == f"dflash-data manifest {ctx.dataset.path} --target smollm2"
+    ctx.dataset.manifest_error = "manifest.json unreadable (Expecting value: line 1 column 1 (char 0))"
+    assert checks.check_dataset(ctx).status == "fail"
 
 
 # ---------------------------------------------------------------- disk

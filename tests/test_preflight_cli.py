@@ -13,6 +13,7 @@ import pyarrow.ipc as ipc
 import pytest
 
 from dflash.config import config_from_dict
+from dflash.data import shard_records, target_fingerprint, write_manifest
 from dflash.rundir import CHECKPOINT_FILES, META_NAME
 from preflight.checks import CHECK_IDS, NEEDS_CONFIG
 from preflight.cli import main
@@ -50,6 +51,8 @@ def write_run(tmp_path: Path, **over) -> Path:
     table = pa.table({"input_ids": ids, "loss_mask": mask})
     with pa.OSFile(str(data / "shard-00000.arrow"), "wb") as sink, ipc.new_file(sink, table.schema) as w:
         w.write_table(table)
+    # what dflash-data writes beside its shards: the target's fingerprint and each shard's size and sha256
+    write_manifest(data, {"target": target_fingerprint("smollm2"), "shards": shard_records(data.glob("*.arrow"))})
     lines = [f'output_dir = "{tmp_path / "run"}"', f'device = "{over.pop("device", "cuda")}"',
              "[data]", f'path = "{data}"', f"token_budget = {over.pop('token_budget', 1024)}"]
     if "topology" in over:
@@ -178,6 +181,44 @@ def test_existing_checkpoints_need_resume_or_fresh(capsys, tmp_path):
     _, out, _ = run(capsys, *base, "--resume")
     run_dir = next(c for c in json.loads(out)["checks"] if c["id"] == "run-dir")
     assert run_dir["status"] == "warn" and "902,000 -> 3 samples" in run_dir["summary"]
+
+
+def _flip(file: Path, at: int, n: int = 64) -> None:
+    data = bytearray(file.read_bytes())
+    data[at:at + n] = bytes(b ^ 0xFF for b in data[at:at + n])
+    file.write_bytes(bytes(data))
+
+
+def test_verify_data_catches_a_shard_with_flipped_bytes(capsys, tmp_path):
+    """The issue's shard with 64 flipped bytes trained to completion with exit 0: --verify-data compares sha256."""
+    cfg = write_run(tmp_path, device="cpu")
+    shard = tmp_path / "data" / "shard-00000.arrow"
+    base = ("--profile", "train-cu128", "--json", "--config", str(cfg))
+    _, out, _ = run(capsys, *base, "--verify-data")
+    dataset = next(c for c in json.loads(out)["checks"] if c["id"] == "dataset")
+    assert dataset["status"] == "pass" and dataset["data"]["verified_by"] == "sizes and sha256", dataset
+    _flip(shard, shard.stat().st_size // 2)
+    code, out, _ = run(capsys, *base, "--verify-data")
+    dataset = next(c for c in json.loads(out)["checks"] if c["id"] == "dataset")
+    assert code == 1 and dataset["status"] == "fail"
+    assert "shard-00000.arrow content differs from its sha256 in manifest.json" in dataset["summary"]
+
+
+def test_a_same_size_rewrite_is_seen_only_by_verify_data(capsys, tmp_path):
+    cfg = write_run(tmp_path, device="cpu")
+    shard = tmp_path / "data" / "shard-00000.arrow"
+    size = shard.stat().st_size
+    ids = pa.array([[7] * n for n in (50, 300, 120)], type=pa.list_(pa.int32()))  # valid ids, other content
+    mask = pa.array([[1] * n for n in (50, 300, 120)], type=pa.list_(pa.int8()))
+    table = pa.table({"input_ids": ids, "loss_mask": mask})
+    with pa.OSFile(str(shard), "wb") as sink, ipc.new_file(sink, table.schema) as w:
+        w.write_table(table)
+    assert shard.stat().st_size == size
+    base = ("--profile", "train-cu128", "--json", "--config", str(cfg))
+    _, out, _ = run(capsys, *base)
+    assert statuses(out)["dataset"] == "pass"  # sizes only
+    code, out, _ = run(capsys, *base, "--verify-data")
+    assert code == 1 and statuses(out)["dataset"] == "fail"
 
 
 def test_human_output_lines_fixes_verdict_and_no_colour_off_tty(capsys, tmp_path):

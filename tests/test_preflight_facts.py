@@ -279,6 +279,37 @@ def test_run_dir_flags_checkpoints_a_resume_would_refuse(tmp_path):
     assert "optimizer.pt" in facts.run_dir(str(run)).newest.error
 
 
+def _recorded_ckpt(run: Path, step: int) -> Path:
+    """A checkpoint whose meta.json records its files' sizes and sha256, as save_checkpoint writes it."""
+    from dflash.rundir import CHECKPOINT_FILES, FILES_KEY, META_NAME, record_files
+
+    d = _ckpt(run, step, None)
+    (d / "drafter.safetensors").unlink()
+    for name in set(CHECKPOINT_FILES) - {META_NAME}:
+        (d / name).parent.mkdir(parents=True, exist_ok=True)
+        (d / name).write_bytes(bytes(range(256)) * 64)
+    (d / META_NAME).write_text(json.dumps({"step": step, FILES_KEY: record_files(d)}))
+    return d
+
+
+def test_run_dir_checks_recorded_sizes_and_with_verify_data_the_sha256(tmp_path):
+    run = tmp_path / "run"
+    _recorded_ckpt(run, 500)
+    newest = _recorded_ckpt(run, 600)
+    assert [c.error for c in facts.run_dir(str(run)).checkpoints] == [None, None]
+    data = bytearray((newest / "optimizer.pt").read_bytes())
+    data[100:164] = bytes(b ^ 0xFF for b in data[100:164])  # 64 flipped bytes: same size
+    (newest / "optimizer.pt").write_bytes(bytes(data))
+    assert facts.run_dir(str(run)).newest.error is None  # sizes only: preflight's quick look cannot see it
+    deep = facts.run_dir(str(run), deep=True)
+    assert deep.deep and deep.newest.error == "optimizer.pt content differs from its sha256 in meta.json (damaged " \
+                                               "since the save)"
+    assert deep.checkpoints[0].error is None  # the one `--resume latest` takes
+    (newest / "optimizer.pt").write_bytes(bytes(data[:1000]))
+    assert facts.run_dir(str(run)).newest.error == ("optimizer.pt is 1,000 bytes, meta.json recorded 16,384 "
+                                                    "(truncated or rewritten since the save)")
+
+
 def test_run_dir_not_writable_when_parent_is_a_file(tmp_path):
     (tmp_path / "file").write_text("")
     rd = facts.run_dir(str(tmp_path / "file" / "run"))
@@ -315,6 +346,27 @@ def test_dataset_fingerprint_matches_the_trainer(tmp_path):
     _shard(tmp_path / "data" / "a.arrow", [10, 20])
     _shard(tmp_path / "data" / "b.arrow", [30])
     assert facts.dataset(_cfg(tmp_path)).fingerprint == ShardDataset(tmp_path / "data").fingerprint
+
+
+def test_dataset_reads_values_manifest_target_and_with_verify_data_the_sha256(tmp_path):
+    from dflash.data import ValueStats, shard_records, target_fingerprint, write_manifest
+
+    (tmp_path / "data").mkdir()
+    _shard(tmp_path / "data" / "a.arrow", [10, 1, 3])  # ids 0..n-1, loss_mask all 1
+    _shard(tmp_path / "data" / "b.arrow", [4])
+    ds = facts.dataset(_cfg(tmp_path))
+    assert [s.values for s in ds.shards] == [ValueStats(0, 9, 1, 1, 9 + 0 + 2), ValueStats(0, 3, 1, 1, 3)]
+    assert ds.manifest is None and ds.manifest_error is None and not ds.deep
+    assert ds.target == target_fingerprint("smollm2") and ds.target["vocab_size"] == 49_152
+    assert all(s.sha256 is None for s in ds.shards)  # hashed only when asked
+    write_manifest(tmp_path / "data", {"target": ds.target, "shards": shard_records((tmp_path / "data").glob("*.arrow"))})
+    deep = facts.dataset(_cfg(tmp_path), deep=True)
+    assert deep.deep and deep.manifest["shards"]["a.arrow"]["sha256"] == deep.shards[0].sha256
+    (tmp_path / "data" / "manifest.json").write_text("{")
+    assert facts.dataset(_cfg(tmp_path)).manifest_error.startswith("manifest.json unreadable")
+    bad_target = config_from_dict({"output_dir": str(tmp_path / "run"), "data": {"path": str(tmp_path / "data")},
+                                   "target": {"path": str(tmp_path / "nowhere")}})
+    assert "config.json: not found" in facts.dataset(bad_target).target_error
 
 
 def test_dataset_corrupt_shards_are_named(tmp_path):

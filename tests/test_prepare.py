@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
+import shutil
 
 import numpy as np
 import pytest
@@ -10,7 +12,7 @@ from click.testing import CliRunner
 
 from dflash import prepare as prep
 from dflash.cli import data_command
-from dflash.data import ShardDataset
+from dflash.data import ShardDataset, target_fingerprint
 from dflash.prompts import HELD_OUT, is_held_out, load_prompts
 from dflash.synthetic import word_text, word_tokenizer
 from trainkit import chat_target
@@ -56,6 +58,11 @@ def test_prepare_writes_prompt_plus_completion_shards(target, prompt_file, tmp_p
         assert 1 <= len(ids) - len(prompt) <= 6
     manifest = json.loads((tmp_path / "d" / prep.MANIFEST).read_text())
     assert [(e["start"], e["end"]) for e in manifest["shards"].values()] == [(0, 4), (4, 8), (8, 10)]
+    for name, rec in manifest["shards"].items():  # what preflight's dataset check compares
+        data = (tmp_path / "d" / name).read_bytes()
+        assert rec["bytes"] == len(data) and rec["sha256"] == hashlib.sha256(data).hexdigest()
+    assert manifest["target"] == target_fingerprint(str(target))
+    assert manifest["target"]["vocab_size"] == 64 and len(manifest["target"]["tokenizer_sha256"]) == 64
 
 
 def test_interrupted_prepare_resumes_without_duplicates(target, prompt_file, tmp_path, monkeypatch):
@@ -127,22 +134,108 @@ def test_sglang_engine_outside_its_profile(target, prompt_file, tmp_path, monkey
     assert "--engine sglang needs the infer-cu130 profile" in res.output
 
 
-def test_merge_keeps_inputs_and_refuses_to_overwrite(target, prompt_file, tmp_path):
+@pytest.fixture
+def two_datasets(target, prompt_file, tmp_path):
+    """a: the first 5 prompts; b: 6 other prompts (no sample in common)."""
+    other = tmp_path / "other.txt"
+    other.write_text("\n".join(word_text(3 + i % 3, start=40 + i) for i in range(6)) + "\n")
     assert _prepare(target, prompt_file, tmp_path / "a", "--limit", "5").exit_code == 0
-    assert _prepare(target, prompt_file, tmp_path / "b").exit_code == 0
-    before = {p: p.read_bytes() for d in ("a", "b") for p in (tmp_path / d).iterdir()}
-    res = CliRunner().invoke(data_command, ["merge", str(tmp_path / "a"), str(tmp_path / "b"),
-                                         "--out", str(tmp_path / "c")])
-    assert res.exit_code == 0, res.output
-    a, _ = _rows(tmp_path / "a")
-    b, _ = _rows(tmp_path / "b")
-    assert _rows(tmp_path / "c")[0] == a + b
-    assert {p: p.read_bytes() for p in before} == before
+    assert _prepare(target, other, tmp_path / "b").exit_code == 0
+    return tmp_path / "a", tmp_path / "b"
 
-    res = CliRunner().invoke(data_command, ["merge", str(tmp_path / "a"), "--out", str(tmp_path / "c")])
+
+def _snapshot(*folders):
+    return {p: p.read_bytes() for d in folders for p in sorted(d.rglob("*")) if p.is_file()}
+
+
+def _merge(*args):
+    return CliRunner().invoke(data_command, ["merge", *map(str, args)])
+
+
+def test_merge_keeps_inputs_and_moves_a_replaced_output_aside(two_datasets, tmp_path):
+    a, b = two_datasets
+    before = _snapshot(a, b)
+    res = _merge(a, b, "--out", tmp_path / "c")
+    assert res.exit_code == 0, res.output
+    rows_a, rows_b = _rows(a)[0], _rows(b)[0]
+    assert _rows(tmp_path / "c")[0] == rows_a + rows_b
+    assert _snapshot(a, b) == before
+    manifest = json.loads((tmp_path / "c" / prep.MANIFEST).read_text())
+    assert manifest["target"] == json.loads((a / prep.MANIFEST).read_text())["target"]  # both inputs agree
+    for name, rec in manifest["shards"].items():
+        assert rec["sha256"] == hashlib.sha256((tmp_path / "c" / name).read_bytes()).hexdigest()
+
+    res = _merge(a, "--out", tmp_path / "c")
     assert res.exit_code == 2 and "already exists; pick another --out or pass --overwrite" in res.output
-    res = CliRunner().invoke(data_command, ["merge", str(tmp_path / "a"), "--out", str(tmp_path / "c"), "--overwrite"])
-    assert res.exit_code == 0 and _rows(tmp_path / "c")[0] == a
+    old = _snapshot(tmp_path / "c")
+    res = _merge(a, "--out", tmp_path / "c", "--overwrite")
+    assert res.exit_code == 0, res.output
+    assert _rows(tmp_path / "c")[0] == rows_a
+    aside = [p for p in tmp_path.iterdir() if p.name.startswith("c.replaced-")]
+    assert len(aside) == 1 and f"the previous {tmp_path / 'c'} moved to {aside[0]} (nothing deleted)" in res.output
+    assert {p.relative_to(aside[0]): v for p, v in _snapshot(aside[0]).items()} == \
+        {p.relative_to(tmp_path / "c"): v for p, v in old.items()}
+    assert _snapshot(a, b) == before
+
+
+def test_merge_never_writes_into_an_input(two_datasets, tmp_path):
+    a, b = two_datasets
+    before = _snapshot(a, b)
+    res = _merge(a, b, "--out", a / "sub")
+    assert res.exit_code == 2
+    assert f"merge: --out {a / 'sub'} is inside the input {a}, which merge never writes to" in res.output
+    res = _merge(a, "--out", a, "--overwrite")
+    assert res.exit_code == 2 and "is inside the input" in res.output
+    res = _merge(a, "--out", tmp_path, "--overwrite")  # replacing --out would move the input aside
+    assert res.exit_code == 2 and f"the input {a} is inside --out {tmp_path}" in res.output
+    assert _snapshot(a, b) == before and not (a / "sub").exists()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith((".sub", "."))]  # no temp folder left
+
+
+def test_merge_refuses_the_same_data_twice(two_datasets, tmp_path):
+    a, b = two_datasets
+    res = _merge(a, b, a, "--out", tmp_path / "c")
+    assert res.exit_code == 2 and f"merge: {a} is given twice" in res.output
+    copy = tmp_path / "a-copy"
+    shutil.copytree(a, copy)
+    res = _merge(a, copy, "--out", tmp_path / "c")  # same content under another name: the manifests' sha256
+    assert res.exit_code == 2 and "merge: the same shard content twice" in res.output
+    (copy / prep.MANIFEST).unlink()  # no manifest to say it: found while copying, nothing written
+    res = _merge(b, copy, a, "--out", tmp_path / "c")
+    assert res.exit_code == 2 and "the same shard content twice" in res.output
+    assert f"{copy / 'shard-00000.arrow'}" in res.output and f"{a / 'shard-00000.arrow'}" in res.output
+    assert not (tmp_path / "c").exists() and not list(tmp_path.glob(".c.*"))
+
+
+def test_merge_refuses_inputs_built_for_different_targets(two_datasets, tmp_path):
+    a, b = two_datasets
+    manifest = json.loads((b / prep.MANIFEST).read_text())
+    manifest["target"]["vocab_size"] = 248_320
+    (b / prep.MANIFEST).write_text(json.dumps(manifest))
+    res = _merge(a, b, "--out", tmp_path / "c")
+    assert res.exit_code == 2
+    assert f"merge: {b} was built for another target than {a} (vocab_size 64 -> 248320)" in res.output
+    assert not (tmp_path / "c").exists()
+
+
+def test_manifest_records_target_and_hashes_of_data_written_elsewhere(target, tmp_path):
+    from dflash.data import write_shard
+
+    data = tmp_path / "elsewhere"
+    write_shard(data / "x.arrow", [[1, 2, 3], [4, 5]], [[0, 1, 1], [1, 1]])
+    res = CliRunner().invoke(data_command, ["manifest", str(data), "--target", str(target)])
+    assert res.exit_code == 0, res.output
+    manifest = json.loads((data / prep.MANIFEST).read_text())
+    assert manifest["target"] == target_fingerprint(str(target))
+    assert manifest["shards"]["x.arrow"]["sha256"] == hashlib.sha256((data / "x.arrow").read_bytes()).hexdigest()
+    write_shard(data / "y.arrow", [[1, 200]], [[1, 1]])  # id 200 >= the target's vocabulary of 64
+    res = CliRunner().invoke(data_command, ["manifest", str(data), "--target", str(target)])
+    assert res.exit_code == 2
+    assert "holds token ids 1..200, outside the vocabulary of" in res.output and "(64)" in res.output
+    (data / "y.arrow").unlink()
+    write_shard(data / "x.arrow", [[1, 2, 3], [4, 6]], [[0, 1, 1], [1, 1]])  # same size, other content
+    res = CliRunner().invoke(data_command, ["manifest", str(data), "--target", str(target)])
+    assert res.exit_code == 2 and "x.arrow differ(s) from the sha256 manifest.json recorded" in res.output
 
 
 def test_chitchat_split_is_by_conversation_and_deterministic():

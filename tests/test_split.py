@@ -120,15 +120,15 @@ def test_resuming_a_finished_split_run_exits_cleanly(tmp_path):
 
 def test_sigterm_to_every_process_stops_cleanly_with_a_checkpoint(tmp_path):
     """A scheduler's cancel signals the launcher and every rank at once: drafters finish the step (targets keep
-    serving a while), save, and the run exits 0 with nobody left behind."""
+    serving a while), save, and the run exits 75 (stopped, resumable) with nobody left behind."""
     proc, run_dir, ranks = start_split_run(tmp_path, save_every=1000, rows=3)
     t0 = time.time()
     for pid in [proc.pid] + [r["pid"] for r in ranks]:
         os.kill(pid, signal.SIGTERM)
     out, _ = proc.communicate(timeout=90)
     assert time.time() - t0 < 60, out[-2000:]
-    assert proc.returncode == 0, out[-3000:]
-    assert "stopped by SIGTERM" in out
+    assert proc.returncode == 75, out[-3000:]
+    assert "stopped by SIGTERM" in out and (run_dir / "stopped.json").is_file()
     for r in ranks:
         with pytest.raises(ProcessLookupError):
             os.kill(r["pid"], 0)

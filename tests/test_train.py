@@ -135,8 +135,8 @@ def test_resume_after_kill_matches_uninterrupted(tmp_path):
     step = int(saved.name.split("_")[1])
     assert 10 <= step < 20
     out = subprocess.run(train_cmd(config, "--resume", "latest"), cwd=REPO, capture_output=True, text=True)
-    assert out.returncode == 0, out.stdout + out.stderr
-    assert f"resumed from {saved}" in out.stdout
+    assert out.returncode == 0, out.stdout + out.stderr  # finished: 0, and no stop marker
+    assert f"resumed from {saved}" in out.stdout and not (run_dir / "stopped.json").exists()
     rows = metrics(run_dir)
     assert [r["step"] for r in rows] == list(range(1, 21))  # each step once: the killed run's later rows moved aside
     abandoned = list(run_dir.glob("metrics.abandoned-*.jsonl"))
@@ -148,7 +148,8 @@ def test_resume_after_kill_matches_uninterrupted(tmp_path):
         assert r["accept_len"] == pytest.approx(ref[s]["accept_len"], rel=1e-6)
 
 
-def test_sigterm_finishes_step_checkpoints_and_exits_zero(tmp_path):
+def test_sigterm_finishes_step_checkpoints_and_exits_75(tmp_path):
+    """A scheduler tells a stopped run from a finished one: exit 75 (EX_TEMPFAIL) and stopped.json in the run dir."""
     cfg, raw = tiny_config(tmp_path, max_steps=5000, save_every=1000)
     config = write_toml(raw, tmp_path / "run.toml")
     proc = subprocess.Popen(train_cmd(config, "--fresh"), cwd=REPO, stdout=subprocess.PIPE,
@@ -160,10 +161,13 @@ def test_sigterm_finishes_step_checkpoints_and_exits_zero(tmp_path):
         time.sleep(0.05)
     proc.send_signal(signal.SIGTERM)
     out, _ = proc.communicate(timeout=60)
-    assert proc.returncode == 0, out
+    assert proc.returncode == 75, out
     assert "stopped by SIGTERM" in out and "--resume latest" in out
     last = ckpt.list_checkpoints(cfg.output_dir)[-1]
     assert int(last.name.split("_")[1]) == metrics(Path(cfg.output_dir))[-1]["step"]
+    marker = json.loads((Path(cfg.output_dir) / "stopped.json").read_text())
+    assert marker["signal"] == "SIGTERM" and marker["checkpoint"] == str(last) and marker["exit_code"] == 75
+    assert marker["step"] == int(last.name.split("_")[1])
 
 
 def test_refuses_without_resume_or_fresh_when_checkpoints_exist(tmp_path):
@@ -194,8 +198,18 @@ def test_resume_from_an_older_checkpoint_moves_newer_ones_aside(tmp_path):
     older = ckpt.checkpoints_dir(cfg.output_dir) / "step_00000002"
     raw["train"]["max_steps"] = 3
     config = write_toml(raw, tmp_path / "run.toml")
-    out = subprocess.run(train_cmd(config, "--resume", str(older)), cwd=REPO, capture_output=True, text=True)
+    refused = subprocess.run(train_cmd(config, "--resume", str(older)), cwd=REPO, capture_output=True, text=True)
+    assert refused.returncode == 2 and "Traceback" not in refused.stderr
+    assert refused.stderr.strip() == ("dflash-train: error: --resume step_00000002 (step 2) would change the lr "
+                                      "schedule: total steps 6 -> 3 (train.max_steps 6 -> 3); pass "
+                                      "--allow-schedule-change to accept it, or restore the checkpoint's settings")
+    assert [c.name for c in ckpt.list_checkpoints(cfg.output_dir)] == ["step_00000002", "step_00000004",
+                                                                       "step_00000006"]  # nothing moved
+    out = subprocess.run(train_cmd(config, "--resume", str(older), "--allow-schedule-change"), cwd=REPO,
+                         capture_output=True, text=True)
     assert out.returncode == 0, out.stdout + out.stderr
+    assert ("--allow-schedule-change: resuming step_00000002 (step 2) with a new lr schedule: total steps 6 -> 3 "
+            "(train.max_steps 6 -> 3)") in out.stdout
     assert "2 newer checkpoint(s) moved to" in out.stdout
     names = [c.name for c in ckpt.list_checkpoints(cfg.output_dir)]
     assert names == ["step_00000002", "step_00000003"]  # the resumed-from one is kept, latest is this run's
@@ -300,3 +314,55 @@ def test_non_finite_weights_are_never_saved(tmp_path):
         run(cfg, None, log=lambda *_: None, progress=False)
     out = Path(cfg.output_dir)
     assert ckpt.list_checkpoints(out) == [] and not (out / "drafter").exists()
+
+
+def test_warm_cache_of_a_cuda_config_without_a_gpu_fails_in_one_line(tmp_path):
+    _, raw = tiny_config(tmp_path)
+    raw["device"] = "cuda"
+    config = write_toml(raw, tmp_path / "run.toml")
+    out = subprocess.run(train_cmd(config, "--warm-cache"), cwd=REPO, capture_output=True, text=True,
+                         env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    assert out.returncode == 1 and "Traceback" not in out.stderr, out.stdout + out.stderr
+    errors = [x for x in out.stderr.splitlines() if x.startswith("dflash-train: error: ")]
+    assert len(errors) == 1 and out.stderr.strip().endswith(errors[0]), out.stderr
+    line = errors[0]
+    assert line.startswith(f"dflash-train: error: --warm-cache: {config} says device = \"cuda\" but torch sees no GPU")
+
+
+def _flip_middle(file: Path, n: int = 64) -> None:
+    data = bytearray(file.read_bytes())
+    mid = len(data) // 2
+    data[mid:mid + n] = bytes(b ^ 0xFF for b in data[mid:mid + n])
+    file.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("case", ["id >= vocab", "all-zero loss_mask", "1-token samples", "64 flipped bytes"])
+def test_data_the_run_cannot_learn_from_stops_at_the_gate(tmp_path, case):
+    """Each passed preflight before, then crashed in step 1 or "trained" with exit 0; now the dataset check fails."""
+    from dflash.data import shard_records, target_fingerprint, write_manifest, write_shard
+
+    cfg, raw = tiny_config(tmp_path, max_steps=2)
+    data = Path(cfg.data.path)
+    shards = sorted(data.glob("*.arrow"))
+    if case == "id >= vocab":
+        write_shard(data / "shard-00009.arrow", [[5, 6, 200]], [[0, 1, 1]])  # the tiny target's vocabulary is 128
+        expect = "token ids up to 200 (shard-00009.arrow) but the target's vocabulary is 128"
+    elif case == "all-zero loss_mask":
+        for shard in shards:
+            write_shard(shard, [[5, 6, 7]] * 4, [[0, 0, 0]] * 4)
+        expect = "nothing to learn: loss_mask is 0 everywhere"
+    elif case == "1-token samples":
+        for shard in shards:
+            write_shard(shard, [[5]] * 4, [[1]] * 4)
+        expect = "nothing to learn: no sample has two consecutive loss_mask = 1 tokens"
+    else:
+        write_manifest(data, {"target": target_fingerprint(cfg.target.path), "shards": shard_records(shards)})
+        _flip_middle(shards[1])
+        expect = "shard-00001.arrow content differs from its sha256 in manifest.json"
+    config = write_toml(raw, tmp_path / "run.toml")
+    out = subprocess.run(train_cmd(config, "--fresh", "--verify-data"), cwd=REPO, capture_output=True, text=True)
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert "Traceback" not in out.stderr
+    failed = [line for line in out.stderr.splitlines() if line.startswith("preflight: FAIL ")]
+    assert len(failed) == 1 and failed[0].startswith("preflight: FAIL dataset: ") and expect in failed[0], out.stderr
+    assert not (Path(cfg.output_dir) / "metrics.jsonl").exists()  # no step ran

@@ -125,16 +125,17 @@ def train_command(config_path, demo, resume, fresh, sets, max_steps, output_dir,
     if unusable is None:
         try:
             resume_from = rundir.prepare_output_dir(cfg, resume, fresh, log=click.echo,
-                                                    allow_schedule_change=allow_schedule_change)
+                                                    allow_schedule_change=allow_schedule_change, apply=False)
             Path(cfg.output_dir).mkdir(parents=True, exist_ok=True)
         except OSError as e:  # the disk filled or the dir turned read-only between the look and the write
             unusable = f"{e.filename or cfg.output_dir}: {e.strerror or e}"
     gate = _gate(cfg, waivers, intent, verify_data, config_path)
     if not gate.ok:
-        sys.exit(1)
+        sys.exit(1)  # refused: nothing in the run dir was moved (--fresh moves old checkpoints only after this)
     if unusable:  # the gate's run-dir check was waived
         raise rundir.RunDirError(f"output dir {cfg.output_dir}: {unusable}; set output_dir to a writable folder "
                                  "with free space")
+    rundir.make_room(cfg, resume_from, fresh, log=click.echo)
     rundir.clear_stopped(cfg.output_dir)
     if cfg.topology.target_gpus:
         from dflash.split import launch

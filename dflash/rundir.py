@@ -356,17 +356,15 @@ def clear_stopped(output_dir: str | Path) -> None:
 
 
 def prepare_output_dir(cfg: RunConfig, resume: str | None, fresh: bool, log=print,
-                       allow_schedule_change: bool = False) -> Path | None:
+                       allow_schedule_change: bool = False, apply: bool = True) -> Path | None:
     """Enforce the explicit resume/fresh rule before anything is loaded. Returns the checkpoint to resume, or None.
 
     - checkpoints in the run dir and neither --resume nor --fresh: RunDirError (nobody guesses);
     - --resume: the checkpoint must verify, sizes and sha256 (`resolve_resume`: `latest` skips damaged
       newer ones and says so; CheckpointError when none verifies); a resume that would change the lr
-      schedule (`schedule_change`) is refused unless allow_schedule_change, and the change is printed;
-      newer checkpoints move aside so `latest` stays this run's, and metrics rows after its step move
-      to metrics.abandoned-*.jsonl;
-    - --fresh: the old checkpoints, metrics and final drafter move to replaced-*/ (nothing is deleted).
-    Nothing in the run dir moves before every refusal above has been decided.
+      schedule (`schedule_change`) is refused unless allow_schedule_change, and the change is printed.
+    Nothing in the run dir moves before every refusal above has been decided; with apply=False nothing
+    moves at all (the caller runs the gate first, then `make_room`).
     """
     out = Path(cfg.output_dir)
     existing = list_checkpoints(out)
@@ -376,28 +374,48 @@ def prepare_output_dir(cfg: RunConfig, resume: str | None, fresh: bool, log=prin
         newest = existing[-1]
         raise RunDirError(f"{cfg.output_dir} already holds checkpoints (newest {newest.name}, step "
                           f"{checkpoint_step(newest)}); say --resume latest to continue it or --fresh to start over")
+    path = None
     if resume:
         path = resolve_resume(out, resume, deep=True, log=log)
-        step = checkpoint_step(path)
-        if step is None:  # a checkpoint folder given by path under another name: its meta says the step
-            step = int(read_meta(path).get("step") or 0)
+        step = _step_of(path)
         change = schedule_change(path, cfg)
         if change and not allow_schedule_change:
             raise RunDirError(f"--resume {path.name} (step {step}) would change the lr schedule: {change}; "
                               "pass --allow-schedule-change to accept it, or restore the checkpoint's settings")
         if change:
             log(f"--allow-schedule-change: resuming {path.name} (step {step}) with a new lr schedule: {change}")
-        newer = [c for c in existing if checkpoint_step(c) > step]
-        if newer and path.parent == checkpoints_dir(out):
+    if apply:
+        make_room(cfg, path, fresh, log)
+    return path
+
+
+def _step_of(path: Path) -> int:
+    step = checkpoint_step(path)
+    if step is None:  # a checkpoint folder given by path under another name: its meta says the step
+        step = int(read_meta(path).get("step") or 0)
+    return step
+
+
+def make_room(cfg: RunConfig, resume_from: Path | None, fresh: bool, log=print) -> None:
+    """What the decided resume/fresh intent moves, once the run may start (nothing is deleted):
+
+    - resuming: newer checkpoints move aside so `latest` stays this run's, and metrics rows after its
+      step move to metrics.abandoned-*.jsonl;
+    - --fresh: the old checkpoints, metrics and final drafter move to replaced-*/.
+    """
+    out = Path(cfg.output_dir)
+    if resume_from is not None:
+        step = _step_of(resume_from)
+        newer = [c for c in list_checkpoints(out) if checkpoint_step(c) > step]
+        if newer and resume_from.parent == checkpoints_dir(out):
             aside = _aside(out, "checkpoints.abandoned")
             aside.mkdir()
             for c in newer:
                 c.rename(aside / c.name)
-            log(f"--resume {path.name}: {len(newer)} newer checkpoint(s) moved to {aside}, so `latest` "
+            log(f"--resume {resume_from.name}: {len(newer)} newer checkpoint(s) moved to {aside}, so `latest` "
                 "stays this run's (nothing deleted)")
         trim_metrics(out, step, log)
-        return path
-    if fresh:
+    elif fresh:
         leftovers = [p for p in (checkpoints_dir(out), out / METRICS_NAME, out / DRAFTER_DIR) if p.exists()]
         if leftovers:
             aside = _aside(out, "replaced")
@@ -405,7 +423,6 @@ def prepare_output_dir(cfg: RunConfig, resume: str | None, fresh: bool, log=prin
             for p in leftovers:
                 p.rename(aside / p.name)
             log(f"--fresh: previous {', '.join(p.name for p in leftovers)} moved to {aside} (nothing deleted)")
-    return None
 
 
 def trim_metrics(out: Path, step: int, log=print) -> None:

@@ -272,7 +272,7 @@ def collective_gate(cfg: RunConfig, me: Rank, local_rank: int, gate: dict) -> Pa
             from dflash.rundir import prepare_output_dir
 
             resume = prepare_output_dir(cfg, gate.get("resume"), gate.get("fresh", False), log=print,
-                                        allow_schedule_change=gate.get("allow_schedule_change", False))
+                                        allow_schedule_change=gate.get("allow_schedule_change", False), apply=False)
             from dflash.step import schedule
 
             schedule(cfg, me.n_drafters)  # a dataset too small for one step is refused here
@@ -308,6 +308,9 @@ def collective_gate(cfg: RunConfig, me: Rank, local_rank: int, gate: dict) -> Pa
                   "--waive ID --reason TEXT", file=sys.stderr, flush=True)
         else:
             print(f"preflight: ok on all {me.world} ranks", flush=True)
+            from dflash.rundir import make_room
+
+            make_room(cfg, Path(verdict[1]) if verdict[1] else None, gate.get("fresh", False), log=print)
     dist.barrier(group=group)
     if not ok:
         return False

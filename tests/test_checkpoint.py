@@ -22,18 +22,11 @@ import torch
 from dflash import checkpoint as ckpt
 from dflash import rundir
 from dflash.train import run
-from trainkit import tiny_config
+from trainkit import tiny_config, write_toml
 
 REPO = Path(__file__).resolve().parent.parent
 
 
-def write_toml(raw: dict, path: Path) -> Path:
-    lines = [f"{k} = {json.dumps(v)}" for k, v in raw.items() if not isinstance(v, dict)]
-    for key, value in raw.items():
-        if isinstance(value, dict):
-            lines += [f"[{key}]", *(f"{k} = {json.dumps(v)}" for k, v in value.items())]
-    path.write_text("\n".join(lines) + "\n")
-    return path
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from dflash import rundir
-from trainkit import tiny_config
+from trainkit import tiny_config, write_toml
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -31,13 +31,6 @@ def _userns() -> bool:
 USERNS = _userns()
 
 
-def write_toml(raw: dict, path: Path) -> Path:
-    lines = [f"{k} = {json.dumps(v)}" for k, v in raw.items() if not isinstance(v, dict)]
-    for key, value in raw.items():
-        if isinstance(value, dict):
-            lines += [f"[{key}]", *(f"{k} = {json.dumps(v)}" for k, v in value.items())]
-    path.write_text("\n".join(lines) + "\n")
-    return path
 
 
 def train(config: Path, *extra: str, confine: str | None = None, folder: Path | None = None):

@@ -18,7 +18,7 @@ from dflash.model import DFlashDrafter
 from dflash.step import cosine_lr
 from dflash.target import decoder_of
 from dflash.train import Trainer, run
-from trainkit import tiny_config
+from trainkit import tiny_config, write_toml
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -27,17 +27,6 @@ def metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def write_toml(raw: dict, path: Path) -> Path:
-    lines = []
-    for key, value in raw.items():
-        if not isinstance(value, dict):
-            lines.append(f"{key} = {json.dumps(value)}")
-    for key, value in raw.items():
-        if isinstance(value, dict):
-            lines.append(f"[{key}]")
-            lines += [f"{k} = {json.dumps(v)}" for k, v in value.items()]
-    path.write_text("\n".join(lines) + "\n")
-    return path
 
 
 def train_cmd(config: Path, *extra: str) -> list[str]:
@@ -366,3 +355,18 @@ def test_data_the_run_cannot_learn_from_stops_at_the_gate(tmp_path, case):
     failed = [line for line in out.stderr.splitlines() if line.startswith("preflight: FAIL ")]
     assert len(failed) == 1 and failed[0].startswith("preflight: FAIL dataset: ") and expect in failed[0], out.stderr
     assert not (Path(cfg.output_dir) / "metrics.jsonl").exists()  # no step ran
+
+
+def test_a_refused_fresh_start_moves_nothing(tmp_path):
+    """--fresh moves the old checkpoints aside only once the gate passed: a refused run leaves the run dir as it was."""
+    cfg, raw = tiny_config(tmp_path, max_steps=2, save_every=1)
+    run(cfg, None, log=lambda *_: None, progress=False)
+    out = Path(cfg.output_dir)
+    before = sorted(str(p.relative_to(out)) for p in out.rglob("*"))
+    raw["data"]["max_length"] = 10  # the samples are 24-64 tokens: the dataset check fails
+    config = write_toml(raw, tmp_path / "run.toml")
+    refused = subprocess.run(train_cmd(config, "--fresh"), cwd=REPO, capture_output=True, text=True)
+    assert refused.returncode == 1 and "refusing to start" in refused.stderr, refused.stdout + refused.stderr
+    after = sorted(str(p.relative_to(out)) for p in out.rglob("*"))
+    assert [p for p in after if p not in before] == ["preflight.json"] or after == before
+    assert not list(out.glob("replaced-*")) and len(ckpt.list_checkpoints(out)) == 2

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from dflash.config import config_from_dict
@@ -35,3 +36,13 @@ def chat_target(root: Path, arch: str = "llama", context: int = 256) -> Path:
     """
     config = target_config(arch, max_position_embeddings=context, **WORD_TOKENIZER_IDS)
     return write_target(Path(root) / f"tiny-{arch}-{context}", config, tokenizer=True, head_scale=8.0)
+
+
+def write_toml(raw: dict, path: Path) -> Path:
+    """A run config dict (one level of sections) as a TOML file, for the tests that run the real commands."""
+    lines = [f"{k} = {json.dumps(v)}" for k, v in raw.items() if not isinstance(v, dict)]
+    for key, value in raw.items():
+        if isinstance(value, dict):
+            lines += [f"[{key}]", *(f"{k} = {json.dumps(v)}" for k, v in value.items())]
+    path.write_text("\n".join(lines) + "\n")
+    return path

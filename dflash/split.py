@@ -523,7 +523,14 @@ def main(argv: list[str] | None = None) -> None:
         if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
             raise click.UsageError("run under torchrun (RANK/WORLD_SIZE unset), or start the run with dflash-train")
         if config_json:
-            cfg = config_from_dict(json.loads(config_json.read_text()), source=str(config_json))
+            try:
+                raw = json.loads(config_json.read_text())
+            except (OSError, UnicodeDecodeError, ValueError) as e:
+                raise click.UsageError(f"--config-json {config_json}: unreadable ({' '.join(str(e).split())[:120]}); "
+                                       "it is written by dflash-train's launcher, start the run with dflash-train") from None
+            if not isinstance(raw, dict):
+                raise click.UsageError(f"--config-json {config_json}: not a JSON object; start the run with dflash-train")
+            cfg = config_from_dict(raw, source=str(config_json))
             return worker(cfg, Path(resume) if resume else None)
         if config_path is None:
             raise click.UsageError("give --config RUN.toml")

@@ -221,7 +221,7 @@ CASES = [
     ("dflash-data", ["prepare", "--prompts", G, "--out", G], "is a file", 2, None),
     ("dflash-data", ["merge", "--out", f"{R}/new"], "Missing argument 'INPUTS...'", 2, None),
     ("dflash-data", ["merge", f"{R}/nosuch", "--out", f"{R}/new"], "does not exist", 2, None),
-    ("dflash-data", ["merge", f"{R}/data", "--out", f"{R}/data"], "inputs stay untouched", 2, None),
+    ("dflash-data", ["merge", f"{R}/data", "--out", f"{R}/data"], "which merge never writes to", 2, None),
     ("dflash-data", ["merge", f"{R}/data", "--out", f"{R}/run"], "already exists", 2, None),
     ("dflash-data", ["merge", f"{B}/empty-dir", "--out", f"{R}/new"], "empty-dir", 2, None),
     # ---- dflash-eval

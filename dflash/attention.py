@@ -19,7 +19,7 @@ from typing import Literal
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 Backend = Literal["flex", "sdpa"]
 BACKENDS = ("flex", "sdpa")
@@ -90,7 +90,17 @@ def _dense_mask(anchor_BA, context_valid_BS, seq_len, block_size) -> torch.Tenso
     return torch.cat([sees_context_BQS, sees_block_BQQ], dim=2)[:, None]
 
 
+FLEX_TILE = 128  # flex attention's default BLOCK_SIZE: the mask is described per 128 x 128 tile
+
+
 def _block_mask(anchor_BA, context_valid_BS, seq_len, block_size, device) -> BlockMask:
+    """The BlockMask built from tile-level facts with plain tensor ops (no compiled mask creation).
+
+    create_block_mask(..., _compile=True) compiled the mask_mod for every new shape and its first call
+    did not finish within 183 s at the 512 x 16 bench shape on an H200 (bench/results/h200_compile_probe.log);
+    here the tile lists come from per-tile minima and maxima (`_tile_lists`), and the mask_mod is only
+    evaluated inside the flex kernel, on the partial tiles.
+    """
     B, A = anchor_BA.shape
     last_ctx = seq_len - 1
 
@@ -103,15 +113,67 @@ def _block_mask(anchor_BA, context_valid_BS, seq_len, block_size, device) -> Blo
         sees_own = (~is_ctx) & ((kv_idx - seq_len) // block_size == q_block)
         return sees_ctx | sees_own
 
-    return create_block_mask(
-        dflash_mask_mod,
-        B=B,
-        H=None,
-        Q_LEN=A * block_size,
-        KV_LEN=seq_len + A * block_size,
-        device=device,
-        _compile=device.type == "cuda",
-    )
+    q_len, kv_len = A * block_size, seq_len + A * block_size
+    partial, full = _tile_lists(anchor_BA, context_valid_BS, seq_len, block_size)
+    kv_num, kv_idx = _as_indices(partial)
+    full_num, full_idx = _as_indices(full)
+    return BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=FLEX_TILE, mask_mod=dflash_mask_mod,
+                                    seq_lengths=(q_len, kv_len))
+
+
+def _tile_lists(anchor_BA, context_valid_BS, seq_len, block_size) -> tuple[torch.Tensor, torch.Tensor]:
+    """(partial, full) [B, Qt, Kt] booleans over 128 x 128 tiles: a tile with any visible pair is listed,
+    as full only when every pair in it is visible (full tiles skip the mask_mod in the kernel).
+
+    Context tiles: query q sees position p iff p < anchor(q) and p is not padding. Block tiles: a query
+    sees its own block only, never a whole tile unless block_size covers it. Tiles that straddle the
+    context end, or hold padded queries, are never full.
+    """
+    T = FLEX_TILE
+    B, A = anchor_BA.shape
+    device = anchor_BA.device
+    q_len, kv_len = A * block_size, seq_len + A * block_size
+    Qt, Kt = -(-q_len // T), -(-kv_len // T)
+    anchor_BQ = anchor_BA.repeat_interleave(block_size, dim=1)
+    padded_BQ = torch.nn.functional.pad(anchor_BQ, (0, Qt * T - q_len))  # padded queries: anchor 0 (see nothing)
+    amax_Bq = padded_BQ.view(B, Qt, T).amax(-1)
+    amin_Bq = padded_BQ.view(B, Qt, T).amin(-1)  # a tile with padded queries has amin 0: never full
+    partial = torch.zeros(B, Qt, Kt, dtype=torch.bool, device=device)
+    full = torch.zeros_like(partial)
+    # Context tiles lying wholly before seq_len.
+    Kc = seq_len // T
+    if Kc:
+        pos = torch.arange(Kc * T, device=device)
+        valid_BKc = context_valid_BS[:, :Kc * T].view(B, Kc, T)
+        big = torch.iinfo(torch.long).max
+        min_valid = torch.where(valid_BKc, pos.view(Kc, T), big).amin(-1)  # [B, Kc]
+        all_valid = valid_BKc.all(-1)
+        max_pos = pos.view(Kc, T)[:, -1]  # [Kc]
+        any_ctx = min_valid[:, None, :] < amax_Bq[:, :, None]
+        full_ctx = all_valid[:, None, :] & (max_pos[None, None, :] < amin_Bq[:, :, None])
+        partial[:, :, :Kc] = any_ctx & ~full_ctx
+        full[:, :, :Kc] = full_ctx
+    if seq_len % T:  # the tile holding the context end and the first block slots: evaluated per element
+        partial[:, :, Kc] = True
+    # Block tiles: kv slot j = kv - seq_len belongs to block j // block_size; query q to q // block_size.
+    first = -(-seq_len // T)
+    if first < Kt:
+        kt = torch.arange(first, Kt, device=device)
+        k_lo = (kt * T - seq_len) // block_size
+        k_hi = (torch.clamp((kt + 1) * T, max=kv_len) - 1 - seq_len) // block_size
+        qt = torch.arange(Qt, device=device)
+        q_lo = qt * T // block_size
+        q_hi = (torch.clamp((qt + 1) * T, max=q_len) - 1) // block_size
+        overlap = (k_lo[None, :] <= q_hi[:, None]) & (q_lo[:, None] <= k_hi[None, :])
+        partial[:, :, first:] = overlap[None]
+    return partial, full
+
+
+def _as_indices(tiles_BQK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[B, Qt, Kt] booleans -> (counts [B, 1, Qt], listed tile indices first, ascending [B, 1, Qt, Kt]) as int32."""
+    num = tiles_BQK.sum(-1, dtype=torch.int32)
+    order = torch.argsort((~tiles_BQK).to(torch.int8), dim=-1, stable=True).to(torch.int32)
+    return num[:, None], order[:, None]
 
 
 _compiled_flex = None

@@ -78,3 +78,53 @@ def test_bad_backend_is_a_clear_error():
     anchors, valid, *_ = _case()
     with pytest.raises(ValueError, match="backend"):
         build_train_mask(anchors, valid, S, BS, "cpu", "flash")
+
+
+def _tile_case(seed: int, seq_len: int, block_size: int, anchors_per_row: int, rows: int = 2):
+    """Random anchors (some padding) and context padding over a few 128-wide tiles."""
+    g = torch.Generator().manual_seed(seed)
+    anchors = torch.sort(torch.randint(1, seq_len - 1, (rows, anchors_per_row), generator=g), dim=1).values
+    valid = torch.rand(rows, anchors_per_row, generator=g) > 0.2
+    context_valid = torch.ones(rows, seq_len, dtype=torch.bool)
+    context_valid[-1, seq_len - 40:] = False  # the last row is 40 tokens shorter
+    return anchors, valid, context_valid
+
+
+@pytest.mark.parametrize("seed, seq_len, block_size, n_anchors", [
+    (0, 300, 16, 20), (1, 256, 16, 16), (2, 200, 4, 50), (3, 130, 32, 5), (4, 384, 8, 40), (5, 140, 128, 2),
+])
+def test_block_mask_tiles_cover_every_visible_pair_and_full_tiles_are_full(seed, seq_len, block_size, n_anchors):
+    """The BlockMask is built from tile minima/maxima, not by evaluating the mask: check it against the dense rule."""
+    from dflash.attention import FLEX_TILE, _tile_lists
+
+    anchors, valid, context_valid = _tile_case(seed, seq_len, block_size, n_anchors)
+    eff = torch.where(valid, anchors, torch.zeros_like(anchors))
+    partial, full = _tile_lists(eff, context_valid, seq_len, block_size)
+    dense = build_train_mask(anchors, valid, seq_len, block_size, "cpu", "sdpa", context_valid_BS=context_valid).mask[:, 0]
+    B, Q, L = dense.shape
+    T = FLEX_TILE
+    padded = torch.nn.functional.pad(dense, (0, -L % T, 0, -Q % T))
+    tiles = padded.view(B, padded.shape[1] // T, T, padded.shape[2] // T, T)
+    any_t, all_t = tiles.any(dim=(2, 4)), tiles.all(dim=(2, 4))
+    assert not (full & partial).any()
+    assert ((partial | full) >= any_t).all(), "a tile with visible pairs is missing"
+    assert (all_t >= full).all(), "a tile marked full has masked pairs"
+    in_bounds = torch.zeros_like(full)
+    in_bounds[:, : Q // T, : L // T] = True
+    assert (in_bounds >= full).all(), "a tile past the sequence end is marked full"
+
+
+@pytest.mark.parametrize("seed, seq_len, block_size, n_anchors", [(0, 300, 16, 20), (2, 200, 4, 50), (3, 130, 32, 5)])
+def test_flex_over_several_tiles_matches_sdpa(seed, seq_len, block_size, n_anchors):
+    anchors, valid, context_valid = _tile_case(seed, seq_len, block_size, n_anchors)
+    g = torch.Generator().manual_seed(seed)
+    Q = n_anchors * block_size
+    q = torch.randn(2, HQ, Q, D, generator=g)
+    k = torch.randn(2, HKV, seq_len + Q, D, generator=g)
+    v = torch.randn(2, HKV, seq_len + Q, D, generator=g)
+    out = {}
+    for backend in ("flex", "sdpa"):
+        mask = build_train_mask(anchors, valid, seq_len, block_size, "cpu", backend, context_valid_BS=context_valid)
+        out[backend] = attend(q, k, v, mask)
+    diff = float((out["flex"] - out["sdpa"]).abs().max())
+    assert diff < 1e-5, f"flex vs sdpa max abs diff {diff:.3e}"

@@ -128,3 +128,18 @@ def test_flex_over_several_tiles_matches_sdpa(seed, seq_len, block_size, n_ancho
         out[backend] = attend(q, k, v, mask)
     diff = float((out["flex"] - out["sdpa"]).abs().max())
     assert diff < 1e-5, f"flex vs sdpa max abs diff {diff:.3e}"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (compiled flex attention)")
+def test_compiled_flex_on_cuda_matches_sdpa_over_several_tiles():
+    anchors, valid, context_valid = _tile_case(0, 300, 16, 20)
+    g = torch.Generator().manual_seed(0)
+    Q = 20 * 16
+    q, k, v = (torch.randn(2, h, n, D, generator=g).cuda().bfloat16() for h, n in ((HQ, Q), (HKV, 300 + Q), (HKV, 300 + Q)))
+    out = {}
+    for backend in ("flex", "sdpa"):
+        mask = build_train_mask(anchors, valid, 300, 16, "cuda", backend, context_valid_BS=context_valid.cuda())
+        out[backend] = attend(q, k, v, mask).float()
+    diff = float((out["flex"] - out["sdpa"]).abs().max())
+    assert diff < 2e-2, f"compiled flex vs sdpa max abs diff {diff:.3e} (bf16)"

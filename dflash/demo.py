@@ -47,7 +47,7 @@ def run_pipeline(target_spec: str, prompts: str, n_prompts: int, max_new_tokens:
     from dflash.model import DFlashDrafter
     from dflash.prepare import PrepareSettings, prepare
     from dflash.prompts import load_prompts
-    from dflash.rundir import prepare_output_dir
+    from dflash.rundir import make_room, prepare_output_dir
     from dflash.smollm2 import cache_root, resolve_target
     from dflash.train import run
     from preflight import gate
@@ -70,7 +70,7 @@ def run_pipeline(target_spec: str, prompts: str, n_prompts: int, max_new_tokens:
         return 2
     _stage(3, f"preflight (cpu mode, profile {cfg.profile})", t0)
     gate.apply_profile_env(cfg.profile, log)  # as dflash-train --config does
-    prepare_output_dir(cfg, None, fresh=True, log=log)
+    prepare_output_dir(cfg, None, fresh=True, log=log, apply=False)
     Path(cfg.output_dir).mkdir(parents=True, exist_ok=True)
     verdict = gate.run_gate(cfg, {}, "fresh")
     for line in verdict.notes:
@@ -78,6 +78,7 @@ def run_pipeline(target_spec: str, prompts: str, n_prompts: int, max_new_tokens:
     log(verdict.verdict)
     if not verdict.ok:
         return 1
+    make_room(cfg, None, fresh=True, log=log)  # an older demo's run moves aside only once the gate passed
 
     _stage(4, f"train: {cfg.drafter.num_layers}-layer drafter, block {cfg.drafter.block_size}, "
               f"{cfg.train.epochs} epochs -> {cfg.output_dir}", t0)

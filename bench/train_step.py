@@ -84,6 +84,8 @@ def parse_args(argv=None):
     ap.add_argument("--tiny", action="store_true",
                     help="a 6-layer hidden-64 Qwen3 target and tiny shapes (CPU smoke run)")
     ap.add_argument("--json", default=None, help="write the results here")
+    ap.add_argument("--profile", type=int, default=0, metavar="N",
+                    help="after timing, profile 2 steps (torch.profiler) and print the N ops with most GPU time")
     return ap.parse_args(argv)
 
 
@@ -151,8 +153,13 @@ def measure(name: str, overrides: dict, args, data_root: Path, out_root: Path) -
         return next(stream)[2]
 
     t0 = time.perf_counter()
+    first_step_s = None
     for _ in range(args.warmup):
         trainer.train_step(next_step_batches())
+        if first_step_s is None:
+            _sync(torch, device)
+            first_step_s = time.perf_counter() - t0
+            print(f"[{name}] first step {first_step_s:.1f} s (compilation included)", flush=True)
     _sync(torch, device)
     warmup_s = time.perf_counter() - t0
     if device.type == "cuda":
@@ -171,6 +178,8 @@ def measure(name: str, overrides: dict, args, data_root: Path, out_root: Path) -
         mem = {"max_allocated_bytes": int(torch.cuda.max_memory_allocated()),
                "max_reserved_bytes": int(torch.cuda.max_memory_reserved())}
     nvml_process = nvml.process_used()
+    if args.profile and device.type == "cuda":
+        print_profile(torch, trainer, next_step_batches, args.profile, name)
     stream.close()
     # The target role's work alone on the same batches (the feature source the trainer calls).
     target_ms = []
@@ -188,7 +197,7 @@ def measure(name: str, overrides: dict, args, data_root: Path, out_root: Path) -
     d = trainer_shape(cfg)
     return {
         "name": name, "ok": True, "overrides": overrides, "shape": d,
-        "build_s": round(build_s, 2), "warmup_s": round(warmup_s, 2),
+        "build_s": round(build_s, 2), "first_step_s": round(first_step_s or 0.0, 2), "warmup_s": round(warmup_s, 2),
         "step_ms": round(step, 2), "step_ms_all": [round(x, 2) for x in step_ms],
         "target_forward_ms": round(target, 2), "drafter_step_ms": round(step - target, 2),
         "input_tokens_per_step": tok, "tokens_per_s": round(tok / (step / 1e3), 1),
@@ -196,6 +205,24 @@ def measure(name: str, overrides: dict, args, data_root: Path, out_root: Path) -
         "last_metrics": {k: metrics.get(k) for k in ("loss", "accept_len", "anchors", "tokens")},
         "config": cfg.model_dump(),
     }
+
+
+def print_profile(torch, trainer, next_step_batches, top: int, name: str) -> None:
+    """Where the step's GPU time goes: ops by self device time over 2 profiled steps (per step)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    groups = [next_step_batches() for _ in range(2)]
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for group in groups:
+            trainer.train_step(group)
+        torch.cuda.synchronize()
+    events = [e for e in prof.key_averages() if e.self_device_time_total > 0]
+    events.sort(key=lambda e: -e.self_device_time_total)
+    total = sum(e.self_device_time_total for e in events)
+    print(f"[{name}] profile: {total / 2e3:.1f} ms GPU time per step; top {top} ops by self GPU time (ms/step)")
+    for e in events[:top]:
+        print(f"[{name}]   {e.self_device_time_total / 2e3:8.2f}  {100 * e.self_device_time_total / total:5.1f}%  "
+              f"x{e.count // 2:<5} {e.key[:110]}")
 
 
 def trainer_shape(cfg) -> dict:

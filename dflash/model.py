@@ -13,6 +13,7 @@ names and config fields public DFlash drafters use, so DFlash-aware serving stac
 from __future__ import annotations
 
 import json
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -187,9 +188,10 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
+        dtype = torch.promote_types(x.dtype, torch.float32)  # float32 math at least (bf16 upcast, float64 kept)
+        x32 = x.to(dtype)
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (self.weight.float() * x32).to(x.dtype)
+        return (self.weight.to(dtype) * x32).to(x.dtype)
 
 
 def rope_cos_sin(pos_BL: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
@@ -220,6 +222,10 @@ class DrafterAttention(nn.Module):
         self.k_norm = RMSNorm(D, cfg.rms_norm_eps)
 
     def forward(self, x_BQH, ctx_BSH, rope_q, rope_kv, attn: TrainMask):
+        return self.output(attend(*self.project(x_BQH, ctx_BSH, rope_q, rope_kv), attn))
+
+    def project(self, x_BQH, ctx_BSH, rope_q, rope_kv):
+        """q [B, h, Q, D] and k, v [B, kv, S+Q, D]: projected, q/k-normed, rotated."""
         B, Q, _ = x_BQH.shape
         L = ctx_BSH.shape[1] + Q
         q_BQhD = self.q_norm(self.q_proj(x_BQH).view(B, Q, self.n_heads, self.head_dim))
@@ -227,7 +233,10 @@ class DrafterAttention(nn.Module):
         v_BLkD = torch.cat([self.v_proj(ctx_BSH), self.v_proj(x_BQH)], dim=1).view(B, L, self.n_kv, self.head_dim)
         q_BQhD = apply_rope(q_BQhD, *rope_q)
         k_BLkD = apply_rope(self.k_norm(k_BLkD), *rope_kv)
-        out_BhQD = attend(q_BQhD.transpose(1, 2), k_BLkD.transpose(1, 2), v_BLkD.transpose(1, 2), attn)
+        return q_BQhD.transpose(1, 2), k_BLkD.transpose(1, 2), v_BLkD.transpose(1, 2)
+
+    def output(self, out_BhQD):
+        B, _, Q, _ = out_BhQD.shape
         return self.o_proj(out_BhQD.transpose(1, 2).reshape(B, Q, self.n_heads * self.head_dim))
 
 
@@ -250,14 +259,50 @@ class DrafterLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = DrafterMLP(cfg)
 
-    def forward(self, x_BQH, ctx_BSH, rope_q, rope_kv, attn, recompute_mlp: bool = False):
-        x_BQH = x_BQH + self.self_attn(self.input_layernorm(x_BQH), ctx_BSH, rope_q, rope_kv, attn)
-        if recompute_mlp:  # keep only the MLP's input; its [Q, intermediate] activations are recomputed in backward
-            return x_BQH + checkpoint(self._norm_mlp, x_BQH, use_reentrant=False)
-        return x_BQH + self._norm_mlp(x_BQH)
+    compiled = False  # run the attention inputs and the MLP block through torch.compile (DFlashDrafter.set_compile)
 
-    def _norm_mlp(self, x_BQH):
-        return self.mlp(self.post_attention_layernorm(x_BQH))
+    def forward(self, x_BQH, ctx_BSH, rope_q, rope_kv, attn, recompute_mlp: bool = False):
+        project, norm_mlp = _project, _norm_mlp
+        if self.compiled:
+            project, norm_mlp = _compiled(_project), _compiled(_norm_mlp)
+            _dynamic_rows(x_BQH, ctx_BSH, *rope_q, *rope_kv)
+        x_BQH = x_BQH + self.self_attn.output(attend(*project(self, x_BQH, ctx_BSH, rope_q, rope_kv), attn))
+        if self.compiled:
+            _dynamic_rows(x_BQH)
+        if recompute_mlp:  # keep only the MLP's input; its [Q, intermediate] activations are recomputed in backward
+            return x_BQH + checkpoint(norm_mlp, self, x_BQH, use_reentrant=False)
+        return x_BQH + norm_mlp(self, x_BQH)
+
+
+# The two pieces of a layer that torch.compile fuses (RMSNorms, RoPE, SiLU * up, dtype casts around the
+# matmuls); flex attention is compiled on its own (dflash.attention). Module-level functions taking the
+# layer as an argument: dynamo treats its parameters as inputs, so one graph serves every layer.
+def _project(layer: DrafterLayer, x_BQH, ctx_BSH, rope_q, rope_kv):
+    return layer.self_attn.project(layer.input_layernorm(x_BQH), ctx_BSH, rope_q, rope_kv)
+
+
+def _norm_mlp(layer: DrafterLayer, x_BQH):
+    return layer.mlp(layer.post_attention_layernorm(x_BQH))
+
+
+def _dynamic_rows(*tensors: torch.Tensor) -> None:
+    """Batch and sequence sizes vary with the length bucket: compile for any (one graph, plus batch 1)."""
+    for t in tensors:
+        torch._dynamo.maybe_mark_dynamic(t, 0)
+        torch._dynamo.maybe_mark_dynamic(t, 1)
+
+
+COMPILE_BACKEND = "inductor"  # tests swap in a recording backend
+_compiled_fns: dict = {}
+_compiled_lock = threading.Lock()
+
+
+def _compiled(fn):
+    """fn under torch.compile, built once per process (compilation itself happens at the first call)."""
+    with _compiled_lock:
+        if fn not in _compiled_fns:
+            _compiled_fns[fn] = torch.compile(fn, backend=COMPILE_BACKEND)
+        return _compiled_fns[fn]
 
 
 RECOMPUTE_MODES = ("off", "mlp", "layer")  # activation recompute per drafter layer: none, the MLP, the whole layer
@@ -279,6 +324,11 @@ class DFlashDrafter(nn.Module):
         self.norm = RMSNorm(H, cfg.rms_norm_eps)
         self.recompute = "off"  # a training setting (train.recompute), not part of the saved model
         self.apply(self._init_weights)
+
+    def set_compile(self, on: bool) -> None:
+        """Compile each layer's attention inputs and MLP block (one graph for all layers; CUDA training)."""
+        for layer in self.layers:
+            layer.compiled = on
 
     def set_recompute(self, mode: str) -> None:
         """off: keep every activation; mlp: recompute each layer's MLP in backward; layer: each whole layer."""

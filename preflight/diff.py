@@ -182,12 +182,7 @@ def _environment(a: dict, b: dict, ma: _Model | None, mb: _Model | None) -> list
         gpu = is_gpu_stack(name)
         moves = "memory, speed" if gpu else None
         why = " (GPU stack)" if gpu else ""
-        if va is None:
-            text = f"{name} {vb} installed (was not){why}"
-        elif vb is None:
-            text = f"{name} {va} removed{why}"
-        else:
-            text = f"{name} {va} -> {vb}{why}"
+        text = f"{name}: {va or 'not installed'} -> {vb or 'not installed'}{why}"
         out.append(Difference("environment", name, va, vb, text, moves))
     ra, rb = _get(a, "environment", "records", default={}), _get(b, "environment", "records", default={})
     for name in sorted(set(ra) & set(rb)):

@@ -83,15 +83,15 @@ def runs(tmp_path_factory):
         mp.setattr(facts, "model_source", lambda root=None: real_source(src))
         cache = gate.compile_cache_dir("train-cu128")
         warm_cache(cache)
-        _, raw = tiny_config(root, max_steps=8, save_every=4, max_anchors=1024)
+        _, raw = tiny_config(root, max_steps=4, save_every=2, max_anchors=1024)
         raw["data"].update(token_budget=4096, max_batch_size=2)  # long rows are possible: 1024 anchors fit one
         configs = {}
         for name in ("A", "C"):
             configs[name] = write_toml(dict(raw, output_dir=str(root / name)), root / f"{name}.toml")
             assert train(configs[name], "--fresh", *WAIVE) == 0
 
-        (root / "B" / "checkpoints").mkdir(parents=True)  # B continues A's run from its step 4
-        shutil.copytree(root / "A" / "checkpoints" / "step_00000004", root / "B" / "checkpoints" / "step_00000004")
+        (root / "B" / "checkpoints").mkdir(parents=True)  # B continues A's run from its step 2
+        shutil.copytree(root / "A" / "checkpoints" / "step_00000002", root / "B" / "checkpoints" / "step_00000002")
         longer = write_random_dataset(root / "data-long", samples=64, length=120, vocab=128, sigma=0.3, max_length=400,
                                       seed=1)
         b = dict(raw, output_dir=str(root / "B"), data=dict(raw["data"], path=str(longer)),
@@ -127,11 +127,11 @@ def test_every_run_dir_holds_a_small_sorted_snapshot_and_its_outcome(runs):
     assert "PYTORCH_CUDA_ALLOC_CONF" in snap["environment"]["env"]  # as dflash-train set it before torch loads
     outcome = json.loads((runs["A"] / snapshot.OUTCOME_NAME).read_text())
     assert outcome["gate_id"] == snap["run"]["gate_id"]
-    assert outcome["ended"] == {"how": "finished", "step": 8, "detail": None, "rank": None}
-    assert outcome["steady"]["tok_per_s"] > 0 and outcome["first_step_s"] > 0 and outcome["rows"] == 8
+    assert outcome["ended"] == {"how": "finished", "step": 4, "detail": None, "rank": None}
+    assert outcome["steady"]["tok_per_s"] > 0 and outcome["first_step_s"] > 0 and outcome["rows"] == 4
     assert outcome["peak"]["host_rss_bytes"] > 0 and outcome["last"]["loss"] > 0
     b = json.loads((runs["B"] / snapshot.SNAPSHOT_NAME).read_text())
-    assert b["run"]["intent"] == "resume" and b["run"]["resume"] == {"step": 4, "checkpoint": "step_00000004"}
+    assert b["run"]["intent"] == "resume" and b["run"]["resume"] == {"step": 2, "checkpoint": "step_00000002"}
     assert b["code"]["dirty"]["dflash/model.py"]["state"] == "modified"
 
 
@@ -141,12 +141,12 @@ def test_the_incident_diff_lists_every_change_movers_first(runs, capsys):
     assert code == 1 and err == "", text
     expected = [  # (a piece of the line, its group), in the order they must appear
         ("torch 2.10.0", "environment"),
-        ("sglang 0.5.23 installed (was not) (GPU stack)", "environment"),
+        ("sglang: not installed -> 0.5.23 (GPU stack)", "environment"),
         ("warm (300 kB; torch 2.10.0+cu128", "compile cache"),
         ("train.max_anchors 1024 -> 768", "config"),
         ("dataset sample length mean", "data"),
         ("dflash/model.py: as committed -> modified (sha256 ", "code"),
-        ("fresh start -> resume from step 4 (step_00000004)", "run"),
+        ("fresh start -> resume from step 2 (step_00000002)", "run"),
     ]
     found = []
     for piece, group in expected:
@@ -163,7 +163,7 @@ def test_the_incident_diff_lists_every_change_movers_first(runs, capsys):
     assert lines[2].startswith("7 difference(s), 5 known to move memory or speed:"), lines[2]
     assert any(line.startswith("memory model, predicted peak per GPU (A -> B): colocated peak ") for line in lines)
     outcome = lines[lines.index("outcome (A -> B):") + 1:]
-    assert outcome[0].split() == ["ended", "finished", "at", "step", "8", "->", "finished", "at", "step", "8"]
+    assert outcome[0].split() == ["ended", "finished", "at", "step", "4", "->", "finished", "at", "step", "4"]
     assert any(o.split()[:2] == ["steady", "tok/s"] and "%)" in o for o in outcome), outcome
     assert any(o.split()[:3] == ["peak", "host", "RSS"] and " -> " in o for o in outcome), outcome
 
@@ -200,7 +200,7 @@ def test_here_on_the_same_machine_then_one_extra_package(runs, capsys, tmp_path,
     code, lines, _ = diff("--here", runs["A"], capsys=capsys)
     assert code == 1, "\n".join(lines)
     assert lines[2:] [:3] == ["1 difference(s), 0 known to move memory or speed:", "differences:",
-                              "  environment  six 1.17.0 installed (was not)"], "\n".join(lines)
+                              "  environment  six: not installed -> 1.17.0"], "\n".join(lines)
     assert {p: p.stat().st_mtime_ns for p in runs["A"].rglob("*")} == before  # --here reads only
 
 

@@ -123,8 +123,10 @@ def load(path: str | Path) -> tuple[dict, dict | None, list[str]]:
         raise SnapshotError(f"{path}: no such run dir; give a run dir a dflash-train run wrote (it holds {SNAPSHOT_NAME})")
     file = p if p.is_file() else p / SNAPSHOT_NAME
     if not file.is_file():
+        earlier = previous_runs(p) if p.is_dir() else []
+        hint = f"; its earlier run: {earlier[-1]}" if earlier else ""
         raise SnapshotError(f"{path}: no {SNAPSHOT_NAME} (not a run dir, or a run started before snapshots were "
-                            f"written); give a run dir a dflash-train run wrote, or compare this machine with --here")
+                            f"written); give a run dir a dflash-train run wrote{hint}")
     try:
         snap = json.loads(file.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:

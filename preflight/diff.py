@@ -108,10 +108,11 @@ def _peaks(m: _Model, cfg=None, cuda: str | None = None, expandable: bool | None
     from dflash.memory import recompute_mode, role_parts, roles, with_recompute
 
     cfg = cfg or m.cfg
+    resolved = cfg.train.recompute == m.cfg.train.recompute  # else a what-if of train.recompute itself
     out = {}
     try:
         for role in roles(cfg):
-            mode = m.recompute.get(role) or recompute_mode(cfg)
+            mode = (m.recompute.get(role) if resolved else None) or recompute_mode(cfg)
             parts = role_parts(with_recompute(cfg, mode), m.shape, role, cuda or m.cuda,
                                expandable=m.expandable if expandable is None else expandable)
             out[role] = sum(p.bytes for p in parts)

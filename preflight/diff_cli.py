@@ -4,6 +4,7 @@
     uv run dflash-diff --here runs/good               # this machine now against a past run; starts nothing
     uv run dflash-diff --json runs/good runs/slow     # one JSON object on stdout
     uv run dflash-diff runs/x/previous/20261129T101500Z-1a2b3c4d runs/x   # an earlier run of the same dir
+    python3 -m preflight.diff_cli runs/good runs/slow   # on a machine without uv
 
 Prints the differences grouped (environment, GPUs, code, compile cache, config, data, run), the
 ones known to move memory or speed first, each with the memory model's predicted effect where it

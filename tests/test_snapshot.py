@@ -204,6 +204,47 @@ def test_here_on_the_same_machine_then_one_extra_package(runs, capsys, tmp_path,
     assert {p: p.stat().st_mtime_ns for p in runs["A"].rglob("*")} == before  # --here reads only
 
 
+def test_allocator_recompute_and_gpu_changes_carry_their_effect(runs):
+    """Pure diff of A's real snapshot against an edited copy: fields a CPU machine cannot change for real."""
+    import copy
+
+    from preflight.diff import compare
+
+    a = json.loads((runs["A"] / snapshot.SNAPSHOT_NAME).read_text())
+    gpu = {"index": 5, "cuda_index": 0, "uuid": "GPU-5a", "name": "NVIDIA H200", "total_bytes": 150_000_000_000,
+           "free_bytes": 149_000_000_000, "compute_capability": "9.0", "roles": ["drafter", "target"]}
+    a["gpus"]["devices"] = [gpu]
+    b = copy.deepcopy(a)
+    b["environment"]["env"]["PYTORCH_CUDA_ALLOC_CONF"] = "max_split_size_mb:512"  # expandable segments off
+    b["config"]["data"]["token_budget"] = 2048
+    b["gpus"]["devices"][0]["free_bytes"] = 120_000_000_000  # a forgotten server holds 27 GiB
+    d = compare(a, b)
+    lines = {x.key: x for x in d.differences}
+    assert lines["PYTORCH_CUDA_ALLOC_CONF"].effect.startswith("memory model: colocated peak +")
+    assert lines["data.token_budget"].effect.startswith("memory model: colocated peak -")
+    assert "free at start 138.77 GiB -> 111.76 GiB (-27.01 GiB: another process holds memory)" in \
+        lines["drafter+target GPU 0 free"].text
+    assert [x.key for x in d.counted] == ["PYTORCH_CUDA_ALLOC_CONF", "drafter+target GPU 0 free", "data.token_budget"]
+    assert d.exit_code == 1 and compare(a, copy.deepcopy(a)).exit_code == 0
+
+
+def test_a_split_runs_snapshot_lists_its_gpus_by_role_with_their_predicted_peaks(tmp_path):
+    """The GPU side of a snapshot from the recorded 8x H200 NVML fake (preflight's own fixture)."""
+    from dflash.config import config_from_dict
+    from preflight.facts import gather
+    from preflight.nvml import FakeGpuInfo
+    from preflight.snapshot import take
+
+    _, raw = tiny_config(tmp_path)
+    cfg = config_from_dict(dict(raw, device="cuda", topology={"target_gpus": ["0", "1"], "drafter_gpus": ["2"]}))
+    snap = take(gather("train-cu128", cfg, "fresh", FakeGpuInfo.from_json(REPO / "tests/data/nvml_fake_8gpu.json")))
+    devices = snap["gpus"]["devices"]
+    assert len(devices) == 8 and snap["gpus"]["driver"] == "570.133.20"
+    assert [d["roles"] for d in devices[:4]] == [["target"], ["target"], ["drafter"], []]
+    assert devices[2]["name"] == "NVIDIA H200" and devices[2]["free_bytes"] > 100 * 2**30
+    assert set(snap["memory"]["roles"]) == {"target", "drafter"} and snap["memory"]["roles"]["drafter"]["recompute"] == "off"
+
+
 def test_a_second_run_in_the_same_dir_keeps_the_first_snapshot(tmp_path):
     out = tmp_path / "run"
     first = {"format": snapshot.FORMAT, "run": {"gate_id": "a" * 32, "time_utc": "2026-11-29T10:15:00Z"},

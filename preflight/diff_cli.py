@@ -3,7 +3,8 @@
     uv run dflash-diff runs/good runs/slow            # two run dirs (each holds snapshot.json, outcome.json)
     uv run dflash-diff --here runs/good               # this machine now against a past run; starts nothing
     uv run dflash-diff --json runs/good runs/slow     # one JSON object on stdout
-    uv run dflash-diff runs/x/previous/20261129T101500Z-1a2b3c4d runs/x   # an earlier run of the same dir
+    uv run dflash-diff runs/x                         # the run before this one in the same dir (a resume, --fresh)
+    uv run dflash-diff runs/x/previous/20261129T101500Z-1a2b3c4d runs/x   # any earlier run of the same dir
     python3 -m preflight.diff_cli runs/good runs/slow   # on a machine without uv
 
 Prints the differences grouped (environment, GPUs, code, compile cache, config, data, run), the
@@ -16,6 +17,7 @@ Reads only: never imports torch, never writes to either run dir.
 from __future__ import annotations
 
 import json
+import os
 
 import click
 
@@ -69,16 +71,22 @@ def render(diff, label_a: str, label_b: str) -> list[str]:
 @click.option("--here", is_flag=True, help="compare run A with this machine now (gathers facts, starts nothing)")
 @click.option("--json", "as_json", is_flag=True, help="print exactly one JSON object on stdout")
 def command(a, b, here, as_json) -> int:
-    """What differs between run dirs A and B (or, with --here, between run A and this machine now)."""
+    """What differs between run dirs A and B (or, with --here, between run A and this machine now).
+
+    With A alone: the run before A's in the same run dir (kept in A/previous/) against A's.
+    """
     from dflash.config import ConfigError
-    from dflash.snapshot import SnapshotError, load
+    from dflash.snapshot import SnapshotError, load, previous_runs
     from preflight.diff import compare
 
     if here and b is not None:
         raise click.UsageError(f"give one run dir with --here (got {a} and {b}), or two run dirs without it")
     if not here and b is None:
-        raise click.UsageError(f"give two run dirs (dflash-diff {a} OTHER_RUN), or compare with this machine: "
-                               f"dflash-diff --here {a}")
+        earlier = previous_runs(a) if os.path.isdir(a) else []
+        if not earlier:
+            raise click.UsageError(f"{a} holds no earlier run (previous/); give two run dirs (dflash-diff {a} OTHER_RUN), "
+                                   f"or compare with this machine: dflash-diff --here {a}")
+        a, b = str(earlier[-1]), a
     snap_a, outcome_a, notes = load(a)
     if here:
         from preflight.snapshot import here as gather_here

@@ -288,7 +288,7 @@ CASES = [
     ("dflash-lock", ["write", "extra"], "unexpected extra argument", 2, None),
     # ---- dflash-diff (the world's run dir was made without the gate: it has no snapshot.json)
     ("dflash-diff", [], "Missing argument 'A'", 2, None),
-    ("dflash-diff", [f"{R}/run"], "give two run dirs", 2, None),
+    ("dflash-diff", [f"{R}/run"], "run holds no earlier run (previous/); give two run dirs", 2, None),
     ("dflash-diff", ["--here", f"{R}/run", f"{R}/run"], "give one run dir with --here", 2, None),
     ("dflash-diff", [f"{R}/nosuch", f"{R}/run"], "nosuch: no such run dir", 2, None),
     ("dflash-diff", [f"{R}/run", f"{R}/run"], "run: no snapshot.json", 2, None),

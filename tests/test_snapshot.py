@@ -245,7 +245,7 @@ def test_a_split_runs_snapshot_lists_its_gpus_by_role_with_their_predicted_peaks
     assert set(snap["memory"]["roles"]) == {"target", "drafter"} and snap["memory"]["roles"]["drafter"]["recompute"] == "off"
 
 
-def test_a_second_run_in_the_same_dir_keeps_the_first_snapshot(tmp_path):
+def test_a_second_run_in_the_same_dir_keeps_the_first_snapshot(tmp_path, capsys):
     out = tmp_path / "run"
     first = {"format": snapshot.FORMAT, "run": {"gate_id": "a" * 32, "time_utc": "2026-11-29T10:15:00Z"},
              "environment": {}, "config": {}}
@@ -257,6 +257,12 @@ def test_a_second_run_in_the_same_dir_keeps_the_first_snapshot(tmp_path):
     assert not (out / snapshot.OUTCOME_NAME).exists()
     snap, outcome, notes = snapshot.load(kept)
     assert snap["run"]["gate_id"] == "a" * 32 and outcome["gate_id"] == "a" * 32 and notes == []
+    from preflight.diff_cli import main
+
+    with pytest.raises(SystemExit) as e:  # the run dir alone: its previous run against it
+        main([str(out)])
+    lines = capsys.readouterr().out.splitlines()
+    assert e.value.code == 0 and lines[0].startswith(f"A: {kept} (started 2026-11-29T10:15:00Z") and lines[2] == "no differences"
 
 
 def test_a_dead_split_rank_is_named_in_the_outcome(tmp_path):

@@ -15,6 +15,7 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 import tomllib
 from pathlib import Path
 
@@ -292,3 +293,27 @@ def test_a_run_started_without_the_gate_has_an_outcome_but_no_snapshot(tmp_path)
 def test_diff_is_a_console_script():
     scripts = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]
     assert scripts["dflash-diff"] == "preflight.diff_cli:main"
+
+
+def test_the_outcome_keeps_each_run_gpus_peak_from_nvml(tmp_path, monkeypatch):
+    """NVML by UUID for the GPUs the snapshot gave a role (a fake pynvml: the one GPU-only path of the outcome)."""
+    import types
+
+    used = {"GPU-a": iter([10, 50, 30, 20]), "GPU-b": iter([5, 6, 7, 8])}
+    fake = types.SimpleNamespace(nvmlInit=lambda: None, nvmlDeviceGetHandleByUUID=lambda uuid: uuid,
+                                 nvmlDeviceGetMemoryInfo=lambda h: types.SimpleNamespace(used=next(used[h])))
+    monkeypatch.setitem(sys.modules, "pynvml", fake)
+    out = tmp_path / "run"
+    devices = [{"uuid": "GPU-a", "roles": ["drafter"]}, {"uuid": "GPU-b", "roles": ["target"]}, {"uuid": "GPU-c", "roles": []}]
+    snapshot.write_snapshot(out, {"format": snapshot.FORMAT, "run": {"gate_id": "g", "time_utc": snapshot.now_utc()},
+                                  "environment": {}, "config": {}, "gpus": {"devices": devices}})
+    o = snapshot.Outcome(out, 0)
+    o.first_step(1.5, 3)
+    for step in (1, 2):
+        o.row({"step": step, "loss": 2.0, "accept_len": 1.5, "tok_per_s": 100.0 * step, "compiled_graphs": 3 + step,
+               "mem_gib": 1.0})
+    o.end("finished", 2)
+    data = json.loads((out / snapshot.OUTCOME_NAME).read_text())
+    assert data["peak"]["gpus"] == {"GPU-a": 50, "GPU-b": 8} and data["peak"]["torch_allocated_bytes"] == 2**30
+    assert data["steady"] == {"tok_per_s": 200.0} and data["compiled_graphs"] == {"first_step": 3, "last": 5}
+    assert data["ended"]["how"] == "finished" and data["to_first_step_s"] is not None

@@ -1,7 +1,8 @@
 """The public face of preflight: the gate every entry point calls, and what the trainer may ask of a profile.
 
     from preflight.gate import run_gate
-    result = run_gate(cfg, {"env-drift": "vendor image"}, "resume")   # writes <output_dir>/preflight.json
+    result = run_gate(cfg, {"env-drift": "vendor image"}, "resume")   # writes <output_dir>/preflight.json,
+                                                                       # and snapshot.json once it passed
     for line in result.notes: print(line, file=sys.stderr)
     print(result.verdict); refuse to start unless result.ok
 

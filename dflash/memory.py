@@ -112,9 +112,9 @@ class Calibration:
 
     # Drafter on CUDA (train.compile: the layer pieces compiled, dflash/model.py), saved for backward per
     # query token per layer, in bf16 units (2 bytes); counted with saved-tensor hooks on the compiled layer:
-    drafter_act_h: float = 4.0  # layer input, input-norm output, post-attention residual, post-norm output
+    drafter_act_h: float = 3.0  # layer input, input-norm output, post-attention residual (the MLP block recomputes its norm)
     drafter_act_q: float = 3.0  # q before q_norm, q after RoPE, attention output
-    drafter_act_i: float = 3.0  # gate, up, act(gate)*up (down_proj input)
+    drafter_act_i: float = 2.0  # gate, up (act(gate) * up is recomputed in backward)
     # ... per key/value token (context + block) per layer, in bf16 units:
     drafter_act_kv: float = 3.0  # k before k_norm, k after RoPE, v
     # The same counts for eager layers (train.compile = false): the RMSNorms save fp32 copies.
@@ -465,7 +465,9 @@ def drafter_layer_bytes(shape: TargetShape, w: Workload, cal: Calibration, recom
         return int(w.queries * BF16 * shape.hidden)
     act_h, act_q, act_i, act_kv = ((cal.drafter_act_h, cal.drafter_act_q, cal.drafter_act_i, cal.drafter_act_kv) if compiled
                                    else (cal.eager_act_h, cal.eager_act_q, cal.eager_act_i, cal.eager_act_kv))
-    if recompute == "mlp":
+    if recompute == "mlp" and compiled:
+        act_i = 0.0  # the MLP block keeps only its input, which act_h counts already
+    elif recompute == "mlp":
         act_h, act_i = act_h / 2 + 1, 0.0  # the input norm's half of act_h, plus the checkpointed input
     per_q = BF16 * (act_h * shape.hidden + act_q * shape.q_width + act_i * shape.intermediate)
     per_q += FP32 * (shape.heads + shape.heads + 2)  # attention logsumexp, q-norm and 2 layer-norm statistics

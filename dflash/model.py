@@ -280,7 +280,9 @@ class DrafterLayer(nn.Module):
 
     def forward(self, x_BQH, ctx_BSH, rope_q, rope_ctx, attn, recompute_mlp: bool = False):
         B, Q, H = x_BQH.shape
-        project, norm_mlp = (_compiled(_project), _compiled(_norm_mlp)) if self.compiled else (_project, _norm_mlp)
+        project, norm_mlp = _project, _norm_mlp
+        if self.compiled:  # (recompute mlp checkpoints the whole block below; otherwise only its matmuls are kept)
+            project, norm_mlp = _compiled(_project), _compiled(_norm_mlp if recompute_mlp else _norm_mlp_keeping_matmuls)
         # The compiled pieces see flattened rows: one dynamic size per tensor, whatever the batch's shape.
         inputs = (x_BQH.flatten(0, 1), ctx_BSH.flatten(0, 1), *_rows(rope_q), *_rows(rope_ctx))
         rows = project(self, *_dynamic_rows(self.compiled, inputs))
@@ -308,6 +310,25 @@ def _dynamic_rows(compiled: bool, tensors: tuple) -> tuple:
         for t in tensors:
             torch._dynamo.maybe_mark_dynamic(t, 0)
     return tensors
+
+
+def _norm_mlp_keeping_matmuls(layer: DrafterLayer, x_NH):
+    """_norm_mlp saving only the matmul outputs (gate, up) for backward: the norm and act(gate) * up, cheap
+    elementwise work, are recomputed there instead of keeping a hidden- and an intermediate-width tensor."""
+    return checkpoint(_norm_mlp, layer, x_NH, use_reentrant=False, context_fn=_keep_matmul_outputs)
+
+
+def _keep_matmul_outputs():
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+    return create_selective_checkpoint_contexts(_save_matmuls)
+
+
+def _save_matmuls(ctx, op, *args, **kwargs):
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    matmuls = (torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default)
+    return CheckpointPolicy.MUST_SAVE if op in matmuls else CheckpointPolicy.PREFER_RECOMPUTE
 
 
 COMPILE_BACKEND = "inductor"  # tests swap in a recording backend

@@ -270,10 +270,18 @@ def num_feature_layers(cfg: RunConfig) -> int:
     return len(cfg.drafter.target_layer_ids) or cfg.drafter.num_layers
 
 
+def drafter_shape(cfg: RunConfig, shape: TargetShape) -> TargetShape:
+    """The drafter layers' sizes: the [drafter] fields where set, else the target's (hidden and vocab always the target's)."""
+    d = cfg.drafter
+    return replace(shape, model_type="qwen3", qk_norm=True, qkv_bias=False,
+                   heads=d.num_attention_heads or shape.heads, kv_heads=d.num_key_value_heads or shape.kv_heads,
+                   head_dim=d.head_dim or shape.head_dim, intermediate=d.intermediate_size or shape.intermediate)
+
+
 def drafter_params(cfg: RunConfig, shape: TargetShape) -> int:
-    """Trainable drafter parameters: Qwen3 layers of the target's size, fc, two norms."""
+    """Trainable drafter parameters: Qwen3 layers of the drafter's shape, fc, two norms."""
     n_feat = num_feature_layers(cfg)
-    layers = cfg.drafter.num_layers * shape.layer_params(qk_norm=True, qkv_bias=False)
+    layers = cfg.drafter.num_layers * drafter_shape(cfg, shape).layer_params()
     fc = n_feat * shape.hidden * shape.hidden  # n*H -> H, no bias
     return layers + fc + 2 * shape.hidden  # + context norm + final norm
 
@@ -496,6 +504,7 @@ def with_recompute(cfg: RunConfig, mode: str) -> RunConfig:
 
 
 def _drafter_step_parts(cfg: RunConfig, shape: TargetShape, w: Workload, cal: Calibration) -> list[Part]:
+    shape = drafter_shape(cfg, shape)  # the drafter's layer sizes; hidden and vocab stay the target's
     n = cfg.drafter.num_layers
     mode = recompute_mode(cfg)
     layer = drafter_layer_bytes(shape, w, cal, mode)
@@ -504,7 +513,8 @@ def _drafter_step_parts(cfg: RunConfig, shape: TargetShape, w: Workload, cal: Ca
     q_blocks = math.ceil(w.queries_per_seq / FLEX_BLOCK)
     kv_blocks = math.ceil((w.seq_len + w.queries_per_seq) / FLEX_BLOCK)
     # kv_indices/full_kv_indices [B,1,Qb,KVb] and q_indices/full_q_indices [B,1,KVb,Qb] + counts
-    mask = w.sequences * INT32 * (4 * q_blocks * kv_blocks + 2 * q_blocks + 2 * kv_blocks)
+    mask_kinds = len(set(cfg.drafter.layer_types)) or 1  # one BlockMask per layer type (full, sliding)
+    mask = mask_kinds * w.sequences * INT32 * (4 * q_blocks * kv_blocks + 2 * q_blocks + 2 * kv_blocks)
     attn_ws = BF16 * (w.queries * shape.q_width + 2 * w.kv_tokens * shape.kv_width) + FP32 * w.queries * shape.heads
     kl = cfg.train.kl_weight > 0
     m = w.loss_tokens

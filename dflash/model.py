@@ -22,7 +22,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from dflash.attention import TrainMask, attend
+from dflash.attention import LAYER_TYPES, TrainMask, attend
 from dflash.config import default_target_layer_ids  # noqa: F401 (also used by importers of dflash.model)
 
 CONFIG_FILE = "config.json"
@@ -48,9 +48,21 @@ class DFlashConfig:
     mask_token_id: int
     num_target_layers: int
     max_position_embeddings: int = 32768
+    layer_types: list[str] | None = None  # per layer: full_attention | sliding_attention; None = all full
+    sliding_window: int | None = None  # sliding layers: a query at position i sees keys > i - sliding_window
     extra: dict = field(default_factory=dict)  # unknown config.json fields, kept on save
 
     def __post_init__(self):
+        self.layer_types = list(self.layer_types or ["full_attention"] * self.num_hidden_layers)
+        if len(self.layer_types) != self.num_hidden_layers or set(self.layer_types) - set(LAYER_TYPES):
+            raise ValueError(f"layer_types {self.layer_types} must give one of {LAYER_TYPES} for each of the "
+                             f"{self.num_hidden_layers} layers")
+        sliding = "sliding_attention" in self.layer_types
+        if sliding and not (self.sliding_window and self.sliding_window >= self.block_size):
+            raise ValueError(f"sliding_attention layers need sliding_window >= block_size ({self.block_size}), "
+                             f"got {self.sliding_window}")
+        if not sliding:
+            self.sliding_window = None
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(
                 f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
@@ -89,9 +101,9 @@ class DFlashConfig:
             attention_bias=False,
             attention_dropout=0.0,
             is_causal=False,
-            layer_types=["full_attention"] * n,
-            use_sliding_window=False,
-            sliding_window=None,
+            layer_types=list(self.layer_types),
+            use_sliding_window=self.sliding_window is not None,
+            sliding_window=self.sliding_window,
             max_window_layers=n,
             tie_word_embeddings=False,
             use_cache=False,
@@ -111,8 +123,8 @@ class DFlashConfig:
                 raise ValueError(f"drafter config.json has no {name!r} (top level or in dflash_config)")
             return value
 
-        if "sliding_attention" in (raw.get("layer_types") or []):
-            raise ValueError("sliding-window DFlash drafters are not supported by this trainer")
+        layer_types = raw.get("layer_types") or None
+        sliding_window = raw.get("sliding_window") if "sliding_attention" in (layer_types or []) else None
         rope = raw.get("rope_parameters") or {}
         known = set(cls.__dataclass_fields__) | {"dflash_config", "rope_parameters"}
         return cls(
@@ -130,6 +142,8 @@ class DFlashConfig:
             mask_token_id=pick("mask_token_id"),
             num_target_layers=pick("num_target_layers"),
             max_position_embeddings=pick("max_position_embeddings", 32768),
+            layer_types=layer_types,
+            sliding_window=sliding_window,
             extra={k: v for k, v in raw.items() if k not in known and k not in _WRITTEN_KEYS},
         )
 
@@ -154,20 +168,33 @@ def drafter_config_from_target(
     block_size: int,
     target_layer_ids: list[int] | None = None,
     mask_token_id: int | None = None,
+    **shape,
 ) -> DFlashConfig:
-    """A drafter config sized like the target (an HF config object or its config.json dict)."""
+    """A drafter config sized like the target (an HF config object or its config.json dict).
+
+    `shape` overrides the drafter's own sizes (num_attention_heads, num_key_value_heads, head_dim,
+    intermediate_size, layer_types, sliding_window); a None value keeps the target's. The hidden
+    size is always the target's: the drafter reads the target's embedding and lm_head.
+    """
+    unknown = sorted(set(shape) - set(DRAFTER_SHAPE_FIELDS))
+    if unknown:
+        raise ValueError(f"unknown drafter shape fields {unknown}; use {DRAFTER_SHAPE_FIELDS}")
+    shape = {k: v for k, v in shape.items() if v is not None and v != []}
     if mask_token_id is None:
         raise ValueError("mask_token_id is required (the token id filling the non-anchor slots)")
     get = lambda name, default=None: _target_value(target_hf_config, name, default)  # noqa: E731
     hidden, heads = get("hidden_size"), get("num_attention_heads")
     num_target_layers = get("num_hidden_layers")
     rope = get("rope_parameters") or {}
+    target_shape = {
+        "intermediate_size": get("intermediate_size"),
+        "num_attention_heads": heads,
+        "num_key_value_heads": get("num_key_value_heads") or heads,
+        "head_dim": get("head_dim") or hidden // heads,
+    }
     return DFlashConfig(
         hidden_size=hidden,
-        intermediate_size=get("intermediate_size"),
-        num_attention_heads=heads,
-        num_key_value_heads=get("num_key_value_heads") or heads,
-        head_dim=get("head_dim") or hidden // heads,
+        **{**target_shape, **shape},
         rms_norm_eps=get("rms_norm_eps", 1e-6),
         rope_theta=float(rope.get("rope_theta", get("rope_theta", 10000.0))),
         vocab_size=get("vocab_size"),
@@ -178,6 +205,19 @@ def drafter_config_from_target(
         num_target_layers=num_target_layers,
         max_position_embeddings=get("max_position_embeddings", 32768),
     )
+
+
+# The [drafter] run-config fields that shape the drafter model itself (None / [] = like the target).
+DRAFTER_SHAPE_FIELDS = (
+    "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size", "layer_types", "sliding_window",
+)  # fmt: skip
+
+
+def drafter_config_for_run(run_cfg, target_hf_config, mask_token_id: int) -> DFlashConfig:
+    """The drafter a run config asks for: its [drafter] section over the target's (text) HF config."""
+    d = run_cfg.drafter
+    return drafter_config_from_target(target_hf_config, d.num_layers, d.block_size, d.target_layer_ids or None,
+                                      mask_token_id, **{name: getattr(d, name) for name in DRAFTER_SHAPE_FIELDS})
 
 
 class RMSNorm(nn.Module):
@@ -297,9 +337,18 @@ class DFlashDrafter(nn.Module):
         noise_emb_BQH: torch.Tensor,
         context_pos_BS: torch.Tensor,
         query_pos_BQ: torch.Tensor,
-        attn: TrainMask,
+        attn: TrainMask | dict[str, TrainMask],
     ) -> torch.Tensor:
-        """Drafter hidden states [B, Q, H] for the block tokens (before the target's lm_head)."""
+        """Drafter hidden states [B, Q, H] for the block tokens (before the target's lm_head).
+
+        attn: one TrainMask for a drafter of full-attention layers, or {layer type: TrainMask}
+        (dflash.attention.build_layer_masks) holding every type in config.layer_types.
+        """
+        masks = attn if isinstance(attn, dict) else {"full_attention": attn}
+        missing = sorted(set(self.config.layer_types) - set(masks))
+        if missing:
+            raise ValueError(f"no attention mask for the drafter's {missing} layers; build them with "
+                             "dflash.attention.build_layer_masks(..., layer_types, sliding_window)")
         F_expected = self.fc.in_features
         if context_BSF.shape[-1] != F_expected:
             raise ValueError(
@@ -315,7 +364,8 @@ class DFlashDrafter(nn.Module):
         rope_ctx = rope_cos_sin(context_pos_BS, cfg.head_dim, cfg.rope_theta, rope_dtype)
         rope_kv = tuple(torch.cat([c, q], dim=1) for c, q in zip(rope_ctx, rope_q))
         mode = self.recompute if torch.is_grad_enabled() else "off"
-        for layer in self.layers:
+        for layer, kind in zip(self.layers, cfg.layer_types):
+            attn = masks[kind]
             if mode == "layer":
                 x_BQH = checkpoint(layer, x_BQH, ctx_BSH, rope_q, rope_kv, attn, use_reentrant=False)
             else:

@@ -30,7 +30,7 @@ from dflash import checkpoint as ckpt
 from dflash import rundir
 from dflash.config import RunConfig, dump_config
 from dflash.data import collate, prefetch
-from dflash.model import DFlashDrafter, drafter_config_from_target
+from dflash.model import DFlashDrafter, drafter_config_for_run
 from dflash.step import (
     FeatureSource,
     RunError,
@@ -112,8 +112,7 @@ class Trainer:
         self.batches_per_step = cfg.train.grad_accum * self.world
 
         tcfg = source.target_config
-        dcfg = drafter_config_from_target(tcfg, cfg.drafter.num_layers, cfg.drafter.block_size,
-                                          cfg.drafter.target_layer_ids or None, resolve_mask_token_id(cfg, tcfg))
+        dcfg = drafter_config_for_run(cfg, tcfg, resolve_mask_token_id(cfg, tcfg))
         self.drafter = DFlashDrafter(dcfg).to(self.device, torch.float32)
         self.recompute, self.recompute_why = self._choose_recompute()
         self.drafter.set_recompute(self.recompute)

@@ -6,14 +6,17 @@ applied to [context ; block], where context = RMSNorm(fc(selected target hidden 
 The output goes through the frozen target's lm_head (see dflash/loss.py); neither the
 embedding nor the lm_head is a drafter parameter.
 
-Saved as a Hugging Face-style folder (config.json + model.safetensors) with the parameter
-names and config fields public DFlash drafters use, so DFlash-aware serving stacks load it.
+Saved as a Hugging Face-style folder (config.json + model.safetensors + dflash.py) with the
+parameter names and config.json keys of the published DFlash drafters, so DFlash-aware serving
+stacks load it, and `transformers.AutoModel.from_pretrained(folder, trust_remote_code=True)`
+builds this same model from dflash.py (dflash/hf_drafter.py, the math of this file).
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+import shutil
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -28,6 +31,12 @@ from dflash.config import default_target_layer_ids  # noqa: F401 (also used by i
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 ARCHITECTURE = "DFlashDraftModel"
+MODELING_FILE = "dflash.py"  # config.json auto_map points AutoModel at dflash.DFlashDraftModel in it
+MODELING_SOURCE = Path(__file__).with_name("hf_drafter.py")
+# Tokenizer files copied from the target into an exported drafter folder, when the target has them.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "vocab.json",
+                   "merges.txt", "tokenizer.model", "chat_template.jinja", "chat_template.json")
+SPECIAL_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
 
 
 @dataclass
@@ -82,6 +91,7 @@ class DFlashConfig:
         out = dict(self.extra)
         out.update(
             architectures=[ARCHITECTURE],
+            auto_map={"AutoModel": f"{MODELING_FILE.removesuffix('.py')}.{ARCHITECTURE}"},
             model_type="qwen3",
             block_size=self.block_size,
             dflash_config={"target_layer_ids": list(self.target_layer_ids), "mask_token_id": self.mask_token_id},
@@ -95,21 +105,23 @@ class DFlashConfig:
             vocab_size=self.vocab_size,
             rms_norm_eps=self.rms_norm_eps,
             rope_theta=self.rope_theta,
-            rope_parameters={"rope_theta": self.rope_theta, "rope_type": "default"},
+            rope_scaling=None,
             max_position_embeddings=self.max_position_embeddings,
             hidden_act="silu",
             attention_bias=False,
             attention_dropout=0.0,
-            is_causal=False,
             layer_types=list(self.layer_types),
             use_sliding_window=self.sliding_window is not None,
             sliding_window=self.sliding_window,
             max_window_layers=n,
             tie_word_embeddings=False,
-            use_cache=False,
+            use_cache=True,
             initializer_range=0.02,
             dtype=str(dtype).removeprefix("torch."),
+            transformers_version=_transformers_version(),
         )
+        for name in SPECIAL_IDS:  # the target's ids when the drafter was exported with it (kept in extra)
+            out.setdefault(name, None)
         return out
 
     @classmethod
@@ -144,16 +156,43 @@ class DFlashConfig:
             max_position_embeddings=pick("max_position_embeddings", 32768),
             layer_types=layer_types,
             sliding_window=sliding_window,
-            extra={k: v for k, v in raw.items() if k not in known and k not in _WRITTEN_KEYS},
+            extra={k: v for k, v in raw.items() if k not in known and k not in _WRITTEN_KEYS
+                   and not (k in SPECIAL_IDS and v is None)},
         )
 
 
 # Fields to_hf_dict always writes itself; never carried over as "extra".
 _WRITTEN_KEYS = {
-    "architectures", "model_type", "hidden_act", "attention_bias", "attention_dropout", "is_causal",
+    "architectures", "auto_map", "rope_scaling", "model_type", "hidden_act", "attention_bias", "attention_dropout", "is_causal",
     "layer_types", "use_sliding_window", "sliding_window", "max_window_layers", "tie_word_embeddings",
     "use_cache", "initializer_range", "dtype", "torch_dtype", "transformers_version",
 }  # fmt: skip
+
+
+def _transformers_version() -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("transformers")
+    except PackageNotFoundError:
+        return None
+
+
+def target_special_ids(target_dir: str | Path) -> dict:
+    """bos/eos/pad ids of a target folder: its config.json (top level, then text_config), then generation_config.json;
+    a missing pad id takes the eos id, as published drafters do."""
+    ids = dict.fromkeys(SPECIAL_IDS)
+    for name, sub in ((CONFIG_FILE, None), (CONFIG_FILE, "text_config"), ("generation_config.json", None)):
+        f = Path(target_dir) / name
+        raw = json.loads(f.read_text()) if f.is_file() else {}
+        raw = (raw.get(sub) or {}) if sub else raw
+        for key in SPECIAL_IDS:
+            value = raw.get(key)
+            if ids[key] is None and value is not None:
+                ids[key] = value[0] if isinstance(value, list) and value else value
+    if ids["pad_token_id"] is None:
+        ids["pad_token_id"] = ids["eos_token_id"]
+    return ids
 
 
 def _target_value(cfg, name, default=None):
@@ -372,14 +411,26 @@ class DFlashDrafter(nn.Module):
                 x_BQH = layer(x_BQH, ctx_BSH, rope_q, rope_kv, attn, recompute_mlp=mode == "mlp")
         return self.norm(x_BQH)
 
-    def save_pretrained(self, out_dir: str | Path, dtype: torch.dtype | None = None) -> Path:
-        """Write config.json + model.safetensors; dtype None keeps the parameters' dtype."""
+    def save_pretrained(self, out_dir: str | Path, dtype: torch.dtype | None = None,
+                        target_dir: str | Path | None = None) -> Path:
+        """Write config.json + model.safetensors + dflash.py; dtype None keeps the parameters' dtype.
+
+        target_dir (the target's HF folder) makes the folder servable on its own: its tokenizer files
+        are copied in and its bos/eos/pad ids written into config.json.
+        """
         out_dir = Path(out_dir)
         out_dir.mkdir(parents=True, exist_ok=True)
         dtype = dtype or self.fc.weight.dtype
         tensors = {k: v.detach().to(dtype).contiguous().cpu() for k, v in self.state_dict().items()}
         save_file(tensors, str(out_dir / WEIGHTS_FILE), metadata={"format": "pt"})
-        (out_dir / CONFIG_FILE).write_text(json.dumps(self.config.to_hf_dict(dtype), indent=2, sort_keys=True) + "\n")
+        config = self.config
+        if target_dir is not None:
+            config = replace(config, extra={**config.extra, **target_special_ids(target_dir)})
+            for name in TOKENIZER_FILES:
+                if (Path(target_dir) / name).is_file():
+                    shutil.copyfile(Path(target_dir) / name, out_dir / name)
+        (out_dir / CONFIG_FILE).write_text(json.dumps(config.to_hf_dict(dtype), indent=2, sort_keys=True) + "\n")
+        shutil.copyfile(MODELING_SOURCE, out_dir / MODELING_FILE)
         return out_dir
 
     @classmethod

@@ -44,6 +44,7 @@ from dflash.step import (
     restore_position,
     schedule,
     set_lr,
+    target_folder,
 )
 
 __all__ = ["NonFiniteError", "RunError", "StopFlag", "Trainer", "run", "run_device", "warm_cache"]
@@ -373,7 +374,9 @@ class Trainer:
             self.log(f"stopped by {stop.signame or 'a peer signal'} at step {self.step}; checkpoint {path}")
             self.log(f"resume with: dflash-train --config <this config> --resume latest  (output_dir {self.out})")
             return 0
-        self.drafter.save_pretrained(self.out / "drafter")
+        # The servable export: bf16 as published drafters are, with the target's tokenizer files and ids.
+        self.drafter.save_pretrained(self.out / "drafter", dtype=torch.bfloat16,
+                                     target_dir=target_folder(self.cfg.target.path, self.log))
         rundir.clear_stopped(self.out)
         self.log(f"done: {self.step} steps; checkpoint {path}; drafter saved to {self.out / 'drafter'}; "
                  f"{compiled_graphs()} compiled graph(s) in this process")

@@ -259,6 +259,7 @@ def test_sliding_layer_ignores_context_outside_its_window():
 
 @pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 def test_sliding_drafter_flex_equals_sdpa_and_a_wide_window_equals_full():
+    torch.set_grad_enabled(False)
     drafter = _shaped_drafter(["sliding_attention", "full_attention"], 8)
     context, noise, pos_c, pos_q, anchors, valid = _shaped_inputs()
     sdpa = drafter(context, noise, pos_c, pos_q, _masks(drafter, anchors, valid, 30, "sdpa"))
@@ -270,6 +271,7 @@ def test_sliding_drafter_flex_equals_sdpa_and_a_wide_window_equals_full():
     args = (context, noise, pos_c, pos_q)
     assert torch.equal(wide(*args, _masks(wide, anchors, valid, 30, "sdpa")), full(*args, _masks(full, anchors, valid, 30, "sdpa")))
     assert not torch.equal(drafter(*args, _masks(drafter, anchors, valid, 30, "sdpa")), full(*args, _masks(full, anchors, valid, 30, "sdpa")))
+    torch.set_grad_enabled(True)
 
 
 def test_sliding_drafter_save_load_round_trip(tmp_path):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -85,3 +86,24 @@ def test_hybrid_random_target_in_memory_matches_its_saved_folder(hybrid_folders)
     loaded = load_target(hybrid_folders["text"], "float32", "cpu")
     ids = torch.randint(0, 256, (1, 9))
     assert torch.equal(model(ids).logits, loaded(ids).logits)
+
+
+@pytest.mark.parametrize("config", [
+    # the real shapes: 48 Gated DeltaNet + 16 gated full-attention layers
+    str(Path(__file__).resolve().parent.parent / "configs/targets/qwen3.6-27b"),
+    hybrid_target_config(num_hidden_layers=8, vocab_size=256),
+    hybrid_target_config(wrapper=True, num_hidden_layers=8, vocab_size=256),
+])
+def test_memory_model_counts_hybrid_params_as_transformers_builds_them(config):
+    """dflash.memory's TargetShape (torch-free) against the parameters of the model transformers builds (on meta)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from dflash.memory import TargetShape
+
+    raw = json.loads((Path(config) / "config.json").read_text()) if isinstance(config, str) else config
+    hf = AutoConfig.from_pretrained(config) if isinstance(config, str) else AutoConfig.for_model(**raw)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf)
+    shape = TargetShape.from_config(raw)
+    assert shape.linear_layers == 3 * shape.num_layers // 4
+    assert shape.params == sum(p.numel() for p in model.parameters())

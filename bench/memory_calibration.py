@@ -183,6 +183,7 @@ def _drafter_role(cfg, device, steps, nvml, torch) -> dict:
     dcfg = drafter_config_for_run(cfg, tconf, resolve_mask_token_id(cfg, tconf))
     drafter = DFlashDrafter(dcfg).to(device, torch.float32)
     drafter.set_recompute(recompute_mode(cfg))
+    drafter.set_compile(cfg.train.compile and device.type == "cuda")  # as the trainer does
     dtype = torch_dtype(cfg.target.dtype)
     V, H = tconf.vocab_size, tconf.hidden_size
     embed = (torch.randn(V, H, device=device, dtype=dtype) * 0.02).requires_grad_(False)

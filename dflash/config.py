@@ -169,7 +169,8 @@ class TrainConfig(_Strict):
     log_every: int = Field(10, ge=1, description="steps between metric lines")
     save_every: int = Field(500, ge=1, description="steps between checkpoints")
     keep_last: int = Field(3, ge=1, description="checkpoints kept")
-    compile: bool = Field(True, description="torch.compile flex attention on CUDA")
+    compile: bool = Field(True, description="torch.compile each drafter layer's norms, RoPE and SwiGLU on CUDA (one graph "
+                          "for all layers); flex attention is compiled on CUDA either way")
     seed: int = Field(0, ge=0, le=MAX_SEED, description="seed for init, shuffling and anchors (numpy and torch "
                       f"take 0..{MAX_SEED})")
 

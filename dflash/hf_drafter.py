@@ -28,9 +28,10 @@ class DFlashRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
+        dtype = torch.promote_types(x.dtype, torch.float32)  # float32 math at least (bf16 upcast, float64 kept)
+        x32 = x.to(dtype)
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (self.weight.float() * x32).to(x.dtype)
+        return (self.weight.to(dtype) * x32).to(x.dtype)
 
 
 def rope_cos_sin(pos_BL: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):

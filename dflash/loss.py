@@ -135,8 +135,9 @@ class _ChunkedLMHeadLoss(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden_MH, head_VH, labels_M, weight_M, target_MH, kl_weight, chunk, norm):
+    def forward(ctx, hidden_MH, head_VH, labels_M, weight_M, target_MH, kl_weight, chunk, norm, fused):
         want_grad = ctx.needs_input_grad[0]
+        chunk_loss = _chunk_loss_fused if fused else _chunk_loss
         grad_MH = torch.empty_like(hidden_MH) if want_grad else None
         ce_sum = hidden_MH.new_zeros((), dtype=_math_dtype(head_VH))
         kl_sum = torch.zeros_like(ce_sum)
@@ -145,7 +146,7 @@ class _ChunkedLMHeadLoss(torch.autograd.Function):
             for start in range(0, hidden_MH.shape[0], chunk):
                 sl = slice(start, start + chunk)
                 t_cH = target_MH[sl] if target_MH is not None else None
-                ce_c, kl_c, correct_M[sl], grad_cH = _chunk_loss(
+                ce_c, kl_c, correct_M[sl], grad_cH = chunk_loss(
                     hidden_MH[sl], head_VH, labels_M[sl], weight_M[sl] / norm, t_cH, kl_weight, want_grad
                 )
                 ce_sum += (weight_M[sl] * ce_c).sum()
@@ -161,7 +162,7 @@ class _ChunkedLMHeadLoss(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g_loss, _g_ce, _g_kl, _g_correct):
         (grad_MH,) = ctx.saved_tensors
-        return grad_MH * g_loss.to(grad_MH.dtype), None, None, None, None, None, None, None
+        return grad_MH * g_loss.to(grad_MH.dtype), None, None, None, None, None, None, None, None
 
 
 def _math_dtype(head_VH: torch.Tensor) -> torch.dtype:
@@ -229,6 +230,33 @@ def _chunk_loss(h_cH, head_VH, labels_c, w_c, t_cH, kl_weight, want_grad):
     return ce_c, kl_c, correct_c, grad_cH.to(h_cH.dtype)
 
 
+def _chunk_loss_fused(h_cH, head_VH, labels_c, w_c, t_cH, kl_weight, want_grad):
+    """`_chunk_loss` through the Triton kernel (dflash.loss_kernel): the logits stay in the head's dtype
+    (bf16 on GPU, as the matmul produces them), the gradient is written over them in place."""
+    from dflash.loss_kernel import fused_rows
+
+    logits_cV = h_cH.to(head_VH.dtype) @ head_VH.T
+    use_kl = t_cH is not None and kl_weight > 0
+    target_cV = t_cH.to(head_VH.dtype) @ head_VH.T if use_kl else None
+    ce_c, kl_c, argmax_c = fused_rows(logits_cV, labels_c, w_c.to(_math_dtype(head_VH)), target_cV, kl_weight, want_grad)
+    del target_cV
+    grad_cH = (logits_cV @ head_VH).to(h_cH.dtype) if want_grad else None
+    return ce_c, kl_c, argmax_c == labels_c, grad_cH
+
+
+def fused_loss_available(device: torch.device) -> bool:
+    """The Triton loss kernel runs on CUDA (or anywhere under TRITON_INTERPRET=1, for tests)."""
+    import os
+
+    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        return False
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def _check_loss_inputs(hidden_BQH, head_VH, labels_BQ, weight_BQ, block_size, chunk, target_hidden_BQH, kl_weight):
     B, Q, H = hidden_BQH.shape
     if Q % block_size:
@@ -262,11 +290,12 @@ def dflash_loss(
     chunk: int,
     target_hidden_BQH: torch.Tensor | None = None,
     kl_weight: float = 0.0,
+    fused: bool | None = None,
 ) -> tuple[torch.Tensor, dict]:
     """Weighted CE (blended with forward KL when kl_weight > 0) over the weighted tokens, and metrics.
 
     loss = [(1 - kl_weight) * sum w*CE + kl_weight * sum w*KL] / sum w. Only tokens with w > 0
-    go through the lm_head, `chunk` of them at a time.
+    go through the lm_head, `chunk` of them at a time. fused: the Triton kernel (None = on CUDA).
     """
     _check_loss_inputs(
         hidden_BQH, lm_head_weight, labels_BQ, weight_BQ, block_size, chunk, target_hidden_BQH, kl_weight
@@ -276,6 +305,8 @@ def dflash_loss(
     idx_M = weight_N.nonzero().squeeze(1)
     norm = max(float(weight_N.sum()), 1e-6)
     use_kl = kl_weight > 0
+    if fused is None:
+        fused = fused_loss_available(hidden_BQH.device)
     target_MH = target_hidden_BQH.reshape(-1, H).index_select(0, idx_M) if use_kl else None
     loss, ce_sum, kl_sum, correct_M = _ChunkedLMHeadLoss.apply(
         hidden_BQH.reshape(-1, H).index_select(0, idx_M),
@@ -286,6 +317,7 @@ def dflash_loss(
         float(kl_weight),
         chunk,
         norm,
+        fused,
     )
     correct_BQ = torch.zeros(B * Q, dtype=torch.bool, device=hidden_BQH.device)
     correct_BQ[idx_M] = correct_M

@@ -46,7 +46,6 @@ from dflash.errors import DflashError
 
 GiB = 1024**3
 BF16 = 2  # bytes; autocast dtype of the drafter, frozen embedding/lm_head copies
-LOSS_ROWS_PER_MATMUL = 1024  # dflash.loss.ROWS_PER_MATMUL (this module imports no torch)
 FP32 = 4  # bytes; master weights, grads, AdamW states, loss buffers, norm statistics
 INT32 = 4  # bytes; flex attention block-mask indices
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
@@ -111,26 +110,27 @@ class Calibration:
     target_mask_bytes: float = 4.0
     target_activation_scale: float = 0.7871  # fitted to tests/data/memory_calibration.json (7 target points)
 
-    # Drafter, saved for backward per query token per layer, in bf16 units (2 bytes; the
-    # RMSNorms save their fp32 input copy and fp32 normalised value, 2 x 4 bytes = 4 units):
-    drafter_act_h: float = 10.0  # input and post-attention RMSNorm: 2 x (4 fp32 units + bf16 output)
-    drafter_act_q: float = 6.0  # q_norm fp32 pair (4), q after RoPE (1), attention output (1)
-    drafter_act_i: float = 4.0  # gate, act(gate), up, act(gate)*up (down_proj input)
+    # Drafter on CUDA (train.compile: the layer pieces compiled, dflash/model.py), saved for backward per
+    # query token per layer, in bf16 units (2 bytes); counted with saved-tensor hooks on the compiled layer:
+    drafter_act_h: float = 4.0  # layer input, input-norm output, post-attention residual, post-norm output
+    drafter_act_q: float = 3.0  # q before q_norm, q after RoPE, attention output
+    drafter_act_i: float = 3.0  # gate, up, act(gate)*up (down_proj input)
     # ... per key/value token (context + block) per layer, in bf16 units:
-    drafter_act_kv: float = 6.0  # k_norm fp32 pair (4), k after RoPE (1), v (1)
+    drafter_act_kv: float = 3.0  # k before k_norm, k after RoPE, v
+    # The same counts for eager layers (train.compile = false): the RMSNorms save fp32 copies.
+    eager_act_h: float = 10.0  # input and post-attention RMSNorm: 2 x (4 fp32 units + bf16 output)
+    eager_act_q: float = 6.0  # q_norm fp32 pair (4), q after RoPE (1), attention output (1)
+    eager_act_i: float = 4.0  # gate, act(gate), up, act(gate)*up
+    eager_act_kv: float = 6.0  # k_norm fp32 pair (4), k after RoPE (1), v (1)
     # Gradients of one layer's activations live at once during backward (in layers).
     backward_transient_layers: float = 0.5  # 2026-11-30 refit: with the in-place loss the backward transient sets the peak
     drafter_activation_scale: float = 0.9505  # fitted to tests/data/memory_calibration.json (6 drafter configurations)
 
-    # Loss chunk (dflash/loss.py _chunk_loss), per [chunk, vocab] element at its peak: the logits
-    # are written into one fp32 buffer slice by slice and log-softmax, softmax and the gradient are
-    # formed in place in it (CE: 1 fp32 buffer) ...
-    loss_fp32_buffers: float = 1.0
-    # ... with kl_weight > 0 the target's log-probs / probs are a second fp32 buffer ...
-    kl_fp32_buffers: float = 1.0
-    # ... plus temporaries over ROWS_PER_MATMUL rows at a time: the bf16 matmul slice and an fp32
-    # exp, never alive together (KL: its two fp32 slices come after the bf16 one), in fp32 units per [rows, vocab].
-    loss_slice_fp32_buffers: float = 1.0
+    # Loss chunk on CUDA (dflash/loss_kernel.py), per [chunk, vocab] element: the lm_head writes the
+    # chunk's logits as one bf16 buffer and the fused kernel overwrites them with their gradient ...
+    loss_bf16_buffers: float = 1.0
+    # ... with kl_weight > 0 the target's logits are a second bf16 buffer.
+    kl_bf16_buffers: float = 1.0
 
     def context_bytes(self, cuda: str) -> int:
         major = cuda_major(cuda)
@@ -494,7 +494,7 @@ def _step_only_parts(cfg: RunConfig, shape: TargetShape, step_activation_bytes: 
     ]
 
 
-def drafter_layer_bytes(shape: TargetShape, w: Workload, cal: Calibration, recompute: str = "off") -> int:
+def drafter_layer_bytes(shape: TargetShape, w: Workload, cal: Calibration, recompute: str = "off", compiled: bool = True) -> int:
     """Activations one drafter layer saves for backward over the whole batch.
 
     recompute "mlp" keeps the MLP's input instead of its post-attention norm and intermediate
@@ -502,12 +502,13 @@ def drafter_layer_bytes(shape: TargetShape, w: Workload, cal: Calibration, recom
     """
     if recompute == "layer":
         return int(w.queries * BF16 * shape.hidden)
-    act_h, act_i = cal.drafter_act_h, cal.drafter_act_i
+    act_h, act_q, act_i, act_kv = ((cal.drafter_act_h, cal.drafter_act_q, cal.drafter_act_i, cal.drafter_act_kv) if compiled
+                                   else (cal.eager_act_h, cal.eager_act_q, cal.eager_act_i, cal.eager_act_kv))
     if recompute == "mlp":
         act_h, act_i = act_h / 2 + 1, 0.0  # the input norm's half of act_h, plus the checkpointed input
-    per_q = BF16 * (act_h * shape.hidden + cal.drafter_act_q * shape.q_width + act_i * shape.intermediate)
+    per_q = BF16 * (act_h * shape.hidden + act_q * shape.q_width + act_i * shape.intermediate)
     per_q += FP32 * (shape.heads + shape.heads + 2)  # attention logsumexp, q-norm and 2 layer-norm statistics
-    per_kv = BF16 * cal.drafter_act_kv * shape.kv_width + FP32 * shape.kv_heads  # + k-norm statistics
+    per_kv = BF16 * act_kv * shape.kv_width + FP32 * shape.kv_heads  # + k-norm statistics
     return int(w.queries * per_q + w.kv_tokens * per_kv)
 
 
@@ -538,8 +539,9 @@ def _drafter_step_parts(cfg: RunConfig, shape: TargetShape, w: Workload, cal: Ca
     shape = drafter_shape(cfg, shape)  # the drafter's layer sizes; hidden and vocab stay the target's
     n = cfg.drafter.num_layers
     mode = recompute_mode(cfg)
-    layer = drafter_layer_bytes(shape, w, cal, mode)
-    full_layer = drafter_layer_bytes(shape, w, cal)  # what backward rebuilds of one recomputed layer
+    compiled = cfg.train.compile
+    layer = drafter_layer_bytes(shape, w, cal, mode, compiled)
+    full_layer = drafter_layer_bytes(shape, w, cal, compiled=compiled)  # what backward rebuilds of one recomputed layer
     h, v, d = shape.hidden, shape.vocab, shape.head_dim
     q_blocks = math.ceil(w.queries_per_seq / FLEX_BLOCK)
     kv_blocks = math.ceil((w.seq_len + w.queries_per_seq) / FLEX_BLOCK)
@@ -553,13 +555,11 @@ def _drafter_step_parts(cfg: RunConfig, shape: TargetShape, w: Workload, cal: Ca
     # forward pass and kept for backward; with soft labels the target's last hidden state is
     # gathered per query [Q, H] and then selected [M, H].
     loss_inputs = 2 * BF16 * m * h + (BF16 * (w.queries + m) * h if kl else 0)
-    per_elem = FP32 * (cal.loss_fp32_buffers + (cal.kl_fp32_buffers if kl else 0.0))
-    rows = min(w.loss_chunk, LOSS_ROWS_PER_MATMUL)
-    chunk = int(w.loss_chunk * v * per_elem + rows * v * FP32 * cal.loss_slice_fp32_buffers)
+    chunk = int(w.loss_chunk * v * BF16 * (cal.loss_bf16_buffers + (cal.kl_bf16_buffers if kl else 0.0)))
     rope = BF16 * 2 * d * (2 * w.queries + 2 * w.tokens)  # cos+sin for queries, context, and [context; queries]
     backward = int(cal.backward_transient_layers * full_layer) + attn_ws
     if mode != "off":  # the recomputed layer's (or MLP's) activations live while its gradient is formed
-        backward += full_layer - drafter_layer_bytes(shape, w, cal, "mlp" if mode == "mlp" else "layer")
+        backward += full_layer - drafter_layer_bytes(shape, w, cal, "mlp" if mode == "mlp" else "layer", compiled)
     return [
         Part("context projection (fc out, hidden norm fp32 pair + bf16 out)", (2 * FP32 + BF16) * w.tokens * h + FP32 * w.tokens,
              "activation"),

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import threading
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -266,9 +267,10 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
+        dtype = torch.promote_types(x.dtype, torch.float32)  # float32 math at least (bf16 upcast, float64 kept)
+        x32 = x.to(dtype)
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (self.weight.float() * x32).to(x.dtype)
+        return (self.weight.to(dtype) * x32).to(x.dtype)
 
 
 def rope_cos_sin(pos_BL: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
@@ -298,16 +300,40 @@ class DrafterAttention(nn.Module):
         self.q_norm = RMSNorm(D, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(D, cfg.rms_norm_eps)
 
-    def forward(self, x_BQH, ctx_BSH, rope_q, rope_kv, attn: TrainMask):
+    def forward(self, x_BQH, ctx_BSH, rope_q, rope_ctx, attn: TrainMask):
         B, Q, _ = x_BQH.shape
-        L = ctx_BSH.shape[1] + Q
-        q_BQhD = self.q_norm(self.q_proj(x_BQH).view(B, Q, self.n_heads, self.head_dim))
-        k_BLkD = torch.cat([self.k_proj(ctx_BSH), self.k_proj(x_BQH)], dim=1).view(B, L, self.n_kv, self.head_dim)
-        v_BLkD = torch.cat([self.v_proj(ctx_BSH), self.v_proj(x_BQH)], dim=1).view(B, L, self.n_kv, self.head_dim)
-        q_BQhD = apply_rope(q_BQhD, *rope_q)
-        k_BLkD = apply_rope(self.k_norm(k_BLkD), *rope_kv)
-        out_BhQD = attend(q_BQhD.transpose(1, 2), k_BLkD.transpose(1, 2), v_BLkD.transpose(1, 2), attn)
+        return self.output(attend(*self.heads(self.project(x_BQH.flatten(0, 1), ctx_BSH.flatten(0, 1),
+                                                           *_rows(rope_q), *_rows(rope_ctx)), B), attn))
+
+    def project(self, x_NH, ctx_MH, cos_q, sin_q, cos_c, sin_c):
+        """Row-wise part of attention over flattened rows (N block tokens, M context tokens): projected,
+        q/k-normed, rotated q [N, h, D], k and v [M, kv, D] (context) and [N, kv, D] (block)."""
+        h, kv, D = self.n_heads, self.n_kv, self.head_dim
+        q_NhD = apply_rope(self.q_norm(self.q_proj(x_NH).unflatten(-1, (h, D))), cos_q, sin_q)
+        k_MkD = apply_rope(self.k_norm(self.k_proj(ctx_MH).unflatten(-1, (kv, D))), cos_c, sin_c)
+        k_NkD = apply_rope(self.k_norm(self.k_proj(x_NH).unflatten(-1, (kv, D))), cos_q, sin_q)
+        return q_NhD, k_MkD, k_NkD, self.v_proj(ctx_MH).unflatten(-1, (kv, D)), self.v_proj(x_NH).unflatten(-1, (kv, D))
+
+    @staticmethod
+    def heads(rows, B: int):
+        """(q [B, h, Q, D], k and v [B, kv, S+Q, D]) from `project`'s rows: keys and values are [context ; block]."""
+        q_NhD, k_MkD, k_NkD, v_MkD, v_NkD = rows
+
+        def per_row(t):
+            return t.unflatten(0, (B, -1))
+
+        k_BLkD = torch.cat([per_row(k_MkD), per_row(k_NkD)], dim=1)
+        v_BLkD = torch.cat([per_row(v_MkD), per_row(v_NkD)], dim=1)
+        return per_row(q_NhD).transpose(1, 2), k_BLkD.transpose(1, 2), v_BLkD.transpose(1, 2)
+
+    def output(self, out_BhQD):
+        B, _, Q, _ = out_BhQD.shape
         return self.o_proj(out_BhQD.transpose(1, 2).reshape(B, Q, self.n_heads * self.head_dim))
+
+
+def _rows(rope):
+    """RoPE (cos, sin) [B, L, 1, D] as [B*L, 1, D], matching flattened rows."""
+    return tuple(t.flatten(0, 1) for t in rope)
 
 
 class DrafterMLP(nn.Module):
@@ -329,14 +355,51 @@ class DrafterLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = DrafterMLP(cfg)
 
-    def forward(self, x_BQH, ctx_BSH, rope_q, rope_kv, attn, recompute_mlp: bool = False):
-        x_BQH = x_BQH + self.self_attn(self.input_layernorm(x_BQH), ctx_BSH, rope_q, rope_kv, attn)
-        if recompute_mlp:  # keep only the MLP's input; its [Q, intermediate] activations are recomputed in backward
-            return x_BQH + checkpoint(self._norm_mlp, x_BQH, use_reentrant=False)
-        return x_BQH + self._norm_mlp(x_BQH)
+    compiled = False  # run the attention inputs and the MLP block through torch.compile (DFlashDrafter.set_compile)
 
-    def _norm_mlp(self, x_BQH):
-        return self.mlp(self.post_attention_layernorm(x_BQH))
+    def forward(self, x_BQH, ctx_BSH, rope_q, rope_ctx, attn, recompute_mlp: bool = False):
+        B, Q, H = x_BQH.shape
+        project, norm_mlp = (_compiled(_project), _compiled(_norm_mlp)) if self.compiled else (_project, _norm_mlp)
+        # The compiled pieces see flattened rows: one dynamic size per tensor, whatever the batch's shape.
+        inputs = (x_BQH.flatten(0, 1), ctx_BSH.flatten(0, 1), *_rows(rope_q), *_rows(rope_ctx))
+        rows = project(self, *_dynamic_rows(self.compiled, inputs))
+        x_BQH = x_BQH + self.self_attn.output(attend(*self.self_attn.heads(rows, B), attn))
+        (x_NH,) = _dynamic_rows(self.compiled, (x_BQH.flatten(0, 1),))
+        if recompute_mlp:  # keep only the MLP's input; its [Q, intermediate] activations are recomputed in backward
+            return x_BQH + checkpoint(norm_mlp, self, x_NH, use_reentrant=False).view(B, Q, H)
+        return x_BQH + norm_mlp(self, x_NH).view(B, Q, H)
+
+
+# The two pieces of a layer that torch.compile fuses (RMSNorms, RoPE, SiLU * up, dtype casts around the
+# matmuls); flex attention is compiled on its own (dflash.attention). Module-level functions taking the
+# layer as an argument: dynamo treats its parameters as inputs, so one graph serves every layer.
+def _project(layer: DrafterLayer, x_NH, ctx_MH, cos_q, sin_q, cos_c, sin_c):
+    return layer.self_attn.project(layer.input_layernorm(x_NH), ctx_MH, cos_q, sin_q, cos_c, sin_c)
+
+
+def _norm_mlp(layer: DrafterLayer, x_NH):
+    return layer.mlp(layer.post_attention_layernorm(x_NH))
+
+
+def _dynamic_rows(compiled: bool, tensors: tuple) -> tuple:
+    """Row counts vary with every batch: compile for any (one graph per piece from the first step)."""
+    if compiled:
+        for t in tensors:
+            torch._dynamo.maybe_mark_dynamic(t, 0)
+    return tensors
+
+
+COMPILE_BACKEND = "inductor"  # tests swap in a recording backend
+_compiled_fns: dict = {}
+_compiled_lock = threading.Lock()
+
+
+def _compiled(fn):
+    """fn under torch.compile, built once per process (compilation itself happens at the first call)."""
+    with _compiled_lock:
+        if fn not in _compiled_fns:
+            _compiled_fns[fn] = torch.compile(fn, backend=COMPILE_BACKEND)
+        return _compiled_fns[fn]
 
 
 RECOMPUTE_MODES = ("off", "mlp", "layer")  # activation recompute per drafter layer: none, the MLP, the whole layer
@@ -358,6 +421,11 @@ class DFlashDrafter(nn.Module):
         self.norm = RMSNorm(H, cfg.rms_norm_eps)
         self.recompute = "off"  # a training setting (train.recompute), not part of the saved model
         self.apply(self._init_weights)
+
+    def set_compile(self, on: bool) -> None:
+        """Compile each layer's attention inputs and MLP block (one graph for all layers; CUDA training)."""
+        for layer in self.layers:
+            layer.compiled = on
 
     def set_recompute(self, mode: str) -> None:
         """off: keep every activation; mlp: recompute each layer's MLP in backward; layer: each whole layer."""
@@ -401,14 +469,13 @@ class DFlashDrafter(nn.Module):
         rope_dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else x_BQH.dtype
         rope_q = rope_cos_sin(query_pos_BQ, cfg.head_dim, cfg.rope_theta, rope_dtype)
         rope_ctx = rope_cos_sin(context_pos_BS, cfg.head_dim, cfg.rope_theta, rope_dtype)
-        rope_kv = tuple(torch.cat([c, q], dim=1) for c, q in zip(rope_ctx, rope_q))
         mode = self.recompute if torch.is_grad_enabled() else "off"
         for layer, kind in zip(self.layers, cfg.layer_types):
             attn = masks[kind]
             if mode == "layer":
-                x_BQH = checkpoint(layer, x_BQH, ctx_BSH, rope_q, rope_kv, attn, use_reentrant=False)
+                x_BQH = checkpoint(layer, x_BQH, ctx_BSH, rope_q, rope_ctx, attn, use_reentrant=False)
             else:
-                x_BQH = layer(x_BQH, ctx_BSH, rope_q, rope_kv, attn, recompute_mlp=mode == "mlp")
+                x_BQH = layer(x_BQH, ctx_BSH, rope_q, rope_ctx, attn, recompute_mlp=mode == "mlp")
         return self.norm(x_BQH)
 
     def save_pretrained(self, out_dir: str | Path, dtype: torch.dtype | None = None,

@@ -117,6 +117,7 @@ class Trainer:
         self.drafter = DFlashDrafter(dcfg).to(self.device, torch.float32)
         self.recompute, self.recompute_why = self._choose_recompute()
         self.drafter.set_recompute(self.recompute)
+        self.drafter.set_compile(cfg.train.compile and self.device.type == "cuda")
         self.embed_w, self.head_w = source.frozen_weights()
         self.optimizer = build_optimizer(self.drafter, cfg, self.device)
         self.step = 0

@@ -370,3 +370,35 @@ def test_a_refused_fresh_start_moves_nothing(tmp_path):
     after = sorted(str(p.relative_to(out)) for p in out.rglob("*"))
     assert [p for p in after if p not in before] == ["preflight.json"] or after == before
     assert not list(out.glob("replaced-*")) and len(ckpt.list_checkpoints(out)) == 2
+
+
+def test_compilation_happens_in_the_main_thread_only(tmp_path, monkeypatch):
+    """The read-ahead thread only reads and collates: every torch.compile graph is built by the main thread
+    (the incident lost a run to an FX race when compilation ran in a reader thread). Recompiles over the
+    run's length buckets are counted in metrics.jsonl."""
+    import threading
+
+    import dflash.model as model_mod
+
+    threads = []
+
+    def recording_backend(gm, example_inputs):
+        threads.append(threading.current_thread().name)
+        from torch._dynamo.backends.debugging import aot_eager
+
+        return aot_eager(gm, example_inputs)
+
+    monkeypatch.setattr(model_mod, "COMPILE_BACKEND", recording_backend)
+    monkeypatch.setattr(model_mod, "_compiled_fns", {})
+    set_compile = model_mod.DFlashDrafter.set_compile
+    monkeypatch.setattr(model_mod.DFlashDrafter, "set_compile", lambda self, on: set_compile(self, True))  # CUDA-only
+    from dflash.train import compiled_graphs
+
+    cfg, _ = tiny_config(tmp_path, max_steps=8)
+    before = compiled_graphs()  # a process-wide counter
+    assert run(cfg, None, log=lambda *_: None, progress=False) == 0
+    rows = metrics(Path(cfg.output_dir))
+    assert threads and set(threads) == {threading.main_thread().name}, threads
+    built = [r["compiled_graphs"] - before for r in rows]
+    # two compiled pieces over flattened rows, each one graph for every batch shape of the run
+    assert built == [2] * len(rows), built

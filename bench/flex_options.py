@@ -1,0 +1,73 @@
+"""Flex attention tile sizes for the DFlash training mask: forward + backward time per kernel_options set.
+
+The training mask (dflash.attention) at the bench shapes (Qwen3-8B drafter: 32 query heads, 8 kv heads,
+head_dim 128, 3072 context tokens; 512 anchors x block 16 and 1024 x 32), one compiled flex call per
+option set, median of 5 forward+backward passes after 2 warm-up passes (which compile).
+
+    PYTHONPATH=. python3 bench/flex_options.py            # one GPU, ~2 min
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+import torch
+from torch.nn.attention.flex_attention import flex_attention
+
+from dflash.attention import build_train_mask
+
+OPTIONS = {
+    "default": {},
+    "fwd 128x64": {"BLOCK_M": 128, "BLOCK_N": 64},
+    "bwd 64/128/128/64 w8 s3": {"BLOCK_M1": 64, "BLOCK_N1": 128, "BLOCK_M2": 128, "BLOCK_N2": 64, "num_warps": 8,
+                                "num_stages": 3},
+    "bwd 32/128/128/32 w4 s3": {"BLOCK_M1": 32, "BLOCK_N1": 128, "BLOCK_M2": 128, "BLOCK_N2": 32, "num_warps": 4,
+                                "num_stages": 3},
+    "bwd 64/64/64/64 w4 s3": {"BLOCK_M1": 64, "BLOCK_N1": 64, "BLOCK_M2": 64, "BLOCK_N2": 64, "num_warps": 4,
+                              "num_stages": 3},
+    "bwd 64/128/128/64 w8 s2": {"BLOCK_M1": 64, "BLOCK_N1": 128, "BLOCK_M2": 128, "BLOCK_N2": 64, "num_warps": 8,
+                                "num_stages": 2},
+}
+
+
+def main() -> None:
+    torch.manual_seed(0)
+    S, H, KV, D = 3072, 32, 8, 128
+    results = []
+    for A, bs in ((512, 16), (1024, 32)):
+        anchors = torch.sort(torch.randperm(S - 1)[:A]).values[None].cuda()
+        mask = build_train_mask(anchors, torch.ones_like(anchors, dtype=torch.bool), S, bs, "cuda", "flex").mask
+        Q, L = A * bs, S + A * bs
+        q = torch.randn(1, H, Q, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        k = torch.randn(1, KV, L, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        v = torch.randn(1, KV, L, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        g = torch.randn(1, H, Q, D, device="cuda", dtype=torch.bfloat16)
+        for name, opts in OPTIONS.items():
+            torch._dynamo.reset()
+            flex = torch.compile(flex_attention)
+            try:
+                times = []
+                t0 = time.perf_counter()
+                for i in range(7):
+                    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    start.record()
+                    out = flex(q, k, v, block_mask=mask, enable_gqa=True, kernel_options=opts or None)
+                    out.backward(g)
+                    end.record()
+                    end.synchronize()
+                    if i == 1:
+                        compile_s = time.perf_counter() - t0
+                    if i >= 2:
+                        times.append(start.elapsed_time(end))
+                row = {"shape": f"{A}x{bs}", "options": name, "fwd_bwd_ms": sorted(times)[2], "compile_s": round(compile_s, 1)}
+            except Exception as e:  # an option set the kernel refuses: recorded, the rest still run
+                row = {"shape": f"{A}x{bs}", "options": name, "error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"}
+            results.append(row)
+            print(json.dumps(row), flush=True)
+    json.dump(results, sys.stdout if len(sys.argv) < 2 else open(sys.argv[1], "w"), indent=1)
+
+
+if __name__ == "__main__":
+    main()

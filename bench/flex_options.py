@@ -5,11 +5,13 @@ head_dim 128, 3072 context tokens; 512 anchors x block 16 and 1024 x 32), one co
 option set, median of 5 forward+backward passes after 2 warm-up passes (which compile).
 
     PYTHONPATH=. python3 bench/flex_options.py            # one GPU, ~2 min
+    FLEX_LAYOUT=rows FLEX_AUTOCAST=1 FLEX_ONLY=default PYTHONPATH=. python3 bench/flex_options.py   # as in the trainer
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 
@@ -32,6 +34,11 @@ OPTIONS = {
 }
 
 
+LAYOUT = os.environ.get("FLEX_LAYOUT", "heads")  # heads: contiguous [B, heads, L, D]; rows: the trainer's views
+AUTOCAST = os.environ.get("FLEX_AUTOCAST") == "1"  # call under bf16 autocast, as the trainer does
+ONLY = [x for x in os.environ.get("FLEX_ONLY", "").split(",") if x]
+
+
 def main() -> None:
     torch.manual_seed(0)
     S, H, KV, D = 3072, 32, 8, 128
@@ -44,7 +51,12 @@ def main() -> None:
         k = torch.randn(1, KV, L, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
         v = torch.randn(1, KV, L, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
         g = torch.randn(1, H, Q, D, device="cuda", dtype=torch.bfloat16)
+        if LAYOUT == "rows":  # as the trainer passes them: [B, L, heads, D] rows viewed as [B, heads, L, D]
+            q, k, v = (t.detach().transpose(1, 2).contiguous().transpose(1, 2).requires_grad_(True) for t in (q, k, v))
+            g = g.transpose(1, 2).contiguous().transpose(1, 2)
         for name, opts in OPTIONS.items():
+            if ONLY and name not in ONLY:
+                continue
             torch._dynamo.reset()
             flex = torch.compile(flex_attention)
             try:
@@ -53,7 +65,8 @@ def main() -> None:
                 for i in range(7):
                     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                     start.record()
-                    out = flex(q, k, v, block_mask=mask, enable_gqa=True, kernel_options=opts or None)
+                    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=AUTOCAST):
+                        out = flex(q, k, v, block_mask=mask, enable_gqa=True, kernel_options=opts or None)
                     out.backward(g)
                     end.record()
                     end.synchronize()
@@ -61,7 +74,8 @@ def main() -> None:
                         compile_s = time.perf_counter() - t0
                     if i >= 2:
                         times.append(start.elapsed_time(end))
-                row = {"shape": f"{A}x{bs}", "options": name, "fwd_bwd_ms": sorted(times)[2], "compile_s": round(compile_s, 1)}
+                row = {"shape": f"{A}x{bs}", "layout": LAYOUT, "autocast": AUTOCAST, "options": name,
+                       "fwd_bwd_ms": sorted(times)[2], "compile_s": round(compile_s, 1)}
             except Exception as e:  # an option set the kernel refuses: recorded, the rest still run
                 row = {"shape": f"{A}x{bs}", "options": name, "error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"}
             results.append(row)

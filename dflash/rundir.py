@@ -3,6 +3,8 @@
     <output_dir>/
         config.json                 the resolved run config, written when a run starts
         preflight.json              the gate's report for this run
+        snapshot.json, outcome.json what the run started with and how it went (dflash.snapshot; dflash-diff)
+        previous/<time>-<gate>/     an earlier run's snapshot.json and outcome.json, moved aside
         metrics.jsonl               one JSON row per logged step
         drafter/                    the final drafter (HF folder), written when the run finishes
         checkpoints/step_<8 digits>/

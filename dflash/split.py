@@ -179,6 +179,9 @@ def _watch(cfg: RunConfig, roles: list[Rank], procs: list[subprocess.Popen], log
                 log(f"rank {role.rank} ({role.name}, GPU {gpu_of(cfg, role)}) {_describe_exit(code)}; "
                     f"stopping the other {len(procs) - 1} processes", file=sys.stderr)
                 _terminate(procs)
+                from dflash.snapshot import record_crash
+
+                record_crash(cfg.output_dir, role.rank, role.name, gpu_of(cfg, role), _describe_exit(code))
                 latest = ckpt.list_checkpoints(cfg.output_dir)
                 if latest:
                     log(f"last checkpoint: {latest[-1]} (resume with --resume latest)", file=sys.stderr)
@@ -263,7 +266,7 @@ def collective_gate(cfg: RunConfig, me: Rank, local_rank: int, gate: dict) -> Pa
     """The preflight gate under torchrun: rank 0 applies the resume/fresh rule and decides, every rank checks
     its own GPU and environment, all refuse together. Returns the checkpoint to resume from (or None),
     False when the run must not start."""
-    from preflight.gate import run_preflight
+    from preflight.gate import check_run
 
     group = dist.new_group(backend="gloo")
     verdict: list = [None, None]  # [error line, resume path]
@@ -286,8 +289,8 @@ def collective_gate(cfg: RunConfig, me: Rank, local_rank: int, gate: dict) -> Pa
         return False
     intent = "resume" if gate.get("resume") else "fresh" if gate.get("fresh") else None
     own = {str(local_rank): [me.name]} if cfg.device == "cuda" else None
-    report = run_preflight(cfg, cfg.profile, gate.get("waivers", {}), intent, gpu_override=own,
-                           write=False, verify_data=gate.get("verify_data", False))
+    report, facts = check_run(cfg.profile, cfg, gate.get("waivers", {}), intent, gpu_override=own,
+                              verify_data=gate.get("verify_data", False))
     mine = {"rank": me.rank, "role": me.name, "gpu": str(local_rank), "host": socket.gethostname(),
             "failed": [f"{c.id}: {c.summary}" + (f"  fix: {c.fix}" if c.fix else "")
                        for c in report.checks if c.status == "fail"]}
@@ -295,9 +298,11 @@ def collective_gate(cfg: RunConfig, me: Rank, local_rank: int, gate: dict) -> Pa
     dist.all_gather_object(everyone, mine, group=group)
     ok = not any(r["failed"] for r in everyone)
     if me.rank == 0:
-        from preflight.gate import write_report
+        from preflight.gate import write_report, write_snapshot
 
         write_report(cfg, report, ranks=everyone, ok=ok)
+        for line in write_snapshot(cfg, report, facts) if ok else []:  # rank 0's facts: this node, every GPU
+            print(line, file=sys.stderr, flush=True)
         for r in everyone:
             for line in r["failed"]:
                 print(f"preflight: FAIL rank {r['rank']} ({r['role']}, GPU {r['gpu']} on {r['host']}) {line}",

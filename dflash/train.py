@@ -31,6 +31,7 @@ from dflash import rundir
 from dflash.config import RunConfig, dump_config
 from dflash.data import collate, prefetch
 from dflash.model import DFlashDrafter, drafter_config_for_run
+from dflash.snapshot import Outcome
 from dflash.step import (
     FeatureSource,
     RunError,
@@ -264,6 +265,7 @@ class Trainer:
         bar = self._bar(progress)
         last_save = self.step
         metrics_file = (self.out / "metrics.jsonl").open("a") if self.is_logger else None
+        self.outcome = Outcome(self.out, self.step) if self.is_logger else None  # outcome.json, for dflash-diff
         stream = self.step_batches()
         try:
             pending = self._next(stream) if self.step < self.total_steps else None
@@ -278,6 +280,8 @@ class Trainer:
                     self.first_step_s = time.perf_counter() - window["t0"]
                     self.log(f"first step: {self.first_step_s:.1f} s (compilation included); "
                              f"{compiled_graphs()} compiled graph(s)")
+                    if self.outcome:
+                        self.outcome.first_step(self.first_step_s, compiled_graphs())
                 pending = self._next(stream) if self.step < self.total_steps else None  # post receives early
                 window["tokens"] += sum(int(b["lengths"].sum()) for _, b in mine)
                 stopping = self._agree(stop.requested)
@@ -286,6 +290,7 @@ class Trainer:
                     if self.is_logger:
                         metrics_file.write(json.dumps(rec) + "\n")
                         metrics_file.flush()
+                        self.outcome.row(rec)
                         self._print(rec, bar)
                     window = {"t0": time.perf_counter(), "tokens": 0}
                 if bar:
@@ -296,6 +301,11 @@ class Trainer:
                     pending = None
             if self.step != last_save or not ckpt.list_checkpoints(self.out):
                 last_save = self._save_if_logger()
+        except BaseException as e:
+            if self.outcome:
+                how = "interrupted" if isinstance(e, KeyboardInterrupt) else "crashed"
+                self.outcome.end(how, self.step, f"{type(e).__name__}: {' '.join(str(e).split())[:300]}")
+            raise
         finally:
             stream.close()
             stop.restore()
@@ -372,6 +382,7 @@ class Trainer:
         path = latest[-1] if latest else None
         if stopping:  # the marker tells a scheduler this run is unfinished (dflash-train exits EXIT_STOPPED)
             rundir.write_stopped(self.out, stop.signame or "a peer signal", self.step, path)
+            self.outcome.end("stopped", self.step, f"by {stop.signame or 'a peer signal'}, checkpoint {path.name if path else None}")
             self.log(f"stopped by {stop.signame or 'a peer signal'} at step {self.step}; checkpoint {path}")
             self.log(f"resume with: dflash-train --config <this config> --resume latest  (output_dir {self.out})")
             return 0
@@ -379,6 +390,7 @@ class Trainer:
         self.drafter.save_pretrained(self.out / "drafter", dtype=torch.bfloat16,
                                      target_dir=target_folder(self.cfg.target.path, self.log))
         rundir.clear_stopped(self.out)
+        self.outcome.end("finished", self.step)
         self.log(f"done: {self.step} steps; checkpoint {path}; drafter saved to {self.out / 'drafter'}; "
                  f"{compiled_graphs()} compiled graph(s) in this process")
         if hasattr(self.source, "summary"):

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from importlib import metadata
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from packaging.utils import canonicalize_name
 
@@ -108,6 +108,7 @@ class RecordCheck:
     modified: list[str] = field(default_factory=list)  # content differs from RECORD
     missing: list[str] = field(default_factory=list)  # listed in RECORD, gone from disk
     error: str | None = None  # why nothing could be verified (no RECORD, no hashes in it)
+    record_sha256: str | None = None  # of the RECORD file itself: one digest of the whole installed build
 
 
 @dataclass
@@ -127,6 +128,7 @@ class ModelSource:
     absent: list[str] = field(default_factory=list)  # not present (and not tracked): nothing to verify yet
     verified: list[str] = field(default_factory=list)
     error: str | None = None
+    sha256: dict[str, str] = field(default_factory=dict)  # modified file -> sha256 of its content now ("" when gone)
 
 
 @dataclass
@@ -177,6 +179,7 @@ class Shard:
     error: str | None = None
     values: ValueStats | None = None  # token id / loss_mask ranges, learnable positions (None: not read)
     sha256: str | None = None  # of the file, read only with --verify-data
+    lengths: Any = None  # every sample's token count (numpy int64), for the run snapshot's length percentiles
 
 
 @dataclass
@@ -351,6 +354,7 @@ def _record_entries(name: str) -> tuple[RecordCheck, list[_RecordEntry]]:
     if text is None:
         check.error = "no RECORD: installed by a tool that keeps none, nothing to verify against"
         return check, []
+    check.record_sha256 = hashlib.sha256(text.encode()).hexdigest()
     base = str(dist.locate_file(""))
     out = []
     for row in csv.reader(text.splitlines()):
@@ -568,7 +572,16 @@ def model_source_git(root: Path, pathspec: str = MODEL_SOURCE_PATHSPEC) -> Model
     files = sorted(tracked | {p for p, st in states.items() if st == "untracked"})
     verified = [f for f in files if f in tracked and f not in states]
     return ModelSource(mode="git", commit=head, files=files, modified=modified, states=states, diff_stat=stat,
-                       verified=verified)
+                       verified=verified, sha256={m: _file_sha256(root / m) for m in modified})
+
+
+def _file_sha256(path: Path) -> str:
+    """sha256 of a file's content, "" when it is gone or unreadable (a deleted file of the package)."""
+    try:
+        with open(path, "rb") as f:
+            return hashlib.file_digest(f, "sha256").hexdigest()
+    except OSError:
+        return ""
 
 
 def _matches_record(path: Path, entry) -> bool | None:
@@ -599,6 +612,7 @@ def model_source_record(package: str = MODEL_SOURCE_PACKAGE, dist_name: str = PR
         ok = _matches_record(Path(dist.locate_file(entry)), entry)
         (src.verified if ok else src.modified).append(rel)  # unreadable or gone counts as modified
     src.states = {m: "differs from RECORD" for m in src.modified}
+    src.sha256 = {m: _file_sha256(Path(dist.locate_file(m))) for m in src.modified}
     return src
 
 
@@ -725,6 +739,7 @@ def scan_shard(path: Path, limit: int, first_row: int, keep: int = 3) -> Shard:
         return shard
     shard.rows = int(ids.size)
     shard.tokens = int(ids.sum())
+    shard.lengths = ids
     if ids.size:
         shard.max_row = int(ids.argmax())
         shard.max_len = int(ids[shard.max_row])

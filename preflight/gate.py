@@ -1,7 +1,8 @@
 """The public face of preflight: the gate every entry point calls, and what the trainer may ask of a profile.
 
     from preflight.gate import run_gate
-    result = run_gate(cfg, {"env-drift": "vendor image"}, "resume")   # writes <output_dir>/preflight.json
+    result = run_gate(cfg, {"env-drift": "vendor image"}, "resume")   # writes <output_dir>/preflight.json,
+                                                                       # and snapshot.json once it passed
     for line in result.notes: print(line, file=sys.stderr)
     print(result.verdict); refuse to start unless result.ok
 
@@ -26,7 +27,7 @@ from dflash.config import RunConfig, config_sha256
 from dflash.errors import UsageError
 from dflash.rundir import PREFLIGHT_NAME
 from preflight.checks import CHECK_IDS, run_checks
-from preflight.facts import gather, git_commit
+from preflight.facts import Context, gather, git_commit
 from preflight.nvml import GpuInfo, NvmlGpuInfo
 from preflight.profiles import REPO_ROOT, ProfileError, load_profile, lock_path
 from preflight.report import Report, apply_waivers
@@ -118,6 +119,20 @@ def build_report(
     gpu_override {cuda index: [role]} replaces the config's GPU lists (a torchrun rank checks its own GPU).
     verify_data: also hash every shard and the checkpoint a resume loads against their recorded sha256.
     """
+    return check_run(profile_name, cfg, waivers, resume_intent, gpu_info, config_path, gpu_override, verify_data)[0]
+
+
+def check_run(
+    profile_name: str,
+    cfg: RunConfig | None,
+    waivers: Mapping[str, str] | None = None,
+    resume_intent: str | None = None,
+    gpu_info: GpuInfo | None = None,
+    config_path: str | None = None,
+    gpu_override: dict[str, list[str]] | None = None,
+    verify_data: bool = False,
+) -> tuple[Report, Context]:
+    """`build_report`, with the facts it judged (the gate keeps them for the run's snapshot)."""
     if resume_intent not in (None, "resume", "fresh"):
         raise ValueError(f"resume intent must be 'resume', 'fresh' or None, got {resume_intent!r}")
     waivers = validate_waivers(waivers or {})
@@ -128,7 +143,7 @@ def build_report(
     ctx.own_gpus = gpu_override
     checks = apply_waivers(run_checks(ctx), waivers)
     host = dict(ctx.host, preflight_seconds=round(time.perf_counter() - t0, 3))
-    return Report.build(profile_name, checks, host)
+    return Report.build(profile_name, checks, host), ctx
 
 
 def run_preflight(
@@ -167,6 +182,22 @@ def write_report(cfg: RunConfig, report: Report, ranks: list[dict] | None = None
     return report
 
 
+def write_snapshot(cfg: RunConfig, report: Report, facts: Context) -> list[str]:
+    """``<output_dir>/snapshot.json`` of a run the gate let start (after `write_report` stamped it): what
+    `dflash-diff` compares. Returns a note when it could not be written; a run never stops for its snapshot."""
+    from dflash.snapshot import SNAPSHOT_NAME
+    from dflash.snapshot import write_snapshot as write
+    from preflight.snapshot import stamp, take
+
+    try:
+        write(cfg.output_dir, stamp(take(facts, report), report.run or {}))
+    except OSError as e:
+        return [f"preflight: snapshot not written to {Path(cfg.output_dir) / SNAPSHOT_NAME} ({e.strerror or e})"]
+    except Exception as e:  # a fact this version cannot describe must not keep a passing run from starting
+        return [f"preflight: snapshot not written ({type(e).__name__}: {' '.join(str(e).split())[:160]})"]
+    return []
+
+
 @dataclass
 class GateResult:
     """The gate's decision for one run, with the lines an entry point prints."""
@@ -190,14 +221,15 @@ def run_gate(
     A run dir that cannot take the report (read-only, full) is the run-dir / disk checks' finding; the
     report is then not written and a note says so.
     """
-    report = run_preflight(cfg, cfg.profile, waivers, resume_intent, gpu_info, config_path, write=False,
-                           verify_data=verify_data)
+    report, facts = check_run(cfg.profile, cfg, waivers, resume_intent, gpu_info, config_path, verify_data=verify_data)
     notes = []
     try:
         write_report(cfg, report)
     except OSError as e:
         notes.append(f"preflight: report not written to {Path(cfg.output_dir) / REPORT_NAME} ({e.strerror or e})")
     failed, waived = report.with_status("fail"), report.with_status("waived")
+    if not failed and report.run is not None:
+        notes += write_snapshot(cfg, report, facts)
     notes += [f"preflight: waived {c.id}: {c.summary}" for c in waived]
     notes += [f"preflight: FAIL {c.id}: {c.summary}" + (f"  fix: {c.fix}" if c.fix else "") for c in failed]
     if failed:

@@ -75,8 +75,15 @@ def world(tmp_path_factory):
         "prompts-bad.jsonl": b'{"prompt": "hi"}\n{not json\n',
         "nvml-garbage.json": b"\x00\x01 not json",
         "gpu-config.toml": with_line(raw, "", 'device = "cuda"').encode(),
+        "snap-garbage/snapshot.json": b"\x00\x01 not json",
+        "snap-foreign/snapshot.json": b'{"format": "other-tool/3"}',
+        "snap-list/snapshot.json": b"[1, 2]",
+        "snap-truncated/snapshot.json": b'{"format": "dflash-snapshot/1", "run": {}}',
+        "snap-old-config/snapshot.json": json.dumps({"format": "dflash-snapshot/1", "run": {}, "environment": {},
+                                                     "config": {"train": {"learning_rate": 1}}}).encode(),
     }
     for name, content in files.items():
+        (bad / name).parent.mkdir(exist_ok=True)
         (bad / name).write_bytes(content)
     # drafters: a good one's config.json with broken weights, and the reverse
     drafter = root / "run" / "drafter"
@@ -144,6 +151,8 @@ def _main(prog: str):
         from preflight.estimate_cli import main
     elif prog == "dflash-lock":
         from preflight.lock_cli import main
+    elif prog == "dflash-diff":
+        from preflight.diff_cli import main
     else:
         from dflash.split import main
     return main
@@ -277,6 +286,20 @@ CASES = [
     ("dflash-lock", ["check", "--envs-dir", f"{R}/nosuch"], "does not exist", 2, None),
     ("dflash-lock", ["check", "--envs-dir", G], "is a file", 2, None),
     ("dflash-lock", ["write", "extra"], "unexpected extra argument", 2, None),
+    # ---- dflash-diff (the world's run dir was made without the gate: it has no snapshot.json)
+    ("dflash-diff", [], "Missing argument 'A'", 2, None),
+    ("dflash-diff", [f"{R}/run"], "run holds no earlier run (previous/); give two run dirs", 2, None),
+    ("dflash-diff", ["--here", f"{R}/run", f"{R}/run"], "give one run dir with --here", 2, None),
+    ("dflash-diff", [f"{R}/nosuch", f"{R}/run"], "nosuch: no such run dir", 2, None),
+    ("dflash-diff", [f"{R}/run", f"{R}/run"], "run: no snapshot.json", 2, None),
+    ("dflash-diff", ["--here", f"{R}/run"], "run: no snapshot.json", 2, None),
+    ("dflash-diff", [f"{B}/snap-garbage", f"{R}/run"], "snapshot.json: not a readable snapshot", 2, None),
+    ("dflash-diff", [G, G], "run.toml: not a readable snapshot", 2, None),
+    ("dflash-diff", [f"{B}/snap-foreign", f"{R}/run"], "not a dflash-snapshot/1 snapshot (format 'other-tool/3')", 2, None),
+    ("dflash-diff", [f"{B}/snap-list", f"{R}/run"], "(format 'list')", 2, None),
+    ("dflash-diff", [f"{B}/snap-truncated", f"{R}/run"], "without its 'environment' section", 2, None),
+    ("dflash-diff", ["--here", f"{B}/snap-old-config"], "its config does not validate in this version", 2, None),
+    ("dflash-diff", [f"{R}/run", "--bogus"], "No such option '--bogus'", 2, None),
     # ---- python -m dflash.split (a rank under torchrun)
     ("dflash.split", ["--config", G], "run under torchrun", 2, None),
     ("dflash.split", [], "give --config RUN.toml", 2, TORCHRUN),
@@ -327,6 +350,7 @@ def test_there_are_enough_cases_for_every_command():
      "not a complete safetensors file"),
     (["-m", "preflight.estimate_cli", "--config", "{root}/run.toml", "--gpu-memory", "99999999999999999999999999TiB"],
      "far above any GPU"),
+    (["-m", "preflight.diff_cli", "--here", "{root}/bad/snap-old-config"], "does not validate in this version"),
 ])
 def test_usage_errors_are_decided_before_torch_is_imported(world, cmd, says):
     """In a fresh interpreter: the error line comes out and torch was never imported (seconds, not minutes)."""

@@ -17,9 +17,11 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 PACKAGES = ("dflash", "preflight")
-CLI_MODULES = {"dflash.cli", "preflight.cli", "preflight.estimate_cli", "preflight.lock_cli", "preflight.env_cli"}
+CLI_MODULES = {"dflash.cli", "preflight.cli", "preflight.estimate_cli", "preflight.lock_cli", "preflight.env_cli",
+               "preflight.diff_cli"}
 GATE = "preflight.gate"
-TORCH_FREE = ("dflash.rundir", "dflash.compile_manifest", "dflash.config", "dflash.errors", "dflash.data")
+TORCH_FREE = ("dflash.rundir", "dflash.compile_manifest", "dflash.config", "dflash.errors", "dflash.data", "dflash.snapshot",
+              "preflight.diff")
 
 
 @cache

@@ -253,7 +253,7 @@ def test_reported_limits_fit_and_one_more_does_not(path, gpu):
 
 
 def test_limits_say_when_even_the_minimum_does_not_fit():
-    est = estimate(with_recompute(load_config(CFG_27B), "off"), "12.8", 95 * GiB)
+    est = estimate(with_recompute(load_config(CFG_27B), "off"), "12.8", 80 * GiB)
     lim = {(x.role, x.setting): x for x in est.limits}
     assert lim["drafter", "max_batch_size"].status == "none_fit"
     assert "even max_batch_size = 1 does not fit" in lim["drafter", "max_batch_size"].note
@@ -318,7 +318,7 @@ def test_parse_size_rejects(text):
 def test_cli_27b_prints_both_roles_and_limits():
     exe = Path(sys.executable).parent / "dflash-estimate"
     cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "preflight.estimate_cli"]
-    res = subprocess.run([*cmd, "--config", "configs/qwen3-27b-5t3d.toml", "--gpu-memory", "95GiB",
+    res = subprocess.run([*cmd, "--config", "configs/qwen3-27b-5t3d.toml", "--gpu-memory", "80GiB",
                           "--set", "train.recompute=off"], cwd=REPO, capture_output=True, text=True, timeout=60)
     out = res.stdout
     assert res.returncode == 1, res.stderr  # the drafter does not fit without activation recompute
@@ -441,12 +441,13 @@ def test_run_estimate_takes_list_valued_overrides():
 
 
 def test_recompute_auto_picks_the_fastest_mode_that_fits():
-    """The incident's drafter GPU: too big with every activation kept; auto trades speed for memory only as needed."""
+    """auto trades speed for memory only as needed: the incident's drafter GPU (95 GiB) now fits with every activation kept."""
     cfg = load_config(REPO / "configs/qwen3.6-27b-5t3d.toml")
     need = {m: role_need_bytes(with_recompute(cfg, m), "drafter", "12.8") for m in ("off", "mlp", "layer")}
     assert need["off"] > need["mlp"] > need["layer"]
     assert choose_recompute(cfg, "drafter", "12.8", 139 * GiB)[0] == "off"
-    assert choose_recompute(cfg, "drafter", "12.8", 95 * GiB) == ("mlp", need["mlp"])
+    assert choose_recompute(cfg, "drafter", "12.8", 95 * GiB)[0] == "off"  # compiled layers + fused loss: ~85 GiB
+    assert choose_recompute(cfg, "drafter", "12.8", (need["off"] + need["mlp"]) // 2) == ("mlp", need["mlp"])
     assert choose_recompute(cfg, "drafter", "12.8", (need["layer"] + need["mlp"]) // 2)[0] == "layer"
     est = estimate(cfg, "12.8", 95 * GiB)
-    assert "recompute auto -> mlp" in est.assumption and all(r.fits for r in est.roles)
+    assert "recompute auto -> off" in est.assumption and all(r.fits for r in est.roles)

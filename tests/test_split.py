@@ -105,6 +105,9 @@ def test_killing_a_rank_ends_the_run_with_a_clear_message(tmp_path):
 
     latest = ckpt.list_checkpoints(run_dir)[-1]
     DFlashDrafter.from_pretrained(latest / "drafter")  # still loadable
+    ended = json.loads((run_dir / "outcome.json").read_text())["ended"]  # what dflash-diff shows
+    assert (ended["how"], ended["rank"], ended["role"], ended["detail"]) == ("crashed", target["rank"], "target",
+                                                                             "was killed by SIGKILL"), ended
 
 
 def test_resuming_a_finished_split_run_exits_cleanly(tmp_path):
@@ -136,6 +139,7 @@ def test_sigterm_to_every_process_stops_cleanly_with_a_checkpoint(tmp_path):
 
     last = ckpt.list_checkpoints(run_dir)[-1]
     assert int(last.name.split("_")[1]) == metrics(run_dir)[-1]["step"]
+    assert json.loads((run_dir / "outcome.json").read_text())["ended"]["how"] == "stopped"
 
 
 def torchrun_cmd(config: Path, *extra: str) -> list[str]:
@@ -159,6 +163,7 @@ def test_torchrun_ranks_refuse_together_when_preflight_fails(tmp_path):
     report = json.loads((run_dir / "preflight.json").read_text())
     assert report["ok"] is False and [r["rank"] for r in report["run"]["ranks"]] == [0, 1]
     assert not (run_dir / "metrics.jsonl").exists() and not (run_dir / "checkpoints").exists()
+    assert not (run_dir / "snapshot.json").exists()  # a refused run has no snapshot
 
 
 @pytest.mark.slow
@@ -184,7 +189,12 @@ def test_torchrun_trains_after_the_gate_passes(tmp_path):
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "preflight: ok on all 2 ranks" in out.stdout
     assert [r["step"] for r in metrics(Path(cfg.output_dir))] == [1, 2, 3]
-    assert json.loads((Path(cfg.output_dir) / "preflight.json").read_text())["ok"] is True
+    report = json.loads((Path(cfg.output_dir) / "preflight.json").read_text())
+    assert report["ok"] is True
+    snap = json.loads((Path(cfg.output_dir) / "snapshot.json").read_text())  # rank 0 wrote it, after every rank passed
+    assert snap["run"]["gate_id"] == report["run"]["gate_id"] and snap["run"]["ranks"] == 2
+    outcome = json.loads((Path(cfg.output_dir) / "outcome.json").read_text())
+    assert outcome["gate_id"] == report["run"]["gate_id"] and outcome["ended"]["how"] == "finished"
 
 
 def test_a_worker_started_by_hand_refuses_without_this_runs_gate(tmp_path):

@@ -109,7 +109,7 @@ def test_the_qwen36_drafter_is_sized_by_its_own_fields_not_the_target():
     full = config_from_dict({**cfg.model_dump(), "drafter": {**cfg.drafter.model_dump(), "layer_types": [],
                                                               "sliding_window": None}})
     masks = [part(role_parts(c, shape, "drafter", "12.8"), "flex block mask") for c in (cfg, full)]
-    assert masks[0] == 2 * masks[1] > 0
+    assert masks[1] > 0 and abs(masks[0] - 2 * masks[1]) <= 1  # parts are scaled by a fitted float, then rounded
 
 
 def test_default_target_layers():

@@ -3,6 +3,7 @@
 #   bash bench/device_split.sh            # writes logs and JSON under $OUT (default .cache/out)
 #   STEPS_8B=250 RUN_27B=0 bash bench/device_split.sh   # the 8B run only, 250 steps
 #   STEPS_8B=60 TORCHRUN_STEPS=30 RUN_27B=0 bash bench/device_split.sh   # + the same run under torchrun
+#   RUN_8B=0 CFG_27B=configs/qwen3.6-27b-5t3d.toml bash bench/device_split.sh  # the Qwen3.6-27B hybrid 1+1 run only
 # 1) Qwen3-8B-shaped target on GPU 0 feeding a 5-layer drafter on GPU 1 (block 16, 512 anchors, 1x3072 tokens)
 # 2) the incident's 27B-class run scaled to 1 target + 1 drafter (block 32, 1024 anchors, 49152-token batches)
 set -uo pipefail
@@ -22,6 +23,7 @@ for line in open(sys.argv[1]):
 print(sys.argv[1].rsplit("/", 1)[-1], "NVML peak used MiB per GPU:", dict(peak))
 PY
 }
+if [ "${RUN_8B:-1}" = 1 ]; then
 python3 bench/make_synthetic.py --out .cache/syn-3072 --samples 2048 --length 3072
 python3 -m preflight.cli --profile train-cu128 --config configs/qwen3-8b-1t1d.toml --fresh --json "${W[@]}" \
   > "$OUT/preflight_8b_1t1d.json"; echo "preflight rc=$?"
@@ -43,13 +45,15 @@ if [ "${TORCHRUN_STEPS:-0}" -gt 0 ]; then
   cp runs/qwen3-8b-torchrun/metrics.jsonl "$OUT/metrics_8b_torchrun.jsonl"
   cp runs/qwen3-8b-torchrun/preflight.json "$OUT/preflight_8b_torchrun.json"
 fi
+fi
 [ "${RUN_27B:-1}" = 1 ] || exit 0
+CFG_27B=${CFG_27B:-configs/qwen3-27b-5t3d.toml}
 echo "=== 27B 1+1 $(date +%T)"
 python3 bench/make_synthetic.py --out .cache/syn-2816 --samples 400 --length 2816
-python3 -m preflight.estimate_cli --config configs/qwen3-27b-5t3d.toml --set topology.target_gpus=[\"0\"] \
+python3 -m preflight.estimate_cli --config "$CFG_27B" --set topology.target_gpus=[\"0\"] \
   --set topology.drafter_gpus=[\"1\"] --from-nvml > "$OUT/estimate_27b_1t1d.txt" 2>&1
 watch_start nvml_27b_1t1d.csv
-python3 -m dflash.cli --config configs/qwen3-27b-5t3d.toml --target-gpus 0 --drafter-gpus 1 \
+python3 -m dflash.cli --config "$CFG_27B" --target-gpus 0 --drafter-gpus 1 \
   --set data.path=\".cache/syn-2816\" --set output_dir=\"runs/qwen3-27b-1t1d\" --set train.log_every=5 \
   --fresh --max-steps ${STEPS_27B:-25} --no-progress "${W[@]}" --waive gpu-memory --reason "measuring it" \
   2>&1 | tee "$OUT/train_27b_1t1d.log" | grep -v Warning

@@ -173,17 +173,14 @@ def _target_role(cfg, device, steps, nvml, torch) -> dict:
 
 def _drafter_role(cfg, device, steps, nvml, torch) -> dict:
     """The trainer's own step (dflash.step) on random features of the memory model's worst batch shape."""
-    from transformers import AutoConfig
-
     from dflash.memory import recompute_mode, workload
-    from dflash.model import DFlashDrafter, drafter_config_from_target
+    from dflash.model import DFlashDrafter, drafter_config_for_run
     from dflash.step import build_optimizer, clip_and_step, micro_step, resolve_mask_token_id, set_lr
-    from dflash.target import torch_dtype
+    from dflash.target import target_text_config, torch_dtype
 
     t0 = time.perf_counter()
-    tconf = AutoConfig.from_pretrained(cfg.target.path)
-    dcfg = drafter_config_from_target(tconf, cfg.drafter.num_layers, cfg.drafter.block_size,
-                                      cfg.drafter.target_layer_ids or None, resolve_mask_token_id(cfg, tconf))
+    tconf = target_text_config(cfg.target.path)
+    dcfg = drafter_config_for_run(cfg, tconf, resolve_mask_token_id(cfg, tconf))
     drafter = DFlashDrafter(dcfg).to(device, torch.float32)
     drafter.set_recompute(recompute_mode(cfg))
     drafter.set_compile(cfg.train.compile and device.type == "cuda")  # as the trainer does

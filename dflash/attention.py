@@ -6,6 +6,12 @@ context positions strictly before anchor_j (the anchor's own hidden state would 
 answer) that are not padding, and every slot of its own block (non-causal). Invalid
 (padding) anchors see only their own block: harmless, and they carry zero loss weight.
 
+Sliding-window layers (window w, HF's `sliding_window`): a query at slot o of the block anchored
+at a sits at position a + o and sees context p only if p > a + o - w (it and the w - 1 positions
+before it, as HF and flash-attention windows count), so slot 0 sees up to w - 1 context positions
+and slot o up to w - 1 - o; its own block stays whole (w >= block_size). This is the window a
+served drafter applies when the block is verified at positions a .. a + bs - 1.
+
 Two backends with identical semantics:
   flex: a BlockMask without a per-head dimension, for flex_attention (CUDA, compiled).
   sdpa: a dense boolean [B, 1, Q, S+Q] mask for F.scaled_dot_product_attention (CPU, tests).
@@ -61,9 +67,12 @@ def build_train_mask(
     device: torch.device | str,
     backend: Backend,
     context_valid_BS: torch.Tensor | None = None,
+    window: int | None = None,
 ) -> TrainMask:
-    """The DFlash training mask for queries [A*block_size] over keys [seq_len + A*block_size]."""
+    """The DFlash training mask for queries [A*block_size] over keys [seq_len + A*block_size]; window: sliding layers'."""
     _check_inputs(anchors_BA, valid_BA, seq_len, block_size, backend, context_valid_BS)
+    if window is not None and window < block_size:
+        raise ValueError(f"sliding window ({window}) must be >= block_size ({block_size}): a query sees its whole block")
     device = torch.device(device)
     anchor_BA = _effective_anchors(anchors_BA.to(device), valid_BA.to(device).bool())
     if context_valid_BS is None:
@@ -71,19 +80,61 @@ def build_train_mask(
     context_valid_BS = context_valid_BS.to(device).bool()
     q_len = anchor_BA.shape[1] * block_size
     kv_len = seq_len + q_len
+    if window is not None and seq_len + block_size - 1 <= window:
+        window = None  # no query reaches back past position 0: the sliding mask is the full one
     if backend == "sdpa":
-        mask = _dense_mask(anchor_BA, context_valid_BS, seq_len, block_size)
+        mask = _dense_mask(anchor_BA, context_valid_BS, seq_len, block_size, window)
     else:
-        mask = _block_mask(anchor_BA, context_valid_BS, seq_len, block_size, device)
+        mask = _block_mask(anchor_BA, context_valid_BS, seq_len, block_size, device, window)
     return TrainMask(backend, mask, q_len, kv_len)
 
 
-def _dense_mask(anchor_BA, context_valid_BS, seq_len, block_size) -> torch.Tensor:
+LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+def build_layer_masks(
+    anchors_BA: torch.Tensor,
+    valid_BA: torch.Tensor,
+    seq_len: int,
+    block_size: int,
+    device: torch.device | str,
+    backend: Backend,
+    layer_types: list[str],
+    sliding_window: int | None,
+    context_valid_BS: torch.Tensor | None = None,
+) -> dict[str, TrainMask]:
+    """{layer type: its TrainMask} for the types in layer_types (what DFlashDrafter.forward takes)."""
+    unknown = sorted(set(layer_types) - set(LAYER_TYPES))
+    if unknown:
+        raise ValueError(f"layer types {unknown} unknown; each layer is one of {LAYER_TYPES}")
+    masks = {}
+    for kind in LAYER_TYPES:
+        if kind in layer_types:
+            window = sliding_window if kind == "sliding_attention" else None
+            if kind == "sliding_attention" and window is None:
+                raise ValueError("sliding_attention layers need a sliding_window; set drafter.sliding_window")
+            masks[kind] = build_train_mask(anchors_BA, valid_BA, seq_len, block_size, device, backend,
+                                           context_valid_BS=context_valid_BS, window=window)
+    return masks
+
+
+def _context_lower_bound(anchor_BQ: torch.Tensor, block_size: int, window: int | None) -> torch.Tensor | None:
+    """First context position each query sees in a sliding layer (anchor + slot - window + 1), None without a window."""
+    if window is None:
+        return None
+    slot_Q = torch.arange(anchor_BQ.shape[1], device=anchor_BQ.device) % block_size
+    return anchor_BQ + slot_Q - (window - 1)
+
+
+def _dense_mask(anchor_BA, context_valid_BS, seq_len, block_size, window=None) -> torch.Tensor:
     B, A = anchor_BA.shape
     device = anchor_BA.device
     pos_S = torch.arange(seq_len, device=device)
     anchor_BQ = anchor_BA.repeat_interleave(block_size, dim=1)
     sees_context_BQS = (pos_S[None, None, :] < anchor_BQ[:, :, None]) & context_valid_BS[:, None, :]
+    lo_BQ = _context_lower_bound(anchor_BQ, block_size, window)
+    if lo_BQ is not None:
+        sees_context_BQS &= pos_S[None, None, :] >= lo_BQ[:, :, None]
     block_Q = torch.arange(A * block_size, device=device) // block_size
     own_block_QQ = block_Q[:, None] == block_Q[None, :]
     sees_block_BQQ = own_block_QQ.expand(B, -1, -1)
@@ -93,7 +144,7 @@ def _dense_mask(anchor_BA, context_valid_BS, seq_len, block_size) -> torch.Tenso
 FLEX_TILE = 128  # flex attention's default BLOCK_SIZE: the mask is described per 128 x 128 tile
 
 
-def _block_mask(anchor_BA, context_valid_BS, seq_len, block_size, device) -> BlockMask:
+def _block_mask(anchor_BA, context_valid_BS, seq_len, block_size, device, window=None) -> BlockMask:
     """The BlockMask built from tile-level facts with plain tensor ops (no compiled mask creation).
 
     create_block_mask(..., _compile=True) compiled the mask_mod for every new shape and its first call
@@ -109,25 +160,34 @@ def _block_mask(anchor_BA, context_valid_BS, seq_len, block_size, device) -> Blo
         q_block = q_idx // block_size
         is_ctx = kv_idx < seq_len
         ctx_ok = context_valid_BS[b, torch.clamp(kv_idx, max=last_ctx)]
-        sees_ctx = is_ctx & ctx_ok & (kv_idx < anchor_BA[b, torch.clamp(q_block, max=A - 1)])
+        anchor = anchor_BA[b, torch.clamp(q_block, max=A - 1)]
+        sees_ctx = is_ctx & ctx_ok & (kv_idx < anchor)
         sees_own = (~is_ctx) & ((kv_idx - seq_len) // block_size == q_block)
         return sees_ctx | sees_own
 
+    def sliding_mask_mod(b, h, q_idx, kv_idx):
+        anchor = anchor_BA[b, torch.clamp(q_idx // block_size, max=A - 1)]
+        in_window = kv_idx > anchor + q_idx % block_size - window
+        return dflash_mask_mod(b, h, q_idx, kv_idx) & (in_window | (kv_idx >= seq_len))
+
     q_len, kv_len = A * block_size, seq_len + A * block_size
-    partial, full = _tile_lists(anchor_BA, context_valid_BS, seq_len, block_size)
+    partial, full = _tile_lists(anchor_BA, context_valid_BS, seq_len, block_size, window)
     kv_num, kv_idx = _as_indices(partial)
     full_num, full_idx = _as_indices(full)
-    return BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=FLEX_TILE, mask_mod=dflash_mask_mod,
+    mask_mod = dflash_mask_mod if window is None else sliding_mask_mod
+    return BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=FLEX_TILE, mask_mod=mask_mod,
                                     seq_lengths=(q_len, kv_len))
 
 
-def _tile_lists(anchor_BA, context_valid_BS, seq_len, block_size) -> tuple[torch.Tensor, torch.Tensor]:
+def _tile_lists(anchor_BA, context_valid_BS, seq_len, block_size, window=None) -> tuple[torch.Tensor, torch.Tensor]:
     """(partial, full) [B, Qt, Kt] booleans over 128 x 128 tiles: a tile with any visible pair is listed,
     as full only when every pair in it is visible (full tiles skip the mask_mod in the kernel).
 
     Context tiles: query q sees position p iff p < anchor(q) and p is not padding. Block tiles: a query
     sees its own block only, never a whole tile unless block_size covers it. Tiles that straddle the
-    context end, or hold padded queries, are never full.
+    context end, or hold padded queries, are never full. With a window, query q also needs p >= lo(q)
+    (see _context_lower_bound): a context tile is listed when its valid span meets [min lo, max anchor)
+    of the query tile (a superset of the tiles with a visible pair), full only when every p >= max lo.
     """
     T = FLEX_TILE
     B, A = anchor_BA.shape
@@ -138,6 +198,7 @@ def _tile_lists(anchor_BA, context_valid_BS, seq_len, block_size) -> tuple[torch
     padded_BQ = torch.nn.functional.pad(anchor_BQ, (0, Qt * T - q_len))  # padded queries: anchor 0 (see nothing)
     amax_Bq = padded_BQ.view(B, Qt, T).amax(-1)
     amin_Bq = padded_BQ.view(B, Qt, T).amin(-1)  # a tile with padded queries has amin 0: never full
+    lo_BQ = _context_lower_bound(padded_BQ, block_size, window)
     partial = torch.zeros(B, Qt, Kt, dtype=torch.bool, device=device)
     full = torch.zeros_like(partial)
     # Context tiles lying wholly before seq_len.
@@ -151,6 +212,12 @@ def _tile_lists(anchor_BA, context_valid_BS, seq_len, block_size) -> tuple[torch
         max_pos = pos.view(Kc, T)[:, -1]  # [Kc]
         any_ctx = min_valid[:, None, :] < amax_Bq[:, :, None]
         full_ctx = all_valid[:, None, :] & (max_pos[None, None, :] < amin_Bq[:, :, None])
+        if lo_BQ is not None:
+            max_valid = torch.where(valid_BKc, pos.view(Kc, T), -1).amax(-1)  # [B, Kc]
+            lo_min_Bq, lo_max_Bq = lo_BQ.view(B, Qt, T).amin(-1), lo_BQ.view(B, Qt, T).amax(-1)
+            min_pos = pos.view(Kc, T)[:, 0]  # [Kc]
+            any_ctx &= max_valid[:, None, :] >= lo_min_Bq[:, :, None]
+            full_ctx &= min_pos[None, None, :] >= lo_max_Bq[:, :, None]
         partial[:, :, :Kc] = any_ctx & ~full_ctx
         full[:, :, :Kc] = full_ctx
     if seq_len % T:  # the tile holding the context end and the first block slots: evaluated per element

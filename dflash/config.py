@@ -81,6 +81,43 @@ class DrafterConfig(_Strict):
         None, ge=0, le=MAX_TOKEN_ID, description="token id filling the non-anchor slots (< the target's vocab; "
         "preflight `config` checks it); None = resolved from the tokenizer"
     )
+    # The drafter's own layer shape (its hidden size is the target's: it reads the target's embedding and lm_head).
+    num_attention_heads: int | None = Field(None, ge=1, le=1024, description="query heads per drafter layer; "
+                                            "None = the target's")
+    num_key_value_heads: int | None = Field(None, ge=1, le=1024, description="key/value heads per drafter layer "
+                                            "(divides the query heads); None = the target's")
+    head_dim: int | None = Field(None, ge=2, le=1024, multiple_of=2, description="width of one attention head "
+                                 "(even: RoPE rotates pairs); None = the target's")
+    intermediate_size: int | None = Field(None, ge=1, le=2**20, description="SwiGLU MLP width of a drafter layer; "
+                                          "None = the target's")
+    layer_types: list[Literal["full_attention", "sliding_attention"]] = Field(
+        default_factory=list, max_length=64, description="attention of each drafter layer, num_layers entries; "
+        "empty = all full_attention",
+    )
+    sliding_window: int | None = Field(
+        None, ge=2, le=MAX_TOKENS, description="positions a sliding_attention query sees back from its own position, "
+        "itself included (tokens; HF's sliding_window): context p is seen iff anchor + slot - window < p < anchor; "
+        "needed with sliding layers, at least block_size",
+    )
+
+    @model_validator(mode="after")
+    def _shape(self) -> DrafterConfig:
+        heads, kv = self.num_attention_heads, self.num_key_value_heads
+        if heads is not None and kv is not None and heads % kv:
+            raise ValueError(f"num_attention_heads ({heads}) must be a multiple of num_key_value_heads ({kv})")
+        if self.layer_types and len(self.layer_types) != self.num_layers:
+            raise ValueError(f"layer_types has {len(self.layer_types)} entries for num_layers = {self.num_layers}; "
+                             "give one per layer, or [] for all full_attention")
+        sliding = "sliding_attention" in self.layer_types
+        if sliding and self.sliding_window is None:
+            raise ValueError("layer_types has sliding_attention layers but sliding_window is not set; set it (e.g. 2048)")
+        if not sliding and self.sliding_window is not None:
+            raise ValueError(f"sliding_window = {self.sliding_window} but no layer is sliding_attention; "
+                             "add sliding_attention to layer_types or drop sliding_window")
+        if sliding and self.sliding_window < self.block_size:
+            raise ValueError(f"sliding_window ({self.sliding_window}) must be >= block_size ({self.block_size}): "
+                             "a block's queries see their whole block")
+        return self
 
 
 class DataConfig(_Strict):

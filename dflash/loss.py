@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from dflash.attention import Backend, build_train_mask
+from dflash.attention import Backend, build_layer_masks
 from dflash.model import DFlashDrafter
 from dflash.target import target_embed_and_head, target_features
 
@@ -415,7 +415,8 @@ def drafter_step_math(
     )
     noise_BQH = F.embedding(block_ids_BQ, embed_VH)
     context_valid_BS = attention_mask_BS.bool() if attention_mask_BS is not None else None
-    attn = build_train_mask(anchors_BA, valid_BA, S, bs, device, attn_backend, context_valid_BS=context_valid_BS)
+    attn = build_layer_masks(anchors_BA, valid_BA, S, bs, device, attn_backend, dcfg.layer_types, dcfg.sliding_window,
+                             context_valid_BS=context_valid_BS)
     context_pos_BS = torch.arange(S, device=device).expand(B, S)
     hidden_BQH = drafter(context_BSF, noise_BQH, context_pos_BS, query_pos_BQ, attn)
 

@@ -168,6 +168,14 @@ class TargetShape:
     tied: bool
     qk_norm: bool  # Qwen3: RMSNorm over each head's q and k
     qkv_bias: bool  # Qwen2: bias on q, k, v projections
+    # Qwen3.5-family hybrids: Gated DeltaNet (linear attention) layers and gated full attention.
+    linear_layers: int = 0  # layers whose layer_types entry is linear_attention
+    linear_key_dim: int = 0  # linear_num_key_heads x linear_key_head_dim
+    linear_value_dim: int = 0  # linear_num_value_heads x linear_value_head_dim
+    linear_value_heads: int = 0
+    linear_value_head_dim: int = 0
+    linear_conv_kernel: int = 0  # depthwise causal conv over q, k, v
+    attn_output_gate: bool = False  # q_proj also emits a sigmoid gate per head (twice the query width)
 
     @classmethod
     def from_config(cls, raw: dict, source: str = "config.json") -> TargetShape:
@@ -178,6 +186,13 @@ class TargetShape:
             heads = int(raw["num_attention_heads"])
             hidden = int(raw["hidden_size"])
             model_type = str(raw.get("model_type", ""))
+            layer_types = raw.get("layer_types") or []
+            interval = raw.get("full_attention_interval")
+            if not layer_types and model_type.startswith("qwen3_5") and interval:
+                layer_types = ["full_attention" if (i + 1) % int(interval) == 0 else "linear_attention"
+                               for i in range(int(raw["num_hidden_layers"]))]
+            linear = sum(t == "linear_attention" for t in layer_types)
+            lin = (lambda k: int(raw[k])) if linear else (lambda k: 0)
             shape = cls(
                 model_type=model_type,
                 num_layers=int(raw["num_hidden_layers"]),
@@ -190,6 +205,13 @@ class TargetShape:
                 tied=bool(raw.get("tie_word_embeddings", False)),
                 qk_norm=model_type.startswith("qwen3"),
                 qkv_bias=bool(raw.get("attention_bias", model_type == "qwen2")),
+                linear_layers=linear,
+                linear_key_dim=lin("linear_num_key_heads") * lin("linear_key_head_dim"),
+                linear_value_dim=lin("linear_num_value_heads") * lin("linear_value_head_dim"),
+                linear_value_heads=lin("linear_num_value_heads"),
+                linear_value_head_dim=lin("linear_value_head_dim"),
+                linear_conv_kernel=lin("linear_conv_kernel_dim"),
+                attn_output_gate=model_type.startswith("qwen3_5"),
             )
         except KeyError as e:
             raise ConfigError(f"{source}: missing key {e.args[0]!r}; use an HF config.json of a decoder-only model") from None
@@ -212,12 +234,19 @@ class TargetShape:
         qk_norm = self.qk_norm if qk_norm is None else qk_norm
         qkv_bias = self.qkv_bias if qkv_bias is None else qkv_bias
         h, q, kv, i = self.hidden, self.q_width, self.kv_width, self.intermediate
-        attn = h * q + 2 * h * kv + q * h
+        attn = h * q * (2 if self.attn_output_gate else 1) + 2 * h * kv + q * h
         if qkv_bias:
             attn += q + 2 * kv
         if qk_norm:
             attn += 2 * self.head_dim
         return attn + 3 * h * i + 2 * h
+
+    def linear_layer_params(self) -> int:
+        """Parameters of one Gated DeltaNet layer (q/k/v, z, a, b projections, conv, decay, gated norm, out) + SwiGLU MLP."""
+        h, k, v, nv = self.hidden, self.linear_key_dim, self.linear_value_dim, self.linear_value_heads
+        qkv = 2 * k + v
+        mixer = h * qkv + h * v + 2 * h * nv + qkv * self.linear_conv_kernel + 2 * nv + self.linear_value_head_dim + v * h
+        return mixer + 3 * h * self.intermediate + 2 * h
 
     @property
     def embedding_params(self) -> int:
@@ -225,9 +254,11 @@ class TargetShape:
 
     @property
     def params(self) -> int:
-        """All target parameters: embedding, layers, final norm, lm_head unless tied."""
+        """All target parameters: embedding, layers (full and linear attention), final norm, lm_head unless tied."""
         head = 0 if self.tied else self.embedding_params
-        return self.embedding_params + self.num_layers * self.layer_params() + self.hidden + head
+        full = self.num_layers - self.linear_layers
+        layers = full * self.layer_params() + self.linear_layers * self.linear_layer_params()
+        return self.embedding_params + layers + self.hidden + head
 
 
 def resolve_target_dir(path: str) -> Path:
@@ -270,10 +301,18 @@ def num_feature_layers(cfg: RunConfig) -> int:
     return len(cfg.drafter.target_layer_ids) or cfg.drafter.num_layers
 
 
+def drafter_shape(cfg: RunConfig, shape: TargetShape) -> TargetShape:
+    """The drafter layers' sizes: the [drafter] fields where set, else the target's (hidden and vocab always the target's)."""
+    d = cfg.drafter
+    return replace(shape, model_type="qwen3", qk_norm=True, qkv_bias=False, linear_layers=0, attn_output_gate=False,
+                   heads=d.num_attention_heads or shape.heads, kv_heads=d.num_key_value_heads or shape.kv_heads,
+                   head_dim=d.head_dim or shape.head_dim, intermediate=d.intermediate_size or shape.intermediate)
+
+
 def drafter_params(cfg: RunConfig, shape: TargetShape) -> int:
-    """Trainable drafter parameters: Qwen3 layers of the target's size, fc, two norms."""
+    """Trainable drafter parameters: Qwen3 layers of the drafter's shape, fc, two norms."""
     n_feat = num_feature_layers(cfg)
-    layers = cfg.drafter.num_layers * shape.layer_params(qk_norm=True, qkv_bias=False)
+    layers = cfg.drafter.num_layers * drafter_shape(cfg, shape).layer_params()
     fc = n_feat * shape.hidden * shape.hidden  # n*H -> H, no bias
     return layers + fc + 2 * shape.hidden  # + context norm + final norm
 
@@ -499,6 +538,7 @@ def with_recompute(cfg: RunConfig, mode: str) -> RunConfig:
 
 
 def _drafter_step_parts(cfg: RunConfig, shape: TargetShape, w: Workload, cal: Calibration) -> list[Part]:
+    shape = drafter_shape(cfg, shape)  # the drafter's layer sizes; hidden and vocab stay the target's
     n = cfg.drafter.num_layers
     mode = recompute_mode(cfg)
     compiled = cfg.train.compile
@@ -508,7 +548,8 @@ def _drafter_step_parts(cfg: RunConfig, shape: TargetShape, w: Workload, cal: Ca
     q_blocks = math.ceil(w.queries_per_seq / FLEX_BLOCK)
     kv_blocks = math.ceil((w.seq_len + w.queries_per_seq) / FLEX_BLOCK)
     # kv_indices/full_kv_indices [B,1,Qb,KVb] and q_indices/full_q_indices [B,1,KVb,Qb] + counts
-    mask = w.sequences * INT32 * (4 * q_blocks * kv_blocks + 2 * q_blocks + 2 * kv_blocks)
+    mask_kinds = len(set(cfg.drafter.layer_types)) or 1  # one BlockMask per layer type (full, sliding)
+    mask = mask_kinds * w.sequences * INT32 * (4 * q_blocks * kv_blocks + 2 * q_blocks + 2 * kv_blocks)
     attn_ws = BF16 * (w.queries * shape.q_width + 2 * w.kv_tokens * shape.kv_width) + FP32 * w.queries * shape.heads
     kl = cfg.train.kl_weight > 0
     m = w.loss_tokens

@@ -6,15 +6,18 @@ applied to [context ; block], where context = RMSNorm(fc(selected target hidden 
 The output goes through the frozen target's lm_head (see dflash/loss.py); neither the
 embedding nor the lm_head is a drafter parameter.
 
-Saved as a Hugging Face-style folder (config.json + model.safetensors) with the parameter
-names and config fields public DFlash drafters use, so DFlash-aware serving stacks load it.
+Saved as a Hugging Face-style folder (config.json + model.safetensors + dflash.py) with the
+parameter names and config.json keys of the published DFlash drafters, so DFlash-aware serving
+stacks load it, and `transformers.AutoModel.from_pretrained(folder, trust_remote_code=True)`
+builds this same model from dflash.py (dflash/hf_drafter.py, the math of this file).
 """
 
 from __future__ import annotations
 
 import json
+import shutil
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -23,12 +26,18 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from dflash.attention import TrainMask, attend
+from dflash.attention import LAYER_TYPES, TrainMask, attend
 from dflash.config import default_target_layer_ids  # noqa: F401 (also used by importers of dflash.model)
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 ARCHITECTURE = "DFlashDraftModel"
+MODELING_FILE = "dflash.py"  # config.json auto_map points AutoModel at dflash.DFlashDraftModel in it
+MODELING_SOURCE = Path(__file__).with_name("hf_drafter.py")
+# Tokenizer files copied from the target into an exported drafter folder, when the target has them.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "vocab.json",
+                   "merges.txt", "tokenizer.model", "chat_template.jinja", "chat_template.json")
+SPECIAL_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
 
 
 @dataclass
@@ -49,9 +58,21 @@ class DFlashConfig:
     mask_token_id: int
     num_target_layers: int
     max_position_embeddings: int = 32768
+    layer_types: list[str] | None = None  # per layer: full_attention | sliding_attention; None = all full
+    sliding_window: int | None = None  # sliding layers: a query at position i sees keys > i - sliding_window
     extra: dict = field(default_factory=dict)  # unknown config.json fields, kept on save
 
     def __post_init__(self):
+        self.layer_types = list(self.layer_types or ["full_attention"] * self.num_hidden_layers)
+        if len(self.layer_types) != self.num_hidden_layers or set(self.layer_types) - set(LAYER_TYPES):
+            raise ValueError(f"layer_types {self.layer_types} must give one of {LAYER_TYPES} for each of the "
+                             f"{self.num_hidden_layers} layers")
+        sliding = "sliding_attention" in self.layer_types
+        if sliding and not (self.sliding_window and self.sliding_window >= self.block_size):
+            raise ValueError(f"sliding_attention layers need sliding_window >= block_size ({self.block_size}), "
+                             f"got {self.sliding_window}")
+        if not sliding:
+            self.sliding_window = None
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(
                 f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
@@ -71,6 +92,7 @@ class DFlashConfig:
         out = dict(self.extra)
         out.update(
             architectures=[ARCHITECTURE],
+            auto_map={"AutoModel": f"{MODELING_FILE.removesuffix('.py')}.{ARCHITECTURE}"},
             model_type="qwen3",
             block_size=self.block_size,
             dflash_config={"target_layer_ids": list(self.target_layer_ids), "mask_token_id": self.mask_token_id},
@@ -84,21 +106,23 @@ class DFlashConfig:
             vocab_size=self.vocab_size,
             rms_norm_eps=self.rms_norm_eps,
             rope_theta=self.rope_theta,
-            rope_parameters={"rope_theta": self.rope_theta, "rope_type": "default"},
+            rope_scaling=None,
             max_position_embeddings=self.max_position_embeddings,
             hidden_act="silu",
             attention_bias=False,
             attention_dropout=0.0,
-            is_causal=False,
-            layer_types=["full_attention"] * n,
-            use_sliding_window=False,
-            sliding_window=None,
+            layer_types=list(self.layer_types),
+            use_sliding_window=self.sliding_window is not None,
+            sliding_window=self.sliding_window,
             max_window_layers=n,
             tie_word_embeddings=False,
-            use_cache=False,
+            use_cache=True,
             initializer_range=0.02,
             dtype=str(dtype).removeprefix("torch."),
+            transformers_version=_transformers_version(),
         )
+        for name in SPECIAL_IDS:  # the target's ids when the drafter was exported with it (kept in extra)
+            out.setdefault(name, None)
         return out
 
     @classmethod
@@ -112,8 +136,8 @@ class DFlashConfig:
                 raise ValueError(f"drafter config.json has no {name!r} (top level or in dflash_config)")
             return value
 
-        if "sliding_attention" in (raw.get("layer_types") or []):
-            raise ValueError("sliding-window DFlash drafters are not supported by this trainer")
+        layer_types = raw.get("layer_types") or None
+        sliding_window = raw.get("sliding_window") if "sliding_attention" in (layer_types or []) else None
         rope = raw.get("rope_parameters") or {}
         known = set(cls.__dataclass_fields__) | {"dflash_config", "rope_parameters"}
         return cls(
@@ -131,16 +155,45 @@ class DFlashConfig:
             mask_token_id=pick("mask_token_id"),
             num_target_layers=pick("num_target_layers"),
             max_position_embeddings=pick("max_position_embeddings", 32768),
-            extra={k: v for k, v in raw.items() if k not in known and k not in _WRITTEN_KEYS},
+            layer_types=layer_types,
+            sliding_window=sliding_window,
+            extra={k: v for k, v in raw.items() if k not in known and k not in _WRITTEN_KEYS
+                   and not (k in SPECIAL_IDS and v is None)},
         )
 
 
 # Fields to_hf_dict always writes itself; never carried over as "extra".
 _WRITTEN_KEYS = {
-    "architectures", "model_type", "hidden_act", "attention_bias", "attention_dropout", "is_causal",
+    "architectures", "auto_map", "rope_scaling", "model_type", "hidden_act", "attention_bias", "attention_dropout", "is_causal",
     "layer_types", "use_sliding_window", "sliding_window", "max_window_layers", "tie_word_embeddings",
     "use_cache", "initializer_range", "dtype", "torch_dtype", "transformers_version",
 }  # fmt: skip
+
+
+def _transformers_version() -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("transformers")
+    except PackageNotFoundError:
+        return None
+
+
+def target_special_ids(target_dir: str | Path) -> dict:
+    """bos/eos/pad ids of a target folder: its config.json (top level, then text_config), then generation_config.json;
+    a missing pad id takes the eos id, as published drafters do."""
+    ids = dict.fromkeys(SPECIAL_IDS)
+    for name, sub in ((CONFIG_FILE, None), (CONFIG_FILE, "text_config"), ("generation_config.json", None)):
+        f = Path(target_dir) / name
+        raw = json.loads(f.read_text()) if f.is_file() else {}
+        raw = (raw.get(sub) or {}) if sub else raw
+        for key in SPECIAL_IDS:
+            value = raw.get(key)
+            if ids[key] is None and value is not None:
+                ids[key] = value[0] if isinstance(value, list) and value else value
+    if ids["pad_token_id"] is None:
+        ids["pad_token_id"] = ids["eos_token_id"]
+    return ids
 
 
 def _target_value(cfg, name, default=None):
@@ -155,20 +208,33 @@ def drafter_config_from_target(
     block_size: int,
     target_layer_ids: list[int] | None = None,
     mask_token_id: int | None = None,
+    **shape,
 ) -> DFlashConfig:
-    """A drafter config sized like the target (an HF config object or its config.json dict)."""
+    """A drafter config sized like the target (an HF config object or its config.json dict).
+
+    `shape` overrides the drafter's own sizes (num_attention_heads, num_key_value_heads, head_dim,
+    intermediate_size, layer_types, sliding_window); a None value keeps the target's. The hidden
+    size is always the target's: the drafter reads the target's embedding and lm_head.
+    """
+    unknown = sorted(set(shape) - set(DRAFTER_SHAPE_FIELDS))
+    if unknown:
+        raise ValueError(f"unknown drafter shape fields {unknown}; use {DRAFTER_SHAPE_FIELDS}")
+    shape = {k: v for k, v in shape.items() if v is not None and v != []}
     if mask_token_id is None:
         raise ValueError("mask_token_id is required (the token id filling the non-anchor slots)")
     get = lambda name, default=None: _target_value(target_hf_config, name, default)  # noqa: E731
     hidden, heads = get("hidden_size"), get("num_attention_heads")
     num_target_layers = get("num_hidden_layers")
     rope = get("rope_parameters") or {}
+    target_shape = {
+        "intermediate_size": get("intermediate_size"),
+        "num_attention_heads": heads,
+        "num_key_value_heads": get("num_key_value_heads") or heads,
+        "head_dim": get("head_dim") or hidden // heads,
+    }
     return DFlashConfig(
         hidden_size=hidden,
-        intermediate_size=get("intermediate_size"),
-        num_attention_heads=heads,
-        num_key_value_heads=get("num_key_value_heads") or heads,
-        head_dim=get("head_dim") or hidden // heads,
+        **{**target_shape, **shape},
         rms_norm_eps=get("rms_norm_eps", 1e-6),
         rope_theta=float(rope.get("rope_theta", get("rope_theta", 10000.0))),
         vocab_size=get("vocab_size"),
@@ -179,6 +245,19 @@ def drafter_config_from_target(
         num_target_layers=num_target_layers,
         max_position_embeddings=get("max_position_embeddings", 32768),
     )
+
+
+# The [drafter] run-config fields that shape the drafter model itself (None / [] = like the target).
+DRAFTER_SHAPE_FIELDS = (
+    "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size", "layer_types", "sliding_window",
+)  # fmt: skip
+
+
+def drafter_config_for_run(run_cfg, target_hf_config, mask_token_id: int) -> DFlashConfig:
+    """The drafter a run config asks for: its [drafter] section over the target's (text) HF config."""
+    d = run_cfg.drafter
+    return drafter_config_from_target(target_hf_config, d.num_layers, d.block_size, d.target_layer_ids or None,
+                                      mask_token_id, **{name: getattr(d, name) for name in DRAFTER_SHAPE_FIELDS})
 
 
 class RMSNorm(nn.Module):
@@ -386,9 +465,18 @@ class DFlashDrafter(nn.Module):
         noise_emb_BQH: torch.Tensor,
         context_pos_BS: torch.Tensor,
         query_pos_BQ: torch.Tensor,
-        attn: TrainMask,
+        attn: TrainMask | dict[str, TrainMask],
     ) -> torch.Tensor:
-        """Drafter hidden states [B, Q, H] for the block tokens (before the target's lm_head)."""
+        """Drafter hidden states [B, Q, H] for the block tokens (before the target's lm_head).
+
+        attn: one TrainMask for a drafter of full-attention layers, or {layer type: TrainMask}
+        (dflash.attention.build_layer_masks) holding every type in config.layer_types.
+        """
+        masks = attn if isinstance(attn, dict) else {"full_attention": attn}
+        missing = sorted(set(self.config.layer_types) - set(masks))
+        if missing:
+            raise ValueError(f"no attention mask for the drafter's {missing} layers; build them with "
+                             "dflash.attention.build_layer_masks(..., layer_types, sliding_window)")
         F_expected = self.fc.in_features
         if context_BSF.shape[-1] != F_expected:
             raise ValueError(
@@ -403,21 +491,34 @@ class DFlashDrafter(nn.Module):
         rope_q = rope_cos_sin(query_pos_BQ, cfg.head_dim, cfg.rope_theta, rope_dtype)
         rope_ctx = rope_cos_sin(context_pos_BS, cfg.head_dim, cfg.rope_theta, rope_dtype)
         mode = self.recompute if torch.is_grad_enabled() else "off"
-        for layer in self.layers:
+        for layer, kind in zip(self.layers, cfg.layer_types):
+            attn = masks[kind]
             if mode == "layer":
                 x_BQH = checkpoint(layer, x_BQH, ctx_BSH, rope_q, rope_ctx, attn, use_reentrant=False)
             else:
                 x_BQH = layer(x_BQH, ctx_BSH, rope_q, rope_ctx, attn, recompute_mlp=mode == "mlp")
         return self.norm(x_BQH)
 
-    def save_pretrained(self, out_dir: str | Path, dtype: torch.dtype | None = None) -> Path:
-        """Write config.json + model.safetensors; dtype None keeps the parameters' dtype."""
+    def save_pretrained(self, out_dir: str | Path, dtype: torch.dtype | None = None,
+                        target_dir: str | Path | None = None) -> Path:
+        """Write config.json + model.safetensors + dflash.py; dtype None keeps the parameters' dtype.
+
+        target_dir (the target's HF folder) makes the folder servable on its own: its tokenizer files
+        are copied in and its bos/eos/pad ids written into config.json.
+        """
         out_dir = Path(out_dir)
         out_dir.mkdir(parents=True, exist_ok=True)
         dtype = dtype or self.fc.weight.dtype
         tensors = {k: v.detach().to(dtype).contiguous().cpu() for k, v in self.state_dict().items()}
         save_file(tensors, str(out_dir / WEIGHTS_FILE), metadata={"format": "pt"})
-        (out_dir / CONFIG_FILE).write_text(json.dumps(self.config.to_hf_dict(dtype), indent=2, sort_keys=True) + "\n")
+        config = self.config
+        if target_dir is not None:
+            config = replace(config, extra={**config.extra, **target_special_ids(target_dir)})
+            for name in TOKENIZER_FILES:
+                if (Path(target_dir) / name).is_file():
+                    shutil.copyfile(Path(target_dir) / name, out_dir / name)
+        (out_dir / CONFIG_FILE).write_text(json.dumps(config.to_hf_dict(dtype), indent=2, sort_keys=True) + "\n")
+        shutil.copyfile(MODELING_SOURCE, out_dir / MODELING_FILE)
         return out_dir
 
     @classmethod

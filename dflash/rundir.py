@@ -6,10 +6,10 @@
         snapshot.json, outcome.json what the run started with and how it went (dflash.snapshot; dflash-diff)
         previous/<time>-<gate>/     an earlier run's snapshot.json and outcome.json, moved aside
         metrics.jsonl               one JSON row per logged step
-        drafter/                    the final drafter (HF folder), written when the run finishes
+        drafter/                    the final drafter (HF folder, bf16, target's tokenizer), written when the run finishes
         checkpoints/step_<8 digits>/
             meta.json               step, resolved config, dataset identity, provenance (written last)
-            drafter/                HF folder (config.json + model.safetensors), loadable on its own
+            drafter/                HF folder (config.json + model.safetensors + dflash.py), loadable on its own
             optimizer.pt            AdamW state (tensors only: loaded with weights_only=True)
             trainer_state.json      step, sampler position, ... (plain JSON)
             trainer_state.safetensors   the trainer state's tensors (RNG states)

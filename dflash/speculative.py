@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from dflash.attention import build_train_mask
+from dflash.attention import build_layer_masks
 from dflash.eval import EvalError, EvalReport
 from dflash.model import DFlashDrafter
 from dflash.prepare import eos_ids_of
@@ -97,7 +97,8 @@ class Decoder:
         block = torch.full((1, block_size), d.config.mask_token_id, device=self.device)
         block[0, 0] = last
         noise_BQH = F.embedding(block, self.embed_w)
-        attn = build_train_mask(torch.tensor([[n]]), torch.tensor([[True]]), n, block_size, self.device, "sdpa")
+        attn = build_layer_masks(torch.tensor([[n]]), torch.tensor([[True]]), n, block_size, self.device, "sdpa",
+                                 d.config.layer_types, d.config.sliding_window)
         ctx_pos = torch.arange(n, device=self.device)[None]
         q_pos = torch.arange(n, n + block_size, device=self.device)[None]
         hidden_QH = d(ctx_SF[None], noise_BQH, ctx_pos, q_pos, attn)[0, 1:]

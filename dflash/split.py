@@ -409,12 +409,11 @@ class RemoteTargets:
     """
 
     def __init__(self, cfg: RunConfig, me: Rank, share_group, device: torch.device):
-        from transformers import AutoConfig
-
         from dflash.step import feature_layer_ids, target_folder
+        from dflash.target import target_text_config
 
         self.cfg, self.me, self.device = cfg, me, device
-        self.target_config = AutoConfig.from_pretrained(target_folder(cfg.target.path))
+        self.target_config = target_text_config(target_folder(cfg.target.path))
         self.n_layers = len(feature_layer_ids(cfg, self.target_config.num_hidden_layers))
         self.want_last = cfg.train.kl_weight > 0
         self.wire = torch_dtype(cfg.target.dtype)

@@ -33,6 +33,9 @@ RECORD = "synthetic.json"
 
 # The causal-LM class of each model_type a synthetic target can have.
 ARCHITECTURES = {"qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM"}
+# Qwen3.5-family hybrids (Gated DeltaNet + gated full attention): the text-only model, and the
+# published vision-language wrapper whose text weights sit under model.language_model.*.
+HYBRID_ARCHITECTURES = {"qwen3_5_text": "Qwen3_5ForCausalLM", "qwen3_5": "Qwen3_5ForConditionalGeneration"}
 
 # The tiny shape: 4 layers, hidden 64, 4 query heads / 2 KV heads of 16, untied lm_head, 512 positions.
 TINY_SHAPE = {
@@ -67,6 +70,29 @@ def target_config(model_type: str = "qwen3", **fields) -> dict:
     return {"architectures": [ARCHITECTURES[model_type]], "model_type": model_type, **TINY_SHAPE, **fields}
 
 
+def hybrid_target_config(wrapper: bool = False, **fields) -> dict:
+    """config.json fields of a tiny Qwen3.5-family hybrid: TINY_SHAPE with 3 of 4 layers Gated DeltaNet.
+
+    wrapper=True nests them as the published vision-language checkpoint does (text_config, plus a
+    tiny vision tower that loading the target must never build); `fields` go into the text config.
+    """
+    text = {"model_type": "qwen3_5_text", **TINY_SHAPE, **TINY_LINEAR_ATTENTION, **fields}
+    n = text["num_hidden_layers"]
+    text.setdefault("layer_types", ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(n)])
+    if not wrapper:
+        return {"architectures": [HYBRID_ARCHITECTURES["qwen3_5_text"]], **text}
+    return {"architectures": [HYBRID_ARCHITECTURES["qwen3_5"]], "model_type": "qwen3_5", "text_config": text,
+            "vision_config": dict(TINY_VISION), "tie_word_embeddings": text["tie_word_embeddings"]}
+
+
+# Gated DeltaNet sizes of the tiny hybrid: 2 key heads / 4 value heads of 16, conv kernel 4.
+TINY_LINEAR_ATTENTION = {"linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16,
+                         "linear_value_head_dim": 16, "linear_conv_kernel_dim": 4}
+# The tiny wrapper's vision tower: one block of width 32 (present on disk, never loaded as a target).
+TINY_VISION = {"depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "out_hidden_size": 64,
+               "patch_size": 4, "temporal_patch_size": 2, "spatial_merge_size": 2}
+
+
 def random_target(config: dict, seed: int = 0, head_scale: float = 1.0):
     """The causal LM of `config` in memory, weights drawn right after torch.manual_seed(seed).
 
@@ -79,7 +105,7 @@ def random_target(config: dict, seed: int = 0, head_scale: float = 1.0):
 
     fields = dict(config)
     model_type = fields.pop("model_type")
-    model_class = getattr(transformers, ARCHITECTURES[model_type])
+    model_class = getattr(transformers, {**ARCHITECTURES, **HYBRID_ARCHITECTURES}[model_type])
     hf_config = AutoConfig.for_model(model_type, **fields)
     torch.manual_seed(seed)
     model = model_class(hf_config)

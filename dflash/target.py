@@ -26,10 +26,22 @@ def torch_dtype(dtype: str | torch.dtype) -> torch.dtype:
     return DTYPES[dtype]
 
 
+def target_text_config(path: str | Path):
+    """The target's language-model HF config: a vision-language wrapper's text_config, else the config itself."""
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(path).get_text_config()
+
+
 def load_target(
     path_or_name: str | Path, dtype: str | torch.dtype, device: str | torch.device, random_init: bool = False
 ) -> nn.Module:
-    """An HF causal LM from a folder, frozen and in eval mode; random_init builds it on the device from config.json."""
+    """An HF causal LM from a folder, frozen and in eval mode; random_init builds it on the device from config.json.
+
+    A vision-language wrapper folder (Qwen3.5/3.6: config.json with text_config, text weights under
+    model.language_model.*) loads as its causal LM alone: transformers maps the wrapper's config to
+    the text model's class and its weight names onto it, and never builds the vision tower.
+    """
     from transformers import AutoConfig, AutoModelForCausalLM
 
     path = Path(path_or_name)
@@ -42,6 +54,9 @@ def load_target(
             model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     else:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, device_map={"": device})
+    if any(name.startswith(("visual.", "model.visual.")) for name, _ in model.named_parameters()):
+        raise ValueError(f"target {str(path_or_name)!r}: transformers built a vision tower ({type(model).__name__}); "
+                         "upgrade transformers to a version that loads this model as a causal LM alone")
     return freeze(model)
 
 

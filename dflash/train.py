@@ -30,7 +30,7 @@ from dflash import checkpoint as ckpt
 from dflash import rundir
 from dflash.config import RunConfig, dump_config
 from dflash.data import collate, prefetch
-from dflash.model import DFlashDrafter, drafter_config_from_target
+from dflash.model import DFlashDrafter, drafter_config_for_run
 from dflash.snapshot import Outcome
 from dflash.step import (
     FeatureSource,
@@ -45,6 +45,7 @@ from dflash.step import (
     restore_position,
     schedule,
     set_lr,
+    target_folder,
 )
 
 __all__ = ["NonFiniteError", "RunError", "StopFlag", "Trainer", "run", "run_device", "warm_cache"]
@@ -113,8 +114,7 @@ class Trainer:
         self.batches_per_step = cfg.train.grad_accum * self.world
 
         tcfg = source.target_config
-        dcfg = drafter_config_from_target(tcfg, cfg.drafter.num_layers, cfg.drafter.block_size,
-                                          cfg.drafter.target_layer_ids or None, resolve_mask_token_id(cfg, tcfg))
+        dcfg = drafter_config_for_run(cfg, tcfg, resolve_mask_token_id(cfg, tcfg))
         self.drafter = DFlashDrafter(dcfg).to(self.device, torch.float32)
         self.recompute, self.recompute_why = self._choose_recompute()
         self.drafter.set_recompute(self.recompute)
@@ -386,7 +386,9 @@ class Trainer:
             self.log(f"stopped by {stop.signame or 'a peer signal'} at step {self.step}; checkpoint {path}")
             self.log(f"resume with: dflash-train --config <this config> --resume latest  (output_dir {self.out})")
             return 0
-        self.drafter.save_pretrained(self.out / "drafter")
+        # The servable export: bf16 as published drafters are, with the target's tokenizer files and ids.
+        self.drafter.save_pretrained(self.out / "drafter", dtype=torch.bfloat16,
+                                     target_dir=target_folder(self.cfg.target.path, self.log))
         rundir.clear_stopped(self.out)
         self.outcome.end("finished", self.step)
         self.log(f"done: {self.step} steps; checkpoint {path}; drafter saved to {self.out / 'drafter'}; "

@@ -19,7 +19,7 @@ from packaging.version import InvalidVersion, Version
 from dflash.compile_manifest import MANIFEST_NAME, differences
 from dflash.config import ConfigError, default_target_layer_ids
 from dflash.errors import DflashError
-from dflash.memory import choose_recompute, drafter_state_bytes, role_need_bytes
+from dflash.memory import choose_recompute, drafter_shape, drafter_state_bytes, role_need_bytes
 from preflight.envs import run_command, sync_command
 from preflight.estimate import DEFAULT_CUDA
 from preflight.facts import MODEL_SOURCE_PACKAGE, PROJECT_DIST, Context
@@ -617,6 +617,10 @@ def check_config(ctx: Context) -> CheckResult:
     if mask is not None and mask >= vocab:
         problems.append(f"drafter.mask_token_id {mask} outside 0..{vocab - 1} (the target's vocab_size is {vocab})")
         fixes.append(f"set drafter.mask_token_id in {where} below {vocab}, or remove it to take the pad token")
+    heads, kv = drafter_shape(cfg, shape).heads, drafter_shape(cfg, shape).kv_heads
+    if heads % kv:
+        problems.append(f"drafter heads {heads} not a multiple of its kv heads {kv} (unset fields take the target's)")
+        fixes.append(f"set drafter.num_attention_heads and drafter.num_key_value_heads in {where} (heads a multiple of kv)")
     data.update(target_layer_ids=ids, mask_token_id=mask)
     if problems:
         return _r("config", "fail", "; ".join(problems), "; ".join(fixes), problems=problems, **data)

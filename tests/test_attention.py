@@ -90,17 +90,67 @@ def _tile_case(seed: int, seq_len: int, block_size: int, anchors_per_row: int, r
     return anchors, valid, context_valid
 
 
-@pytest.mark.parametrize("seed, seq_len, block_size, n_anchors", [
-    (0, 300, 16, 20), (1, 256, 16, 16), (2, 200, 4, 50), (3, 130, 32, 5), (4, 384, 8, 40), (5, 140, 128, 2),
-])
-def test_block_mask_tiles_cover_every_visible_pair_and_full_tiles_are_full(seed, seq_len, block_size, n_anchors):
-    """The BlockMask is built from tile minima/maxima, not by evaluating the mask: check it against the dense rule."""
+TILE_CASES = [(0, 300, 16, 20), (1, 256, 16, 16), (2, 200, 4, 50), (3, 130, 32, 5), (4, 384, 8, 40), (5, 140, 128, 2)]
+# Sliding windows that cut across tiles (>= block_size), one not a multiple of anything.
+WINDOW_CASES = [(0, 300, 16, 20, 100), (2, 200, 4, 50, 37), (4, 384, 8, 40, 128), (5, 140, 128, 2, 130), (1, 256, 16, 16, 16)]
+
+
+def _reference_mask(anchors, valid, context_valid, seq_len, block_size, window=None):
+    """The rule, element by element: block j (anchor a) slot o sees context p iff the anchor is valid, p is not
+    padding, p < a and (sliding) p > a + o - window; it sees every slot of its own block and no other block."""
+    rows, n = anchors.shape
+    Q = n * block_size
+    out = torch.zeros(rows, Q, seq_len + Q, dtype=torch.bool)
+    for b in range(rows):
+        for q in range(Q):
+            j, o = divmod(q, block_size)
+            a = int(anchors[b, j]) if valid[b, j] else 0
+            for p in range(seq_len):
+                out[b, q, p] = bool(context_valid[b, p]) and p < a and (window is None or p > a + o - window)
+            out[b, q, seq_len + j * block_size: seq_len + (j + 1) * block_size] = True
+    return out
+
+
+@pytest.mark.parametrize("window", [None, 4, 7, 30])
+def test_dense_mask_equals_the_element_by_element_rule(window):
+    anchors, valid, context_valid = _tile_case(7, 40, 4, 6)
+    dense = build_train_mask(anchors, valid, 40, 4, "cpu", "sdpa", context_valid_BS=context_valid, window=window).mask[:, 0]
+    assert torch.equal(dense, _reference_mask(anchors, valid, context_valid, 40, 4, window))
+
+
+def test_sliding_window_counts_back_from_each_query_position():
+    """Anchor 6, block 4, window 4: slot o sits at 6 + o and sees positions > 2 + o before the anchor, and its block."""
+    anchors, valid = torch.tensor([[6]]), torch.tensor([[True]])
+    m = build_train_mask(anchors, valid, 12, 4, "cpu", "sdpa", window=4).mask[0, 0]
+    seen = [m[o].nonzero().flatten().tolist() for o in range(4)]
+    assert seen == [[3, 4, 5, 12, 13, 14, 15], [4, 5, 12, 13, 14, 15], [5, 12, 13, 14, 15], [12, 13, 14, 15]]
+    # A window reaching past position 0 for every query is the full mask.
+    full = build_train_mask(anchors, valid, 12, 4, "cpu", "sdpa").mask
+    assert torch.equal(build_train_mask(anchors, valid, 12, 4, "cpu", "sdpa", window=15).mask, full)
+    with pytest.raises(ValueError, match="must be >= block_size"):
+        build_train_mask(anchors, valid, 12, 4, "cpu", "sdpa", window=3)
+
+
+def test_layer_masks_follow_the_layer_types():
+    from dflash.attention import build_layer_masks
+
+    anchors, valid = torch.tensor([[6]]), torch.tensor([[True]])
+    masks = build_layer_masks(anchors, valid, 12, 4, "cpu", "sdpa", ["sliding_attention", "full_attention"], 4)
+    assert set(masks) == {"sliding_attention", "full_attention"}
+    assert masks["sliding_attention"].mask.sum() < masks["full_attention"].mask.sum()
+    assert set(build_layer_masks(anchors, valid, 12, 4, "cpu", "sdpa", ["full_attention"], None)) == {"full_attention"}
+    with pytest.raises(ValueError, match="need a sliding_window"):
+        build_layer_masks(anchors, valid, 12, 4, "cpu", "sdpa", ["sliding_attention"], None)
+
+
+def _check_tiles(seed, seq_len, block_size, n_anchors, window):
     from dflash.attention import FLEX_TILE, _tile_lists
 
     anchors, valid, context_valid = _tile_case(seed, seq_len, block_size, n_anchors)
     eff = torch.where(valid, anchors, torch.zeros_like(anchors))
-    partial, full = _tile_lists(eff, context_valid, seq_len, block_size)
-    dense = build_train_mask(anchors, valid, seq_len, block_size, "cpu", "sdpa", context_valid_BS=context_valid).mask[:, 0]
+    partial, full = _tile_lists(eff, context_valid, seq_len, block_size, window)
+    dense = build_train_mask(anchors, valid, seq_len, block_size, "cpu", "sdpa", context_valid_BS=context_valid,
+                             window=window).mask[:, 0]
     B, Q, L = dense.shape
     T = FLEX_TILE
     padded = torch.nn.functional.pad(dense, (0, -L % T, 0, -Q % T))
@@ -112,10 +162,35 @@ def test_block_mask_tiles_cover_every_visible_pair_and_full_tiles_are_full(seed,
     in_bounds = torch.zeros_like(full)
     in_bounds[:, : Q // T, : L // T] = True
     assert (in_bounds >= full).all(), "a tile past the sequence end is marked full"
+    return full
 
 
-@pytest.mark.parametrize("seed, seq_len, block_size, n_anchors", [(0, 300, 16, 20), (2, 200, 4, 50), (3, 130, 32, 5)])
-def test_flex_over_several_tiles_matches_sdpa(seed, seq_len, block_size, n_anchors):
+@pytest.mark.parametrize("seed, seq_len, block_size, n_anchors", TILE_CASES)
+def test_block_mask_tiles_cover_every_visible_pair_and_full_tiles_are_full(seed, seq_len, block_size, n_anchors):
+    """The BlockMask is built from tile minima/maxima, not by evaluating the mask: check it against the dense rule."""
+    _check_tiles(seed, seq_len, block_size, n_anchors, None)
+
+
+@pytest.mark.parametrize("seed, seq_len, block_size, n_anchors, window", WINDOW_CASES)
+def test_sliding_block_mask_tiles_cover_every_visible_pair_and_full_tiles_are_full(seed, seq_len, block_size, n_anchors,
+                                                                                   window):
+    _check_tiles(seed, seq_len, block_size, n_anchors, window)
+
+
+def test_sliding_tiles_still_use_full_tiles():
+    """16 blocks anchored at 400..415, window 300: they all see 123..399, so context tile 1 (128..255) is full."""
+    from dflash.attention import _tile_lists
+
+    anchors = torch.arange(400, 416)[None]
+    partial, full = _tile_lists(anchors, torch.ones(1, 512, dtype=torch.bool), 512, 8, window=300)
+    assert full[0, 0, :4].tolist() == [False, True, True, False]  # tile 0 is cut by the window, tile 3 by the anchors
+    assert partial[0, 0, :4].tolist() == [True, False, False, True]
+
+
+@pytest.mark.parametrize("seed, seq_len, block_size, n_anchors, window", [
+    (0, 300, 16, 20, None), (2, 200, 4, 50, None), (3, 130, 32, 5, None), (0, 300, 16, 20, 100), (2, 200, 4, 50, 37),
+])
+def test_flex_over_several_tiles_matches_sdpa(seed, seq_len, block_size, n_anchors, window):
     anchors, valid, context_valid = _tile_case(seed, seq_len, block_size, n_anchors)
     g = torch.Generator().manual_seed(seed)
     Q = n_anchors * block_size
@@ -124,7 +199,8 @@ def test_flex_over_several_tiles_matches_sdpa(seed, seq_len, block_size, n_ancho
     v = torch.randn(2, HKV, seq_len + Q, D, generator=g)
     out = {}
     for backend in ("flex", "sdpa"):
-        mask = build_train_mask(anchors, valid, seq_len, block_size, "cpu", backend, context_valid_BS=context_valid)
+        mask = build_train_mask(anchors, valid, seq_len, block_size, "cpu", backend, context_valid_BS=context_valid,
+                                window=window)
         out[backend] = attend(q, k, v, mask)
     diff = float((out["flex"] - out["sdpa"]).abs().max())
     assert diff < 1e-5, f"flex vs sdpa max abs diff {diff:.3e}"
@@ -132,14 +208,15 @@ def test_flex_over_several_tiles_matches_sdpa(seed, seq_len, block_size, n_ancho
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (compiled flex attention)")
-def test_compiled_flex_on_cuda_matches_sdpa_over_several_tiles():
+@pytest.mark.parametrize("window", [None, 100])
+def test_compiled_flex_on_cuda_matches_sdpa_over_several_tiles(window):
     anchors, valid, context_valid = _tile_case(0, 300, 16, 20)
     g = torch.Generator().manual_seed(0)
     Q = 20 * 16
     q, k, v = (torch.randn(2, h, n, D, generator=g).cuda().bfloat16() for h, n in ((HQ, Q), (HKV, 300 + Q), (HKV, 300 + Q)))
     out = {}
     for backend in ("flex", "sdpa"):
-        mask = build_train_mask(anchors, valid, 300, 16, "cuda", backend, context_valid_BS=context_valid.cuda())
+        mask = build_train_mask(anchors, valid, 300, 16, "cuda", backend, context_valid_BS=context_valid.cuda(), window=window)
         out[backend] = attend(q, k, v, mask).float()
     diff = float((out["flex"] - out["sdpa"]).abs().max())
     assert diff < 2e-2, f"compiled flex vs sdpa max abs diff {diff:.3e} (bf16)"

@@ -43,6 +43,19 @@ def test_values_that_can_never_work_are_refused_with_their_range(setting, says):
     assert says in refused(sets=(setting,))
 
 
+@pytest.mark.parametrize("drafter, says", [
+    ({"layer_types": ["full_attention"]}, "layer_types has 1 entries for num_layers = 5; give one per layer"),
+    ({"layer_types": ["sliding_attention"] * 5}, "sliding_attention layers but sliding_window is not set"),
+    ({"sliding_window": 64}, "sliding_window = 64 but no layer is sliding_attention"),
+    ({"layer_types": ["sliding_attention"] * 5, "sliding_window": 16}, "sliding_window (16) must be >= block_size (32)"),
+    ({"num_attention_heads": 6, "num_key_value_heads": 4}, "num_attention_heads (6) must be a multiple of num_key_value_heads (4)"),
+    ({"layer_types": ["local_attention"] * 5}, "drafter.layer_types.0: Input should be 'full_attention' or 'sliding_attention'"),
+    ({"head_dim": 3}, "drafter.head_dim: Input should be a multiple of 2"),
+])
+def test_drafter_shape_fields_are_checked_together(drafter, says):
+    assert says in refused({"drafter": drafter})
+
+
 def test_the_bounds_admit_every_committed_config():
     from pathlib import Path
 

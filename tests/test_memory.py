@@ -97,6 +97,21 @@ def test_drafter_states_are_fp32_adamw_over_exact_params():
     assert part(parts, "drafter params") == 4 * p
 
 
+def test_the_qwen36_drafter_is_sized_by_its_own_fields_not_the_target():
+    """The public Qwen3.6-27B recipe: 5 layers of 32 x 128 heads (8 kv), MLP 17408, on hidden 5120 (~1.73 B params)."""
+    cfg = load_config(REPO / "configs/qwen3.6-27b-5t3d.toml")
+    shape = load_target_shape(cfg.target.path)
+    assert (shape.heads, shape.head_dim, shape.hidden) == (24, 256, 5120)
+    h = 5120
+    layer = 2 * h * 32 * 128 + 2 * h * 8 * 128 + 3 * h * 17408 + 2 * h + 2 * 128
+    assert drafter_params(cfg, shape) == 5 * layer + 5 * h * h + 2 * h == 1_730_213_120
+    # One flex BlockMask per layer type: the sliding layers' mask doubles the (small) mask part.
+    full = config_from_dict({**cfg.model_dump(), "drafter": {**cfg.drafter.model_dump(), "layer_types": [],
+                                                              "sliding_window": None}})
+    masks = [part(role_parts(c, shape, "drafter", "12.8"), "flex block mask") for c in (cfg, full)]
+    assert masks[1] > 0 and abs(masks[0] - 2 * masks[1]) <= 1  # parts are scaled by a fitted float, then rounded
+
+
 def test_default_target_layers():
     assert default_target_layer_ids(36, 5) == [1, 9, 17, 25, 33]
     assert default_target_layer_ids(28, 1) == [14]

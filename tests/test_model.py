@@ -226,3 +226,113 @@ def test_compiled_layers_give_the_eager_gradients(mode, monkeypatch):
     for name, g in ref.items():
         diff = float((got[name] - g).abs().max())
         assert diff <= 1e-12, f"{name}: max |diff| {diff}"
+
+
+# --------------------------------------------------------------------------------------------- own shape, sliding layers
+
+SMALL_TARGET = {"hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
+                "head_dim": 8, "vocab_size": 50, "num_hidden_layers": 6, "rms_norm_eps": 1e-6}
+
+
+def _shaped_drafter(layer_types, window, seed=0):
+    """A drafter whose layers are shaped unlike the target's: 6 heads x 4 (3 kv), MLP 40."""
+    torch.manual_seed(seed)
+    cfg = drafter_config_from_target(SMALL_TARGET, len(layer_types), 4, [1, 3], mask_token_id=49, num_attention_heads=6,
+                                     num_key_value_heads=3, head_dim=4, intermediate_size=40, layer_types=layer_types,
+                                     sliding_window=window)
+    return DFlashDrafter(cfg).double()
+
+
+def _shaped_inputs(S=30, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    anchors = torch.tensor([[3, 12, 25], [8, 20, 28]])
+    valid = torch.tensor([[True, True, True], [True, True, False]])
+    context = torch.randn(2, S, 2 * 32, generator=g, dtype=torch.float64)
+    noise = torch.randn(2, 12, 32, generator=g, dtype=torch.float64)
+    pos_q = (anchors[:, :, None] + torch.arange(4)).reshape(2, -1)
+    return context, noise, torch.arange(S).expand(2, S), pos_q, anchors, valid
+
+
+def _masks(drafter, anchors, valid, S, backend):
+    from dflash.attention import build_layer_masks
+
+    c = drafter.config
+    return build_layer_masks(anchors, valid, S, c.block_size, "cpu", backend, c.layer_types, c.sliding_window)
+
+
+def test_drafter_shape_independent_of_the_target():
+    drafter = _shaped_drafter(["sliding_attention", "full_attention"], 8)
+    attn = drafter.layers[0].self_attn
+    assert (attn.q_proj.weight.shape, attn.k_proj.weight.shape, attn.o_proj.weight.shape) == ((24, 32), (12, 32), (32, 24))
+    assert drafter.layers[0].mlp.gate_proj.weight.shape == (40, 32) and drafter.fc.weight.shape == (32, 64)
+    # Unset fields stay the target's.
+    same = drafter_config_from_target(SMALL_TARGET, 2, 4, [1, 3], mask_token_id=49, num_attention_heads=None)
+    assert (same.num_attention_heads, same.num_key_value_heads, same.head_dim, same.intermediate_size) == (4, 2, 8, 64)
+    assert same.layer_types == ["full_attention"] * 2 and same.sliding_window is None
+    with pytest.raises(ValueError, match="multiple of num_key_value_heads"):
+        drafter_config_from_target(SMALL_TARGET, 2, 4, [1, 3], mask_token_id=49, num_attention_heads=3)
+    with pytest.raises(ValueError, match="sliding_window >= block_size"):
+        drafter_config_from_target(SMALL_TARGET, 1, 4, [1], mask_token_id=49, layer_types=["sliding_attention"])
+
+
+def test_sliding_layer_ignores_context_outside_its_window():
+    """One sliding layer, window 8: block 1 of row 0 (anchor 12) slot o sees context 5 + o .. 11 only."""
+    drafter = _shaped_drafter(["sliding_attention"], 8)
+    context, noise, pos_c, pos_q, anchors, valid = _shaped_inputs()
+    masks = _masks(drafter, anchors, valid, 30, "sdpa")
+    torch.set_grad_enabled(False)
+    base = drafter(context, noise, pos_c, pos_q, masks)
+    for p in range(12):
+        moved = context.clone()
+        moved[0, p] += 1.0
+        out = drafter(moved, noise, pos_c, pos_q, masks)
+        for o in range(4):
+            changed = float((out[0, 4 + o] - base[0, 4 + o]).abs().max())
+            assert (changed > 0) == (p > 12 + o - 8), f"slot {o}, context {p}: changed by {changed}"
+    torch.set_grad_enabled(True)
+    with pytest.raises(ValueError, match=r"no attention mask for the drafter's \['sliding_attention'\] layers"):
+        drafter(context, noise, pos_c, pos_q, masks["sliding_attention"])
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+def test_sliding_drafter_flex_equals_sdpa_and_a_wide_window_equals_full():
+    torch.set_grad_enabled(False)
+    drafter = _shaped_drafter(["sliding_attention", "full_attention"], 8)
+    context, noise, pos_c, pos_q, anchors, valid = _shaped_inputs()
+    sdpa = drafter(context, noise, pos_c, pos_q, _masks(drafter, anchors, valid, 30, "sdpa"))
+    flex = drafter.float()(context.float(), noise.float(), pos_c, pos_q, _masks(drafter, anchors, valid, 30, "flex"))
+    diff = float((flex.double() - sdpa).abs().max())
+    assert diff < 1e-4, f"flex vs sdpa with a sliding layer: max abs diff {diff:.3e}"
+    drafter.double()
+    wide, full = _shaped_drafter(["sliding_attention", "full_attention"], 40), _shaped_drafter(["full_attention"] * 2, None)
+    args = (context, noise, pos_c, pos_q)
+    assert torch.equal(wide(*args, _masks(wide, anchors, valid, 30, "sdpa")), full(*args, _masks(full, anchors, valid, 30, "sdpa")))
+    assert not torch.equal(drafter(*args, _masks(drafter, anchors, valid, 30, "sdpa")), full(*args, _masks(full, anchors, valid, 30, "sdpa")))
+    torch.set_grad_enabled(True)
+
+
+def test_sliding_drafter_save_load_round_trip(tmp_path):
+    drafter = _shaped_drafter(["sliding_attention", "sliding_attention", "full_attention"], 8)
+    drafter.save_pretrained(tmp_path / "d")
+    raw = json.loads((tmp_path / "d" / "config.json").read_text())
+    assert raw["layer_types"] == ["sliding_attention", "sliding_attention", "full_attention"]
+    assert (raw["sliding_window"], raw["use_sliding_window"], raw["num_attention_heads"], raw["head_dim"]) == (8, True, 6, 4)
+    loaded = DFlashDrafter.from_pretrained(tmp_path / "d")
+    assert loaded.config == drafter.config
+    context, noise, pos_c, pos_q, anchors, valid = _shaped_inputs()
+    masks = _masks(drafter, anchors, valid, 30, "sdpa")
+    assert torch.equal(drafter(context, noise, pos_c, pos_q, masks), loaded(context, noise, pos_c, pos_q, masks))
+
+
+def test_run_config_drafter_fields_shape_the_drafter():
+    from dflash.config import config_from_dict
+    from dflash.model import drafter_config_for_run
+
+    cfg = config_from_dict({"drafter": {"num_layers": 3, "block_size": 4, "num_attention_heads": 6, "num_key_value_heads": 3,
+                                        "head_dim": 4, "intermediate_size": 40, "sliding_window": 8,
+                                        "layer_types": ["sliding_attention", "sliding_attention", "full_attention"]}})
+    dcfg = drafter_config_for_run(cfg, SMALL_TARGET, 49)
+    assert (dcfg.num_attention_heads, dcfg.num_key_value_heads, dcfg.head_dim, dcfg.intermediate_size) == (6, 3, 4, 40)
+    assert dcfg.layer_types == cfg.drafter.layer_types and dcfg.sliding_window == 8 and dcfg.hidden_size == 32
+    plain = drafter_config_for_run(config_from_dict({"drafter": {"num_layers": 2, "block_size": 4}}), SMALL_TARGET, 49)
+    assert (plain.num_attention_heads, plain.intermediate_size, plain.layer_types) == (4, 64, ["full_attention"] * 2)

@@ -847,6 +847,7 @@ def test_config_passes_with_the_resolved_layers_and_mask_source(tmp_path):
     ({"target_layer_ids": [1, 30, 99]}, "drafter.target_layer_ids [30, 99]", "outside 0..29 of the 30-layer target"),
     ({"mask_token_id": 49152}, "drafter.mask_token_id 49152", "outside 0..49151"),
     ({"num_layers": 40}, "drafter.target_layer_ids []", "cannot spread 40 distinct layers over [1, 27]"),
+    ({"num_attention_heads": 8}, "drafter heads 8", "not a multiple of its kv heads 3"),
 ])
 def test_config_fails_on_values_that_do_not_fit_the_target_naming_field_range_and_fix(tmp_path, drafter, field, allowed):
     r = checks.check_config(make_ctx(tmp_path, config={"drafter": drafter}))

@@ -1,0 +1,112 @@
+"""The target role's rate: tokens per second of the frozen target's feature forward (dflash.loss.target_step).
+
+The target is built with random weights on the GPU from the run config's target.path config.json
+(real shapes), fed batches of token_budget tokens split into --rows rows (the last one 1/8 padded when
+rows > 1), and timed over --steps batches after --warmup. It prints which Gated DeltaNet and causal
+conv1d implementations transformers bound (fla / causal_conv1d kernels, or the PyTorch fallbacks), the
+rate, and the torch and NVML peaks, and writes them as JSON with --out.
+
+Run from the repository root (bench/device_target_rate.sh runs both on a device machine):
+
+    python3 bench/target_rate.py --config configs/qwen3.6-27b-5t3d.toml --out .cache/out/target_rate_fallback.json
+    PYTHONPATH=.:.cache/fla python3 bench/target_rate.py --config configs/qwen3.6-27b-5t3d.toml \
+        --out .cache/out/target_rate_fla.json      # fla-core 0.6.0 installed with pip --target .cache/fla
+    uv run python bench/target_rate.py --config configs/qwen3.6-27b-5t3d.toml --tiny --device cpu   # smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.common import Nvml, NvmlPeak, environment, gib, parse_sets, write_json  # noqa: E402
+
+
+def kernels() -> dict:
+    """Where the Qwen3.5 Gated DeltaNet functions transformers bound come from (fla / causal_conv1d, or its fallbacks)."""
+    from transformers.models.qwen3_5 import modeling_qwen3_5 as m
+
+    out = {}
+    for name in ("torch_chunk_gated_delta_rule", "causal_conv1d_fn"):
+        fn = getattr(m, name)
+        cells = dict(zip(fn.__code__.co_freevars, (c.cell_contents for c in fn.__closure__ or ())))
+        impl = cells.get("implementation", fn)  # the hub wrapper's chosen implementation
+        out[name] = f"{impl.__module__}.{impl.__name__}"
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--config", required=True, help="run config TOML (target.path, target.dtype, data.token_budget)")
+    p.add_argument("--set", action="append", default=[], help="dotted override, e.g. data.token_budget=16384")
+    p.add_argument("--rows", type=int, default=1, help="rows per batch (token_budget // rows tokens each)")
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--tiny", action="store_true", help="a tiny hybrid target instead of target.path (smoke run)")
+    p.add_argument("--out", type=Path, help="write the result as JSON here")
+    args = p.parse_args(argv)
+
+    import torch
+
+    from dflash.config import load_config
+    from dflash.loss import target_step
+    from dflash.step import feature_layer_ids
+    from dflash.target import load_target
+
+    cfg = load_config(args.config, parse_sets(args.set))
+    device = torch.device(args.device)
+    path = cfg.target.path
+    if args.tiny:
+        import tempfile
+
+        from dflash.synthetic import hybrid_target_config, write_target
+
+        path = str(write_target(Path(tempfile.mkdtemp()) / "tiny", hybrid_target_config(num_hidden_layers=8), weights=False))
+        cfg.data.token_budget = min(cfg.data.token_budget, 256)
+        cfg.drafter.target_layer_ids = [1, 3, 5]
+    nvml = Nvml(enabled=device.type == "cuda")
+    t0 = time.perf_counter()
+    model = load_target(path, cfg.target.dtype, device, random_init=True)
+    load_s = time.perf_counter() - t0
+    layer_ids = feature_layer_ids(cfg, model.config.num_hidden_layers)
+    seq = cfg.data.token_budget // args.rows
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(1, model.config.vocab_size - 1, (args.rows, seq), generator=g)
+    attention = torch.ones(args.rows, seq, dtype=torch.long)
+    if args.rows > 1:
+        attention[-1, seq - seq // 8:] = 0
+    batch = {"input_ids": ids.to(device), "attention_mask": attention.to(device) if args.rows > 1 else None}
+    want_last = cfg.train.kl_weight > 0
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    times = []
+    with NvmlPeak(nvml) as peak, torch.no_grad():
+        for i in range(args.warmup + args.steps):
+            sync()
+            t = time.perf_counter()
+            target_step(model, batch, layer_ids, want_last)
+            sync()
+            if i >= args.warmup:
+                times.append(time.perf_counter() - t)
+    tokens = args.rows * seq
+    result = {
+        "target": path, "dtype": cfg.target.dtype, "tokens_per_batch": tokens, "rows": args.rows, "layer_ids": layer_ids,
+        "want_last": want_last, "kernels": kernels(), "load_s": round(load_s, 2),
+        "step_s": [round(t, 4) for t in times], "tok_per_s": round(tokens / (sum(times) / len(times)), 1),
+        "max_allocated_bytes": int(torch.cuda.max_memory_allocated()) if device.type == "cuda" else None,
+        "nvml_peak_bytes": peak.peak, "environment": environment(torch, args.device),
+    }
+    print(f"kernels: {result['kernels']}")
+    print(f"{tokens} tokens/batch x {args.steps}: {result['tok_per_s']:.0f} tok/s; torch peak {gib(result['max_allocated_bytes'])}, "
+          f"NVML peak {gib(result['nvml_peak_bytes'])}")
+    if args.out:
+        write_json(args.out, result)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

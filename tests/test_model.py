@@ -199,6 +199,7 @@ def test_compiled_layers_give_the_eager_gradients(mode, monkeypatch):
 
     monkeypatch.setattr(model_mod, "COMPILE_BACKEND", "aot_eager")
     monkeypatch.setattr(model_mod, "_compiled_fns", {})
+    torch._dynamo.reset()
     torch.manual_seed(0)
     tcfg = {"hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
             "head_dim": 8, "vocab_size": 50, "num_hidden_layers": 6, "rms_norm_eps": 1e-6}

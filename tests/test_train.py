@@ -390,6 +390,7 @@ def test_compilation_happens_in_the_main_thread_only(tmp_path, monkeypatch):
 
     monkeypatch.setattr(model_mod, "COMPILE_BACKEND", recording_backend)
     monkeypatch.setattr(model_mod, "_compiled_fns", {})
+    torch._dynamo.reset()  # graphs other tests compiled for the same functions would add recompiles here
     set_compile = model_mod.DFlashDrafter.set_compile
     monkeypatch.setattr(model_mod.DFlashDrafter, "set_compile", lambda self, on: set_compile(self, True))  # CUDA-only
     from dflash.train import compiled_graphs

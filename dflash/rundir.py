@@ -490,8 +490,9 @@ def set_best(output_dir: str | Path, checkpoint: str | Path) -> Path:
     name = Path(checkpoint).name
     if checkpoint_step(name) is None or not (root / name / META_NAME).is_file():
         raise CheckpointError(f"{checkpoint}: not a finished checkpoint of {root}; best points at step_* folders only")
+    for stale in root.glob(f".{BEST_NAME}.*{TMP_SUFFIX}"):  # this process's, or one a kill left mid-update
+        stale.unlink(missing_ok=True)
     tmp = root / f".{BEST_NAME}.{os.getpid()}{TMP_SUFFIX}"
-    tmp.unlink(missing_ok=True)
     os.symlink(name, tmp)
     os.replace(tmp, root / BEST_NAME)
     try:

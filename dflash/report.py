@@ -80,8 +80,10 @@ def _json(path: Path):
 
 def load_run(path: str | Path, label: str | None = None) -> Run:
     path = Path(path)
-    if not path.is_dir():
+    if not path.exists():
         raise ReportError(f"{path}: no such run dir; give an output_dir of dflash-train")
+    if not path.is_dir():
+        raise ReportError(f"{path}: not a folder; give an output_dir of dflash-train")
     metrics = path / rundir.METRICS_NAME
     if not (path / rundir.CONFIG_NAME).is_file() and not metrics.is_file():
         raise ReportError(f"{path}: not a run dir (no {rundir.CONFIG_NAME} nor {rundir.METRICS_NAME}); give an "

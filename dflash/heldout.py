@@ -2,7 +2,8 @@
 
 Every `eval.every` steps and at the end, the trainer measures the drafter on data it never trains on:
 
-- teacher-forced, on every held-out sample: the loss, per-slot accuracy and simulated acceptance
+- teacher-forced, on every held-out sample (target features kept between evaluations with
+  train.cache_features): the loss, per-slot accuracy and simulated acceptance
   length of the training step's own math (`dflash.loss.drafter_step_math`, no gradient), anchors drawn
   from a fixed generator per held-out batch, so two evaluations of the same weights give the same numbers;
   batches are summed, then divided once (a mean over all held-out blocks, tokens and slot weights);
@@ -129,7 +130,9 @@ class HeldOut:
         self.batches = BucketBatchSampler(dataset.lengths, d.token_budget, d.max_batch_size, d.num_buckets,
                                           cfg.train.seed).epoch_batches(0)
         self.prompts = self._prompts(cfg.eval.real_prompts)
-        self._reference: list[list[int]] | None = None
+        self._reference: list[list[int]] | None = None  # target-only greedy tokens: the target is frozen
+        # with train.cache_features (small co-located runs) the held-out batches' target features are kept too
+        self._features: dict[int, tuple] | None = {} if cfg.train.cache_features else None
 
     def _prompts(self, k: int) -> list[list[int]]:
         out = []
@@ -178,7 +181,12 @@ class HeldOut:
         total: dict = {}
         for i, indices in enumerate(self.batches):
             batch = {k: v.to(device) for k, v in collate(self.dataset, indices, self.pad_id).items()}
-            features = local_features(source, batch, device)
+            if self._features is not None and i in self._features:
+                features = self._features[i]
+            else:
+                features = local_features(source, batch, device)
+                if self._features is not None:
+                    self._features[i] = features
             add_sums(total, batch_sums(drafter, embed_VH, head_VH, batch, features, self.cfg, device, attn_backend,
                                        BATCH_INDEX_OFFSET + i))
         return finish_sums(total)
@@ -227,7 +235,7 @@ def batch_sums(drafter, embed_VH, head_VH, batch: dict, features, cfg, device, a
     weight_sum = float((slot_weights(bs, cfg.train.gamma).to(device).repeat(A)[None, :] * label_valid_BQ).sum())
     slot_tokens = label_valid_BQ.view(B, A, bs)[:, :, 1:].sum(dim=(0, 1)).tolist()
     return {
-        "loss": float(loss) * weight_sum, "ce": m["ce"] * weight_sum, "weight": weight_sum,
+        "loss": float(loss.detach()) * weight_sum, "ce": m["ce"] * weight_sum, "weight": weight_sum,
         "accept": m["accept_len"] * m["blocks"], "blocks": m["blocks"],
         "slot_ok": [round(a * n) for a, n in zip(m["acc_slot"], slot_tokens)], "slot_tokens": slot_tokens,
         "samples": int(batch["input_ids"].shape[0]),

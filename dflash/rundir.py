@@ -18,6 +18,7 @@
         running.json                pid and host of the process training now (removed when it returns;
                                     left behind by a crash or a kill, with the error when there was one)
         report/                     dflash-report's HTML and PNGs
+        tensorboard/                --report-to tensorboard's event files
         checkpoints.abandoned-*/, replaced-*/, metrics.abandoned-*.jsonl   moved aside, never deleted
 
 This module is the only place that knows these names: the trainer (``dflash.checkpoint``,
@@ -60,6 +61,7 @@ BEST_NAME = "best"  # inside CHECKPOINTS_DIR: a relative symlink to a step_* fol
 HELDOUT_NAME = "heldout.json"
 RUNNING_NAME = "running.json"
 REPORT_DIR = "report"
+TENSORBOARD_DIR = "tensorboard"  # --report-to tensorboard's event files
 STEP_PREFIX = "step_"
 TMP_SUFFIX = ".tmp"
 
@@ -411,7 +413,8 @@ def make_room(cfg: RunConfig, resume_from: Path | None, fresh: bool, log=print) 
 
     - resuming: newer checkpoints move aside so `latest` stays this run's, and metrics rows after its
       step move to metrics.abandoned-*.jsonl;
-    - --fresh: the old checkpoints, metrics and final drafter move to replaced-*/.
+    - --fresh: the old checkpoints, metrics, final drafter, held-out ids, report and tensorboard events move to
+      replaced-*/ (a new run's curves never mix with the old one's).
     """
     out = Path(cfg.output_dir)
     if resume_from is not None:
@@ -426,7 +429,8 @@ def make_room(cfg: RunConfig, resume_from: Path | None, fresh: bool, log=print) 
                 "stays this run's (nothing deleted)")
         trim_metrics(out, step, log)
     elif fresh:
-        leftovers = [p for p in (checkpoints_dir(out), out / METRICS_NAME, out / DRAFTER_DIR) if p.exists()]
+        leftovers = [p for p in (checkpoints_dir(out), out / METRICS_NAME, out / DRAFTER_DIR, out / HELDOUT_NAME,
+                                 out / REPORT_DIR, out / TENSORBOARD_DIR) if p.exists()]
         if leftovers:
             aside = _aside(out, "replaced")
             aside.mkdir()

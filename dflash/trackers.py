@@ -52,7 +52,9 @@ class TensorBoard:
     def __init__(self, out: Path, config: dict):
         from torch.utils.tensorboard import SummaryWriter
 
-        self.writer = SummaryWriter(log_dir=str(Path(out) / "tensorboard"))
+        from dflash.rundir import TENSORBOARD_DIR
+
+        self.writer = SummaryWriter(log_dir=str(Path(out) / TENSORBOARD_DIR))
         self.writer.add_text("config", "```\n" + _json(config) + "\n```", 0)
 
     def log(self, row: dict) -> None:

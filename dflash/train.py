@@ -457,7 +457,6 @@ class Trainer:
             self.log(self.source.summary(self.out / "metrics.jsonl"))
         return 0
 
-
     def _export(self) -> str:
         """Write <output_dir>/drafter: checkpoints/best's weights (eval.export = best) or the last step's."""
         import shutil

@@ -2,7 +2,8 @@
 
 The folder layout and its names belong to ``dflash.rundir``; this module writes and reads the
 tensors. A save is written to ``step_X.tmp`` and renamed when complete, so a crash mid-save
-leaves the previous checkpoint loadable; only the newest keep_last are kept.
+leaves the previous checkpoint loadable; only the newest keep_last are kept, and the one
+``checkpoints/best`` points to (``dflash.rundir.set_best``).
 
 The trainer state is plain JSON (step, sampler position, ...) plus its tensors (RNG states) in
 safetensors, and the optimizer state is loaded with ``weights_only=True``: loading a checkpoint
@@ -39,6 +40,7 @@ from dflash.rundir import (  # noqa: F401  (CheckpointError, checkpoints_dir, ..
     TMP_SUFFIX,
     WEIGHTS_NAME,
     CheckpointError,
+    best_checkpoint,
     checkpoint_path,
     checkpoints_dir,
     is_legacy,
@@ -141,8 +143,9 @@ def save_checkpoint(output_dir: str | Path, step: int, drafter, optimizer, train
         shutil.rmtree(final)
     tmp.rename(final)
     _fsync_dir(root)
+    best = best_checkpoint(output_dir)
     for old in list_checkpoints(output_dir)[:-keep_last]:
-        if old != final:  # never the one just written
+        if old != final and old != best:  # never the one just written, never checkpoints/best's
             shutil.rmtree(old, ignore_errors=True)
     return final
 

@@ -5,6 +5,7 @@
     uv run dflash-train --config configs/qwen3-8b-1gpu.toml --warm-cache
     uv run dflash-data stats data/train
     uv run dflash-data manifest data/train --target models/qwen3-8b
+    uv run dflash-report runs/demo            # HTML + PNGs of a run (two run dirs: overlaid curves)
 
 dflash-train exit codes: 0 the run finished, 1 it failed (or the gate refused it), 2 bad input,
 75 a signal stopped it after a checkpoint (resume with --resume latest; dflash.rundir.EXIT_STOPPED).
@@ -78,8 +79,12 @@ def _gate(cfg: RunConfig, waivers: dict[str, str], intent: str | None, verify_da
               "(other max_steps, epochs, dataset size, lr, ...); the change is printed")
 @click.option("--verify-data", is_flag=True, help="the gate also hashes every shard and the checkpoint to resume "
               "against their recorded sha256 (reads every byte)")
+@click.option("--init-from", type=click.Path(path_type=Path), help="start from the weights of an exported DFlash "
+              "drafter folder (ours or the public layout); its shape must match the run's drafter")
+@click.option("--report-to", multiple=True, metavar="TRACKER", help="also send every metrics row to tensorboard, "
+              "wandb or trackio (repeat or comma-separate; each is imported only when asked)")
 def train_command(config_path, demo, resume, fresh, sets, max_steps, output_dir, target_gpus, drafter_gpus,
-               waive, reason, warm_cache, no_progress, allow_schedule_change, verify_data) -> None:
+               waive, reason, warm_cache, no_progress, allow_schedule_change, verify_data, init_from, report_to) -> None:
     """Train a DFlash drafter against a frozen target; refuses to start unless preflight passes.
 
     Exit codes: 0 finished, 1 failed or refused by the gate, 2 bad input, 75 stopped by a signal after a checkpoint.
@@ -100,7 +105,21 @@ def train_command(config_path, demo, resume, fresh, sets, max_steps, output_dir,
     if target_gpus is not None or drafter_gpus is not None:
         overrides["topology.target_gpus"] = _gpu_list(target_gpus) or []
         overrides["topology.drafter_gpus"] = _gpu_list(drafter_gpus) or []
+    if init_from is not None:
+        if resume:
+            raise click.UsageError("--init-from starts a fresh run from a drafter's weights; --resume continues a "
+                                   "checkpoint's: give one of them")
+        from dflash.warmstart import read_init_config
+
+        read_init_config(init_from)  # a folder that is no drafter is one line, before anything loads
+        overrides["init_from"] = str(init_from)
+    if report_to:
+        overrides["report_to"] = _trackers(report_to)
     cfg = load_config(config_path, overrides)
+    if cfg.report_to:
+        from dflash.trackers import check_available
+
+        check_available(cfg.report_to)  # a missing package: one line, exit 2, before the gate
     waivers = parse_waivers(waive, reason)  # before the run dir is touched (--fresh moves checkpoints aside)
 
     from preflight.gate import apply_profile_env
@@ -148,6 +167,17 @@ def train_command(config_path, demo, resume, fresh, sets, max_steps, output_dir,
     if code == 0 and rundir.read_stopped(cfg.output_dir):
         code = rundir.EXIT_STOPPED  # stopped by a signal after a checkpoint: unfinished, resumable
     sys.exit(code)
+
+
+def _trackers(values: tuple[str, ...]) -> list[str]:
+    from dflash.config import TRACKERS
+
+    names = [v.strip() for value in values for v in value.split(",") if v.strip()]
+    bad = [n for n in names if n not in TRACKERS]
+    if bad or not names:
+        raise click.UsageError(f"--report-to {','.join(bad) or repr(values[0] if values else '')}: unknown tracker; "
+                               f"give {', '.join(TRACKERS)} (several allowed)")
+    return list(dict.fromkeys(names))
 
 
 @click.group(cls=Group, context_settings=CONTEXT)
@@ -248,6 +278,21 @@ def eval_command(target, drafter, prompts, block_size, max_new_tokens, limit, de
         sys.exit(1)
 
 
+@click.command(cls=Command, context_settings=CONTEXT)
+@click.argument("run_dirs", nargs=-1, required=True, type=click.Path(path_type=Path))
+@click.option("--out", type=click.Path(file_okay=False, path_type=Path),
+              help="folder for report.html and the PNGs (default: <first run dir>/report)")
+def report_command(run_dirs, out) -> None:
+    """One self-contained HTML page (plots embedded) and PNGs of a run dir; two run dirs overlay their curves.
+
+    Works on a finished, a running and a crashed run.
+    """
+    from dflash.report import write_report
+
+    page = write_report(list(run_dirs), out)
+    click.echo(f"report: {page}")
+
+
 def train_main(argv: list[str] | None = None) -> None:
     """dflash-train: user errors are one line (`dflash-train: error: ...`), never a traceback."""
     run_cli(train_command, "dflash-train", argv)
@@ -259,6 +304,10 @@ def data_main(argv: list[str] | None = None) -> None:
 
 def eval_main(argv: list[str] | None = None) -> None:
     run_cli(eval_command, "dflash-eval", argv)
+
+
+def report_main(argv: list[str] | None = None) -> None:
+    run_cli(report_command, "dflash-report", argv)
 
 
 if __name__ == "__main__":

@@ -196,6 +196,41 @@ class TopologyConfig(_Strict):
         return self
 
 
+class EvalConfig(_Strict):
+    """Held-out evaluation during training (dflash.heldout): off unless `path` or `holdout` names the data."""
+
+    path: str = Field("", description="held-out Arrow dataset folder (input_ids + loss_mask shards, never trained on); "
+                      "empty = none")
+    holdout: int = Field(0, ge=0, le=MAX_TOKENS, description="samples taken out of data.path by sample id (a seeded "
+                         "choice, recorded in heldout.json) and never trained on; 0 = none; excludes `path`")
+    every: int = Field(0, ge=0, description="steps between held-out evaluations (0 = only at the end; the end is "
+                       "always evaluated)")
+    real_prompts: int = Field(0, ge=0, le=4096, description="held-out samples whose prompt (tokens before the first "
+                              "loss_mask=1) is also decoded speculatively against the target, checked lossless "
+                              "(the dflash-eval loop, batch 1); 0 = teacher-forced numbers only")
+    max_new_tokens: int = Field(32, ge=1, le=MAX_TOKENS, description="tokens generated per real-decoding prompt")
+    export: Literal["best", "last"] = Field(
+        "best", description="which weights the finished run exports to <output_dir>/drafter: the best held-out "
+        "checkpoint (checkpoints/best), or the last step; without held-out evaluation always the last",
+    )
+
+    _path = field_validator("path")(_no_nul)
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.path) or self.holdout > 0
+
+    @model_validator(mode="after")
+    def _one_source(self) -> EvalConfig:
+        if self.path and self.holdout:
+            raise ValueError("give eval.path (a held-out dataset) or eval.holdout (samples taken out of data.path), "
+                             "not both")
+        return self
+
+
+TRACKERS = ("tensorboard", "wandb", "trackio")
+
+
 class RunConfig(_Strict):
     output_dir: str = Field("runs/default", min_length=1, description="run dir: checkpoints, metrics, preflight report")
     device: Literal["cuda", "cpu"] = Field("cuda", description="cuda, or cpu (GPU checks are skipped)")
@@ -205,14 +240,31 @@ class RunConfig(_Strict):
     data: DataConfig = Field(default_factory=DataConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
     topology: TopologyConfig = Field(default_factory=TopologyConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+    init_from: str = Field("", description="exported DFlash drafter folder (config.json + model.safetensors, ours or "
+                           "the public layout) whose weights start a fresh run; its shape must equal this run's "
+                           "drafter; empty = random init (dflash-train --init-from)")
+    report_to: list[Literal["tensorboard", "wandb", "trackio"]] = Field(
+        default_factory=list, max_length=3, description="trackers that also receive every metrics row, under the "
+        "metrics.jsonl names (dflash-train --report-to); each is imported only when listed",
+    )
 
     _output_dir = field_validator("output_dir")(_no_nul)
+    _init_from = field_validator("init_from")(_no_nul)
 
     @model_validator(mode="after")
     def _cache_is_colocated(self) -> RunConfig:
         if self.train.cache_features and self.topology.target_gpus:
             raise ValueError("train.cache_features works in co-located runs only (target ranks stream features); "
                              "drop it or the topology lists")
+        return self
+
+    @model_validator(mode="after")
+    def _eval_is_colocated(self) -> RunConfig:
+        if self.eval.enabled and self.topology.target_gpus:
+            raise ValueError("[eval] works in co-located runs only for now (split runs' target ranks do not serve "
+                             "held-out batches yet); drop [eval] or the topology lists, and evaluate checkpoints with "
+                             "dflash-eval")
         return self
 
     def drafter_hash(self) -> str:

@@ -5,7 +5,11 @@
 3. preflight the in-process gate, cpu mode (the same checks a GPU run passes)
 4. train     a 1-layer DFlash drafter (configs/demo-cpu.toml) against the frozen target
 5. evaluate  trained vs untrained drafter (same shapes) on held-out chitchat prompts:
-             speculative decoding, mean acceptance length, checked lossless
+             speculative decoding, mean acceptance length, checked lossless; then dflash-report
+             writes the run's HTML report and plots (its path is the last line)
+
+During training, [eval] measures the drafter on the target's completions of other held-out
+chitchat prompts (HELDOUT_SAMPLES of them), and checkpoints/best follows the best of it.
 
 Caches live under $DFLASH_CACHE (default ~/.cache/dflash); the run goes to runs/demo (an older
 demo run there is moved aside, not deleted).
@@ -24,6 +28,7 @@ MAX_NEW_TOKENS = 48  # completion tokens per training prompt, at most
 EVAL_PROMPTS = 8  # held-out prompts
 EVAL_MAX_NEW_TOKENS = 32  # tokens generated per held-out prompt
 HELD_OUT_SPEC = "held-out"  # chitchat conversations never used for training
+HELDOUT_SAMPLES = 16  # held-out completions the trainer evaluates on ([eval] in configs/demo-cpu.toml)
 STAGES = 5
 
 
@@ -63,8 +68,14 @@ def run_pipeline(target_spec: str, prompts: str, n_prompts: int, max_new_tokens:
     prepare(PrepareSettings(target_spec, prompts, data, max_new_tokens, n_prompts, batch_size=32, shard_size=32,
                             device="cpu"), log=log)
 
+    heldout = cache_root() / "demo" / f"{target.name}-{Path(eval_prompts).stem}-{HELDOUT_SAMPLES}x{max_new_tokens}"
+    log(f"held-out data for [eval]: greedy completions of {HELDOUT_SAMPLES} {eval_prompts} prompts")
+    prepare(PrepareSettings(target_spec, eval_prompts, heldout, max_new_tokens, HELDOUT_SAMPLES, batch_size=32,
+                            shard_size=32, device="cpu"), log=log)
+
     try:
-        cfg = load_config(CONFIG, {"target.path": str(target), "data.path": str(data), **(overrides or {})})
+        cfg = load_config(CONFIG, {"target.path": str(target), "data.path": str(data), "eval.path": str(heldout),
+                                   **(overrides or {})})
     except ConfigError as e:
         log(f"demo: {e}")
         return 2
@@ -103,9 +114,14 @@ def run_pipeline(target_spec: str, prompts: str, n_prompts: int, max_new_tokens:
         f"{eval_max_new_tokens} tokens); the demo took {time.perf_counter() - t0:.0f} s")
     (Path(cfg.output_dir) / "demo-eval.json").write_text(
         "[" + ",\n".join(r.to_json() for r in reports.values()) + "]\n")
+    from dflash.report import write_report
+
+    page = write_report([cfg.output_dir])
     if not (before.lossless and after.lossless):
         log("demo: FAILED: speculative decoding did not reproduce target-only greedy decoding")
+        log(f"report: {page}")
         return 1
     log(f"evaluate it again: uv run dflash-eval --target {target_spec} --drafter {cfg.output_dir} "
         f"--prompts {eval_prompts} --limit {n_eval} --max-new-tokens {eval_max_new_tokens}")
+    log(f"report (plots of the run; uv run dflash-report {cfg.output_dir} writes it again): {page}")
     return 0

@@ -14,6 +14,13 @@
             trainer_state.json      step, sampler position, ... (plain JSON)
             trainer_state.safetensors   the trainer state's tensors (RNG states)
         checkpoints/step_<8 digits>.tmp/      a save in progress (never listed)
+        checkpoints/best            symlink to the step_* folder with the best held-out acceptance (replaced
+                                    atomically; keep_last never prunes its target)
+        heldout.json                the held-out sample ids ([eval] holdout) the run never trains on
+        running.json                pid and host of the process training now (removed when it returns;
+                                    left behind by a crash or a kill, with the error when there was one)
+        report/                     dflash-report's HTML and PNGs
+        tensorboard/                --report-to tensorboard's event files
         checkpoints.abandoned-*/, replaced-*/, metrics.abandoned-*.jsonl   moved aside, never deleted
 
 This module is the only place that knows these names: the trainer (``dflash.checkpoint``,
@@ -52,6 +59,11 @@ STOPPED_NAME = "stopped.json"
 EXIT_STOPPED = 75
 MIN_FREE_BYTES = 1 << 20  # below this a run cannot even write its report and config: the output dir is full
 CHECKPOINTS_DIR = "checkpoints"
+BEST_NAME = "best"  # inside CHECKPOINTS_DIR: a relative symlink to a step_* folder
+HELDOUT_NAME = "heldout.json"
+RUNNING_NAME = "running.json"
+REPORT_DIR = "report"
+TENSORBOARD_DIR = "tensorboard"  # --report-to tensorboard's event files
 STEP_PREFIX = "step_"
 TMP_SUFFIX = ".tmp"
 
@@ -403,7 +415,8 @@ def make_room(cfg: RunConfig, resume_from: Path | None, fresh: bool, log=print) 
 
     - resuming: newer checkpoints move aside so `latest` stays this run's, and metrics rows after its
       step move to metrics.abandoned-*.jsonl;
-    - --fresh: the old checkpoints, metrics and final drafter move to replaced-*/.
+    - --fresh: the old checkpoints, metrics, final drafter, held-out ids, report and tensorboard events move to
+      replaced-*/ (a new run's curves never mix with the old one's).
     """
     out = Path(cfg.output_dir)
     if resume_from is not None:
@@ -418,7 +431,8 @@ def make_room(cfg: RunConfig, resume_from: Path | None, fresh: bool, log=print) 
                 "stays this run's (nothing deleted)")
         trim_metrics(out, step, log)
     elif fresh:
-        leftovers = [p for p in (checkpoints_dir(out), out / METRICS_NAME, out / DRAFTER_DIR) if p.exists()]
+        leftovers = [p for p in (checkpoints_dir(out), out / METRICS_NAME, out / DRAFTER_DIR, out / HELDOUT_NAME,
+                                 out / REPORT_DIR, out / TENSORBOARD_DIR) if p.exists()]
         if leftovers:
             aside = _aside(out, "replaced")
             aside.mkdir()
@@ -457,3 +471,69 @@ def _aside(out: Path, stem: str) -> Path:
     while path.exists():
         path, n = base.with_name(f"{base.name}.{n}"), n + 1
     return path
+
+
+# ---------------------------------------------------------------- the best checkpoint
+
+
+def best_checkpoint(output_dir: str | Path) -> Path | None:
+    """The finished checkpoint `checkpoints/best` points to, or None (no pointer, or its target is gone)."""
+    link = checkpoints_dir(output_dir) / BEST_NAME
+    try:
+        target = os.readlink(link)
+    except OSError:
+        return None
+    path = link.parent / target
+    if checkpoint_step(path) is None or not (path / META_NAME).is_file():
+        return None
+    return path
+
+
+def set_best(output_dir: str | Path, checkpoint: str | Path) -> Path:
+    """Point `checkpoints/best` at a checkpoint folder of this run, atomically: a new relative symlink is
+    renamed over the old one, so a kill at any instant leaves the old pointer or the new one, never none."""
+    root = checkpoints_dir(output_dir)
+    name = Path(checkpoint).name
+    if checkpoint_step(name) is None or not (root / name / META_NAME).is_file():
+        raise CheckpointError(f"{checkpoint}: not a finished checkpoint of {root}; best points at step_* folders only")
+    for stale in root.glob(f".{BEST_NAME}.*{TMP_SUFFIX}"):  # this process's, or one a kill left mid-update
+        stale.unlink(missing_ok=True)
+    tmp = root / f".{BEST_NAME}.{os.getpid()}{TMP_SUFFIX}"
+    os.symlink(name, tmp)
+    os.replace(tmp, root / BEST_NAME)
+    try:
+        fd = os.open(root, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError:  # a filesystem that cannot sync a directory: the rename is atomic all the same
+        pass
+    return root / BEST_NAME
+
+
+# ---------------------------------------------------------------- a run in progress
+
+
+def write_running(output_dir: str | Path, **extra) -> Path:
+    """Mark the run dir as being trained by this process (dflash-report tells running from crashed by it)."""
+    import socket
+
+    path = Path(output_dir) / RUNNING_NAME
+    tmp = path.with_name(f".{RUNNING_NAME}.tmp")
+    tmp.write_text(json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
+                               "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), **extra}) + "\n")
+    tmp.replace(path)
+    return path
+
+
+def read_running(output_dir: str | Path) -> dict | None:
+    try:
+        data = json.loads((Path(output_dir) / RUNNING_NAME).read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def clear_running(output_dir: str | Path) -> None:
+    (Path(output_dir) / RUNNING_NAME).unlink(missing_ok=True)

@@ -54,8 +54,9 @@ def schedule(cfg: RunConfig, drafter_ranks: int):
     Every rank of every layout builds its batch sequence here, so all walk the same one.
     """
     from dflash.data import BucketBatchSampler, ShardDataset
+    from dflash.heldout import training_dataset
 
-    dataset = ShardDataset(cfg.data.path)
+    dataset = training_dataset(cfg, ShardDataset(cfg.data.path))  # less [eval] holdout's samples
     sampler = BucketBatchSampler(dataset.lengths, cfg.data.token_budget, cfg.data.max_batch_size,
                                  cfg.data.num_buckets, cfg.train.seed)
     return dataset, sampler, total_steps(cfg, sampler.batches_per_epoch, cfg.train.grad_accum * drafter_ranks)

@@ -8,6 +8,8 @@ computes lives in dflash.step; where its features come from is the feature sourc
 drafter process group the drafter is data-parallel and rank 0 of that group logs and saves.
 Every rank walks the same deterministic batch sequence: a step takes the next
 grad_accum x world global batches, and this rank trains those at positions j % world == rank.
+With [eval], held-out numbers (dflash.heldout) join the metrics rows and the best of them moves
+checkpoints/best; with report_to, trackers (dflash.trackers) receive every row.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from dflash import checkpoint as ckpt
 from dflash import rundir
 from dflash.config import RunConfig, dump_config
 from dflash.data import collate, prefetch
+from dflash.heldout import BEST_KEY
 from dflash.model import DFlashDrafter, drafter_config_for_run
 from dflash.snapshot import Outcome
 from dflash.step import (
@@ -123,8 +126,16 @@ class Trainer:
         self.optimizer = build_optimizer(self.drafter, cfg, self.device)
         self.step = 0
         self.resumed_from = None
+        self.init_line = None
+        self.last_checkpoint: Path | None = None
+        if cfg.init_from and resume_from is None:
+            from dflash.warmstart import load_init
+
+            self.init_line = load_init(self.drafter, cfg.init_from)
         if resume_from is not None:
             self._resume(resume_from)
+        self.heldout = self._heldout()
+        self.best = _best_value(self.out) if self.heldout is not None else None
         self.model = self.drafter
         if group is not None:
             from torch.nn.parallel import DistributedDataParallel as DDP
@@ -150,6 +161,15 @@ class Trainer:
             return recompute_mode(self.cfg), f"auto: memory model unavailable ({e})"
         return mode, f"auto: predicted peak {need / 2**30:.1f} GiB of {usable / 2**30:.1f} GiB usable on {self.device}"
 
+    def _heldout(self):
+        """The held-out evaluator of a run with [eval] (co-located only: dflash.config refuses it in split runs)."""
+        if not self.cfg.eval.enabled:
+            return None
+        from dflash.heldout import HeldOut, heldout_dataset
+
+        assert self.group is None and hasattr(self.source, "model"), "held-out eval needs the target in this process"
+        return HeldOut(self.cfg, heldout_dataset(self.cfg), pad_token_id(self.source.target_config), self.log)
+
     @classmethod
     def colocated(cls, cfg: RunConfig, resume_from: Path | None = None, log=print) -> Trainer:
         """The target in this process (`LocalTarget`, or `CachedTarget` with train.cache_features)."""
@@ -169,7 +189,7 @@ class Trainer:
         self.resumed_from = path
         self.log(f"resumed from {path} at step {self.step}")
 
-    def save(self) -> Path:
+    def save(self, heldout: dict | None = None) -> Path:
         from preflight.gate import provenance
 
         bad = [name for name, p in self.drafter.named_parameters() if not bool(torch.isfinite(p).all())]
@@ -179,8 +199,9 @@ class Trainer:
         state = {"step": self.step, "sampler": self.sampler.state_dict(), "rng_cpu": torch.get_rng_state(),
                  "rng_cuda": torch.cuda.get_rng_state() if self.device.type == "cuda" else None,
                  "n_drafters": self.world}
+        extra = dict(provenance(self.cfg.profile), **({"heldout": heldout} if heldout else {}))
         return ckpt.save_checkpoint(self.out, self.step, self.drafter, self.optimizer, state, self.cfg,
-                                    self._dataset_meta(), self.cfg.train.keep_last, provenance(self.cfg.profile))
+                                    self._dataset_meta(), self.cfg.train.keep_last, extra)
 
     def train_step(self, mine: list[tuple[int, dict]]) -> dict:
         """One optimizer step over this rank's batches [(global index, batch)]; plain-float metrics."""
@@ -248,6 +269,10 @@ class Trainer:
                  f"recompute {self.recompute} ({self.recompute_why})"
                  + (f"; {self.world} data-parallel drafter ranks" if self.world > 1 else ""))
         self.log(f"features: {self.source.describe()}")
+        if self.init_line:
+            self.log(self.init_line)
+        if self.heldout is not None:
+            self.log(self.heldout.describe() + (f"; best so far {self.best:.3f}" if self.best is not None else ""))
         self.log(f"schedule: {self.total_steps} steps of {self.batches_per_step} batches, lr {self.cfg.train.lr} "
                  f"cosine, warmup {self.cfg.train.warmup_ratio}")
         if hasattr(self.source, "cache_bytes"):
@@ -260,6 +285,14 @@ class Trainer:
         """Train to the end (or to a signal). Returns the exit code."""
         if self.is_logger:
             self.print_plan()
+            rundir.write_running(self.out, step=self.step, total_steps=self.total_steps)
+            if self.heldout is not None:
+                from dflash.heldout import write_ids
+
+                write_ids(self.out, self.cfg, self.heldout.dataset)
+        from dflash.trackers import Trackers
+
+        trackers = Trackers(self.cfg.report_to if self.is_logger else [], self.out, self.cfg.model_dump(), self.log)
         stop = StopFlag()
         stop.install()
         bar = self._bar(progress)
@@ -267,6 +300,7 @@ class Trainer:
         metrics_file = (self.out / "metrics.jsonl").open("a") if self.is_logger else None
         self.outcome = Outcome(self.out, self.step) if self.is_logger else None  # outcome.json, for dflash-diff
         stream = self.step_batches()
+        held = None
         try:
             pending = self._next(stream) if self.step < self.total_steps else None
             window = {"t0": time.perf_counter(), "tokens": 0}
@@ -285,28 +319,42 @@ class Trainer:
                 pending = self._next(stream) if self.step < self.total_steps else None  # post receives early
                 window["tokens"] += sum(int(b["lengths"].sum()) for _, b in mine)
                 stopping = self._agree(stop.requested)
+                rec = None
                 if self.step % self.cfg.train.log_every == 0 or self.step == self.total_steps or stopping:
                     rec = self._record(m, epoch, window)
+                held = self._evaluate() if self.heldout is not None and not stopping and \
+                    self.heldout.due(self.step, self.total_steps) else None
+                if held is not None:
+                    rec = dict(rec or {"step": self.step, "epoch": epoch}, **held)
+                if rec is not None:
                     if self.is_logger:
                         metrics_file.write(json.dumps(rec) + "\n")
                         metrics_file.flush()
                         self.outcome.row(rec)
                         self._print(rec, bar)
+                        trackers.log(rec)
                     window = {"t0": time.perf_counter(), "tokens": 0}
                 if bar:
                     bar.update(1)
-                if self.step % self.cfg.train.save_every == 0 or stopping:
-                    last_save = self._save_if_logger()
+                better = held is not None and (self.best is None or held[BEST_KEY] > self.best)
+                if self.step % self.cfg.train.save_every == 0 or stopping or better:
+                    last_save = self._save_if_logger(held)
+                    if better and self.is_logger:
+                        self._set_best(held)
                 if stopping:
                     pending = None
             if self.step != last_save or not ckpt.list_checkpoints(self.out):
-                last_save = self._save_if_logger()
+                last_save = self._save_if_logger(held if held is not None and held.get("step") == self.step else None)
         except BaseException as e:
             if self.outcome:
                 how = "interrupted" if isinstance(e, KeyboardInterrupt) else "crashed"
                 self.outcome.end(how, self.step, f"{type(e).__name__}: {' '.join(str(e).split())[:300]}")
+            if self.is_logger:  # dflash-report tells a failed run from a killed one by this
+                rundir.write_running(self.out, step=self.step, total_steps=self.total_steps,
+                                     error=" ".join(str(e).split())[:300] or type(e).__name__)
             raise
         finally:
+            trackers.close()
             stream.close()
             stop.restore()
             if bar:
@@ -329,11 +377,26 @@ class Trainer:
         dist.all_reduce(t, group=self.group)
         return bool(t.item() > 0)
 
-    def _save_if_logger(self) -> int:
+    def _save_if_logger(self, heldout: dict | None = None) -> int:
         """Rank 0 of the drafter group writes the checkpoint (replicas are identical); returns the step."""
         if self.is_logger:
-            self.save()
+            self.last_checkpoint = self.save(heldout)
         return self.step
+
+    def _evaluate(self) -> dict:
+        """heldout_* metrics of the drafter at this step (dflash.heldout), with their wall time."""
+        t0 = time.perf_counter()
+        held = self.heldout.evaluate(self.drafter, self.source, self.device, self.attn_backend)
+        held["heldout_eval_s"] = round(time.perf_counter() - t0, 3)
+        held["step"] = self.step
+        return held
+
+    def _set_best(self, held: dict) -> None:
+        previous = self.best
+        rundir.set_best(self.out, self.last_checkpoint)
+        self.best = held[BEST_KEY]
+        self.log(f"best: {self.last_checkpoint.name} ({BEST_KEY} {self.best:.3f}"
+                 + (f", was {previous:.3f})" if previous is not None else ")"))
 
     def _record(self, m: dict, epoch: int, window: dict) -> dict:
         """The metrics row of this step: loss and metrics averaged over ranks, tokens and timings summed."""
@@ -348,6 +411,8 @@ class Trainer:
                    compiled_graphs=compiled_graphs(),
                    mem_gib=round(torch.cuda.max_memory_allocated(self.device) / 2**30, 2)
                    if self.device.type == "cuda" else None)
+        if self.device.type == "cuda":
+            rec["nvml_used_gib"] = _nvml_used_gib(self.device, "drafter" if self.group is not None else "colocated")
         if hasattr(self.source, "rates"):
             rec.update(self.source.rates(counters, dt, self.world))
         if self.group is not None and os.environ.get("DFLASH_CHECK_REPLICAS") == "1":
@@ -355,9 +420,16 @@ class Trainer:
         return rec
 
     def _print(self, rec: dict, bar) -> None:
-        line = (f"step {rec['step']}/{self.total_steps} loss {rec['loss']:.4f} accept {rec.get('accept_len', 0):.3f} "
-                f"tok/s {rec['tok_per_s']:.0f} lr {rec['lr']:.2e}")
-        if hasattr(self.source, "rates_line"):
+        line = f"step {rec['step']}/{self.total_steps}"
+        if "loss" in rec:
+            line += (f" loss {rec['loss']:.4f} accept {rec.get('accept_len', 0):.3f} tok/s {rec['tok_per_s']:.0f} "
+                     f"lr {rec['lr']:.2e}")
+        if "heldout_loss" in rec:
+            line += f" | held-out loss {rec['heldout_loss']:.4f} accept {rec['heldout_accept_len']:.3f}"
+            if "heldout_real_accept_len" in rec:
+                line += (f" real {rec['heldout_real_accept_len']:.3f}"
+                         + ("" if rec["heldout_real_lossless"] else " NOT LOSSLESS"))
+        if hasattr(self.source, "rates_line") and "tok_per_s" in rec:
             line += " " + self.source.rates_line(rec)
         if bar:
             bar.set_postfix_str(line.split(" ", 2)[2])
@@ -378,6 +450,7 @@ class Trainer:
     def _finish(self, stop: StopFlag, stopping: bool) -> int:
         if not self.is_logger:
             return 0
+        rundir.clear_running(self.out)
         latest = ckpt.list_checkpoints(self.out)
         path = latest[-1] if latest else None
         if stopping:  # the marker tells a scheduler this run is unfinished (dflash-train exits EXIT_STOPPED)
@@ -386,16 +459,34 @@ class Trainer:
             self.log(f"stopped by {stop.signame or 'a peer signal'} at step {self.step}; checkpoint {path}")
             self.log(f"resume with: dflash-train --config <this config> --resume latest  (output_dir {self.out})")
             return 0
-        # The servable export: bf16 as published drafters are, with the target's tokenizer files and ids.
-        self.drafter.save_pretrained(self.out / "drafter", dtype=torch.bfloat16,
-                                     target_dir=target_folder(self.cfg.target.path, self.log))
+        exported = self._export()
         rundir.clear_stopped(self.out)
         self.outcome.end("finished", self.step)
-        self.log(f"done: {self.step} steps; checkpoint {path}; drafter saved to {self.out / 'drafter'}; "
+        self.log(f"done: {self.step} steps; checkpoint {path}; drafter saved to {self.out / 'drafter'} ({exported}); "
                  f"{compiled_graphs()} compiled graph(s) in this process")
         if hasattr(self.source, "summary"):
             self.log(self.source.summary(self.out / "metrics.jsonl"))
         return 0
+
+    def _export(self) -> str:
+        """Write <output_dir>/drafter, servable as published drafters are (bf16, the target's tokenizer files and
+        ids): checkpoints/best's weights (eval.export = best) or the last step's."""
+        best = rundir.best_checkpoint(self.out) if self.heldout is not None and self.cfg.eval.export == "best" else None
+        model, which = self.drafter, f"step {self.step}, the last"
+        if best is not None:
+            model, which = DFlashDrafter.from_pretrained(best / ckpt.DRAFTER_DIR), f"{best.name}, checkpoints/best"
+        model.save_pretrained(self.out / "drafter", dtype=torch.bfloat16, target_dir=target_folder(self.cfg.target.path, self.log))
+        return which
+
+
+def _best_value(out: Path) -> float | None:
+    """The held-out acceptance checkpoints/best was chosen by (a resumed run keeps beating it), or None."""
+    best = rundir.best_checkpoint(out)
+    if best is None:
+        return None
+    meta, _ = rundir.meta_or_problem(best)
+    value = ((meta or {}).get("heldout") or {}).get(BEST_KEY)
+    return float(value) if isinstance(value, (int, float)) else None
 
 
 def compiled_graphs() -> int:
@@ -403,6 +494,20 @@ def compiled_graphs() -> int:
     from torch._dynamo.utils import counters
 
     return int(counters["stats"]["unique_graphs"])
+
+
+def _nvml_used_gib(device: torch.device, role: str) -> dict:
+    """{"<role>:<GPU uuid>": GiB in use on this process's GPU as NVML counts it (all processes, caching allocator
+    included)}; {} when NVML cannot say. dflash-report plots it against the memory model's prediction."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        uuid = f"GPU-{torch.cuda.get_device_properties(device).uuid}"
+        handle = pynvml.nvmlDeviceGetHandleByUUID(uuid)
+        return {f"{role}:{uuid[:12]}": round(pynvml.nvmlDeviceGetMemoryInfo(handle).used / 2**30, 3)}
+    except Exception:  # NVML missing or a GPU it does not list: the report says there is no NVML data
+        return {}
 
 
 def _mean_over_ranks(m: dict, group, device) -> dict:

@@ -54,7 +54,7 @@ def test_pipeline_on_a_tiny_target(tmp_path, monkeypatch, capsys):
     # A second run reuses the prepared data and moves the previous run aside.
     assert demo.run_pipeline(str(target), str(prompts), 12, 8, str(prompts), 3, 8, overrides) == 0
     out = capsys.readouterr().out
-    assert "already prepared" in out and "--fresh: previous checkpoints, metrics.jsonl, drafter moved to" in out
+    assert "already prepared" in out and "--fresh: previous checkpoints, metrics.jsonl, drafter, heldout.json, report moved to" in out
 
 
 @pytest.mark.slow

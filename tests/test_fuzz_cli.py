@@ -145,6 +145,8 @@ def _main(prog: str):
         from dflash.cli import data_main as main
     elif prog == "dflash-eval":
         from dflash.cli import eval_main as main
+    elif prog == "dflash-report":
+        from dflash.cli import report_main as main
     elif prog == "dflash-preflight":
         from preflight.cli import main
     elif prog == "dflash-estimate":
@@ -204,6 +206,16 @@ CASES = [
     ("dflash-train", [*TRAIN, "--fresh", "--output-dir", ""], "output_dir: String should have at least 1 character", 2, None),
     ("dflash-train", [*TRAIN, "--fresh", "--bogus"], "No such option '--bogus'", 2, None),
     ("dflash-train", [], "give --config RUN.toml", 2, None),
+    ("dflash-train", [*TRAIN, "--fresh", "--init-from", f"{R}/nosuch"], "not a drafter folder", 2, None),
+    ("dflash-train", [*TRAIN, "--fresh", "--init-from", f"{B}/config-not-json"], "config.json: not readable JSON", 2, None),
+    ("dflash-train", [*TRAIN, "--fresh", "--init-from", f"{B}/config-list"], "config.json: not a JSON object", 2, None),
+    ("dflash-train", [*TRAIN, "--resume", "latest", "--init-from", f"{R}/run/drafter"], "give one of them", 2, None),
+    ("dflash-train", [*TRAIN, "--fresh", "--report-to", "mlflow"], "--report-to mlflow: unknown tracker", 2, None),
+    ("dflash-train", [*TRAIN, "--fresh", "--report-to", ","], "unknown tracker", 2, None),
+    ("dflash-train", [*TRAIN, "--fresh", "--set", "eval.holdout=4", "--set", "eval.path=x"], "not both", 2, None),
+    ("dflash-train", [*TRAIN, "--fresh", "--set", "eval.every=-1"], "eval.every: Input should be greater than", 2, None),
+    ("dflash-train", [*TRAIN, "--fresh", "--set", "eval.holdout=4", "--target-gpus", "0", "--drafter-gpus", "1"],
+     "[eval] works in co-located runs only", 2, None),
     ("dflash-train", ["--config"], "Option '--config' requires an argument", 2, None),
     # ---- dflash-data
     ("dflash-data", [], "missing command; give one of manifest, merge, prepare, stats", 2, None),
@@ -252,6 +264,13 @@ CASES = [
     ("dflash-eval", ["--drafter", f"{R}/run", "--json", f"{R}/nosuch/report.json", "--prompts", G], "does not exist", 2, None),
     ("dflash-eval", ["--drafter", f"{R}/run", "--json", R], "is a directory", 2, None),
     ("dflash-eval", [], "Missing option '--drafter'", 2, None),
+    # ---- dflash-report
+    ("dflash-report", [], "Missing argument 'RUN_DIRS...'", 2, None),
+    ("dflash-report", [f"{R}/nosuch"], "no such run dir", 2, None),
+    ("dflash-report", [f"{B}/empty-dir"], "not a run dir", 2, None),
+    ("dflash-report", [f"{R}/run", f"{R}/run", f"{R}/run"], "give one run dir, or two to compare", 2, None),
+    ("dflash-report", [f"{R}/run", "--out", G], "is a file", 2, None),
+    ("dflash-report", [G], "run.toml: not a folder", 2, None),
     # ---- dflash-preflight (the checks themselves failing is exit 1 with a report; these are usage errors)
     ("dflash-preflight", [], "Missing option '--profile'", 2, None),
     ("dflash-preflight", ["--profile", "nosuch"], "unknown profile 'nosuch'", 2, None),

@@ -192,16 +192,16 @@ def test_here_on_the_same_machine_then_one_extra_package(runs, capsys, tmp_path,
     assert lines[1].startswith("B: this machine now") and lines[2].startswith("no differences"), "\n".join(lines)
     site = tmp_path / "site"
     uv = shutil.which("uv")
-    installed = uv and subprocess.run([uv, "pip", "install", "--quiet", "--no-deps", "--target", str(site), "six==1.17.0"],
+    installed = uv and subprocess.run([uv, "pip", "install", "--quiet", "--no-deps", "--target", str(site), "tabulate==0.9.0"],
                                       capture_output=True, timeout=120).returncode == 0
     if not installed:  # no uv or no registry here: what the installer would have left
-        (site / "six-1.17.0.dist-info").mkdir(parents=True)
-        (site / "six-1.17.0.dist-info" / "METADATA").write_text("Metadata-Version: 2.1\nName: six\nVersion: 1.17.0\n")
+        (site / "tabulate-0.9.0.dist-info").mkdir(parents=True)
+        (site / "tabulate-0.9.0.dist-info" / "METADATA").write_text("Metadata-Version: 2.1\nName: tabulate\nVersion: 0.9.0\n")
     monkeypatch.syspath_prepend(str(site))
     code, lines, _ = diff("--here", runs["A"], capsys=capsys)
     assert code == 1, "\n".join(lines)
     assert lines[2:] [:3] == ["1 difference(s), 0 known to move memory or speed:", "differences:",
-                              "  environment  six: not installed -> 1.17.0"], "\n".join(lines)
+                              "  environment  tabulate: not installed -> 0.9.0"], "\n".join(lines)
     assert {p: p.stat().st_mtime_ns for p in runs["A"].rglob("*")} == before  # --here reads only
 
 

@@ -9,9 +9,7 @@
 set -uo pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 PYTHONPATH=${PYTHONPATH:-.}
 OUT=${OUT:-.cache/out}; mkdir -p "$OUT"
-W=(--waive torch-build --reason "device image ships torch 2.11.0+cu130, not the profile's build"
-   --waive env-drift --reason "device image is not a uv environment of this project"
-   --waive cuda-libs --reason "device image carries CUDA 13 wheels" --waive model-source --reason "device copy of the working tree")
+source "$(dirname "$0")/device_waivers.sh"  # W=(--waive ... --reason ...)
 (
   export CUDA_VISIBLE_DEVICES=1 TORCHINDUCTOR_CACHE_DIR=$(mktemp -d)
   timeout ${CAL_S:-300} python3 bench/memory_calibration.py --roles drafter --budget-s $((${CAL_S:-300} - 50)) --timeout-s 120 \

@@ -9,9 +9,7 @@
 set -uo pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 PYTHONPATH=${PYTHONPATH:-.}
 OUT=${OUT:-.cache/out}; mkdir -p "$OUT"
-W=(--waive torch-build --reason "device image ships torch 2.11.0+cu130, not the profile's build"
-   --waive env-drift --reason "device image is not a uv environment of this project"
-   --waive cuda-libs --reason "device image carries CUDA 13 wheels" --waive model-source --reason "device copy of the working tree")
+source "$(dirname "$0")/device_waivers.sh"  # W=(--waive ... --reason ...)
 watch_start() { nvidia-smi --query-gpu=index,memory.used --format=csv,noheader,nounits -lms 250 > "$OUT/$1" & SMI=$!; }
 watch_stop() { kill $SMI; python3 - "$OUT/$1" <<'PY'
 import sys, collections

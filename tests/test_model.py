@@ -157,9 +157,8 @@ def test_torch_dtype_maps_every_config_dtype_and_names_the_allowed_ones():
         torch_dtype("fp8")
 
 
-@pytest.mark.parametrize("mode", ["mlp", "layer"])
-def test_recompute_gives_the_same_gradients_as_stored_activations(mode):
-    """train.recompute: rebuilding activations in backward changes memory, never the math."""
+def _float64_drafter_and_grads():
+    """A 2-layer float64 drafter and a function giving (output, parameter gradients) of one forward + backward."""
     from dflash.attention import build_train_mask
 
     torch.manual_seed(0)
@@ -174,12 +173,23 @@ def test_recompute_gives_the_same_gradients_as_stored_activations(mode):
     pos_q = (anchors[:, :, None] + torch.arange(bs)).reshape(B, -1)
     pos_c = torch.arange(S).expand(B, S)
 
-    def grads(recompute: str):
+    def grads_of():
         drafter.zero_grad(set_to_none=True)
-        drafter.set_recompute(recompute)
         out = drafter(context, noise, pos_c, pos_q, attn)
         (out.sin().sum()).backward()
         return out.detach(), {n: p.grad.clone() for n, p in drafter.named_parameters()}
+
+    return drafter, grads_of
+
+
+@pytest.mark.parametrize("mode", ["mlp", "layer"])
+def test_recompute_gives_the_same_gradients_as_stored_activations(mode):
+    """train.recompute: rebuilding activations in backward changes memory, never the math."""
+    drafter, grads_of = _float64_drafter_and_grads()
+
+    def grads(recompute: str):
+        drafter.set_recompute(recompute)
+        return grads_of()
 
     ref_out, ref = grads("off")
     out, got = grads(mode)
@@ -195,30 +205,16 @@ def test_recompute_gives_the_same_gradients_as_stored_activations(mode):
 def test_compiled_layers_give_the_eager_gradients(mode, monkeypatch):
     """train.compile: the compiled layer pieces (aot_eager here; inductor on CUDA) change speed, never the math."""
     import dflash.model as model_mod
-    from dflash.attention import build_train_mask
 
     monkeypatch.setattr(model_mod, "COMPILE_BACKEND", "aot_eager")
     monkeypatch.setattr(model_mod, "_compiled_fns", {})
     torch._dynamo.reset()
-    torch.manual_seed(0)
-    tcfg = {"hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
-            "head_dim": 8, "vocab_size": 50, "num_hidden_layers": 6, "rms_norm_eps": 1e-6}
-    drafter = DFlashDrafter(drafter_config_from_target(tcfg, 2, 4, [1, 3], mask_token_id=49)).double()
+    drafter, grads_of = _float64_drafter_and_grads()
     drafter.set_recompute(mode)
-    B, S, A, bs = 2, 12, 3, 4
-    context = torch.randn(B, S, 2 * 32, dtype=torch.float64)
-    noise = torch.randn(B, A * bs, 32, dtype=torch.float64)
-    anchors = torch.tensor([[2, 5, 9], [1, 4, 7]])
-    attn = build_train_mask(anchors, torch.ones_like(anchors, dtype=torch.bool), S, bs, "cpu", "sdpa")
-    pos_q = (anchors[:, :, None] + torch.arange(bs)).reshape(B, -1)
-    pos_c = torch.arange(S).expand(B, S)
 
     def grads(compiled: bool):
-        drafter.zero_grad(set_to_none=True)
         drafter.set_compile(compiled)
-        out = drafter(context, noise, pos_c, pos_q, attn)
-        (out.sin().sum()).backward()
-        return out.detach(), {n: p.grad.clone() for n, p in drafter.named_parameters()}
+        return grads_of()
 
     ref_out, ref = grads(False)
     out, got = grads(True)

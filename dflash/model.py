@@ -15,6 +15,7 @@ builds this same model from dflash.py (dflash/hf_drafter.py, the math of this fi
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 import threading
 from dataclasses import dataclass, field, replace
@@ -395,6 +396,16 @@ def _norm_mlp_keeping_matmuls(layer: DrafterLayer, x_NH):
     """_norm_mlp saving only the matmul outputs (gate, up) for backward: the norm and act(gate) * up, cheap
     elementwise work, are recomputed there instead of keeping a hidden- and an intermediate-width tensor."""
     return checkpoint(_norm_mlp, layer, x_NH, use_reentrant=False, context_fn=_keep_matmul_outputs)
+
+
+class _SafeCheckpointNote(logging.Filter):
+    """torch warns at every compile that a selective checkpoint must not hold in-place ops: the MLP block has none."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "context_fn is passed to torch.utils.checkpoint" not in record.getMessage()
+
+
+logging.getLogger("torch._higher_order_ops.wrap").addFilter(_SafeCheckpointNote())
 
 
 def _keep_matmul_outputs():

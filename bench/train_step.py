@@ -86,6 +86,8 @@ def parse_args(argv=None):
     ap.add_argument("--json", default=None, help="write the results here")
     ap.add_argument("--profile", type=int, default=0, metavar="N",
                     help="after timing, profile 2 steps (torch.profiler) and print the N ops with most GPU time")
+    ap.add_argument("--compile-times", action="store_true",
+                    help="after the first step, print where torch.compile spent its time (dynamo's per-phase table)")
     return ap.parse_args(argv)
 
 
@@ -160,6 +162,10 @@ def measure(name: str, overrides: dict, args, data_root: Path, out_root: Path) -
             _sync(torch, device)
             first_step_s = time.perf_counter() - t0
             print(f"[{name}] first step {first_step_s:.1f} s (compilation included)", flush=True)
+            if args.compile_times:
+                from torch._dynamo.utils import compile_times
+
+                print(compile_times(repr="str", aggregate=True), flush=True)
     _sync(torch, device)
     warmup_s = time.perf_counter() - t0
     if device.type == "cuda":
@@ -178,8 +184,9 @@ def measure(name: str, overrides: dict, args, data_root: Path, out_root: Path) -
         mem = {"max_allocated_bytes": int(torch.cuda.max_memory_allocated()),
                "max_reserved_bytes": int(torch.cuda.max_memory_reserved())}
     nvml_process = nvml.process_used()
+    profile = None
     if args.profile and device.type == "cuda":
-        print_profile(torch, trainer, next_step_batches, args.profile, name)
+        profile = print_profile(torch, trainer, next_step_batches, args.profile, name)
     stream.close()
     # The target role's work alone on the same batches (the feature source the trainer calls).
     target_ms = []
@@ -203,12 +210,55 @@ def measure(name: str, overrides: dict, args, data_root: Path, out_root: Path) -
         "input_tokens_per_step": tok, "tokens_per_s": round(tok / (step / 1e3), 1),
         **mem, "nvml_device_used_peak_bytes": nv_peak.peak, "nvml_process_used_bytes": nvml_process,
         "last_metrics": {k: metrics.get(k) for k in ("loss", "accept_len", "anchors", "tokens")},
+        "profile_ms_per_step": profile,
         "config": cfg.model_dump(),
     }
 
 
-def print_profile(torch, trainer, next_step_batches, top: int, name: str) -> None:
-    """Where the step's GPU time goes: ops by self device time over 2 profiled steps (per step)."""
+KERNEL_KINDS = (  # (kind, substrings of a kernel name), first match wins
+    ("gemm", ("nvjet", "gemm", "cutlass", "xmma", "cublas")),
+    ("flex bwd", ("flex_attention_backward",)),
+    ("flex fwd", ("flex_attention",)),
+    ("loss kernel", ("_dflash_rows",)),
+    ("adamw", ("multi_tensor_apply", "fused_adamw")),
+    ("sdpa (target)", ("cudnn", "fmha", "flash_fwd", "flash_bwd")),
+    ("inductor fused", ("triton_",)),
+    ("copy/cat", ("copy", "CatArray", "cat_")),
+    ("reduce", ("reduce_kernel",)),
+    ("elementwise", ("elementwise",)),
+)
+
+
+def kernel_kind(name: str) -> str:
+    return next((kind for kind, keys in KERNEL_KINDS if any(k in name for k in keys)), "other")
+
+
+def kernel_summary(prof, steps: int) -> dict:
+    """{kind: ms per step} of the GPU kernels in a profile, plus "busy" (the union of kernel intervals) and
+    "span" (first kernel start to last kernel end): span - busy is time the GPU waited for the host."""
+    kernels = []
+    for e in prof.profiler.kineto_results.events():
+        if e.device_type().name == "CUDA" and e.duration_ns() > 0:
+            kernels.append((e.start_ns(), e.start_ns() + e.duration_ns(), e.name()))
+    kinds: dict = {}
+    for start, end, name in kernels:
+        kind = kernel_kind(name)
+        kinds[kind] = kinds.get(kind, 0.0) + (end - start) / 1e6 / steps
+    busy, last = 0, None
+    for start, end, _ in sorted(kernels):
+        if last is None or start > last:
+            busy += end - start
+            last = end
+        elif end > last:
+            busy += end - last
+            last = end
+    span = (max(e for _, e, _ in kernels) - min(s for s, _, _ in kernels)) if kernels else 0
+    return {**kinds, "busy": busy / 1e6 / steps, "span": span / 1e6 / steps}
+
+
+def print_profile(torch, trainer, next_step_batches, top: int, name: str) -> dict:
+    """Where the step's GPU time goes: kernels by kind for the whole step, for the target's forward alone on the
+    same batches, and their difference (the drafter's part); then the top ops by self GPU time (per step)."""
     from torch.profiler import ProfilerActivity, profile
 
     groups = [next_step_batches() for _ in range(2)]
@@ -216,13 +266,28 @@ def print_profile(torch, trainer, next_step_batches, top: int, name: str) -> Non
         for group in groups:
             trainer.train_step(group)
         torch.cuda.synchronize()
+    device = torch.device(trainer.cfg.device)
+    on_dev = [[(k, {key: v.to(device) for key, v in b.items()}) for k, b in group] for group in groups]
+    with torch.no_grad(), profile(activities=[ProfilerActivity.CUDA]) as target_prof:
+        for group in on_dev:
+            for k, batch in group:
+                trainer.source.features(k, batch)
+        torch.cuda.synchronize()
+    step, target = kernel_summary(prof, 2), kernel_summary(target_prof, 2)
+    kinds = sorted(set(step) | set(target), key=lambda k: (k in ("busy", "span"), -step.get(k, 0.0)))
+    print(f"[{name}] GPU kernels by kind, ms per step: whole step / target forward alone / difference (drafter)")
+    for kind in kinds:
+        a, b = step.get(kind, 0.0), target.get(kind, 0.0)
+        print(f"[{name}]   {kind:16s} {a:8.2f} {b:8.2f} {a - b:8.2f}")
+    print(f"[{name}]   {'host waits':16s} {step['span'] - step['busy']:8.2f}   (span - busy: the GPU idle inside the step)")
     events = [e for e in prof.key_averages() if e.self_device_time_total > 0]
     events.sort(key=lambda e: -e.self_device_time_total)
     total = sum(e.self_device_time_total for e in events)
-    print(f"[{name}] profile: {total / 2e3:.1f} ms GPU time per step; top {top} ops by self GPU time (ms/step)")
+    print(f"[{name}] top {top} ops by self GPU time (ms/step)")
     for e in events[:top]:
         print(f"[{name}]   {e.self_device_time_total / 2e3:8.2f}  {100 * e.self_device_time_total / total:5.1f}%  "
               f"x{e.count // 2:<5} {e.key[:110]}")
+    return {"step": step, "target": target}
 
 
 def trainer_shape(cfg) -> dict:

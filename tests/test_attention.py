@@ -210,13 +210,31 @@ def test_flex_over_several_tiles_matches_sdpa(seed, seq_len, block_size, n_ancho
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (compiled flex attention)")
 @pytest.mark.parametrize("window", [None, 100])
 def test_compiled_flex_on_cuda_matches_sdpa_over_several_tiles(window):
-    anchors, valid, context_valid = _tile_case(0, 300, 16, 20)
-    g = torch.Generator().manual_seed(0)
-    Q = 20 * 16
-    q, k, v = (torch.randn(2, h, n, D, generator=g).cuda().bfloat16() for h, n in ((HQ, Q), (HKV, 300 + Q), (HKV, 300 + Q)))
-    out = {}
-    for backend in ("flex", "sdpa"):
-        mask = build_train_mask(anchors, valid, 300, 16, "cuda", backend, context_valid_BS=context_valid.cuda(), window=window)
-        out[backend] = attend(q, k, v, mask).float()
-    diff = float((out["flex"] - out["sdpa"]).abs().max())
-    assert diff < 2e-2, f"compiled flex vs sdpa max abs diff {diff:.3e} (bf16)"
+    """Outputs and gradients of the compiled flex path equal SDPA's for three batch shapes (lengths that are
+    and are not multiples of the tile), and the shapes share one compiled graph after the first."""
+    from torch._dynamo.utils import counters
+
+    graphs = []
+    for seed, seq_len, block_size, n_anchors in ((0, 300, 16, 20), (2, 200, 4, 50), (1, 384, 32, 8)):
+        anchors, valid, context_valid = _tile_case(seed, seq_len, block_size, n_anchors)
+        g = torch.Generator().manual_seed(seed)
+        Q = n_anchors * block_size
+        base = [torch.randn(2, h, n, D, generator=g).cuda().bfloat16()
+                for h, n in ((HQ, Q), (HKV, seq_len + Q), (HKV, seq_len + Q))]
+        grad_out = torch.randn(2, HQ, Q, D, generator=g).cuda().bfloat16()
+        out, grads = {}, {}
+        for backend in ("flex", "sdpa"):
+            q, k, v = (t.clone().requires_grad_(True) for t in base)
+            mask = build_train_mask(anchors, valid, seq_len, block_size, "cuda", backend,
+                                    context_valid_BS=context_valid.cuda(), window=window)
+            o = attend(q, k, v, mask)
+            o.backward(grad_out)
+            out[backend], grads[backend] = o.float(), [t.grad.float() for t in (q, k, v)]
+        diff = float((out["flex"] - out["sdpa"]).abs().max())
+        assert diff < 2e-2, f"compiled flex vs sdpa max abs diff {diff:.3e} (bf16)"
+        for name, a, b in zip("qkv", grads["flex"], grads["sdpa"]):
+            gdiff = float((a - b).abs().max() / b.abs().max().clamp_min(1e-6))
+            assert gdiff < 3e-2, f"d{name}: compiled flex vs sdpa relative max diff {gdiff:.3e} (bf16)"
+        graphs.append(int(counters["stats"]["unique_graphs"]))
+    print(f"compiled graphs after each shape: {graphs}")
+    assert graphs[2] - graphs[0] <= 1, f"flex recompiled for every shape: graphs after each shape {graphs}"

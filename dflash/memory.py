@@ -86,7 +86,7 @@ class Calibration:
     # CUDA context + cuBLAS/cuDNN workspaces + the torch runtime, per CUDA major (GiB,
     # outside the caching allocator). CUDA 13 builds measured ~0.2 GiB more in the incident.
     # CUDA 13: fitted to tests/data/memory_calibration.json (H200, torch 2.11.0+cu130); CUDA 12: not yet measured
-    cuda_context_gib: dict[int, float] = field(default_factory=lambda: {12: 0.5, 13: 1.4098})
+    cuda_context_gib: dict[int, float] = field(default_factory=lambda: {12: 0.5, 13: 1.4109})
     # NCCL communicator buffers on a GPU that sends or receives features (GiB, split mode only).
     nccl_gib: float = 0.25
     # Allocator fragmentation: reserved-but-unusable share on top of allocated bytes, with the
@@ -108,7 +108,7 @@ class Calibration:
     # A padded batch makes HF build a [rows, 1, S, S] boolean attention mask that SDPA turns
     # into an additive bf16 mask per layer: bytes per mask element (1 bool + 2 bf16 + 1 not()).
     target_mask_bytes: float = 4.0
-    target_activation_scale: float = 0.7857  # fitted to tests/data/memory_calibration.json (7 target points)
+    target_activation_scale: float = 0.7854  # fitted to tests/data/memory_calibration.json (7 target points)
 
     # Drafter on CUDA (train.compile: the layer pieces compiled, dflash/model.py), saved for backward per
     # query token per layer, in bf16 units (2 bytes); counted with saved-tensor hooks on the compiled layer:
@@ -124,7 +124,7 @@ class Calibration:
     eager_act_kv: float = 6.0  # k_norm fp32 pair (4), k after RoPE (1), v (1)
     # Gradients of one layer's activations live at once during backward (in layers).
     backward_transient_layers: float = 0.5  # 2026-11-30 refit: with the in-place loss the backward transient sets the peak
-    drafter_activation_scale: float = 0.8942  # fitted to tests/data/memory_calibration.json (2 drafter points after the last layer change)
+    drafter_activation_scale: float = 0.9118  # fitted to tests/data/memory_calibration.json (5 drafter points after the last layer change)
 
     # Loss chunk on CUDA (dflash/loss_kernel.py), per [chunk, vocab] element: the lm_head writes the
     # chunk's logits as one bf16 buffer and the fused kernel overwrites them with their gradient ...

@@ -24,14 +24,16 @@ CAL_ONLY=${CAL_ONLY:-}  # e.g. "--only 8b-16k-a512-b16-d5 --only ..."
 ) > "$OUT/gpu0.log" 2>&1 &
 (
   export CUDA_VISIBLE_DEVICES=1 TORCHINDUCTOR_CACHE_DIR=$(mktemp -d)
-  echo "== cold cache"; timeout 200 python3 bench/train_step.py --warmup 2 --steps 3 --compile-times | grep -v Warning | tail -30
+  echo "== cold cache"; timeout 200 python3 bench/train_step.py --warmup 2 --steps 3 --compile-times > "$OUT/cold.log" 2>&1
+  grep -E "first step|ms/step|compile_fx|async_compile.wait|PyCodeCache|inductor_import|_compile.compile_inner|entire_frame" "$OUT/cold.log" | head -14
   echo "== warm cache"; timeout 120 python3 bench/train_step.py --warmup 2 --steps 3 | grep -E "first step|ms/step"
   echo "== bucketed epoch $(date +%T)"
   python3 bench/make_synthetic.py --out .cache/syn-mix --samples 400 --length 1500 --sigma 0.8 --max-length 8192
-  timeout 240 python3 -m dflash.cli --config configs/qwen3-8b-1gpu.toml --set data.path=\".cache/syn-mix\" \
+  TORCH_LOGS=recompiles timeout 240 python3 -m dflash.cli --config configs/qwen3-8b-1gpu.toml --set data.path=\".cache/syn-mix\" \
     --set output_dir=\"runs/bucketed\" --set data.token_budget=16384 --set data.max_batch_size=16 \
     --set train.max_anchors=1024 --set train.batch_anchors=1024 --set train.epochs=1 --set train.log_every=5 \
-    --set train.keep_last=1 --fresh --no-progress "${W[@]}" 2>&1 | grep -v Warning | tail -8
+    --set train.keep_last=1 --fresh --no-progress "${W[@]}" > "$OUT/bucketed.log" 2>&1
+  grep -A3 "Recompiling" "$OUT/bucketed.log" | cut -c1-300 | head -24; grep -v Warning "$OUT/bucketed.log" | grep -E "^step|done|first step" | tail -4
   python3 - <<'EOF'
 import json
 rows = [json.loads(l) for l in open("runs/bucketed/metrics.jsonl") if l.strip()]

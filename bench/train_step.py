@@ -235,25 +235,48 @@ def kernel_kind(name: str) -> str:
 
 def kernel_summary(prof, steps: int) -> dict:
     """{kind: ms per step} of the GPU kernels in a profile, plus "busy" (the union of kernel intervals) and
-    "span" (first kernel start to last kernel end): span - busy is time the GPU waited for the host."""
+    "span" (first kernel start to last kernel end): span - busy is time the GPU waited for the host.
+    "gaps": the largest idle stretches summed by the kernels around them; "other": the unclassified kernels."""
     kernels = []
     for e in prof.profiler.kineto_results.events():
         if e.device_type().name == "CUDA" and e.duration_ns() > 0:
             kernels.append((e.start_ns(), e.start_ns() + e.duration_ns(), e.name()))
     kinds: dict = {}
+    other: dict = {}
     for start, end, name in kernels:
         kind = kernel_kind(name)
         kinds[kind] = kinds.get(kind, 0.0) + (end - start) / 1e6 / steps
-    busy, last = 0, None
-    for start, end, _ in sorted(kernels):
+        if kind == "other":
+            other[name[:80]] = other.get(name[:80], 0.0) + (end - start) / 1e6 / steps
+    busy, last, last_name, gaps = 0, None, "", {}
+    for start, end, name in sorted(kernels):
+        if last is not None and start - last > 20_000:  # idle for more than 20 us
+            key = f"{kernel_kind(last_name)} -> {name[:60]}"
+            gaps[key] = gaps.get(key, 0.0) + (start - last) / 1e6 / steps
         if last is None or start > last:
             busy += end - start
-            last = end
+            last, last_name = end, name
         elif end > last:
             busy += end - last
-            last = end
+            last, last_name = end, name
     span = (max(e for _, e, _ in kernels) - min(s for s, _, _ in kernels)) if kernels else 0
-    return {**kinds, "busy": busy / 1e6 / steps, "span": span / 1e6 / steps}
+    top = lambda d: dict(sorted(d.items(), key=lambda kv: -kv[1])[:8])  # noqa: E731
+    return {**kinds, "busy": busy / 1e6 / steps, "span": span / 1e6 / steps, "gaps": top(gaps), "other kernels": top(other)}
+
+
+def gemm_shapes(prof, steps: int) -> list[dict]:
+    """aten::mm / addmm / bmm grouped by input shapes: GPU ms per step, calls per step, achieved TFLOP/s."""
+    rows = []
+    for e in prof.key_averages(group_by_input_shape=True):
+        if e.key not in ("aten::mm", "aten::addmm", "aten::bmm") or not e.device_time_total:
+            continue
+        shapes = [s for s in e.input_shapes if s]
+        a, b = shapes[-2], shapes[-1]
+        flop = 2 * a[-2] * a[-1] * b[-1] * (a[0] if len(a) == 3 else 1)
+        ms = e.device_time_total / 1e3 / steps
+        calls = e.count // steps
+        rows.append({"ms": ms, "calls": calls, "tflops": flop * calls / (ms / 1e3) / 1e12, "shapes": shapes})
+    return sorted(rows, key=lambda r: -r["ms"])
 
 
 def print_profile(torch, trainer, next_step_batches, top: int, name: str) -> dict:
@@ -262,7 +285,7 @@ def print_profile(torch, trainer, next_step_batches, top: int, name: str) -> dic
     from torch.profiler import ProfilerActivity, profile
 
     groups = [next_step_batches() for _ in range(2)]
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:
         for group in groups:
             trainer.train_step(group)
         torch.cuda.synchronize()
@@ -274,12 +297,20 @@ def print_profile(torch, trainer, next_step_batches, top: int, name: str) -> dic
                 trainer.source.features(k, batch)
         torch.cuda.synchronize()
     step, target = kernel_summary(prof, 2), kernel_summary(target_prof, 2)
-    kinds = sorted(set(step) | set(target), key=lambda k: (k in ("busy", "span"), -step.get(k, 0.0)))
+    listed = ("gaps", "other kernels")
+    kinds = sorted((set(step) | set(target)) - set(listed), key=lambda k: (k in ("busy", "span"), -step.get(k, 0.0)))
     print(f"[{name}] GPU kernels by kind, ms per step: whole step / target forward alone / difference (drafter)")
     for kind in kinds:
         a, b = step.get(kind, 0.0), target.get(kind, 0.0)
         print(f"[{name}]   {kind:16s} {a:8.2f} {b:8.2f} {a - b:8.2f}")
     print(f"[{name}]   {'host waits':16s} {step['span'] - step['busy']:8.2f}   (span - busy: the GPU idle inside the step)")
+    for what in listed:
+        print(f"[{name}] {what} of the step, ms per step:")
+        for key, ms in step[what].items():
+            print(f"[{name}]   {ms:8.2f}  {key}")
+    print(f"[{name}] matmuls by shape (whole step, per step): ms, calls, TFLOP/s")
+    for row in gemm_shapes(prof, 2)[:top]:
+        print(f"[{name}]   {row['ms']:8.2f}  x{row['calls']:<4} {row['tflops']:6.0f}  {row['shapes']}")
     events = [e for e in prof.key_averages() if e.self_device_time_total > 0]
     events.sort(key=lambda e: -e.self_device_time_total)
     total = sum(e.self_device_time_total for e in events)

@@ -594,7 +594,9 @@ def collate(dataset: ShardDataset, indices: Sequence[int], pad_id: int) -> dict:
     """Right-padded tensors for one batch.
 
     Returns ``input_ids [B,S] int64`` (padded with ``pad_id``), ``loss_mask [B,S] int8`` (0 on
-    padding), ``attention_mask [B,S] int64`` (1 on real tokens) and ``lengths [B] int64``.
+    padding), ``attention_mask [B,S] int64`` (1 on real tokens), ``lengths [B] int64`` and
+    ``eligible_anchors [B] int64``: positions a with loss_mask[a] and loss_mask[a+1] per row, counted
+    here so the step knows its anchor layout without reading the GPU (a field kept on the host, see `to_device`).
     """
     import torch
 
@@ -607,12 +609,22 @@ def collate(dataset: ShardDataset, indices: Sequence[int], pad_id: int) -> dict:
         input_ids[r, : ids.size] = ids
         loss_mask[r, : ids.size] = mask
     attention_mask = (np.arange(seq)[None, :] < lengths[:, None]).astype(np.int64)
+    eligible = (loss_mask[:, :-1] & loss_mask[:, 1:]).sum(axis=1, dtype=np.int64)
     return {
         "input_ids": torch.from_numpy(input_ids),
         "loss_mask": torch.from_numpy(loss_mask),
         "attention_mask": torch.from_numpy(attention_mask),
         "lengths": torch.from_numpy(lengths),
+        "eligible_anchors": torch.from_numpy(eligible),
     }
+
+
+HOST_FIELDS = ("eligible_anchors",)  # batch fields the step reads on the host: they stay there
+
+
+def to_device(batch: dict, device) -> dict:
+    """The batch on the step's device (non-blocking copies: pinned batches overlap the GPU's work), host fields kept."""
+    return {key: v if key in HOST_FIELDS else v.to(device, non_blocking=True) for key, v in batch.items()}
 
 
 PREFETCH_DEPTH = 4  # batches read and collated ahead of the training step

@@ -30,6 +30,7 @@ def sample_anchors(
     block_size: int,
     generator: torch.Generator | None = None,
     batch_anchors: int | None = None,
+    eligible_B: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Up to max_anchors sorted anchors per row [B, A] and their validity [B, A] (padding anchors are 0, invalid).
 
@@ -37,6 +38,8 @@ def sample_anchors(
     of a block that run past the sequence end are masked by `block_inputs`, so block_size does
     not restrict the anchors; it is checked for sanity only. With batch_anchors, the batch's
     total is split over rows as evenly as their eligible counts allow (`anchor_quotas`).
+    eligible_B: those counts per row on the host (the collated batch's `eligible_anchors`); without
+    them they are read back from the device, which waits for all the GPU's queued work.
     """
     if max_anchors < 1:
         raise ValueError(f"max_anchors must be >= 1, got {max_anchors}")
@@ -49,17 +52,17 @@ def sample_anchors(
         zeros = torch.zeros(B, 1, dtype=torch.long, device=device)
         return zeros, zeros.bool()
     eligible_BS = mask_BS[:, :-1] & mask_BS[:, 1:]
-    count_B = eligible_BS.sum(dim=1)
-    A = max(1, min(max_anchors, int(count_B.max())))
-    gen_device = generator.device if generator is not None else device
-    keys_BS = torch.rand(eligible_BS.shape, generator=generator, device=gen_device).to(device)
-    keys_BS = keys_BS.masked_fill(~eligible_BS, 2.0)  # ineligible positions sort last
+    count_B = eligible_B.cpu() if eligible_B is not None else eligible_BS.sum(dim=1).cpu()
     cap_B = count_B.clamp(max=max_anchors)
     if batch_anchors is not None and int(cap_B.sum()) > batch_anchors:
         cap_B = anchor_quotas(cap_B, batch_anchors)
-        A = max(1, int(cap_B.max()))
+    A = max(1, int(cap_B.max()))
+    gen_device = generator.device if generator is not None else device
+    keys_BS = torch.rand(eligible_BS.shape, generator=generator, device=gen_device).to(device)
+    keys_BS = keys_BS.masked_fill(~eligible_BS, 2.0)  # ineligible positions sort last
     picked_BA = keys_BS.topk(A, dim=1, largest=False).indices
-    valid_BA = torch.arange(A, device=device)[None, :] < cap_B[:, None]
+    valid_BA = torch.arange(A)[None, :] < cap_B[:, None]
+    valid_BA = valid_BA.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else valid_BA.to(device)
     picked_BA = torch.where(valid_BA, picked_BA, S).sort(dim=1).values  # the sorted valid ones come first
     return torch.where(valid_BA, picked_BA, 0), valid_BA
 
@@ -118,11 +121,12 @@ def block_inputs(
     return flat(block_ids_BAk), labels_BQ, flat(valid_BAk), flat(pos_BAk)
 
 
-def slot_weights(block_size: int, gamma: float) -> torch.Tensor:
-    """[block_size] float32: 0 for slot 0 (the given anchor token), exp(-(k-1)/gamma) for k >= 1."""
+def slot_weights(block_size: int, gamma: float, device: torch.device | str = "cpu") -> torch.Tensor:
+    """[block_size] float32: 0 for slot 0 (the given anchor token), exp(-(k-1)/gamma) for k >= 1 (made on `device`:
+    no host-to-device copy, which would wait for the GPU's queued work)."""
     if gamma <= 0:
         raise ValueError(f"gamma must be > 0, got {gamma}")
-    k = torch.arange(block_size, dtype=torch.float32)
+    k = torch.arange(block_size, dtype=torch.float32, device=device)
     w = torch.exp(-(k - 1) / gamma)
     w[0] = 0.0
     return w
@@ -321,17 +325,19 @@ def dflash_loss(
     )
     correct_BQ = torch.zeros(B * Q, dtype=torch.bool, device=hidden_BQH.device)
     correct_BQ[idx_M] = correct_M
-    metrics = block_metrics(correct_BQ.view(B, Q), weight_BQ > 0, block_size)
-    metrics.update(loss=float(loss.detach()), ce=float(ce_sum) / norm, kl=float(kl_sum) / norm if use_kl else 0.0)
+    metrics = block_metrics(correct_BQ.view(B, Q), weight_BQ > 0, block_size, extra=(loss.detach(), ce_sum, kl_sum))
+    loss_value, ce_value, kl_value = metrics.pop("extra")
+    metrics.update(loss=loss_value, ce=ce_value / norm, kl=kl_value / norm if use_kl else 0.0)
     return loss, metrics
 
 
 @torch.no_grad()
-def block_metrics(correct_BQ: torch.Tensor, valid_BQ: torch.Tensor, block_size: int) -> dict:
+def block_metrics(correct_BQ: torch.Tensor, valid_BQ: torch.Tensor, block_size: int, extra: tuple = ()) -> dict:
     """Per-slot accuracy (slots 1..bs-1) and the simulated acceptance length 1 + sum_k prod_{i<=k} correct_i.
 
     A slot that is not valid counts as wrong (the chain stops); the acceptance length averages
-    over blocks whose slot 1 is valid.
+    over blocks whose slot 1 is valid. Every number comes back from the device in one read (one wait
+    for the GPU), with the scalar tensors in `extra` (returned under "extra", as floats).
     """
     B, Q = correct_BQ.shape
     ok_BAk = (correct_BQ & valid_BQ).view(B, Q // block_size, block_size)[:, :, 1:]
@@ -339,15 +345,17 @@ def block_metrics(correct_BQ: torch.Tensor, valid_BQ: torch.Tensor, block_size: 
     per_slot_k = ok_BAk.sum(dim=(0, 1)) / valid_BAk.sum(dim=(0, 1)).clamp_min(1)
     blocks_BA = valid_BAk[:, :, 0]
     accepted_BA = 1 + ok_BAk.long().cumprod(dim=-1).sum(dim=-1)
-    n_blocks = int(blocks_BA.sum())
-    accept_len = float(accepted_BA[blocks_BA].float().mean()) if n_blocks else 0.0
-    n_tokens = int(valid_BAk.sum())
+    scalars = [blocks_BA.sum(), (accepted_BA * blocks_BA).sum(), valid_BAk.sum(), ok_BAk.sum(), *extra]
+    values = torch.cat([per_slot_k.double(), torch.stack([t.double() for t in scalars])]).tolist()
+    per_slot, (n_blocks, accepted, n_tokens, n_ok, *rest) = values[: block_size - 1], values[block_size - 1:]
+    n_blocks, n_tokens = int(n_blocks), int(n_tokens)
     return {
-        "acc": float(ok_BAk.sum()) / max(n_tokens, 1),
-        "acc_slot": [float(a) for a in per_slot_k],
-        "accept_len": accept_len,
+        "acc": n_ok / max(n_tokens, 1),
+        "acc_slot": per_slot,
+        "accept_len": accepted / n_blocks if n_blocks else 0.0,
         "blocks": n_blocks,
         "tokens": n_tokens,
+        **({"extra": rest} if extra else {}),
     }
 
 
@@ -409,7 +417,8 @@ def drafter_step_math(
     if want_last and last_BSH is None:
         raise ValueError("kl_weight > 0 needs the target's last hidden state")
 
-    anchors_BA, valid_BA = sample_anchors(loss_mask_BS, tcfg.max_anchors, bs, generator, tcfg.batch_anchors)
+    eligible_B = _batch_field(batch, "eligible_anchors", required=False)  # host counts: no read-back from the GPU
+    anchors_BA, valid_BA = sample_anchors(loss_mask_BS, tcfg.max_anchors, bs, generator, tcfg.batch_anchors, eligible_B)
     block_ids_BQ, labels_BQ, label_valid_BQ, query_pos_BQ = block_inputs(
         input_ids_BS, anchors_BA, bs, dcfg.mask_token_id, loss_mask_BS=loss_mask_BS, valid_BA=valid_BA
     )
@@ -421,7 +430,7 @@ def drafter_step_math(
     hidden_BQH = drafter(context_BSF, noise_BQH, context_pos_BS, query_pos_BQ, attn)
 
     A = anchors_BA.shape[1]
-    weight_BQ = slot_weights(bs, tcfg.gamma).to(device).repeat(A)[None, :] * label_valid_BQ
+    weight_BQ = slot_weights(bs, tcfg.gamma, device).repeat(A)[None, :] * label_valid_BQ
     target_hidden_BQH = target_hidden_for_slots(last_BSH, query_pos_BQ) if want_last else None
     loss, metrics = dflash_loss(
         hidden_BQH, head_VH, labels_BQ, weight_BQ, bs, tcfg.loss_chunk, target_hidden_BQH, tcfg.kl_weight

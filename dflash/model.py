@@ -310,10 +310,15 @@ class DrafterAttention(nn.Module):
         """Row-wise part of attention over flattened rows (N block tokens, M context tokens): projected,
         q/k-normed, rotated q [N, h, D], k and v [M, kv, D] (context) and [N, kv, D] (block)."""
         h, kv, D = self.n_heads, self.n_kv, self.head_dim
-        q_NhD = apply_rope(self.q_norm(self.q_proj(x_NH).unflatten(-1, (h, D))), cos_q, sin_q)
-        k_MkD = apply_rope(self.k_norm(self.k_proj(ctx_MH).unflatten(-1, (kv, D))), cos_c, sin_c)
-        k_NkD = apply_rope(self.k_norm(self.k_proj(x_NH).unflatten(-1, (kv, D))), cos_q, sin_q)
-        return q_NhD, k_MkD, k_NkD, self.v_proj(ctx_MH).unflatten(-1, (kv, D)), self.v_proj(x_NH).unflatten(-1, (kv, D))
+        # One matmul for q, k, v of the block rows and one for k, v of the context (fewer, wider GEMMs; the
+        # parameters stay the three published projections).
+        w_qkv = torch.cat([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight])
+        q_Nq, k_Nk, v_Nk = F.linear(x_NH, w_qkv).split([h * D, kv * D, kv * D], dim=-1)
+        k_Mk, v_Mk = F.linear(ctx_MH, w_qkv[h * D:]).split([kv * D, kv * D], dim=-1)
+        q_NhD = apply_rope(self.q_norm(q_Nq.unflatten(-1, (h, D))), cos_q, sin_q)
+        k_MkD = apply_rope(self.k_norm(k_Mk.unflatten(-1, (kv, D))), cos_c, sin_c)
+        k_NkD = apply_rope(self.k_norm(k_Nk.unflatten(-1, (kv, D))), cos_q, sin_q)
+        return q_NhD, k_MkD, k_NkD, v_Mk.unflatten(-1, (kv, D)), v_Nk.unflatten(-1, (kv, D))
 
     @staticmethod
     def heads(rows, B: int):
@@ -345,7 +350,8 @@ class DrafterMLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = F.linear(x, torch.cat([self.gate_proj.weight, self.up_proj.weight])).chunk(2, dim=-1)  # one GEMM
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DrafterLayer(nn.Module):
@@ -432,6 +438,22 @@ def _compiled(fn):
         if fn not in _compiled_fns:
             _compiled_fns[fn] = torch.compile(fn, backend=COMPILE_BACKEND)
         return _compiled_fns[fn]
+
+
+def start_compile_workers(device: torch.device, compile_on: bool) -> None:
+    """Start torch.compile's kernel-compiler worker processes now, while the target loads.
+
+    Inductor starts them at its first compilation and the first step then waits seconds for them;
+    started here, that overlaps the target's loading. It only spawns processes: graphs are still
+    traced and compiled at the first step, in the main thread. A torch without the hook skips it.
+    """
+    if not (compile_on and device.type == "cuda"):
+        return
+    try:
+        from torch._inductor.async_compile import maybe_warm_pool
+    except ImportError:
+        return
+    maybe_warm_pool()
 
 
 RECOMPUTE_MODES = ("off", "mlp", "layer")  # activation recompute per drafter layer: none, the MLP, the whole layer

@@ -38,7 +38,7 @@ import torch.distributed as dist
 
 from dflash import checkpoint as ckpt
 from dflash.config import RunConfig, config_from_dict, config_sha256, dump_config
-from dflash.data import collate, prefetch
+from dflash.data import collate, prefetch, to_device
 from dflash.errors import DflashError
 from dflash.target import torch_dtype
 
@@ -365,7 +365,7 @@ def _target_main(cfg: RunConfig, me: Rank, resume_from: Path | None, share_group
 
     for k, batch in prefetch(my_batches()):
         t0 = time.perf_counter()
-        batch = {key: v.to(device, non_blocking=True) for key, v in batch.items()}
+        batch = to_device(batch, device)
         with torch.no_grad():
             context, last = target.features(k, batch)
         if device.type == "cuda":  # this stream only: a device-wide sync would also wait for our queued NCCL sends
@@ -491,9 +491,11 @@ class RemoteTargets:
 
 
 def _drafter_main(cfg: RunConfig, me: Rank, resume_from: Path | None, drafter_group, share_group) -> int:
+    from dflash.model import start_compile_workers
     from dflash.train import Trainer, run_device
 
     device = run_device(cfg)
+    start_compile_workers(device, cfg.train.compile)
     source = RemoteTargets(cfg, me, share_group, device)
     trainer = Trainer(cfg, source, resume_from, group=drafter_group, log=lambda *a, **k: print(*a, **k, flush=True))
     code = trainer.run(progress=False)

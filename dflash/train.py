@@ -31,9 +31,9 @@ import torch.distributed as dist
 from dflash import checkpoint as ckpt
 from dflash import rundir
 from dflash.config import RunConfig, dump_config
-from dflash.data import collate, prefetch
+from dflash.data import collate, prefetch, to_device
 from dflash.heldout import BEST_KEY
-from dflash.model import DFlashDrafter, drafter_config_for_run
+from dflash.model import DFlashDrafter, drafter_config_for_run, start_compile_workers
 from dflash.snapshot import Outcome
 from dflash.step import (
     FeatureSource,
@@ -173,7 +173,9 @@ class Trainer:
     @classmethod
     def colocated(cls, cfg: RunConfig, resume_from: Path | None = None, log=print) -> Trainer:
         """The target in this process (`LocalTarget`, or `CachedTarget` with train.cache_features)."""
-        return cls(cfg, local_source(cfg, run_device(cfg), log), resume_from, log=log)
+        device = run_device(cfg)
+        start_compile_workers(device, cfg.train.compile)
+        return cls(cfg, local_source(cfg, device, log), resume_from, log=log)
 
     def _dataset_meta(self) -> dict:
         return {"path": self.cfg.data.path, "samples": self.dataset.num_samples,
@@ -209,7 +211,7 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         parts = []
         for i, (k, batch) in enumerate(mine):
-            batch = {key: v.to(self.device, non_blocking=True) for key, v in batch.items()}
+            batch = to_device(batch, self.device)
             features = self.source.features(k, batch)
             last = i == len(mine) - 1
             sync = self.model.no_sync() if self.model is not self.drafter and not last else contextlib.nullcontext()
@@ -217,7 +219,7 @@ class Trainer:
                 loss, m = micro_step(self.model, self.embed_w, self.head_w, batch, features, self.cfg, self.device,
                                      self.attn_backend, k)
                 (loss / len(mine)).backward()
-            parts.append((float(loss.detach()), m))
+            parts.append((m["loss"], m))  # read before backward was queued: no second wait for the GPU
         grad_norm = clip_and_step(self.drafter, self.optimizer, self.cfg)
         self.step += 1
         out = average_metrics(parts)

@@ -169,6 +169,28 @@ def test_batch_anchor_cap_bounds_total_and_keeps_rows_sorted():
     assert int(v2.sum()) == 16 * 5 + 16
 
 
+@pytest.mark.parametrize("batch_anchors", [None, 20])
+def test_host_counts_from_collate_give_the_same_anchors(tmp_path, batch_anchors):
+    """collate counts the eligible positions per row on the host; the anchors drawn with them equal the ones
+    drawn after reading the counts back from the tensor (the step no longer waits for the GPU there)."""
+    import numpy as np
+
+    from dflash.data import ShardDataset, collate, write_shard
+    from dflash.loss import sample_anchors
+
+    rng = np.random.default_rng(0)
+    lengths = [33, 7, 50, 2, 40]
+    masks = [(rng.random(n) < 0.7).astype(int).tolist() for n in lengths]
+    write_shard(tmp_path / "shard-0.arrow", [list(range(1, n + 1)) for n in lengths], masks)
+    batch = collate(ShardDataset(tmp_path), range(len(lengths)), pad_id=0)
+    lm = batch["loss_mask"].bool()
+    assert batch["eligible_anchors"].tolist() == (lm[:, :-1] & lm[:, 1:]).sum(1).tolist()
+    host = sample_anchors(batch["loss_mask"], 8, 4, torch.Generator().manual_seed(5), batch_anchors,
+                          batch["eligible_anchors"])
+    device = sample_anchors(batch["loss_mask"], 8, 4, torch.Generator().manual_seed(5), batch_anchors)
+    assert all(torch.equal(a, b) for a, b in zip(host, device))
+
+
 def test_anchor_quotas_fill_short_rows_first_and_meet_the_budget():
     from dflash.loss import anchor_quotas
 

@@ -238,8 +238,8 @@ def kernel_summary(prof, steps: int) -> dict:
     "span" (first kernel start to last kernel end): span - busy is time the GPU waited for the host.
     "gaps": the largest idle stretches summed by the kernels around them; "other": the unclassified kernels."""
     kernels = []
-    for e in prof.profiler.kineto_results.events():
-        if e.device_type().name == "CUDA" and e.duration_ns() > 0:
+    for e in prof.profiler.kineto_results.events():  # GPU kernels, memcpy, memset; not the "## ... ##" annotations
+        if e.device_type().name == "CUDA" and e.duration_ns() > 0 and not e.name().startswith("## "):
             kernels.append((e.start_ns(), e.start_ns() + e.duration_ns(), e.name()))
     kinds: dict = {}
     other: dict = {}
@@ -271,7 +271,7 @@ def gemm_shapes(prof, steps: int) -> list[dict]:
         if e.key not in ("aten::mm", "aten::addmm", "aten::bmm") or not e.device_time_total:
             continue
         shapes = [s for s in e.input_shapes if s]
-        a, b = shapes[-2], shapes[-1]
+        a, b = (shapes[1], shapes[2]) if e.key == "aten::addmm" else (shapes[0], shapes[1])  # addmm(bias, a, b)
         flop = 2 * a[-2] * a[-1] * b[-1] * (a[0] if len(a) == 3 else 1)
         ms = e.device_time_total / 1e3 / steps
         calls = e.count // steps

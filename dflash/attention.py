@@ -269,9 +269,14 @@ def _flex_for(device: torch.device):
 
 
 def _tiles(t_BhLD: torch.Tensor, padded_len: int) -> torch.Tensor:
-    """[B, heads, L, D] zero-padded to padded_len rows and viewed as [B, heads, padded_len / 128, 128, D]."""
+    """[B, heads, L, D] zero-padded to padded_len rows and viewed as [B, heads, padded_len / 128, 128, D].
+
+    Padded in the trainer's row layout ([B, L, heads, D] memory, as the projections write it): padded and
+    unpadded inputs then have the same stride pattern (one compiled graph, not one per layout), and flex's
+    output, laid out like the query, is again rows, which o_proj reads as a view instead of a copy."""
     if t_BhLD.shape[2] != padded_len:
-        t_BhLD = F.pad(t_BhLD, (0, 0, 0, padded_len - t_BhLD.shape[2]))
+        rows_BLhD = F.pad(t_BhLD.transpose(1, 2), (0, 0, 0, 0, 0, padded_len - t_BhLD.shape[2]))
+        t_BhLD = rows_BLhD.transpose(1, 2)
     return t_BhLD.unflatten(2, (-1, FLEX_TILE))
 
 

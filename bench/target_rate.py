@@ -6,7 +6,15 @@ rows > 1), and timed over --steps batches after --warmup. It prints which Gated 
 conv1d implementations transformers bound (fla / causal_conv1d kernels, or the PyTorch fallbacks), the
 rate, and the torch and NVML peaks, and writes them as JSON with --out.
 
-Run from the repository root (bench/device_target_rate.sh runs both on a device machine):
+Run from the repository root. In the train-cu128 environment (fla-core locked) a CUDA target runs fla's kernels;
+--pytorch-linear-attention measures transformers' PyTorch fallback on the same install:
+
+    uv run python bench/target_rate.py --config configs/qwen3.6-27b-5t3d.toml --out .cache/out/target_rate_fla.json
+    uv run python bench/target_rate.py --config configs/qwen3.6-27b-5t3d.toml --pytorch-linear-attention \
+        --out .cache/out/target_rate_fallback.json
+
+On a device image without uv (python3 with torch), bench/device_target_rate.sh runs both, fla-core installed
+with pip --target from carried wheels:
 
     python3 bench/target_rate.py --config configs/qwen3.6-27b-5t3d.toml --out .cache/out/target_rate_fallback.json
     PYTHONPATH=.:.cache/fla python3 bench/target_rate.py --config configs/qwen3.6-27b-5t3d.toml \
@@ -26,13 +34,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.common import Nvml, NvmlPeak, environment, gib, parse_sets, write_json  # noqa: E402
 
 
-def kernels() -> dict:
-    """Where the Qwen3.5 Gated DeltaNet functions transformers bound come from (fla / causal_conv1d, or its fallbacks)."""
-    from transformers.models.qwen3_5 import modeling_qwen3_5 as m
+def kernels(model) -> dict:
+    """Where the Gated DeltaNet functions the model's linear-attention layers call come from (fla / causal_conv1d
+    kernels, or transformers' PyTorch fallbacks): transformers' import-time binding, or the PyTorch references
+    dflash.target binds per model off CUDA (and with --pytorch-linear-attention)."""
+    from dflash.target import linear_attention_kernels
 
+    layer = next((m for m in model.modules() if linear_attention_kernels(m)), None)
+    if layer is None:
+        return {}
     out = {}
-    for name in ("torch_chunk_gated_delta_rule", "causal_conv1d_fn"):
-        fn = getattr(m, name)
+    for name, fn in linear_attention_kernels(layer).items():
+        if name not in ("torch_chunk_gated_delta_rule", "causal_conv1d_fn"):
+            continue
         cells = dict(zip(fn.__code__.co_freevars, (c.cell_contents for c in fn.__closure__ or ())))
         impl = cells.get("implementation", fn)  # the hub wrapper's chosen implementation
         out[name] = f"{impl.__module__}.{impl.__name__}"
@@ -48,6 +62,8 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--device", default="cuda")
     p.add_argument("--tiny", action="store_true", help="a tiny hybrid target instead of target.path (smoke run)")
+    p.add_argument("--pytorch-linear-attention", action="store_true",
+                   help="transformers' PyTorch Gated DeltaNet even where fla is installed (the fallback's rate)")
     p.add_argument("--out", type=Path, help="write the result as JSON here")
     args = p.parse_args(argv)
 
@@ -56,7 +72,7 @@ def main(argv=None) -> int:
     from dflash.config import load_config
     from dflash.loss import target_step
     from dflash.step import feature_layer_ids
-    from dflash.target import load_target
+    from dflash.target import load_target, use_torch_linear_attention
 
     cfg = load_config(args.config, parse_sets(args.set))
     device = torch.device(args.device)
@@ -72,6 +88,8 @@ def main(argv=None) -> int:
     nvml = Nvml(enabled=device.type == "cuda")
     t0 = time.perf_counter()
     model = load_target(path, cfg.target.dtype, device, random_init=True)
+    if args.pytorch_linear_attention:
+        use_torch_linear_attention(model)
     load_s = time.perf_counter() - t0
     layer_ids = feature_layer_ids(cfg, model.config.num_hidden_layers)
     seq = cfg.data.token_budget // args.rows
@@ -95,7 +113,7 @@ def main(argv=None) -> int:
     tokens = args.rows * seq
     result = {
         "target": path, "dtype": cfg.target.dtype, "tokens_per_batch": tokens, "rows": args.rows, "layer_ids": layer_ids,
-        "want_last": want_last, "kernels": kernels(), "load_s": round(load_s, 2),
+        "want_last": want_last, "kernels": kernels(model), "load_s": round(load_s, 2),
         "step_s": [round(t, 4) for t in times], "tok_per_s": round(tokens / (sum(times) / len(times)), 1),
         "max_allocated_bytes": int(torch.cuda.max_memory_allocated()) if device.type == "cuda" else None,
         "nvml_peak_bytes": peak.peak, "environment": environment(torch, args.device),

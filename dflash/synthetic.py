@@ -97,11 +97,14 @@ def random_target(config: dict, seed: int = 0, head_scale: float = 1.0):
     """The causal LM of `config` in memory, weights drawn right after torch.manual_seed(seed).
 
     head_scale multiplies the lm_head weight: a sharper output makes greedy decoding wander over
-    the vocabulary instead of repeating one token.
+    the vocabulary instead of repeating one token. A hybrid's linear-attention layers get the path of
+    the device it is built on (dflash.target.bind_linear_attention).
     """
     import torch
     import transformers
     from transformers import AutoConfig
+
+    from dflash.target import bind_linear_attention
 
     fields = dict(config)
     model_type = fields.pop("model_type")
@@ -112,7 +115,7 @@ def random_target(config: dict, seed: int = 0, head_scale: float = 1.0):
     if head_scale != 1.0:
         with torch.no_grad():
             model.get_output_embeddings().weight.mul_(head_scale)
-    return model
+    return bind_linear_attention(model, model.get_output_embeddings().weight.device)
 
 
 def word_tokenizer():

@@ -8,7 +8,12 @@ never computes logits over the sequence.
 
 from __future__ import annotations
 
+import functools
+import importlib.util
+import inspect
+from collections.abc import Callable
 from pathlib import Path
+from types import CellType, FunctionType, MethodType
 
 import torch
 from torch import nn
@@ -57,13 +62,101 @@ def load_target(
     if any(name.startswith(("visual.", "model.visual.")) for name, _ in model.named_parameters()):
         raise ValueError(f"target {str(path_or_name)!r}: transformers built a vision tower ({type(model).__name__}); "
                          "upgrade transformers to a version that loads this model as a causal LM alone")
-    return freeze(model)
+    return freeze(bind_linear_attention(model, device))
 
 
 def freeze(model: nn.Module) -> nn.Module:
     model.eval()
     model.requires_grad_(False)
     return model
+
+
+# ---------------------------------------------------------------------------------------------
+# Linear-attention kernels (Gated DeltaNet layers of Qwen3.5-family hybrid targets)
+
+# The functions a Gated DeltaNet layer's forward calls by module-global name. transformers decorates each
+# with `use_kernel_func_from_hub_with_fallback` (integrations/hub_kernels.py), which imports the kernel
+# package when the modeling module is imported (fla: chunk_gated_delta_rule, fused_recurrent_gated_delta_rule;
+# causal_conv1d: causal_conv1d_fn, causal_conv1d_update) and binds the name to it for every device, else to
+# the PyTorch reference it wraps (reachable as the wrapper's __wrapped__).
+KERNEL_FUNCTIONS = ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule", "causal_conv1d_fn",
+                    "causal_conv1d_update")
+
+
+def linear_attention_path(device_type: str, fla_installed: bool) -> str:
+    """'fla' (its Triton kernels) for a target on CUDA when fla is installed, else 'torch' (transformers' reference).
+
+    Triton needs a GPU driver: on a CPU (or any non-CUDA) target fla's kernels fail at the first forward
+    ("0 active drivers"), so the target keeps transformers' PyTorch Gated DeltaNet there.
+    """
+    return "fla" if device_type == "cuda" and fla_installed else "torch"
+
+
+def fla_installed() -> bool:
+    return importlib.util.find_spec("fla") is not None
+
+
+def bind_linear_attention(model: nn.Module, device: str | torch.device) -> nn.Module:
+    """Give `model`'s linear-attention layers the PyTorch path unless linear_attention_path picks fla for `device`.
+
+    transformers binds the Gated DeltaNet's kernels once per process, at import, for every device (see
+    KERNEL_FUNCTIONS), so with fla installed a CPU target would run Triton. The seam is per loaded model:
+    each such layer gets its own forward whose kernel names resolve to the PyTorch references; transformers'
+    module, the class and every other model in the process are left as they are. A target keeps the path it
+    was loaded with: load it on the device it runs on.
+    """
+    if linear_attention_path(torch.device(device).type, fla_installed()) == "torch":
+        use_torch_linear_attention(model)
+    return model
+
+
+def use_torch_linear_attention(model: nn.Module) -> nn.Module:
+    """Bind every linear-attention layer of `model` (a layer whose forward calls KERNEL_FUNCTIONS) to the PyTorch path."""
+    for module in model.modules():
+        if linear_attention_kernels(module):
+            module.forward = MethodType(_torch_forward(type(module)), module)
+    return model
+
+
+def linear_attention_kernels(module: nn.Module) -> dict[str, Callable]:
+    """{name in KERNEL_FUNCTIONS: the function `module`'s forward calls under it}; {} if it calls none."""
+    return _kernels_called(module.forward)
+
+
+def _kernels_called(forward: Callable) -> dict[str, Callable]:
+    body = inspect.unwrap(forward)  # the forward's own code, under its decorators
+    code = getattr(body, "__code__", None)  # None for a compiled (C++) forward
+    return {name: body.__globals__[name] for name in KERNEL_FUNCTIONS if code and name in code.co_names}
+
+
+@functools.cache
+def _torch_forward(layer_class: type) -> FunctionType:
+    """`layer_class.forward` with the KERNEL_FUNCTIONS it calls resolving to transformers' PyTorch references."""
+    references = {name: inspect.unwrap(kernel) for name, kernel in _kernels_called(layer_class.forward).items()}
+    return _rebuilt(layer_class.forward, references)
+
+
+def _rebuilt(function: FunctionType, names: dict[str, Callable]) -> FunctionType:
+    """A copy of `function` whose innermost body (through the __wrapped__ chain of decorators such as
+    transformers' force_accelerate_hooks) looks `names` up in a copy of its globals with those names replaced."""
+    inner = getattr(function, "__wrapped__", None)
+    if inner is None:
+        globals_ = {**function.__globals__, **names}
+        copy = FunctionType(function.__code__, globals_, function.__name__, function.__defaults__, function.__closure__)
+    else:
+        new_inner = _rebuilt(inner, names)
+        cells = tuple(CellType(new_inner) if cell.cell_contents is inner else cell for cell in function.__closure__ or ())
+        if sum(cell.cell_contents is new_inner for cell in cells) != 1:
+            raise RuntimeError(f"{function.__qualname__}: a decorator does not call the function it wraps from its closure; "
+                               "this transformers version cannot keep the PyTorch linear-attention path per model")
+        copy = FunctionType(function.__code__, function.__globals__, function.__name__, function.__defaults__, cells)
+    copy.__kwdefaults__ = function.__kwdefaults__
+    functools.update_wrapper(copy, function)
+    if inner is None:
+        del copy.__wrapped__
+    else:
+        copy.__wrapped__ = new_inner
+    return copy
 
 
 def decoder_of(model: nn.Module) -> nn.Module:

@@ -1,4 +1,5 @@
-"""CPU smoke runs of the measurement scripts (bench/train_step.py, bench/memory_calibration.py, bench/data_check.py)."""
+"""CPU smoke runs of the measurement scripts (bench/train_step.py, bench/memory_calibration.py, bench/data_check.py,
+bench/target_rate.py)."""
 
 from __future__ import annotations
 
@@ -30,6 +31,19 @@ def test_train_step_bench_sweeps_on_cpu(tmp_path):
         assert r["ok"] and r["step_ms"] > 0 and r["tokens_per_s"] > 0 and r["max_allocated_bytes"] is None
         assert r["drafter_step_ms"] == pytest.approx(r["step_ms"] - r["target_forward_ms"], abs=0.02)
     assert "vs SpecForge" in proc.stdout
+
+
+@pytest.mark.slow
+def test_target_rate_bench_runs_a_tiny_hybrid_on_cpu_with_the_pytorch_gated_deltanet(tmp_path):
+    out = tmp_path / "target_rate.json"
+    proc = _run(["bench/target_rate.py", "--config", "configs/qwen3.6-27b-5t3d.toml", "--tiny", "--device", "cpu",
+                 "--warmup", "1", "--steps", "1", "--out", str(out)], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    reference = "transformers.models.qwen3_5.modeling_qwen3_5."
+    assert result["kernels"] == {"torch_chunk_gated_delta_rule": reference + "torch_chunk_gated_delta_rule",
+                                 "causal_conv1d_fn": reference + "causal_conv1d_fn"}
+    assert result["tok_per_s"] > 0
 
 
 @pytest.mark.slow

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import json
 from pathlib import Path
 
@@ -11,7 +12,16 @@ from safetensors.torch import load_file
 
 from dflash.memory import load_target_shape
 from dflash.synthetic import hybrid_target_config, random_target, write_target
-from dflash.target import load_target, target_embed_and_head, target_features, target_text_config
+from dflash.target import (
+    bind_linear_attention,
+    linear_attention_kernels,
+    linear_attention_path,
+    load_target,
+    target_embed_and_head,
+    target_features,
+    target_text_config,
+    use_torch_linear_attention,
+)
 
 LAYOUTS = ("text", "wrapper")
 
@@ -86,6 +96,90 @@ def test_hybrid_random_target_in_memory_matches_its_saved_folder(hybrid_folders)
     loaded = load_target(hybrid_folders["text"], "float32", "cpu")
     ids = torch.randint(0, 256, (1, 9))
     assert torch.equal(model(ids).logits, loaded(ids).logits)
+
+
+def _gated_deltanet_layers(model) -> list:
+    return [layer.linear_attn for layer in model.model.layers if hasattr(layer, "linear_attn")]
+
+
+def _torch_reference(name: str):
+    """transformers' PyTorch implementation behind the module-global kernel function `name` of modeling_qwen3_5."""
+    from transformers.models.qwen3_5 import modeling_qwen3_5
+
+    return inspect.unwrap(getattr(modeling_qwen3_5, name))
+
+
+def test_transformers_binds_fla_at_import_for_every_device():
+    """The premise of bind_linear_attention: with fla installed, transformers' module-global Gated DeltaNet
+    functions call fla's Triton kernels whatever the device (so a CPU target needs its own binding)."""
+    pytest.importorskip("fla")
+    from transformers.models.qwen3_5 import modeling_qwen3_5
+
+    for name in ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule"):
+        implementation = inspect.getclosurevars(getattr(modeling_qwen3_5, name)).nonlocals["implementation"]
+        assert implementation.__module__.startswith("fla."), f"{name} is bound to {implementation.__module__}"
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("random_init", [False, True])
+def test_a_cpu_target_runs_the_pytorch_gated_deltanet(hybrid_folders, layout, random_init, tmp_path):
+    folder = hybrid_folders[layout]
+    if random_init:
+        folder = write_target(tmp_path / layout, json.loads((folder / "config.json").read_text()), weights=False)
+    model = load_target(folder, "float32", "cpu", random_init=random_init)
+    layers = _gated_deltanet_layers(model)
+    assert len(layers) == 6  # 3 of every 4 layers
+    for layer in layers:
+        kernels = linear_attention_kernels(layer)
+        assert set(kernels) == {"torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule", "causal_conv1d_fn",
+                                "causal_conv1d_update"}
+        assert all(fn is _torch_reference(name) for name, fn in kernels.items()), kernels
+    # Per model: the class and transformers' module keep their binding (fla's, when it is installed).
+    from transformers.models.qwen3_5 import modeling_qwen3_5
+
+    fresh = modeling_qwen3_5.Qwen3_5GatedDeltaNet(model.config, layer_idx=0)
+    assert linear_attention_kernels(fresh)["torch_chunk_gated_delta_rule"] is modeling_qwen3_5.torch_chunk_gated_delta_rule
+
+
+def test_a_random_target_in_memory_on_cpu_runs_the_pytorch_gated_deltanet():
+    model = random_target(hybrid_target_config(num_hidden_layers=4, vocab_size=256))
+    kernels = linear_attention_kernels(_gated_deltanet_layers(model)[0])
+    assert kernels["torch_chunk_gated_delta_rule"] is _torch_reference("torch_chunk_gated_delta_rule")
+
+
+@pytest.mark.parametrize(("device_type", "fla", "path"), [
+    ("cuda", True, "fla"),
+    ("cuda", False, "torch"),  # transformers bound its PyTorch reference already
+    ("cpu", True, "torch"),  # Triton has no CPU driver: "0 active drivers" at the first forward
+    ("cpu", False, "torch"),
+    ("meta", True, "torch"),
+    ("xpu", True, "torch"),  # not a device this project runs on
+])
+def test_linear_attention_path_picks_fla_only_on_cuda(device_type, fla, path):
+    assert linear_attention_path(device_type, fla) == path
+
+
+def test_non_hybrid_targets_have_no_linear_attention_layers(tiny_target):
+    assert not any(linear_attention_kernels(m) for m in tiny_target.modules())
+    assert bind_linear_attention(tiny_target, "cpu") is tiny_target
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (fla's Triton kernels)")
+def test_a_cuda_target_runs_fla_and_matches_the_pytorch_path(hybrid_folders):
+    pytest.importorskip("fla")
+    model = load_target(hybrid_folders["text"], "bfloat16", "cuda")
+    assert all(linear_attention_kernels(layer)["torch_chunk_gated_delta_rule"] is not _torch_reference("torch_chunk_gated_delta_rule")
+               for layer in _gated_deltanet_layers(model))
+    reference = use_torch_linear_attention(load_target(hybrid_folders["text"], "bfloat16", "cuda"))
+    ids = torch.randint(0, 256, (2, 300), generator=torch.Generator().manual_seed(0)).cuda()  # > one 64-token chunk
+    am = torch.ones_like(ids)
+    am[1, 250:] = 0
+    fla_BSD, _ = target_features(model, ids, am, [1, 4, 6], want_last=False)
+    torch_BSD, _ = target_features(reference, ids, am, [1, 4, 6], want_last=False)
+    diff = (fla_BSD.float() - torch_BSD.float()).abs().max().item()
+    scale = torch_BSD.float().abs().max().item()
+    assert diff <= 0.02 * scale, f"max |fla - torch| = {diff} (features up to {scale})"
 
 
 @pytest.mark.parametrize("config", [

@@ -75,7 +75,8 @@ CONFIGS = {
 }
 # Priority order: every target role first (no compilation, ~15 s each), then the drafter roles
 # (each compiles flex attention), the most different shapes first.
-PLAN = [(n, "target") for n in CONFIGS if not n.startswith("q36")] + [
+# The hybrid target (Qwen3.6-27B, 48 Gated DeltaNet layers) is measured once, with fla-core's kernels when installed.
+PLAN = [(n, "target") for n in CONFIGS if not n.startswith("q36")] + [("q36-27b-49k-a1024-b32-d5-kl-off", "target")] + [
     (n, "drafter") for n in ("q36-27b-49k-a1024-b32-d5-kl-layer", "q36-27b-49k-a1024-b32-d5-kl-mlp",
                              "q36-27b-49k-a1024-b32-d5-kl-off", "8b-48k-a1024-b32-d1", "0.6b-48k-a1024-b16-d5-cap4096", "8b-32k-a256-b32-d3-kl",
                              "8b-16k-a512-b16-d5", "0.6b-8k-a256-b16-d1", "0.6b-16k-a512-b32-d3")

@@ -144,7 +144,7 @@ def test_tiny_totals_by_hand(tiny):
     forward = 64 * (2 * (2 * 64 + max(3 * 64 + 3 * 32, 3 * 128) + 2 * 16) + 4 * 4) + 4 * 2 * 32 * 32 - 64 * 64 * 2
     inputs = 64 * 24
     feats = 64 * 1 * 64 * 2
-    alloc = weights + forward + inputs + feats + feats  # + send buffer of one batch in flight
+    alloc = weights + forward + inputs + feats + 2 * feats  # + send buffers of topology.queue_depth (2) batches in flight
     assert role_need_bytes(tiny, "target", "12.8", cal=HAND) == alloc + int(0.05 * alloc) + ctx + nccl
 
     p = layer_p + 64 * 64 + 2 * 64
@@ -175,8 +175,8 @@ def test_soft_labels_add_last_hidden_state_and_kl_buffers(tiny):
     extra_drafter = (role_need_bytes(kl, "drafter", "12.8", cal=HAND)
                      - role_need_bytes(tiny, "drafter", "12.8", cal=HAND))
     last = 64 * 64 * 2
-    # kept + send buffer; the forward now runs every layer with the deepest feature alive
-    assert extra_target == pytest.approx(1.05 * 3 * last, abs=2)
+    # kept + send buffers (topology.queue_depth = 2); the forward now runs every layer with the deepest feature alive
+    assert extra_target == pytest.approx(1.05 * 4 * last, abs=2)
     # received (2 batches), target hidden per query and per weighted query, and the target's bf16 [chunk, vocab]
     # logits: the peak holds the larger of the loss chunk and the backward transient (47616 bytes here, see above)
     chunk, chunk_kl, backward = 16 * 1000 * 2, 2 * 16 * 1000 * 2, 30720 + 16896

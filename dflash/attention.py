@@ -295,6 +295,13 @@ def _dynamic_sizes(block_mask: BlockMask, tiles: tuple) -> None:
 
 def attend(q_BHQD: torch.Tensor, k_BKLD: torch.Tensor, v_BKLD: torch.Tensor, mask: TrainMask) -> torch.Tensor:
     """Masked attention, q [B, Hq, Q, D] over k/v [B, Hkv, S+Q, D] (GQA when Hkv < Hq) -> [B, Hq, Q, D]."""
+    return attend_padded(q_BHQD, k_BKLD, v_BKLD, mask)[:, :, : mask.q_len]
+
+
+def attend_padded(q_BHQD: torch.Tensor, k_BKLD: torch.Tensor, v_BKLD: torch.Tensor, mask: TrainMask) -> torch.Tensor:
+    """`attend` before its last query rows are cut: [B, Hq, Q', D] with Q' >= Q (flex: Q rounded up to whole tiles,
+    laid out like the query; the rows past Q are padding). A caller that projects the output per row can project
+    all Q' rows and cut after, reading flex's output as a view instead of copying its first Q rows."""
     assert q_BHQD.shape[2] == mask.q_len and k_BKLD.shape[2] == mask.kv_len, (
         q_BHQD.shape,
         k_BKLD.shape,
@@ -310,5 +317,4 @@ def attend(q_BHQD: torch.Tensor, k_BKLD: torch.Tensor, v_BKLD: torch.Tensor, mas
     tiles = (_tiles(q_BHQD, q_len), _tiles(k_BKLD, kv_len), _tiles(v_BKLD, kv_len))
     if q_BHQD.device.type == "cuda":  # one graph for every batch shape (tile counts vary from batch to batch)
         _dynamic_sizes(mask.mask, tiles)
-    out = _flex_for(q_BHQD.device)(*tiles, mask.mask, gqa)
-    return out[:, :, : mask.q_len]
+    return _flex_for(q_BHQD.device)(*tiles, mask.mask, gqa)

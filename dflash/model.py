@@ -27,7 +27,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from dflash.attention import LAYER_TYPES, TrainMask, attend
+from dflash.attention import LAYER_TYPES, TrainMask, attend_padded
 from dflash.config import default_target_layer_ids  # noqa: F401 (also used by importers of dflash.model)
 
 CONFIG_FILE = "config.json"
@@ -303,8 +303,8 @@ class DrafterAttention(nn.Module):
 
     def forward(self, x_BQH, ctx_BSH, rope_q, rope_ctx, attn: TrainMask):
         B, Q, _ = x_BQH.shape
-        return self.output(attend(*self.heads(self.project(x_BQH.flatten(0, 1), ctx_BSH.flatten(0, 1),
-                                                           *_rows(rope_q), *_rows(rope_ctx)), B), attn))
+        rows = self.project(x_BQH.flatten(0, 1), ctx_BSH.flatten(0, 1), *_rows(rope_q), *_rows(rope_ctx))
+        return self.output(attend_padded(*self.heads(rows, B), attn))[:, :Q]
 
     def project(self, x_NH, ctx_MH, cos_q, sin_q, cos_c, sin_c):
         """Row-wise part of attention over flattened rows (N block tokens, M context tokens): projected,
@@ -333,6 +333,7 @@ class DrafterAttention(nn.Module):
         return per_row(q_NhD).transpose(1, 2), k_BLkD.transpose(1, 2), v_BLkD.transpose(1, 2)
 
     def output(self, out_BhQD):
+        """o_proj over every row of the attention output (a view when it is laid out by rows, as flex's is)."""
         B, _, Q, _ = out_BhQD.shape
         return self.o_proj(out_BhQD.transpose(1, 2).reshape(B, Q, self.n_heads * self.head_dim))
 
@@ -372,7 +373,8 @@ class DrafterLayer(nn.Module):
         # The compiled pieces see flattened rows: one dynamic size per tensor, whatever the batch's shape.
         inputs = (x_BQH.flatten(0, 1), ctx_BSH.flatten(0, 1), *_rows(rope_q), *_rows(rope_ctx))
         rows = project(self, *_dynamic_rows(self.compiled, inputs))
-        x_BQH = x_BQH + self.self_attn.output(attend(*self.self_attn.heads(rows, B), attn))
+        # o_proj runs on flex's tile-padded rows (a view of its output, not a copy of the first Q), then cut.
+        x_BQH = x_BQH + self.self_attn.output(attend_padded(*self.self_attn.heads(rows, B), attn))[:, :Q]
         (x_NH,) = _dynamic_rows(self.compiled, (x_BQH.flatten(0, 1),))
         if recompute_mlp:  # keep only the MLP's input; its [Q, intermediate] activations are recomputed in backward
             return x_BQH + checkpoint(norm_mlp, self, x_NH, use_reentrant=False).view(B, Q, H)

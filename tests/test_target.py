@@ -14,6 +14,7 @@ from dflash.memory import load_target_shape
 from dflash.synthetic import hybrid_target_config, random_target, write_target
 from dflash.target import (
     bind_linear_attention,
+    decoder_of,
     linear_attention_kernels,
     linear_attention_path,
     load_target,
@@ -164,22 +165,108 @@ def test_non_hybrid_targets_have_no_linear_attention_layers(tiny_target):
     assert bind_linear_attention(tiny_target, "cpu") is tiny_target
 
 
+def _gated_deltanet_inputs(model, ids_BS, am_BS) -> dict[int, tuple[tuple, dict]]:
+    """{layer index: (args, kwargs)} each Gated DeltaNet layer of `model` gets in one forward of `ids_BS`."""
+    inputs = {}
+    layers = dict(enumerate(decoder_of(model).layers))
+    handles = [layer.linear_attn.register_forward_pre_hook(
+        lambda _m, args, kwargs, i=i: inputs.setdefault(i, (args, dict(kwargs))), with_kwargs=True)
+        for i, layer in layers.items() if hasattr(layer, "linear_attn")]
+    try:
+        target_features(model, ids_BS, am_BS, [len(layers) - 1], want_last=False)
+    finally:
+        for h in handles:
+            h.remove()
+    return inputs
+
+
+def _gated_deltanet_outputs(model, inputs, dtype) -> dict[int, torch.Tensor]:
+    layers = decoder_of(model).layers
+    outputs = {}
+    for i, (args, kwargs) in inputs.items():
+        args = tuple(a.to(dtype) if torch.is_floating_point(a) else a for a in args)
+        kwargs = {k: v.to(dtype) if k == "hidden_states" else v for k, v in kwargs.items()}
+        with torch.no_grad():
+            outputs[i] = layers[i].linear_attn(*args, **kwargs).float()
+    return outputs
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (fla's Triton kernels)")
-def test_a_cuda_target_runs_fla_and_matches_the_pytorch_path(hybrid_folders):
+def test_a_cuda_target_runs_fla_as_closely_as_the_pytorch_path(hybrid_folders):
+    """In bf16, fla's Gated DeltaNet is as close to the float32 PyTorch layer as transformers' bf16 PyTorch path.
+
+    Layer by layer on the same input (the float32 model's), attended positions only. Whole-model features
+    of two bf16 paths cannot be held to a tight bound: this tiny random target amplifies bf16 rounding over
+    its layers. Measured on CPU (fla's kernels under TRITON_INTERPRET=1, bf16 tl.dot and arithmetic widened
+    to float32 as a GPU does), with these inputs and layers [1, 4, 6]: bf16 PyTorch features end 3.24 from
+    the float32 ones (features up to 5.50), fla's 3.07, fla vs PyTorch 1.63 (1.76 measured on an H200);
+    in float32 the two paths' features agree to 1.5e-4 on every position. Per layer, on valid positions:
+    bf16 errors against float32 of 0.022-0.051 (PyTorch) and 0.033-0.053 (fla), fla/PyTorch at most 1.49.
+    """
     pytest.importorskip("fla")
     model = load_target(hybrid_folders["text"], "bfloat16", "cuda")
     assert all(linear_attention_kernels(layer)["torch_chunk_gated_delta_rule"] is not _torch_reference("torch_chunk_gated_delta_rule")
                for layer in _gated_deltanet_layers(model))
-    reference = use_torch_linear_attention(load_target(hybrid_folders["text"], "bfloat16", "cuda"))
+    torch_bf16 = use_torch_linear_attention(load_target(hybrid_folders["text"], "bfloat16", "cuda"))
+    torch_fp32 = use_torch_linear_attention(load_target(hybrid_folders["text"], "float32", "cuda"))
     ids = torch.randint(0, 256, (2, 300), generator=torch.Generator().manual_seed(0)).cuda()  # > one 64-token chunk
     am = torch.ones_like(ids)
     am[1, 250:] = 0
-    fla_BSD, _ = target_features(model, ids, am, [1, 4, 6], want_last=False)
-    torch_BSD, _ = target_features(reference, ids, am, [1, 4, 6], want_last=False)
-    diff = (fla_BSD.float() - torch_BSD.float()).abs().max().item()
-    scale = torch_BSD.float().abs().max().item()
-    assert diff <= 0.02 * scale, f"max |fla - torch| = {diff} (features up to {scale})"
+    valid = am.bool()
+    inputs = _gated_deltanet_inputs(torch_fp32, ids, am)
+    assert len(inputs) == 6
+    want = _gated_deltanet_outputs(torch_fp32, inputs, torch.float32)
+    fla_out = _gated_deltanet_outputs(model, inputs, torch.bfloat16)
+    torch_out = _gated_deltanet_outputs(torch_bf16, inputs, torch.bfloat16)
+    for i in inputs:
+        fla_err = (fla_out[i] - want[i]).abs()[valid].max().item()
+        torch_err = (torch_out[i] - want[i]).abs()[valid].max().item()
+        scale = want[i][valid].abs().max().item()
+        assert fla_err <= 2 * torch_err, (f"layer {i}: max |fla bf16 - torch fp32| = {fla_err}, "
+                                          f"max |torch bf16 - torch fp32| = {torch_err} (outputs up to {scale})")
+
+
+INTERPRETED_FLA_LAYER = """
+import inspect
+import sys
+sys.path.insert(0, sys.argv[1])
+import triton_interpreter  # noqa: F401  (before fla)
+import torch
+import dflash.target
+from dflash.synthetic import hybrid_target_config, random_target
+from dflash.target import linear_attention_kernels, use_torch_linear_attention
+
+dflash.target.linear_attention_path = lambda device_type, fla_installed: "fla"  # keep fla's kernels on the CPU
+model = random_target(hybrid_target_config(num_hidden_layers=4, vocab_size=256, initializer_range=0.1))
+layer = model.model.layers[0].linear_attn
+kernel = linear_attention_kernels(layer)["torch_chunk_gated_delta_rule"]
+assert kernel is not inspect.unwrap(kernel)  # transformers' binding (fla's), not the PyTorch reference
+x_BSH = torch.randn(2, 70, 64, generator=torch.Generator().manual_seed(0))  # > one 64-token chunk
+am = torch.ones(2, 70, dtype=torch.long)
+am[1, 50:] = 0
+with torch.no_grad():
+    fla = layer(x_BSH, attention_mask=am)
+    use_torch_linear_attention(model)
+    ref = layer(x_BSH, attention_mask=am)
+print((fla - ref).abs().max().item(), ref.abs().max().item())
+"""
+
+
+@pytest.mark.slow
+def test_fla_gated_deltanet_matches_the_pytorch_path_under_the_triton_interpreter():
+    """What transformers hands fla (layout, l2norm, g in log space, head grouping, padding) means the same to
+    fla as to its PyTorch reference: float32, one Gated DeltaNet layer, a padded row, fla's kernels run by
+    Triton's interpreter on the CPU (measured: 1e-6 with outputs up to 2.2)."""
+    pytest.importorskip("fla")
+    import subprocess
+    import sys
+
+    run = subprocess.run([sys.executable, "-c", INTERPRETED_FLA_LAYER, str(Path(__file__).parent)],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    diff, scale = map(float, run.stdout.split()[-2:])
+    assert diff <= 1e-5 * scale, f"max |fla - torch| = {diff} (outputs up to {scale})"
 
 
 @pytest.mark.parametrize("config", [

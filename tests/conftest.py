@@ -1,8 +1,37 @@
-"""Shared fixtures: a tiny random Qwen3 target built in memory (no download)."""
+"""Shared fixtures: a tiny random Qwen3 target built in memory (no download).
+
+Also the session's bytecode cache: where bytecode writing is off (PYTHONDONTWRITEBYTECODE, as on
+CI), every child process the tests start (dflash-train, split ranks, torchrun workers, benches)
+would compile torch and transformers from source again, ~5 s of CPU each. The session then writes
+bytecode into one temporary folder instead, shared by every process it starts and removed at its
+end; nothing is written into the repository or the environment.
+"""
 
 from __future__ import annotations
 
+import os
+import shutil
+import sys
+import tempfile
+
 import pytest
+
+_PYCACHE: str | None = None  # the bytecode folder this process made (removed at the end), if any
+
+
+def pytest_configure(config):
+    global _PYCACHE
+    if not sys.dont_write_bytecode or os.environ.get("PYTHONPYCACHEPREFIX"):
+        return  # bytecode is written already (or goes where the user said): nothing to share
+    _PYCACHE = tempfile.mkdtemp(prefix="dflash-tests-pycache-")
+    sys.pycache_prefix, sys.dont_write_bytecode = _PYCACHE, False
+    os.environ["PYTHONPYCACHEPREFIX"] = _PYCACHE  # child processes read and write the same folder
+    os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+
+
+def pytest_unconfigure(config):
+    if _PYCACHE is not None:
+        shutil.rmtree(_PYCACHE, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

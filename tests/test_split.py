@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from dflash.split import physical_gpu, ranks_for, suggest_split
+from dflash.split import cpu_threads_per_rank, physical_gpu, ranks_for, suggest_split
 from dflash.train import run
 from test_train import metrics, train_cmd, write_toml
 from trainkit import tiny_config
@@ -51,6 +51,12 @@ def test_suggested_split_balances_rates():
     assert suggest_split(8, 10_000, 6_000) == (3, 5)
     assert suggest_split(8, 30_000, 6_000) == (1, 7)
     assert suggest_split(2, 1, 1) == (1, 1)
+
+
+def test_cpu_ranks_share_the_cores_out():
+    assert cpu_threads_per_rank(3, cores=2) == 1  # more ranks than cores: one thread each, never 0
+    assert cpu_threads_per_rank(3, cores=16) == 5
+    assert cpu_threads_per_rank(1, cores=16) == 16
 
 
 def test_one_target_two_drafters_match_colocated_and_replicas_stay_identical(tmp_path):
@@ -125,6 +131,10 @@ def test_sigterm_to_every_process_stops_cleanly_with_a_checkpoint(tmp_path):
     """A scheduler's cancel signals the launcher and every rank at once: drafters finish the step (targets keep
     serving a while), save, and the run exits 75 (stopped, resumable) with nobody left behind."""
     proc, run_dir, ranks = start_split_run(tmp_path, save_every=1000, rows=3)
+    threads = os.environ.get("OMP_NUM_THREADS", str(cpu_threads_per_rank(len(ranks))))  # a user's setting wins
+    for r in ranks:  # the launcher shared this machine's cores out among the CPU ranks
+        environ = Path(f"/proc/{r['pid']}/environ").read_bytes().decode(errors="replace").split("\0")
+        assert f"OMP_NUM_THREADS={threads}" in environ, (r, [v for v in environ if v.startswith("OMP_")])
     t0 = time.time()
     for pid in [proc.pid] + [r["pid"] for r in ranks]:
         os.kill(pid, signal.SIGTERM)

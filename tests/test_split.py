@@ -59,16 +59,25 @@ def test_cpu_ranks_share_the_cores_out():
     assert cpu_threads_per_rank(1, cores=16) == 16
 
 
-def test_one_target_two_drafters_match_colocated_and_replicas_stay_identical(tmp_path):
+@pytest.fixture(scope="module")
+def finished_split_run(tmp_path_factory):
+    """A finished 6-step split run (1 target + 2 drafters on gloo) launched by dflash-train with the replica
+    check on: (run config, its TOML, the launcher's completed process). Read by several tests."""
+    root = tmp_path_factory.mktemp("split")
+    cfg, raw = tiny_config(root, max_steps=6)
+    config = write_toml(split_raw(raw), root / "split.toml")
+    env = dict(os.environ, DFLASH_CHECK_REPLICAS="1")
+    out = subprocess.run(train_cmd(config, "--fresh"), cwd=REPO, capture_output=True, text=True, env=env,
+                         timeout=300)
+    return cfg, config, out
+
+
+def test_one_target_two_drafters_match_colocated_and_replicas_stay_identical(tmp_path, finished_split_run):
     ref_cfg, _ = tiny_config(tmp_path / "ref", max_steps=6, grad_accum=2)
     run(ref_cfg, None, log=lambda *_: None, progress=False)
     ref = metrics(Path(ref_cfg.output_dir))
 
-    cfg, raw = tiny_config(tmp_path / "split", max_steps=6)
-    config = write_toml(split_raw(raw), tmp_path / "split.toml")
-    env = dict(os.environ, DFLASH_CHECK_REPLICAS="1")
-    out = subprocess.run(train_cmd(config, "--fresh"), cwd=REPO, capture_output=True, text=True, env=env,
-                         timeout=300)
+    cfg, _, out = finished_split_run
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     got = metrics(Path(cfg.output_dir))
     assert [r["step"] for r in got] == list(range(1, 7))
@@ -116,15 +125,14 @@ def test_killing_a_rank_ends_the_run_with_a_clear_message(tmp_path):
                                                                              "was killed by SIGKILL"), ended
 
 
-def test_resuming_a_finished_split_run_exits_cleanly(tmp_path):
-    cfg, raw = tiny_config(tmp_path, max_steps=2, save_every=1)
-    config = write_toml(split_raw(raw), tmp_path / "split.toml")
-    first = subprocess.run(train_cmd(config, "--fresh"), cwd=REPO, capture_output=True, text=True, timeout=300)
+def test_resuming_a_finished_split_run_exits_cleanly(finished_split_run):
+    """The shared finished run, resumed: nothing to do, exit 0, no new rows (so its other readers see the same run)."""
+    cfg, config, first = finished_split_run
     assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-2000:]
     again = subprocess.run(train_cmd(config, "--resume", "latest"), cwd=REPO, capture_output=True, text=True,
                            timeout=300)
     assert again.returncode == 0, again.stdout[-2000:] + again.stderr[-2000:]
-    assert [r["step"] for r in metrics(Path(cfg.output_dir))] == [1, 2]
+    assert [r["step"] for r in metrics(Path(cfg.output_dir))] == list(range(1, 7))
 
 
 def test_sigterm_to_every_process_stops_cleanly_with_a_checkpoint(tmp_path):

@@ -21,6 +21,10 @@ _PYCACHE: str | None = None  # the bytecode folder this process made (removed at
 
 def pytest_configure(config):
     global _PYCACHE
+    # One thread per process unless the user says otherwise: the tests' shapes are tiny (more threads buy nothing)
+    # and their processes share the cores (split ranks, a run beside the test process), where more threads than
+    # free cores make every step wait on the busiest core.
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
     if not sys.dont_write_bytecode or os.environ.get("PYTHONPYCACHEPREFIX"):
         return  # bytecode is written already (or goes where the user said): nothing to share
     _PYCACHE = tempfile.mkdtemp(prefix="dflash-tests-pycache-")

@@ -1,10 +1,11 @@
-"""Shared fixtures: a tiny random Qwen3 target built in memory (no download).
+"""Shared fixtures (a tiny random Qwen3 target built in memory, no download) and the session's process settings.
 
-Also the session's bytecode cache: where bytecode writing is off (PYTHONDONTWRITEBYTECODE, as on
+One thread per process (OMP_NUM_THREADS, unless set): the shapes are tiny and the tests' processes
+share the cores. One bytecode cache: where bytecode writing is off (PYTHONDONTWRITEBYTECODE, as on
 CI), every child process the tests start (dflash-train, split ranks, torchrun workers, benches)
 would compile torch and transformers from source again, ~5 s of CPU each. The session then writes
-bytecode into one temporary folder instead, shared by every process it starts and removed at its
-end; nothing is written into the repository or the environment.
+bytecode into one temporary folder instead, shared by every process it starts (xdist workers
+included) and removed at its end; nothing is written into the repository or the environment.
 """
 
 from __future__ import annotations

@@ -88,12 +88,13 @@ def test_one_target_two_drafters_match_colocated_and_replicas_stay_identical(tmp
     assert (Path(cfg.output_dir) / "drafter" / "model.safetensors").exists()
 
 
-def start_split_run(tmp_path: Path, save_every: int, rows: int) -> tuple[subprocess.Popen, Path, list[dict]]:
+def start_split_run(tmp_path: Path, save_every: int, rows: int,
+                    env: dict | None = None) -> tuple[subprocess.Popen, Path, list[dict]]:
     """A long split run (1 target + 2 drafters on gloo) launched by dflash-train, once it logged `rows` steps."""
     cfg, raw = tiny_config(tmp_path, max_steps=100000, save_every=save_every)
     config = write_toml(split_raw(raw), tmp_path / "split.toml")
     proc = subprocess.Popen(train_cmd(config, "--fresh"), cwd=REPO, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+                            stderr=subprocess.STDOUT, text=True, env=env)
     run_dir = Path(cfg.output_dir)
     deadline = time.time() + 180
     while time.time() < deadline and not ((run_dir / "metrics.jsonl").exists()
@@ -138,8 +139,9 @@ def test_resuming_a_finished_split_run_exits_cleanly(finished_split_run):
 def test_sigterm_to_every_process_stops_cleanly_with_a_checkpoint(tmp_path):
     """A scheduler's cancel signals the launcher and every rank at once: drafters finish the step (targets keep
     serving a while), save, and the run exits 75 (stopped, resumable) with nobody left behind."""
-    proc, run_dir, ranks = start_split_run(tmp_path, save_every=1000, rows=3)
-    threads = os.environ.get("OMP_NUM_THREADS", str(cpu_threads_per_rank(len(ranks))))  # a user's setting wins
+    unset = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}  # the session sets it (conftest)
+    proc, run_dir, ranks = start_split_run(tmp_path, save_every=1000, rows=3, env=unset)
+    threads = cpu_threads_per_rank(len(ranks))
     for r in ranks:  # the launcher shared this machine's cores out among the CPU ranks
         environ = Path(f"/proc/{r['pid']}/environ").read_bytes().decode(errors="replace").split("\0")
         assert f"OMP_NUM_THREADS={threads}" in environ, (r, [v for v in environ if v.startswith("OMP_")])

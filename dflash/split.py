@@ -105,6 +105,15 @@ def suggest_split(n_gpus: int, target_tok_s_per_gpu: float, drafter_tok_s_per_gp
 # Launcher
 
 
+def cpu_threads_per_rank(n_ranks: int, cores: int | None = None) -> int:
+    """Threads for each of n_ranks CPU ranks on one machine: its cores shared out, at least one each.
+
+    Without it every rank starts one thread per core and the ranks fight over them (torchrun gives 1).
+    """
+    cores = cores if cores is not None else len(os.sched_getaffinity(0))
+    return max(1, cores // n_ranks)
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -148,6 +157,8 @@ def _spawn(cfg, roles, gpus, port, cfg_path, resume_from, procs, gate_id) -> Non
         env[GATE_ENV] = gate_id
         if gpu is not None:
             env["CUDA_VISIBLE_DEVICES"] = gpu
+        elif "OMP_NUM_THREADS" not in os.environ:  # CPU ranks share this machine's cores; a user's setting wins
+            env["OMP_NUM_THREADS"] = str(cpu_threads_per_rank(len(roles)))
         cmd = [sys.executable, "-m", "dflash.split", "--config-json", str(cfg_path)]
         if resume_from is not None:
             cmd += ["--resume", str(resume_from)]

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from dflash.split import physical_gpu, ranks_for, suggest_split
+from dflash.split import cpu_threads_per_rank, physical_gpu, ranks_for, suggest_split
 from dflash.train import run
 from test_train import metrics, train_cmd, write_toml
 from trainkit import tiny_config
@@ -53,16 +53,31 @@ def test_suggested_split_balances_rates():
     assert suggest_split(2, 1, 1) == (1, 1)
 
 
-def test_one_target_two_drafters_match_colocated_and_replicas_stay_identical(tmp_path):
+def test_cpu_ranks_share_the_cores_out():
+    assert cpu_threads_per_rank(3, cores=2) == 1  # more ranks than cores: one thread each, never 0
+    assert cpu_threads_per_rank(3, cores=16) == 5
+    assert cpu_threads_per_rank(1, cores=16) == 16
+
+
+@pytest.fixture(scope="module")
+def finished_split_run(tmp_path_factory):
+    """A finished 6-step split run (1 target + 2 drafters on gloo) launched by dflash-train with the replica
+    check on: (run config, its TOML, the launcher's completed process). Read by several tests."""
+    root = tmp_path_factory.mktemp("split")
+    cfg, raw = tiny_config(root, max_steps=6)
+    config = write_toml(split_raw(raw), root / "split.toml")
+    env = dict(os.environ, DFLASH_CHECK_REPLICAS="1")
+    out = subprocess.run(train_cmd(config, "--fresh"), cwd=REPO, capture_output=True, text=True, env=env,
+                         timeout=300)
+    return cfg, config, out
+
+
+def test_one_target_two_drafters_match_colocated_and_replicas_stay_identical(tmp_path, finished_split_run):
     ref_cfg, _ = tiny_config(tmp_path / "ref", max_steps=6, grad_accum=2)
     run(ref_cfg, None, log=lambda *_: None, progress=False)
     ref = metrics(Path(ref_cfg.output_dir))
 
-    cfg, raw = tiny_config(tmp_path / "split", max_steps=6)
-    config = write_toml(split_raw(raw), tmp_path / "split.toml")
-    env = dict(os.environ, DFLASH_CHECK_REPLICAS="1")
-    out = subprocess.run(train_cmd(config, "--fresh"), cwd=REPO, capture_output=True, text=True, env=env,
-                         timeout=300)
+    cfg, _, out = finished_split_run
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     got = metrics(Path(cfg.output_dir))
     assert [r["step"] for r in got] == list(range(1, 7))
@@ -73,12 +88,13 @@ def test_one_target_two_drafters_match_colocated_and_replicas_stay_identical(tmp
     assert (Path(cfg.output_dir) / "drafter" / "model.safetensors").exists()
 
 
-def start_split_run(tmp_path: Path, save_every: int, rows: int) -> tuple[subprocess.Popen, Path, list[dict]]:
+def start_split_run(tmp_path: Path, save_every: int, rows: int,
+                    env: dict | None = None) -> tuple[subprocess.Popen, Path, list[dict]]:
     """A long split run (1 target + 2 drafters on gloo) launched by dflash-train, once it logged `rows` steps."""
     cfg, raw = tiny_config(tmp_path, max_steps=100000, save_every=save_every)
     config = write_toml(split_raw(raw), tmp_path / "split.toml")
     proc = subprocess.Popen(train_cmd(config, "--fresh"), cwd=REPO, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+                            stderr=subprocess.STDOUT, text=True, env=env)
     run_dir = Path(cfg.output_dir)
     deadline = time.time() + 180
     while time.time() < deadline and not ((run_dir / "metrics.jsonl").exists()
@@ -110,21 +126,25 @@ def test_killing_a_rank_ends_the_run_with_a_clear_message(tmp_path):
                                                                              "was killed by SIGKILL"), ended
 
 
-def test_resuming_a_finished_split_run_exits_cleanly(tmp_path):
-    cfg, raw = tiny_config(tmp_path, max_steps=2, save_every=1)
-    config = write_toml(split_raw(raw), tmp_path / "split.toml")
-    first = subprocess.run(train_cmd(config, "--fresh"), cwd=REPO, capture_output=True, text=True, timeout=300)
+def test_resuming_a_finished_split_run_exits_cleanly(finished_split_run):
+    """The shared finished run, resumed: nothing to do, exit 0, no new rows (so its other readers see the same run)."""
+    cfg, config, first = finished_split_run
     assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-2000:]
     again = subprocess.run(train_cmd(config, "--resume", "latest"), cwd=REPO, capture_output=True, text=True,
                            timeout=300)
     assert again.returncode == 0, again.stdout[-2000:] + again.stderr[-2000:]
-    assert [r["step"] for r in metrics(Path(cfg.output_dir))] == [1, 2]
+    assert [r["step"] for r in metrics(Path(cfg.output_dir))] == list(range(1, 7))
 
 
 def test_sigterm_to_every_process_stops_cleanly_with_a_checkpoint(tmp_path):
     """A scheduler's cancel signals the launcher and every rank at once: drafters finish the step (targets keep
     serving a while), save, and the run exits 75 (stopped, resumable) with nobody left behind."""
-    proc, run_dir, ranks = start_split_run(tmp_path, save_every=1000, rows=3)
+    unset = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}  # the session sets it (conftest)
+    proc, run_dir, ranks = start_split_run(tmp_path, save_every=1000, rows=3, env=unset)
+    threads = cpu_threads_per_rank(len(ranks))
+    for r in ranks:  # the launcher shared this machine's cores out among the CPU ranks
+        environ = Path(f"/proc/{r['pid']}/environ").read_bytes().decode(errors="replace").split("\0")
+        assert f"OMP_NUM_THREADS={threads}" in environ, (r, [v for v in environ if v.startswith("OMP_")])
     t0 = time.time()
     for pid in [proc.pid] + [r["pid"] for r in ranks]:
         os.kill(pid, signal.SIGTERM)

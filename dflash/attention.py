@@ -312,7 +312,8 @@ def attend_padded(q_BHQD: torch.Tensor, k_BKLD: torch.Tensor, v_BKLD: torch.Tens
     if mask.backend == "sdpa":
         return F.scaled_dot_product_attention(q_BHQD, k_BKLD, v_BKLD, attn_mask=mask.mask, enable_gqa=gqa)
     # The BlockMask covers whole tiles (padded lengths): padded key rows are seen by no real query (the
-    # mask_mod's own-block rule), padded query rows are dropped below; their gradients are zero.
+    # mask_mod's own-block rule); padded query rows are cut by the caller (`attend`, or after o_proj), so
+    # their gradients are zero.
     q_len, kv_len = mask.mask.seq_lengths
     tiles = (_tiles(q_BHQD, q_len), _tiles(k_BKLD, kv_len), _tiles(v_BKLD, kv_len))
     if q_BHQD.device.type == "cuda":  # one graph for every batch shape (tile counts vary from batch to batch)

@@ -46,6 +46,11 @@ def main() -> None:
     ap.add_argument("--sigma", type=float, default=0.8, help="lognormal sigma of the lengths")
     ap.add_argument("--batches", type=int, default=150)
     args = ap.parse_args()
+    for name in ("samples", "length", "batches"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name} must be >= 1, got {getattr(args, name)}")
+    if args.sigma < 0:
+        ap.error(f"--sigma must be >= 0, got {args.sigma}")
     with tempfile.TemporaryDirectory() as tmp:
         path = write_random_dataset(Path(tmp) / "mix", args.samples, args.length, 151936, sigma=args.sigma,
                                     max_length=8192, seed=0)

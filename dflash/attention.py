@@ -222,7 +222,7 @@ def _tile_lists(anchor_BA, context_valid_BS, seq_len, block_size, window=None) -
         partial[:, :, :Kc] = any_ctx & ~full_ctx
         full[:, :, :Kc] = full_ctx
     if seq_len % T:  # the tile holding the context end and the first block slots: evaluated per element
-        partial[:, :, Kc] = True
+        partial[:, :, Kc].fill_(True)  # not `= True`: a host scalar copied in waits for the GPU
     # Block tiles: kv slot j = kv - seq_len belongs to block j // block_size; query q to q // block_size.
     first = -(-seq_len // T)
     if first < Kt:

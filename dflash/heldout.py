@@ -221,10 +221,11 @@ def local_features(source, batch: dict, device):
 def batch_sums(drafter, embed_VH, head_VH, batch: dict, features, cfg, device, attn_backend: str, index: int) -> dict:
     """Sums of one held-out batch (so batches and ranks merge exactly): the training step's math, no gradient."""
 
-    from dflash.loss import block_inputs, sample_anchors, slot_weights
+    from dflash.loss import block_inputs, read_metrics, sample_anchors, slot_weights
     from dflash.step import anchor_generator, micro_step
 
     loss, m = micro_step(drafter, embed_VH, head_VH, batch, features, cfg, device, attn_backend, index)
+    (m,) = read_metrics([m])
     # the same anchors again (same generator), for the counts the means were taken over
     bs = drafter.config.block_size
     anchors_BA, valid_BA = sample_anchors(batch["loss_mask"], cfg.train.max_anchors, bs,

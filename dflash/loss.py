@@ -127,9 +127,7 @@ def slot_weights(block_size: int, gamma: float, device: torch.device | str = "cp
     if gamma <= 0:
         raise ValueError(f"gamma must be > 0, got {gamma}")
     k = torch.arange(block_size, dtype=torch.float32, device=device)
-    w = torch.exp(-(k - 1) / gamma)
-    w[0] = 0.0
-    return w
+    return torch.exp(-(k - 1) / gamma) * (k > 0)  # no `w[0] = 0.0`: a host scalar copied in waits for the GPU
 
 
 class _ChunkedLMHeadLoss(torch.autograd.Function):
@@ -296,67 +294,90 @@ def dflash_loss(
     kl_weight: float = 0.0,
     fused: bool | None = None,
 ) -> tuple[torch.Tensor, dict]:
-    """Weighted CE (blended with forward KL when kl_weight > 0) over the weighted tokens, and metrics.
+    """Weighted CE (blended with forward KL when kl_weight > 0) over the weighted tokens, and its metrics as
+    device tensors (read them with `read_metrics`).
 
-    loss = [(1 - kl_weight) * sum w*CE + kl_weight * sum w*KL] / sum w. Only tokens with w > 0
-    go through the lm_head, `chunk` of them at a time. fused: the Triton kernel (None = on CUDA).
+    loss = [(1 - kl_weight) * sum w*CE + kl_weight * sum w*KL] / sum w. Slots 1..bs-1 of every block go
+    through the lm_head, `chunk` rows at a time; slot 0 (the given anchor) never counts, whatever its weight.
+    Nothing here waits for the GPU: the rows are chosen by shape, not by reading which weights are > 0 (a
+    weight-0 row costs its matmul and adds exactly 0). fused: the Triton kernel (None = on CUDA).
     """
     _check_loss_inputs(
         hidden_BQH, lm_head_weight, labels_BQ, weight_BQ, block_size, chunk, target_hidden_BQH, kl_weight
     )
     B, Q, H = hidden_BQH.shape
-    weight_N = weight_BQ.reshape(-1).to(_math_dtype(lm_head_weight))
-    idx_M = weight_N.nonzero().squeeze(1)
-    norm = max(float(weight_N.sum()), 1e-6)
+    A = Q // block_size
+
+    def scored(t_BQ_):  # slots 1..bs-1 of every block as rows [B * A * (bs - 1), ...]
+        return t_BQ_.unflatten(1, (A, block_size))[:, :, 1:].flatten(0, 2)
+
+    weight_M = scored(weight_BQ.to(_math_dtype(lm_head_weight)))
+    norm = weight_M.sum().clamp_min(1e-6)
     use_kl = kl_weight > 0
     if fused is None:
         fused = fused_loss_available(hidden_BQH.device)
-    target_MH = target_hidden_BQH.reshape(-1, H).index_select(0, idx_M) if use_kl else None
+    target_MH = scored(target_hidden_BQH) if use_kl else None
+    labels_M = torch.where(weight_M > 0, scored(labels_BQ), 0)  # a weight-0 row may hold any label
     loss, ce_sum, kl_sum, correct_M = _ChunkedLMHeadLoss.apply(
-        hidden_BQH.reshape(-1, H).index_select(0, idx_M),
-        lm_head_weight,
-        labels_BQ.reshape(-1).index_select(0, idx_M),
-        weight_N.index_select(0, idx_M),
-        target_MH,
-        float(kl_weight),
-        chunk,
-        norm,
-        fused,
+        scored(hidden_BQH), lm_head_weight, labels_M, weight_M, target_MH, float(kl_weight), chunk, norm, fused,
     )
-    correct_BQ = torch.zeros(B * Q, dtype=torch.bool, device=hidden_BQH.device)
-    correct_BQ[idx_M] = correct_M
-    metrics = block_metrics(correct_BQ.view(B, Q), weight_BQ > 0, block_size, extra=(loss.detach(), ce_sum, kl_sum))
-    loss_value, ce_value, kl_value = metrics.pop("extra")
-    metrics.update(loss=loss_value, ce=ce_value / norm, kl=kl_value / norm if use_kl else 0.0)
+    correct_BQ = torch.zeros(B, A, block_size, dtype=torch.bool, device=hidden_BQH.device)
+    correct_BQ[:, :, 1:] = correct_M.view(B, A, block_size - 1)
+    metrics = block_metric_tensors(correct_BQ.view(B, Q), weight_BQ > 0, block_size)
+    metrics.update(loss=loss.detach(), ce=ce_sum / norm, kl=kl_sum / norm)
     return loss, metrics
 
 
 @torch.no_grad()
-def block_metrics(correct_BQ: torch.Tensor, valid_BQ: torch.Tensor, block_size: int, extra: tuple = ()) -> dict:
-    """Per-slot accuracy (slots 1..bs-1) and the simulated acceptance length 1 + sum_k prod_{i<=k} correct_i.
+def block_metric_tensors(correct_BQ: torch.Tensor, valid_BQ: torch.Tensor, block_size: int) -> dict:
+    """Per-slot accuracy (slots 1..bs-1) and the simulated acceptance length 1 + sum_k prod_{i<=k} correct_i,
+    as device tensors (counts; `read_metrics` turns them into the plain numbers).
 
     A slot that is not valid counts as wrong (the chain stops); the acceptance length averages
-    over blocks whose slot 1 is valid. Every number comes back from the device in one read (one wait
-    for the GPU), with the scalar tensors in `extra` (returned under "extra", as floats).
+    over blocks whose slot 1 is valid.
     """
     B, Q = correct_BQ.shape
     ok_BAk = (correct_BQ & valid_BQ).view(B, Q // block_size, block_size)[:, :, 1:]
     valid_BAk = valid_BQ.view(B, Q // block_size, block_size)[:, :, 1:]
-    per_slot_k = ok_BAk.sum(dim=(0, 1)) / valid_BAk.sum(dim=(0, 1)).clamp_min(1)
     blocks_BA = valid_BAk[:, :, 0]
     accepted_BA = 1 + ok_BAk.long().cumprod(dim=-1).sum(dim=-1)
-    scalars = [blocks_BA.sum(), (accepted_BA * blocks_BA).sum(), valid_BAk.sum(), ok_BAk.sum(), *extra]
-    values = torch.cat([per_slot_k.double(), torch.stack([t.double() for t in scalars])]).tolist()
-    per_slot, (n_blocks, accepted, n_tokens, n_ok, *rest) = values[: block_size - 1], values[block_size - 1:]
-    n_blocks, n_tokens = int(n_blocks), int(n_tokens)
     return {
-        "acc": n_ok / max(n_tokens, 1),
-        "acc_slot": per_slot,
-        "accept_len": accepted / n_blocks if n_blocks else 0.0,
-        "blocks": n_blocks,
-        "tokens": n_tokens,
-        **({"extra": rest} if extra else {}),
+        "acc_slot": ok_BAk.sum(dim=(0, 1)) / valid_BAk.sum(dim=(0, 1)).clamp_min(1),
+        "blocks": blocks_BA.sum(),
+        "accepted": (accepted_BA * blocks_BA).sum(),
+        "tokens": valid_BAk.sum(),
+        "ok": ok_BAk.sum(),
     }
+
+
+def read_metrics(raws: list[dict]) -> list[dict]:
+    """Every tensor of every dict in `raws`, read from the device at once (one wait for the GPU), as plain
+    numbers: 1-element tensors become floats, longer ones lists; the counts of `block_metric_tensors` become
+    acc, accept_len and the int blocks/tokens/anchors. Plain numbers pass through."""
+    flat = [t.detach().reshape(-1).double() for raw in raws for t in raw.values() if isinstance(t, torch.Tensor)]
+    values = iter(torch.cat([t.to(flat[0].device) for t in flat]).tolist() if flat else [])
+    out = []
+    for raw in raws:
+        m = {}
+        for key, t in raw.items():
+            if isinstance(t, torch.Tensor):
+                got = [next(values) for _ in range(t.numel())]
+                m[key] = got if t.dim() else got[0]
+            else:
+                m[key] = t
+        if "blocks" in m:
+            blocks, tokens, ok, accepted = int(m["blocks"]), int(m["tokens"]), m.pop("ok"), m.pop("accepted")
+            m.update(acc=ok / max(tokens, 1), accept_len=accepted / blocks if blocks else 0.0, blocks=blocks,
+                     tokens=tokens)
+        if "anchors" in m:
+            m["anchors"] = int(m["anchors"])
+        out.append(m)
+    return out
+
+
+def block_metrics(correct_BQ: torch.Tensor, valid_BQ: torch.Tensor, block_size: int) -> dict:
+    """`block_metric_tensors`, read: acc, acc_slot, accept_len, blocks, tokens as plain numbers."""
+    return read_metrics([block_metric_tensors(correct_BQ, valid_BQ, block_size)])[0]
 
 
 def _batch_field(batch, name: str, required: bool = True):
@@ -435,5 +456,5 @@ def drafter_step_math(
     loss, metrics = dflash_loss(
         hidden_BQH, head_VH, labels_BQ, weight_BQ, bs, tcfg.loss_chunk, target_hidden_BQH, tcfg.kl_weight
     )
-    metrics["anchors"] = int(valid_BA.sum())
+    metrics["anchors"] = valid_BA.sum()
     return loss, metrics

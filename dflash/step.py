@@ -79,9 +79,10 @@ def restore_position(sampler, dataset, state: dict, meta: dict, log=print) -> in
 
 
 def build_optimizer(drafter: torch.nn.Module, cfg: RunConfig, device: torch.device) -> torch.optim.Optimizer:
-    """AdamW over the drafter's fp32 master weights (fused kernels on CUDA)."""
+    """AdamW over the drafter's fp32 master weights, fused (one kernel per dtype group, on CUDA and CPU alike):
+    its grad_scale / found_inf inputs are how `clip_and_step` clips and skips without a pass of its own."""
     return torch.optim.AdamW(drafter.parameters(), lr=cfg.train.lr, weight_decay=cfg.train.weight_decay,
-                             betas=ADAMW_BETAS, fused=device.type == "cuda")
+                             betas=ADAMW_BETAS, fused=True)
 
 
 def set_lr(optimizer: torch.optim.Optimizer, cfg: RunConfig, step: int, total: int) -> float:
@@ -91,13 +92,26 @@ def set_lr(optimizer: torch.optim.Optimizer, cfg: RunConfig, step: int, total: i
     return lr
 
 
-def clip_and_step(drafter: torch.nn.Module, optimizer: torch.optim.Optimizer, cfg: RunConfig) -> float | None:
-    """Clip the gradient norm (train.grad_clip > 0), step; returns the pre-clip norm or None."""
-    grad_norm = None
+def grad_norm(drafter: torch.nn.Module) -> torch.Tensor:
+    """The global L2 norm of the drafter's gradients, as a device tensor (nothing waits for the GPU)."""
+    return torch.nn.utils.get_total_norm([p.grad for p in drafter.parameters() if p.grad is not None])
+
+
+def clip_and_step(drafter: torch.nn.Module, optimizer: torch.optim.Optimizer, cfg: RunConfig,
+                  norm: torch.Tensor | None = None) -> torch.Tensor:
+    """Step with the gradient clipped to train.grad_clip (> 0); returns the pre-clip norm (`grad_norm`, or the
+    one given) as a device tensor: nothing here waits for the GPU.
+
+    The clip is the fused AdamW's grad_scale (it divides each gradient by max(1, norm / grad_clip) as it reads
+    it: no pass over the gradients of its own), and a non-finite norm is its found_inf: that update is skipped
+    inside the kernel (weights, moments and step count untouched), so a nan gradient never reaches the weights.
+    """
+    norm = grad_norm(drafter) if norm is None else norm
     if cfg.train.grad_clip > 0:
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(drafter.parameters(), cfg.train.grad_clip))
+        optimizer.grad_scale = ((norm + 1e-6) / cfg.train.grad_clip).clamp_min(1.0).float()
+    optimizer.found_inf = (~torch.isfinite(norm)).float()
     optimizer.step()
-    return grad_norm
+    return norm
 
 
 def anchor_generator(cfg: RunConfig, device: torch.device, batch_index: int) -> torch.Generator:
@@ -111,18 +125,19 @@ def autocast(device: torch.device):
 
 def micro_step(drafter, embed_VH, head_VH, batch: dict, features, cfg: RunConfig, device: torch.device,
                attn_backend: str, batch_index: int):
-    """Forward + loss of one batch (graph kept for backward), given the target's (context, last hidden)."""
+    """Forward + loss of one batch (graph kept for backward), given the target's (context, last hidden);
+    its metrics stay on the device (`dflash.loss.read_metrics`)."""
     context_BSF, last_BSH = features
     with autocast(device):
         return drafter_step_math(drafter, embed_VH, head_VH, batch, context_BSF, last_BSH, cfg,
                                  anchor_generator(cfg, device, batch_index), attn_backend)
 
 
-def average_metrics(parts: list[tuple[float, dict]]) -> dict:
-    """Mean loss and metrics over a step's batches (lists averaged element-wise)."""
-    out: dict = {"loss": sum(loss for loss, _ in parts) / len(parts)}
-    for key, value in parts[0][1].items():
-        values = [m[key] for _, m in parts]
+def average_metrics(parts: list[dict]) -> dict:
+    """Mean metrics over a step's batches (lists averaged element-wise)."""
+    out: dict = {}
+    for key, value in parts[0].items():
+        values = [m[key] for m in parts]
         if isinstance(value, list):
             out[key] = [round(sum(col) / len(col), 4) for col in zip(*values)]
         elif isinstance(value, (int, float)):

@@ -33,6 +33,7 @@ from dflash import rundir
 from dflash.config import RunConfig, dump_config
 from dflash.data import collate, prefetch, to_device
 from dflash.heldout import BEST_KEY
+from dflash.loss import read_metrics
 from dflash.model import DFlashDrafter, drafter_config_for_run, start_compile_workers
 from dflash.snapshot import Outcome
 from dflash.step import (
@@ -41,6 +42,7 @@ from dflash.step import (
     average_metrics,
     build_optimizer,
     clip_and_step,
+    grad_norm,
     local_source,
     micro_step,
     pad_token_id,
@@ -195,7 +197,7 @@ class Trainer:
         from preflight.gate import provenance
 
         bad = [name for name, p in self.drafter.named_parameters() if not bool(torch.isfinite(p).all())]
-        if bad:  # a step with a finite loss can still write non-finite weights (grad_clip = 0 and a nan gradient)
+        if bad:  # a finite loss and gradient can still give a non-finite update (weight_decay inf)
             raise NonFiniteError(f"step {self.step}: drafter weights are not finite ({', '.join(bad[:3])}); {DIVERGED_FIX}")
 
         state = {"step": self.step, "sampler": self.sampler.state_dict(), "rng_cpu": torch.get_rng_state(),
@@ -209,7 +211,7 @@ class Trainer:
         """One optimizer step over this rank's batches [(global index, batch)]; plain-float metrics."""
         lr = set_lr(self.optimizer, self.cfg, self.step, self.total_steps)
         self.optimizer.zero_grad(set_to_none=True)
-        parts = []
+        raws = []
         for i, (k, batch) in enumerate(mine):
             batch = to_device(batch, self.device)
             features = self.source.features(k, batch)
@@ -219,14 +221,20 @@ class Trainer:
                 loss, m = micro_step(self.model, self.embed_w, self.head_w, batch, features, self.cfg, self.device,
                                      self.attn_backend, k)
                 (loss / len(mine)).backward()
-            parts.append((m["loss"], m))  # read before backward was queued: no second wait for the GPU
-        grad_norm = clip_and_step(self.drafter, self.optimizer, self.cfg)
-        self.step += 1
+            raws.append(m)
+        norm = grad_norm(self.drafter)
+        # The step's one wait for the GPU: every batch's metrics and the norm, read once backward is queued and
+        # before the update is: a diverged step never updates, and the update's kernels run while the host
+        # prepares the next step.
+        parts = read_metrics([*raws, {"grad_norm": norm}])
+        norm_value = parts.pop()["grad_norm"]
         out = average_metrics(parts)
-        if not math.isfinite(out["loss"]) or (grad_norm is not None and not math.isfinite(grad_norm)):
-            raise NonFiniteError(f"step {self.step}: loss {out['loss']}, gradient norm {grad_norm}: training diverged; "
-                                 f"{DIVERGED_FIX}")
-        out.update(lr=lr, grad_norm=grad_norm)
+        if not math.isfinite(out["loss"]) or not math.isfinite(norm_value):
+            raise NonFiniteError(f"step {self.step + 1}: loss {out['loss']}, gradient norm {norm_value}: training "
+                                 f"diverged; {DIVERGED_FIX}")
+        clip_and_step(self.drafter, self.optimizer, self.cfg, norm)
+        self.step += 1
+        out.update(lr=lr, grad_norm=norm_value)
         return out
 
     def step_batches(self):

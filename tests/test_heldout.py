@@ -19,7 +19,7 @@ from dflash import rundir
 from dflash.config import ConfigError, config_from_dict
 from dflash.data import BucketBatchSampler, ShardDataset, collate
 from dflash.heldout import BATCH_INDEX_OFFSET, prompt_of
-from dflash.loss import block_inputs, sample_anchors, slot_weights, train_step_math
+from dflash.loss import block_inputs, read_metrics, sample_anchors, slot_weights, train_step_math
 from dflash.model import DFlashDrafter
 from dflash.speculative import Decoder
 from dflash.step import anchor_generator, schedule
@@ -70,6 +70,7 @@ def test_heldout_numbers_equal_a_separate_eval_of_the_same_checkpoint(evaluated)
         gen = anchor_generator(cfg, torch.device("cpu"), BATCH_INDEX_OFFSET + i)
         with torch.no_grad():
             step_loss, m = train_step_math(drafter, target, batch, cfg, gen, "sdpa")
+        (m,) = read_metrics([m])
         anchors, valid = sample_anchors(batch["loss_mask"], cfg.train.max_anchors, 4,
                                         anchor_generator(cfg, torch.device("cpu"), BATCH_INDEX_OFFSET + i))
         _, _, label_valid, _ = block_inputs(batch["input_ids"], anchors, 4, drafter.config.mask_token_id,

@@ -9,7 +9,15 @@ import torch
 import torch.nn.functional as F
 
 from dflash.config import config_from_dict
-from dflash.loss import block_inputs, block_metrics, dflash_loss, sample_anchors, slot_weights, train_step_math
+from dflash.loss import (
+    block_inputs,
+    block_metrics,
+    dflash_loss,
+    read_metrics,
+    sample_anchors,
+    slot_weights,
+    train_step_math,
+)
 from dflash.model import DFlashDrafter, drafter_config_from_target
 
 
@@ -83,7 +91,7 @@ def test_chunked_loss_matches_reference(chunk, kl_weight):
     diff = (h1.grad - h2.grad).abs().max().item()
     assert diff < 1e-9, f"grad max abs diff {diff:.3e}"
     assert h1.grad[:, ::bs].abs().max() == 0  # slot 0 carries no weight
-    assert metrics["loss"] == pytest.approx(ref.item())
+    assert read_metrics([metrics])[0]["loss"] == pytest.approx(ref.item())
 
 
 def test_loss_without_grad_and_with_no_weight():
@@ -91,6 +99,7 @@ def test_loss_without_grad_and_with_no_weight():
     head = torch.randn(10, 4)
     labels = torch.zeros(1, 8, dtype=torch.long)
     loss, m = dflash_loss(h, head, labels, torch.zeros(1, 8), 4, 16)
+    (m,) = read_metrics([m])
     assert loss.item() == 0 and m["blocks"] == 0 and m["accept_len"] == 0.0
     with pytest.raises(ValueError, match="frozen"):
         dflash_loss(h, head.requires_grad_(True), labels, torch.ones(1, 8), 4, 16)
@@ -116,6 +125,7 @@ def test_acceptance_length_from_logits():
     hidden = torch.nn.functional.one_hot(torch.tensor([[0, 1, 2, 5]]), V).float() * 5  # slot 3 predicts 5, not 3
     weight = slot_weights(4, 2.0)[None]
     _, m = dflash_loss(hidden, head, labels, weight, 4, 2)
+    (m,) = read_metrics([m])
     assert m["accept_len"] == 3.0 and m["acc_slot"] == [1.0, 1.0, 0.0]
 
 
@@ -145,6 +155,7 @@ def test_loss_falls_over_30_steps(tiny_target, kl_weight, ratio):
         loss.backward()
         opt.step()
         losses.append(loss.item())
+    (metrics,) = read_metrics([metrics])
     assert metrics["anchors"] == 16 and len(metrics["acc_slot"]) == 3
     first, last = sum(losses[:3]) / 3, sum(losses[-3:]) / 3
     assert last < ratio * first, f"loss did not fall clearly: first {first:.3f}, last {last:.3f}"

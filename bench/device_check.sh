@@ -9,6 +9,8 @@
 #   drafter-role points (CAL_ONLY) with the time left.
 # Phase 2: the Qwen3.6-27B 1 target + 1 drafter run (configs/qwen3.6-27b-5t3d.toml, fla-core kernels on the
 #   target), ending with the measured per-role rates and the suggested 8-GPU split.
+# Knobs: SKIP_EPOCH=1 skips the bucketed epoch, SKIP_Q36=1 phase 2, SKIP_TARGET=1 GPU 1's target point;
+#   CAL_ONLY="--only NAME ..." picks the drafter points, CAL_S their time.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 PYTHONPATH=${PYTHONPATH:-.}
 OUT=${OUT:-.cache/out}; mkdir -p "$OUT"
@@ -17,6 +19,7 @@ python3 -m pip install -q --no-deps --no-index --target .cache/fla .whl/fla/*.wh
 (
   export CUDA_VISIBLE_DEVICES=0 TORCHINDUCTOR_CACHE_DIR=$(mktemp -d)
   timeout 220 python3 bench/train_step.py --sweep --profile 12 --compile-times --json "$OUT/sweep.json"
+  if [ -z "${SKIP_EPOCH:-}" ]; then
   python3 bench/make_synthetic.py --out .cache/syn-mix --samples 400 --length 1500 --sigma 0.8 --max-length 8192
   TORCH_LOGS=recompiles timeout 150 python3 -m dflash.cli --config configs/qwen3-8b-1gpu.toml --set data.path=\".cache/syn-mix\" \
     --set output_dir=\"runs/bucketed\" --set data.token_budget=16384 --set data.max_batch_size=16 \
@@ -24,11 +27,12 @@ python3 -m pip install -q --no-deps --no-index --target .cache/fla .whl/fla/*.wh
     --set train.keep_last=1 --fresh --no-progress "${W[@]}" > "$OUT/bucketed.log" 2>&1
   echo "== bucketed epoch"; grep -A3 "Recompiling" "$OUT/bucketed.log" | cut -c1-260 | head -20
   grep -v Warning "$OUT/bucketed.log" | grep -E "first step|done" | tail -2
-  python3 -m pytest -q -p no:cacheprovider tests/test_attention.py tests/test_loss_kernel.py tests/test_target.py -m gpu 2>&1 | tail -2
+  fi
+  python3 -m pytest -q -p no:cacheprovider tests/test_attention.py tests/test_loss_kernel.py tests/test_target.py tests/test_step.py -m gpu 2>&1 | tail -2
 ) > "$OUT/gpu0.log" 2>&1 &
 (
   export CUDA_VISIBLE_DEVICES=1 TORCHINDUCTOR_CACHE_DIR=$(mktemp -d)
-  timeout 110 python3 bench/memory_calibration.py --roles target --only q36-27b-49k-a1024-b32-d5-kl-off --timeout-s 100 \
+  [ -z "${SKIP_TARGET:-}" ] && timeout 110 python3 bench/memory_calibration.py --roles target --only q36-27b-49k-a1024-b32-d5-kl-off --timeout-s 100 \
     --out "$OUT/cal_target" 2>&1 | grep -v Warning | grep -E "^\[|q36" | tail -3
   timeout $((${CAL_S:-200} + 20)) python3 bench/memory_calibration.py --roles drafter --budget-s $((${CAL_S:-200} - 30)) \
     --timeout-s 100 ${CAL_ONLY:-} --out "$OUT/cal" 2>&1 | grep -v Warning | tail -12
@@ -36,6 +40,7 @@ python3 -m pip install -q --no-deps --no-index --target .cache/fla .whl/fla/*.wh
 wait
 grep -v "Warning\|_warn_once\|warnings.warn" "$OUT/gpu0.log" | grep -v "^\[.*\] top\|^\[.*\]   .* x[0-9]" | cut -c1-220
 cat "$OUT/cal.log"
+[ -n "${SKIP_Q36:-}" ] && exit 0
 python3 bench/make_synthetic.py --out .cache/syn-2816 --samples 200 --length 2816 --vocab 248320 > /dev/null
 echo "=== Qwen3.6-27B 1+1 $(date +%T)"
 timeout ${Q36_S:-230} python3 -m dflash.cli --config configs/qwen3.6-27b-5t3d.toml --target-gpus 0 --drafter-gpus 1 \

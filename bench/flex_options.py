@@ -6,6 +6,9 @@ option set, median of 5 forward+backward passes after 2 warm-up passes (which co
 
     PYTHONPATH=. python3 bench/flex_options.py            # one GPU, ~2 min
     FLEX_LAYOUT=rows FLEX_AUTOCAST=1 FLEX_ONLY=default PYTHONPATH=. python3 bench/flex_options.py   # as in the trainer
+    FLEX_LAYOUT=trainer FLEX_SHAPES=1024x32,512x16,1024x32 PYTHONPATH=. python3 bench/flex_options.py
+        # through dflash.attention.attend_padded (tiles, dynamic sizes), one process: the second 1024 x 32 row runs
+        # the graph compiled with dynamic sizes, as a trainer does once it has seen a second batch shape
 """
 
 from __future__ import annotations
@@ -37,13 +40,14 @@ OPTIONS = {
 LAYOUT = os.environ.get("FLEX_LAYOUT", "heads")  # heads: contiguous [B, heads, L, D]; rows: the trainer's views
 AUTOCAST = os.environ.get("FLEX_AUTOCAST") == "1"  # call under bf16 autocast, as the trainer does
 ONLY = [x for x in os.environ.get("FLEX_ONLY", "").split(",") if x]
+SHAPES = [tuple(int(n) for n in x.split("x")) for x in os.environ.get("FLEX_SHAPES", "512x16,1024x32").split(",")]
 
 
 def main() -> None:
     torch.manual_seed(0)
     S, H, KV, D = 3072, 32, 8, 128
     results = []
-    for A, bs in ((512, 16), (1024, 32)):
+    for A, bs in SHAPES:
         anchors = torch.sort(torch.randperm(S - 1)[:A]).values[None].cuda()
         mask = build_train_mask(anchors, torch.ones_like(anchors, dtype=torch.bool), S, bs, "cuda", "flex").mask
         Q, L = A * bs, S + A * bs
@@ -51,14 +55,20 @@ def main() -> None:
         k = torch.randn(1, KV, L, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
         v = torch.randn(1, KV, L, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
         g = torch.randn(1, H, Q, D, device="cuda", dtype=torch.bfloat16)
-        if LAYOUT == "rows":  # as the trainer passes them: [B, L, heads, D] rows viewed as [B, heads, L, D]
+        if LAYOUT in ("rows", "trainer"):  # as the trainer passes them: [B, L, heads, D] rows viewed as [B, heads, L, D]
             q, k, v = (t.detach().transpose(1, 2).contiguous().transpose(1, 2).requires_grad_(True) for t in (q, k, v))
             g = g.transpose(1, 2).contiguous().transpose(1, 2)
         for name, opts in OPTIONS.items():
             if ONLY and name not in ONLY:
                 continue
-            torch._dynamo.reset()
-            flex = torch.compile(flex_attention)
+            if LAYOUT == "trainer":  # the trainer's own call: one compiled function for the whole process
+                from dflash.attention import TrainMask, attend
+
+                tm = TrainMask("flex", mask, Q, L)
+                flex = lambda q, k, v, tm=tm, **_: attend(q, k, v, tm)  # noqa: E731
+            else:
+                torch._dynamo.reset()
+                flex = torch.compile(flex_attention)
             try:
                 times = []
                 t0 = time.perf_counter()

@@ -51,10 +51,16 @@ T36 = "configs/targets/qwen3.6-27b"  # the incident's target (Qwen3.6-27B text s
 INCIDENT = dict(batch_anchors=1024, kl_weight=0.5, gamma=10.0)
 
 
-def _cfg(target, budget, batch, anchors, block, layers, **train) -> dict:
+# The public Qwen3.6-27B drafter recipe's shapes, as configs/qwen3.6-27b-5t3d.toml sets them.
+RECIPE = dict(num_attention_heads=32, num_key_value_heads=8, head_dim=128, intermediate_size=17408,
+              layer_types=["sliding_attention"] * 4 + ["full_attention"], sliding_window=2048,
+              target_layer_ids=[1, 16, 31, 46, 61], mask_token_id=248070)
+
+
+def _cfg(target, budget, batch, anchors, block, layers, drafter=None, **train) -> dict:
     return {
         "target": {"path": target, "dtype": "bfloat16", "random_init": True},
-        "drafter": {"num_layers": layers, "block_size": block},
+        "drafter": {"num_layers": layers, "block_size": block, **(drafter or {})},
         "data": {"token_budget": budget, "max_batch_size": batch},
         "train": {"max_anchors": anchors, **train},
     }
@@ -72,13 +78,18 @@ CONFIGS = {
     "q36-27b-49k-a1024-b32-d5-kl-layer": _cfg(T36, 49152, 64, 1024, 32, 5, recompute="layer", **INCIDENT),
     "q36-27b-49k-a1024-b32-d5-kl-mlp": _cfg(T36, 49152, 64, 1024, 32, 5, recompute="mlp", **INCIDENT),
     "q36-27b-49k-a1024-b32-d5-kl-off": _cfg(T36, 49152, 64, 1024, 32, 5, recompute="off", **INCIDENT),
+    "q36-recipe-49k-a1024-b32-d5-kl-off": _cfg(T36, 49152, 64, 1024, 32, 5, drafter=RECIPE, recompute="off", **INCIDENT),
+    # the same with 17 rows of ~2,900 tokens, the batches of the 1 target + 1 drafter run (bench/device_check.sh)
+    "q36-recipe-49k-r17-a1024-b32-d5-kl-off": _cfg(T36, 49152, 17, 1024, 32, 5, drafter=RECIPE, recompute="off",
+                                                    **INCIDENT),
 }
 # Priority order: every target role first (no compilation, ~15 s each), then the drafter roles
 # (each compiles flex attention), the most different shapes first.
 # The hybrid target (Qwen3.6-27B, 48 Gated DeltaNet layers) is measured once, with fla-core's kernels when installed.
 PLAN = [(n, "target") for n in CONFIGS if not n.startswith("q36")] + [("q36-27b-49k-a1024-b32-d5-kl-off", "target")] + [
     (n, "drafter") for n in ("q36-27b-49k-a1024-b32-d5-kl-layer", "q36-27b-49k-a1024-b32-d5-kl-mlp",
-                             "q36-27b-49k-a1024-b32-d5-kl-off", "8b-48k-a1024-b32-d1", "0.6b-48k-a1024-b16-d5-cap4096", "8b-32k-a256-b32-d3-kl",
+                             "q36-27b-49k-a1024-b32-d5-kl-off", "q36-recipe-49k-a1024-b32-d5-kl-off",
+                             "8b-48k-a1024-b32-d1", "0.6b-48k-a1024-b16-d5-cap4096", "8b-32k-a256-b32-d3-kl",
                              "8b-16k-a512-b16-d5", "0.6b-8k-a256-b16-d1", "0.6b-16k-a512-b32-d3")
 ]
 TINY_PLAN = [("tiny-a", "target"), ("tiny-a", "drafter"), ("tiny-b-kl", "target"), ("tiny-b-kl", "drafter")]
@@ -304,10 +315,13 @@ def measure_all(args) -> int:
     else:
         configs, plan = CONFIGS, PLAN
     roles = set(args.roles.split(","))
-    plan = [(n, r) for n, r in plan if r in roles and (not args.only or n in args.only)]
-    if args.only and not plan:
-        print(f"--only {args.only}: no such configuration; known: {', '.join(configs)}", file=sys.stderr)
+    unknown = [n for n in args.only if n not in configs]
+    if unknown:
+        print(f"--only {unknown}: no such configuration; known: {', '.join(configs)}", file=sys.stderr)
         return 2
+    if args.only:  # the named configurations in the given roles, planned or not
+        plan = [(n, r) for n in args.only for r in ("target", "drafter") if r in roles]
+    plan = [(n, r) for n, r in plan if r in roles]
     env = environment(torch, args.device)
     nvml = Nvml(enabled=args.device == "cuda")
     env["gpu_nvml_total_bytes"] = nvml.total()

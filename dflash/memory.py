@@ -484,15 +484,27 @@ def _step_only_parts(cfg: RunConfig, shape: TargetShape, step_activation_bytes: 
 
     zero_grad(set_to_none=True) frees the grads before every step, and backward frees the
     activations and the autocast copies as it allocates the grads: the peak is the larger of
-    (copies + activations) during the step and the grads after it.
+    (copies + activations) during the step and the grads after it. With several drafter ranks the
+    grads are views of DDP's buckets instead, allocated once and held through every step.
     """
     p = drafter_params(cfg, shape)
     copies = BF16 * p
+    if ddp_drafters(cfg):
+        return [
+            Part("bf16 autocast weight copies (forward to backward)", copies, "static"),
+            Part(f"DDP gradient buckets (fp32, held; {len(cfg.topology.drafter_gpus)} drafter ranks)", FP32 * p,
+                 "static"),
+        ]
     grads_beyond = max(0, FP32 * p - copies - step_activation_bytes)
     return [
         Part("bf16 autocast weight copies (forward to backward)", copies, "static"),
         Part("drafter grads (fp32) beyond the step's freed activations", grads_beyond, "static"),
     ]
+
+
+def ddp_drafters(cfg: RunConfig) -> bool:
+    """Several drafter ranks: the trainer wraps the drafter in DDP (one rank trains without it)."""
+    return is_split(cfg) and len(cfg.topology.drafter_gpus) > 1
 
 
 def drafter_layer_bytes(shape: TargetShape, w: Workload, cal: Calibration, recompute: str = "off", compiled: bool = True) -> int:

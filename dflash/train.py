@@ -139,10 +139,11 @@ class Trainer:
         self.heldout = self._heldout()
         self.best = _best_value(self.out) if self.heldout is not None else None
         self.model = self.drafter
-        if group is not None:
+        if self.world > 1:  # one drafter rank has nothing to reduce: no DDP, no gradient buckets (1730M params: 6.4 GiB)
             from torch.nn.parallel import DistributedDataParallel as DDP
 
-            self.model = DDP(self.drafter, process_group=group,
+            # gradients as views of DDP's buckets: one fp32 copy of them, not the buckets and the grads
+            self.model = DDP(self.drafter, process_group=group, gradient_as_bucket_view=True,
                              device_ids=[self.device.index] if self.device.type == "cuda" else None)
 
     def _choose_recompute(self) -> tuple[str, str]:

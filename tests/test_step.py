@@ -103,3 +103,28 @@ def test_the_drafter_step_never_waits_for_the_gpu(tmp_path):
     stream.close()
     (m,) = read_metrics([m])
     assert m["blocks"] > 0 and m["anchors"] > 0 and m["grad_norm"] > 0
+
+
+def test_one_drafter_rank_trains_without_ddp(tmp_path):
+    """A drafter group of one rank has nothing to reduce: no DDP wrapper and so no gradient buckets (the memory
+    model counts them only for several drafter ranks, `dflash.memory.ddp_drafters`)."""
+    import socket
+
+    import torch.distributed as dist
+
+    from dflash.step import local_source
+    from dflash.train import Trainer
+    from trainkit import tiny_config
+
+    cfg, _ = tiny_config(tmp_path, max_steps=1)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    try:
+        trainer = Trainer(cfg, local_source(cfg, torch.device("cpu"), log=lambda *_: None),
+                          group=dist.group.WORLD, log=lambda *_: None)
+        assert trainer.world == 1 and trainer.model is trainer.drafter
+        trainer.train_step(next(trainer.step_batches())[2])
+    finally:
+        dist.destroy_process_group()

@@ -96,9 +96,6 @@ class Calibration:
     # ... and with torch's default allocator (measured 4-31%: large loss-chunk buffers of
     # changing sizes leave cached segments that later requests cannot use).
     fragmentation_default_allocator: float = 0.10
-    # Feature batches a drafter GPU receives ahead of the one it trains on (its receives are posted a
-    # step ahead); split mode only. A target GPU's sends in flight follow topology.queue_depth.
-    inflight_batches: int = 1
 
     # Target forward (no grad), live per token inside the busiest layer, in target dtype:
     target_act_h: float = 2.0  # hidden-width tensors: residual stream + normed input
@@ -629,7 +626,11 @@ def role_parts(cfg: RunConfig, shape: TargetShape, role: GpuRole, cuda: str, cal
         parts = _scaled(_target_parts(cfg, shape, w, cal, split), "target", cal)
     elif role == "drafter":
         feats, last = _features_bytes(cfg, shape, w)
-        held = 1 + (cal.inflight_batches if split else 0)
+        # A drafter rank posts the receives of a step's batches (train.grad_accum of them) once the previous
+        # step is done, so they all exist during its first batch; nothing is received ahead of the step.
+        # Measured: the Qwen3.6-27B recipe drafter allocated 63.1 GiB in a 1 target + 1 drafter run on 2x H200,
+        # 63.3 GiB for the same role alone with one batch of features (bench/results/).
+        held = cfg.train.grad_accum if split else 1
         parts = _drafter_static_parts(cfg, shape, share_frozen=False)
         parts.append(Part(f"received features ({held} batch{'es' if held != 1 else ''})", held * (feats + last), "activation"))
         step = _scaled(_drafter_step_parts(cfg, shape, w, cal), "drafter", cal)

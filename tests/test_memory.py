@@ -127,6 +127,14 @@ def test_several_drafter_ranks_hold_ddp_gradient_buckets_one_does_not(tiny):
     assert total(three_parts) > total(one_parts)
 
 
+def test_a_split_drafter_holds_the_received_features_of_its_steps_batches(tiny):
+    """Receives are posted for a step's train.grad_accum batches once the previous step is done: that many exist."""
+    shape = load_target_shape(tiny.target.path)
+    three = config_from_dict({**tiny.model_dump(), "train": {**tiny.train.model_dump(), "grad_accum": 3}})
+    one_b, three_b = (part(role_parts(c, shape, "drafter", "12.8", HAND), "received features") for c in (tiny, three))
+    assert one_b == 64 * 1 * 64 * 2 and three_b == 3 * one_b
+
+
 def test_default_target_layers():
     assert default_target_layer_ids(36, 5) == [1, 9, 17, 25, 33]
     assert default_target_layer_ids(28, 1) == [14]
@@ -164,7 +172,7 @@ def test_tiny_totals_by_hand(tiny):
 
     p = layer_p + 64 * 64 + 2 * 64
     static = 12 * p + 2 * (2 * 1000 * 64)  # fp32 params + AdamW; bf16 embedding + lm_head
-    received = 2 * feats
+    received = feats  # split: the step's grad_accum (1) batches; nothing received ahead
     context = (8 + 2) * 64 * 64 + 4 * 64  # hidden norm saves fp32 input + normalised, bf16 out
     tokens = 32 * (40 + 2 * 64) + 2 * 2 * 16 * (2 * 32 + 2 * 64)  # ids/labels/weights, embeddings, RoPE cos+sin
     # compiled layers (train.compile): 3 hidden, 3 q-width, 2 intermediate, 3 kv-width bf16 tensors saved
@@ -192,10 +200,10 @@ def test_soft_labels_add_last_hidden_state_and_kl_buffers(tiny):
     last = 64 * 64 * 2
     # kept + send buffers (topology.queue_depth = 2); the forward now runs every layer with the deepest feature alive
     assert extra_target == pytest.approx(1.05 * 4 * last, abs=2)
-    # received (2 batches), target hidden per query and per weighted query, and the target's bf16 [chunk, vocab]
+    # received (1 batch), target hidden per query and per weighted query, and the target's bf16 [chunk, vocab]
     # logits: the peak holds the larger of the loss chunk and the backward transient (47616 bytes here, see above)
     chunk, chunk_kl, backward = 16 * 1000 * 2, 2 * 16 * 1000 * 2, 30720 + 16896
-    assert extra_drafter == pytest.approx(1.05 * (2 * last + 2 * (32 + 24) * 64 + max(chunk_kl, backward) - max(chunk, backward)),
+    assert extra_drafter == pytest.approx(1.05 * (last + 2 * (32 + 24) * 64 + max(chunk_kl, backward) - max(chunk, backward)),
                                           abs=2)
 
 

@@ -215,4 +215,6 @@ def load_checkpoint(path: Path, drafter, optimizer, device) -> tuple[dict, dict]
     except (KeyError, ValueError, RuntimeError, TypeError) as e:
         raise CheckpointError(f"{opt_path} does not fit this drafter's optimizer ({_one_line(e)}); "
                               "use --fresh") from None
+    for group in optimizer.param_groups:  # load_state_dict restores a saved group's flags: a CPU checkpoint written
+        group["fused"] = True             # before AdamW was fused everywhere says False (dflash.step.build_optimizer)
     return trainer_state, meta

@@ -316,10 +316,14 @@ def dflash_loss(
     use_kl = kl_weight > 0
     if fused is None:
         fused = fused_loss_available(hidden_BQH.device)
-    target_MH = scored(target_hidden_BQH) if use_kl else None
-    labels_M = torch.where(weight_M > 0, scored(labels_BQ), 0)  # a weight-0 row may hold any label
+    # A weight-0 row (padding anchor, past the sequence or the loss mask) may hold any label and, in principle, any
+    # value: zeroed, it adds exactly 0 (a nan there would otherwise survive 0 * nan).
+    keep_M1 = (weight_M > 0)[:, None]
+    target_MH = torch.where(keep_M1, scored(target_hidden_BQH), 0) if use_kl else None
+    labels_M = torch.where(weight_M > 0, scored(labels_BQ), 0)
     loss, ce_sum, kl_sum, correct_M = _ChunkedLMHeadLoss.apply(
-        scored(hidden_BQH), lm_head_weight, labels_M, weight_M, target_MH, float(kl_weight), chunk, norm, fused,
+        torch.where(keep_M1, scored(hidden_BQH), 0), lm_head_weight, labels_M, weight_M, target_MH, float(kl_weight),
+        chunk, norm, fused,
     )
     correct_BQ = torch.zeros(B, A, block_size, dtype=torch.bool, device=hidden_BQH.device)
     correct_BQ[:, :, 1:] = correct_M.view(B, A, block_size - 1)
@@ -352,7 +356,7 @@ def block_metric_tensors(correct_BQ: torch.Tensor, valid_BQ: torch.Tensor, block
 
 def read_metrics(raws: list[dict]) -> list[dict]:
     """Every tensor of every dict in `raws`, read from the device at once (one wait for the GPU), as plain
-    numbers: 1-element tensors become floats, longer ones lists; the counts of `block_metric_tensors` become
+    numbers: 0-dim tensors become floats, the others lists; the counts of `block_metric_tensors` become
     acc, accept_len and the int blocks/tokens/anchors. Plain numbers pass through."""
     flat = [t.detach().reshape(-1).double() for raw in raws for t in raw.values() if isinstance(t, torch.Tensor)]
     values = iter(torch.cat([t.to(flat[0].device) for t in flat]).tolist() if flat else [])

@@ -334,7 +334,8 @@ class Workload(BaseModel):
     queries_per_seq: int = Field(description="anchors_per_seq * block_size")
     queries: int = Field(description="drafter query tokens in the batch (padding anchors included: they run through the layers)")
     valid_anchors: int = Field(description="anchors that carry a loss: min(batch_anchors, rows x min(max_anchors, seq_len - 1))")
-    loss_tokens: int = Field(description="query tokens through the lm_head: valid_anchors x (block_size - 1); slot 0 weighs 0")
+    loss_tokens: int = Field(description="query rows through the lm_head: every anchor slot's slots 1..block_size-1, "
+                             "padding anchors included (rows are picked by shape, not by weight)")
     kv_tokens: int = Field(description="drafter key/value tokens in the batch: padded context + queries")
     feature_layers: int = Field(description="target layers whose hidden states are sent")
     loss_chunk: int = Field(description="query tokens per logits/loss chunk = min(loss_chunk, loss_tokens)")
@@ -372,7 +373,7 @@ def workload(cfg: RunConfig) -> Workload:
     anchors = padded_anchors_per_row(eligible, rows, cap)
     valid = min(rows * eligible, cap) if cap is not None else rows * eligible
     queries = rows * anchors * bs
-    loss_tokens = valid * (bs - 1)
+    loss_tokens = rows * anchors * (bs - 1)
     return Workload(
         tokens=t,
         sequences=rows,
@@ -481,8 +482,9 @@ def _step_only_parts(cfg: RunConfig, shape: TargetShape, step_activation_bytes: 
 
     zero_grad(set_to_none=True) frees the grads before every step, and backward frees the
     activations and the autocast copies as it allocates the grads: the peak is the larger of
-    (copies + activations) during the step and the grads after it. With several drafter ranks the
-    grads are views of DDP's buckets instead, allocated once and held through every step.
+    (copies + activations) during the step and the grads after it. With train.grad_accum > 1 the first
+    batch's grads live through the later batches' forwards; with several drafter ranks the grads are
+    views of DDP's buckets, allocated once and held through every step.
     """
     p = drafter_params(cfg, shape)
     copies = BF16 * p
@@ -491,6 +493,11 @@ def _step_only_parts(cfg: RunConfig, shape: TargetShape, step_activation_bytes: 
             Part("bf16 autocast weight copies (forward to backward)", copies, "static"),
             Part(f"DDP gradient buckets (fp32, held; {len(cfg.topology.drafter_gpus)} drafter ranks)", FP32 * p,
                  "static"),
+        ]
+    if cfg.train.grad_accum > 1:  # the first batch's grads are held while the next batches run forward
+        return [
+            Part("bf16 autocast weight copies (forward to backward)", copies, "static"),
+            Part(f"drafter grads (fp32, held across the step's {cfg.train.grad_accum} batches)", FP32 * p, "static"),
         ]
     grads_beyond = max(0, FP32 * p - copies - step_activation_bytes)
     return [
@@ -580,7 +587,7 @@ def _drafter_step_parts(cfg: RunConfig, shape: TargetShape, w: Workload, cal: Ca
         Part(f"layer activations ({n} layers x {layer / GiB:.2f} GiB, recompute {mode})", n * layer, "activation"),
         Part("final norm (fp32 pair + bf16 out)", (2 * FP32 + BF16) * w.queries * h + FP32 * w.queries, "activation"),
         Part(f"flex block mask ({w.sequences} seqs)", mask, "activation"),
-        Part(f"loss inputs ({m} weighted queries: hidden + its gradient{', target hidden' if kl else ''})", loss_inputs,
+        Part(f"loss inputs ({m} lm_head rows: hidden + its gradient{', target hidden' if kl else ''})", loss_inputs,
              "activation"),
         # The loss chunks live in the forward pass (the loss computes its gradient there), the
         # backward pass's transients after them: the peak holds the larger of the two.

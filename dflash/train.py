@@ -198,7 +198,7 @@ class Trainer:
         from preflight.gate import provenance
 
         bad = [name for name, p in self.drafter.named_parameters() if not bool(torch.isfinite(p).all())]
-        if bad:  # a finite loss and gradient can still give a non-finite update (weight_decay inf)
+        if bad:  # a finite loss and gradient can still give a non-finite update (an overflowing AdamW step)
             raise NonFiniteError(f"step {self.step}: drafter weights are not finite ({', '.join(bad[:3])}); {DIVERGED_FIX}")
 
         state = {"step": self.step, "sampler": self.sampler.state_dict(), "rng_cpu": torch.get_rng_state(),
@@ -211,7 +211,9 @@ class Trainer:
     def train_step(self, mine: list[tuple[int, dict]]) -> dict:
         """One optimizer step over this rank's batches [(global index, batch)]; plain-float metrics."""
         lr = set_lr(self.optimizer, self.cfg, self.step, self.total_steps)
-        self.optimizer.zero_grad(set_to_none=True)
+        # DDP's grads are views of its buckets: zeroed in place (set to None, a no_sync micro-batch would allocate a
+        # second fp32 copy beside the buckets); a bare drafter frees them until backward needs them again.
+        self.optimizer.zero_grad(set_to_none=self.model is self.drafter)
         raws = []
         for i, (k, batch) in enumerate(mine):
             batch = to_device(batch, self.device)
@@ -224,9 +226,9 @@ class Trainer:
                 (loss / len(mine)).backward()
             raws.append(m)
         norm = grad_norm(self.drafter)
-        # The step's one wait for the GPU: every batch's metrics and the norm, read once backward is queued and
-        # before the update is: a diverged step never updates, and the update's kernels run while the host
-        # prepares the next step.
+        # The step's one read of its results: every batch's metrics and the norm, once backward is queued and before
+        # the update is: a diverged step never updates, and the update's kernels run while the host prepares the
+        # next step. (A split run's drafter also waits for each batch's features to arrive.)
         parts = read_metrics([*raws, {"grad_norm": norm}])
         norm_value = parts.pop()["grad_norm"]
         out = average_metrics(parts)

@@ -209,3 +209,27 @@ def test_anchor_quotas_fill_short_rows_first_and_meet_the_budget():
     assert anchor_quotas(caps, 50).tolist() == [2, 21, 20, 7]
     assert anchor_quotas(caps, 4).tolist() == [1, 1, 1, 1]
     assert anchor_quotas(caps, 209).tolist() == [2, 100, 100, 7]
+
+
+def test_weight_0_rows_add_exactly_nothing_whatever_they_hold():
+    """Rows go through the lm_head by shape: a padding block holding nan (and labels no vocabulary has) changes
+    neither the loss nor the gradient of the real rows."""
+    g = torch.Generator().manual_seed(4)
+    B, A, bs, H, V = 1, 3, 4, 8, 20
+    hidden = torch.randn(B, A * bs, H, generator=g, dtype=torch.float64)
+    target = torch.randn(B, A * bs, H, generator=g, dtype=torch.float64)
+    head = torch.randn(V, H, generator=g, dtype=torch.float64)
+    labels = torch.randint(0, V, (B, A * bs), generator=g)
+    weight = slot_weights(bs, 3.0).double().repeat(A)[None].clone()
+    weight[0, -bs:] = 0  # the last block is padding
+    out = []
+    for poison in (False, True):
+        h, t, lab = hidden.clone(), target.clone(), labels.clone()
+        if poison:
+            h[0, -bs:], t[0, -bs:], lab[0, -bs:] = float("nan"), float("nan"), -100
+        h.requires_grad_(True)
+        loss, _ = dflash_loss(h, head, lab, weight, bs, 5, t, 0.5)
+        loss.backward()
+        out.append((loss.detach(), h.grad[0, : -bs]))
+    assert torch.isfinite(out[1][0]) and torch.equal(out[0][0], out[1][0])
+    assert torch.equal(out[0][1], out[1][1])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -128,3 +129,25 @@ def test_one_drafter_rank_trains_without_ddp(tmp_path):
         trainer.train_step(next(trainer.step_batches())[2])
     finally:
         dist.destroy_process_group()
+
+
+def test_a_checkpoint_of_a_non_fused_adamw_resumes_fused(tmp_path):
+    """CPU checkpoints written before AdamW was fused everywhere store fused=False in their param groups; loading
+    one must leave the optimizer fused (clip_and_step's grad_scale / found_inf need it), and training goes on."""
+    from dflash import checkpoint as ckpt
+    from dflash.train import run
+    from trainkit import tiny_config
+
+    cfg, _ = tiny_config(tmp_path, max_steps=2, save_every=2)
+    assert run(cfg, None, log=lambda *_: None, progress=False) == 0
+    saved = ckpt.list_checkpoints(Path(cfg.output_dir))[-1]
+    opt_file = saved / ckpt.OPTIMIZER_NAME
+    state = torch.load(opt_file, weights_only=True)
+    for group in state["param_groups"]:
+        group["fused"] = False
+    torch.save(state, opt_file)
+    cfg.train.__dict__["max_steps"] = 4
+    lines = []
+    assert run(cfg, saved, log=lines.append, progress=False) == 0
+    assert any(line.startswith(f"resumed from {saved}") for line in lines)
+    assert ckpt.list_checkpoints(Path(cfg.output_dir))[-1].name == "step_00000004"

@@ -238,8 +238,11 @@ def kernel_summary(prof, steps: int) -> dict:
     "span" (first kernel start to last kernel end): span - busy is time the GPU waited for the host.
     "gaps": the largest idle stretches summed by the kernels around them; "other": the unclassified kernels."""
     kernels = []
-    for e in prof.profiler.kineto_results.events():  # GPU kernels, memcpy, memset; not the "## ... ##" annotations
-        if e.device_type().name == "CUDA" and e.duration_ns() > 0 and not e.name().startswith("## "):
+    # GPU kernels, memcpy, memset; not the annotations that span kernels on the GPU timeline ("## ... ##" compiled
+    # graphs, "Optimizer.step#AdamW.step"), which counted the optimizer's time twice, once as "other"
+    annotation = ("## ", "Optimizer.")
+    for e in prof.profiler.kineto_results.events():
+        if e.device_type().name == "CUDA" and e.duration_ns() > 0 and not e.name().startswith(annotation):
             kernels.append((e.start_ns(), e.start_ns() + e.duration_ns(), e.name()))
     kinds: dict = {}
     other: dict = {}

@@ -40,7 +40,19 @@ OPTIONS = {
 LAYOUT = os.environ.get("FLEX_LAYOUT", "heads")  # heads: contiguous [B, heads, L, D]; rows: the trainer's views
 AUTOCAST = os.environ.get("FLEX_AUTOCAST") == "1"  # call under bf16 autocast, as the trainer does
 ONLY = [x for x in os.environ.get("FLEX_ONLY", "").split(",") if x]
-SHAPES = [tuple(int(n) for n in x.split("x")) for x in os.environ.get("FLEX_SHAPES", "512x16,1024x32").split(",")]
+
+
+def _shapes(text: str) -> list[tuple[int, int]]:
+    try:
+        shapes = [(int(a), int(b)) for a, b in (x.split("x") for x in text.split(","))]
+    except ValueError:
+        sys.exit(f"FLEX_SHAPES={text!r}: give anchors x block pairs separated by commas, e.g. 512x16,1024x32")
+    if any(a < 1 or b < 1 for a, b in shapes):
+        sys.exit(f"FLEX_SHAPES={text!r}: anchors and block must be >= 1")
+    return shapes
+
+
+SHAPES = _shapes(os.environ.get("FLEX_SHAPES", "512x16,1024x32"))
 
 
 def main() -> None:

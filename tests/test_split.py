@@ -88,6 +88,26 @@ def test_one_target_two_drafters_match_colocated_and_replicas_stay_identical(tmp
     assert (Path(cfg.output_dir) / "drafter" / "model.safetensors").exists()
 
 
+@pytest.mark.slow
+def test_two_drafters_accumulating_two_batches_each_match_colocated(tmp_path):
+    """grad_accum 2 on each of 2 drafter ranks: the first batch backpropagates under no_sync into DDP's bucket
+    views (zeroed in place, never set to None), the second all-reduces them; the losses equal a co-located run
+    of the same 4 batches per step."""
+    ref_cfg, _ = tiny_config(tmp_path / "ref", max_steps=4, grad_accum=4)
+    run(ref_cfg, None, log=lambda *_: None, progress=False)
+    ref = metrics(Path(ref_cfg.output_dir))
+    cfg, raw = tiny_config(tmp_path / "split", max_steps=4, grad_accum=2)
+    config = write_toml(split_raw(raw), tmp_path / "split.toml")
+    out = subprocess.run(train_cmd(config, "--fresh"), cwd=REPO, capture_output=True, text=True, timeout=300,
+                         env=dict(os.environ, DFLASH_CHECK_REPLICAS="1"))
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    got = metrics(Path(cfg.output_dir))
+    assert [r["step"] for r in got] == [1, 2, 3, 4]
+    for a, b in zip(got, ref):
+        assert a["replica_max_diff"] == 0.0, a
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-4), (a["step"], a["loss"], b["loss"])
+
+
 def start_split_run(tmp_path: Path, save_every: int, rows: int,
                     env: dict | None = None) -> tuple[subprocess.Popen, Path, list[dict]]:
     """A long split run (1 target + 2 drafters on gloo) launched by dflash-train, once it logged `rows` steps."""

@@ -1,5 +1,5 @@
 """CPU smoke runs of the measurement scripts (bench/train_step.py, bench/memory_calibration.py, bench/data_check.py,
-bench/target_rate.py)."""
+bench/target_rate.py, bench/fp8_matmul.py)."""
 
 from __future__ import annotations
 
@@ -69,3 +69,21 @@ def test_data_check_bench_runs_small(tmp_path):
     figures = json.loads(out.read_text())
     assert figures["tokens"] > 1_000_000 and figures["scan_warm_s_per_btok"] > 0 and figures["sha256_warm_gb_s"] > 0
     assert "learnable positions" in proc.stdout and not (tmp_path / "data").exists()
+
+
+def test_fp8_matmul_bench_compares_every_matmul_of_a_layer_on_cpu(tmp_path):
+    """Per-tensor scales on CPU (all torch's CPU _scaled_mm takes): e4m3 keeps ~3 significant bits, so the
+    outputs are within a few percent of bf16's; a wrong transpose or scale would be off by ~100%."""
+    out = tmp_path / "fp8.json"
+    proc = _run(["bench/fp8_matmul.py", "--device", "cpu", "--tiny", "--repeat", "1", "--json", str(out)], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    assert doc["scales"] == "per tensor" and list(doc["shapes"]) == ["tiny"]
+    shape = doc["shapes"]["tiny"]
+    assert set(shape["linears"]) == {"qkv", "o", "gate_up", "down"}
+    for r in shape["linears"].values():
+        for op in ("forward", "input grad", "weight grad"):
+            assert r[op]["bf16_ms"] > 0 and r[op]["fp8_ms"] > 0 and 0 < r[op]["rel_error"] < 0.08, r[op]
+    assert shape["layers_fp8_ms"] > 0 and shape["worst_rel_error"] < 0.08
+    bad = _run(["bench/fp8_matmul.py", "--device", "tpu"], tmp_path)
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr and bad.stderr.count("\n") == 1, bad.stderr

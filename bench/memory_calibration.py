@@ -201,7 +201,7 @@ def _drafter_role(cfg, device, steps, nvml, torch) -> dict:
     embed = (torch.randn(V, H, device=device, dtype=dtype) * 0.02).requires_grad_(False)
     tied = bool(getattr(tconf, "tie_word_embeddings", False))
     head = embed if tied else (torch.randn(V, H, device=device, dtype=dtype) * 0.02).requires_grad_(False)
-    optimizer = build_optimizer(drafter, cfg, device)
+    optimizer = build_optimizer(drafter, cfg)
     w = workload(cfg)
     rows, seq = w.sequences, w.seq_len
     g = torch.Generator(device="cpu").manual_seed(0)

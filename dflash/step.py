@@ -78,7 +78,7 @@ def restore_position(sampler, dataset, state: dict, meta: dict, log=print) -> in
     return int(state["step"])
 
 
-def build_optimizer(drafter: torch.nn.Module, cfg: RunConfig, device: torch.device) -> torch.optim.Optimizer:
+def build_optimizer(drafter: torch.nn.Module, cfg: RunConfig) -> torch.optim.Optimizer:
     """AdamW over the drafter's fp32 master weights, fused (one kernel per dtype group, on CUDA and CPU alike):
     its grad_scale / found_inf inputs are how `clip_and_step` clips and skips without a pass of its own."""
     return torch.optim.AdamW(drafter.parameters(), lr=cfg.train.lr, weight_decay=cfg.train.weight_decay,

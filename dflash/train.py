@@ -125,7 +125,7 @@ class Trainer:
         self.drafter.set_recompute(self.recompute)
         self.drafter.set_compile(cfg.train.compile and self.device.type == "cuda")
         self.embed_w, self.head_w = source.frozen_weights()
-        self.optimizer = build_optimizer(self.drafter, cfg, self.device)
+        self.optimizer = build_optimizer(self.drafter, cfg)
         self.step = 0
         self.resumed_from = None
         self.init_line = None

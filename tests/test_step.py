@@ -32,7 +32,7 @@ def test_clip_in_the_fused_step_equals_clip_then_step(grad_clip, scale):
     model, cfg = _model_and_cfg(grad_clip)
     ref = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Linear(5, 3))
     ref.load_state_dict(model.state_dict())
-    opt = build_optimizer(model, cfg, torch.device("cpu"))
+    opt = build_optimizer(model, cfg)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1, betas=opt.defaults["betas"])
     for step in range(3):
         _set_grads(model, scale, step)
@@ -49,7 +49,7 @@ def test_clip_in_the_fused_step_equals_clip_then_step(grad_clip, scale):
 
 def test_a_nan_gradient_never_reaches_the_weights():
     model, cfg = _model_and_cfg(1.0)
-    opt = build_optimizer(model, cfg, torch.device("cpu"))
+    opt = build_optimizer(model, cfg)
     _set_grads(model, 1.0, 0)
     clip_and_step(model, opt, cfg)
     before = {k: v.clone() for k, v in model.state_dict().items()}

@@ -164,8 +164,8 @@ def _target_role(cfg, device, steps, nvml, torch) -> dict:
     target = LocalTarget(cfg, device, log=lambda *_: None)
     tconf = target.target_config
     _record(steps, nvml, torch, device, t0, phase="weights")
-    # The memory model's worst target batch: 2 rows of token_budget // 2, the second padded
-    # (HF then builds the [rows, 1, S, S] mask); one unpadded row when max_batch_size is 1.
+    # Two rows of token_budget // 2, the second padded (what the memory model plans for when max_batch_size
+    # >= 2; target_step passes no padding mask since 2026-11-30 session 7); one row when max_batch_size is 1.
     rows = min(2, cfg.data.max_batch_size)
     seq = cfg.data.token_budget // rows
     g = torch.Generator(device="cpu").manual_seed(0)

@@ -64,6 +64,8 @@ def main(argv=None) -> int:
     p.add_argument("--tiny", action="store_true", help="a tiny hybrid target instead of target.path (smoke run)")
     p.add_argument("--pytorch-linear-attention", action="store_true",
                    help="transformers' PyTorch Gated DeltaNet even where fla is installed (the fallback's rate)")
+    p.add_argument("--padding-mask", action="store_true",
+                   help="pass the batch's attention mask to the target, as dflash did before it stopped (what it cost)")
     p.add_argument("--out", type=Path, help="write the result as JSON here")
     args = p.parse_args(argv)
 
@@ -72,7 +74,7 @@ def main(argv=None) -> int:
     from dflash.config import load_config
     from dflash.loss import target_step
     from dflash.step import feature_layer_ids
-    from dflash.target import load_target, use_torch_linear_attention
+    from dflash.target import load_target, target_features, use_torch_linear_attention
 
     cfg = load_config(args.config, parse_sets(args.set))
     device = torch.device(args.device)
@@ -106,20 +108,24 @@ def main(argv=None) -> int:
         for i in range(args.warmup + args.steps):
             sync()
             t = time.perf_counter()
-            target_step(model, batch, layer_ids, want_last)
+            if args.padding_mask:
+                target_features(model, batch["input_ids"], batch["attention_mask"], layer_ids, want_last)
+            else:
+                target_step(model, batch, layer_ids, want_last)
             sync()
             if i >= args.warmup:
                 times.append(time.perf_counter() - t)
     tokens = args.rows * seq
     result = {
-        "target": path, "dtype": cfg.target.dtype, "tokens_per_batch": tokens, "rows": args.rows, "layer_ids": layer_ids,
+        "target": path, "dtype": cfg.target.dtype, "tokens_per_batch": tokens, "rows": args.rows, "padding_mask": args.padding_mask,
+        "layer_ids": layer_ids,
         "want_last": want_last, "kernels": kernels(model), "load_s": round(load_s, 2),
         "step_s": [round(t, 4) for t in times], "tok_per_s": round(tokens / (sum(times) / len(times)), 1),
         "max_allocated_bytes": int(torch.cuda.max_memory_allocated()) if device.type == "cuda" else None,
         "nvml_peak_bytes": peak.peak, "environment": environment(torch, args.device),
     }
     print(f"kernels: {result['kernels']}")
-    print(f"{tokens} tokens/batch x {args.steps}: {result['tok_per_s']:.0f} tok/s; torch peak {gib(result['max_allocated_bytes'])}, "
+    print(f"{tokens} tokens/batch in {args.rows} rows{' with the padding mask' if args.padding_mask else ''} x {args.steps}: {result['tok_per_s']:.0f} tok/s; torch peak {gib(result['max_allocated_bytes'])}, "
           f"NVML peak {gib(result['nvml_peak_bytes'])}")
     if args.out:
         write_json(args.out, result)

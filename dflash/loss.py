@@ -413,10 +413,15 @@ def train_step_math(
 
 
 def target_step(target: torch.nn.Module, batch, layer_ids: list[int], want_last: bool):
-    """The target role's work for one batch: (context features [B, S, n*H], last hidden [B, S, H] | None)."""
+    """The target role's work for one batch: (context features [B, S, n*H], last hidden [B, S, H] | None).
+
+    The batch's attention mask is not passed: rows are right-padded (dflash.data.collate) and the target is
+    causal (its attention, and a hybrid's convolution and recurrence), so a real position never sees the padding
+    after it. Without a mask HF builds no [B, 1, S, S] padding mask (4.5 GiB at 49,152 tokens in 2 rows), does
+    not read the GPU to check it, and runs the causal kernels. Features at padded positions are then computed
+    over padding; no anchor, context key or label reads them (dflash.attention, block_inputs)."""
     input_ids_BS = _batch_field(batch, "input_ids")
-    attention_mask_BS = _batch_field(batch, "attention_mask", required=False)
-    return target_features(target, input_ids_BS, attention_mask_BS, layer_ids, want_last)
+    return target_features(target, input_ids_BS, None, layer_ids, want_last)
 
 
 def drafter_step_math(

@@ -163,8 +163,8 @@ def test_tiny_totals_by_hand(tiny):
     layer_p = (64 * 64 + 2 * 64 * 32 + 64 * 64 + 2 * 16) + 3 * 64 * 128 + 2 * 64
     target_p = 4 * layer_p + 2 * 1000 * 64 + 64
     weights = 2 * target_p
-    # busiest layer + padding mask (2 rows x 32 x 32, 4 bytes each) - the deepest layer's own output
-    forward = 64 * (2 * (2 * 64 + max(3 * 64 + 3 * 32, 3 * 128) + 2 * 16) + 4 * 4) + 4 * 2 * 32 * 32 - 64 * 64 * 2
+    # busiest layer - the deepest layer's own output (target_step passes no padding mask)
+    forward = 64 * (2 * (2 * 64 + max(3 * 64 + 3 * 32, 3 * 128) + 2 * 16) + 4 * 4) - 64 * 64 * 2
     inputs = 64 * 24
     feats = 64 * 1 * 64 * 2
     alloc = weights + forward + inputs + feats + 2 * feats  # + send buffers of topology.queue_depth (2) batches in flight

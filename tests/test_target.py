@@ -288,3 +288,21 @@ def test_memory_model_counts_hybrid_params_as_transformers_builds_them(config):
     shape = TargetShape.from_config(raw)
     assert shape.linear_layers == 3 * shape.num_layers // 4
     assert shape.params == sum(p.numel() for p in model.parameters())
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "hybrid"])
+def test_target_step_needs_no_mask_for_right_padded_rows(tiny_target, hybrid_folders, kind):
+    """target_step passes no attention mask: each row's real positions get the features of that row alone."""
+    from dflash.loss import target_step
+
+    model = tiny_target if kind == "qwen3" else load_target(hybrid_folders["text"], "float32", "cpu")
+    lengths = [12, 9, 5]
+    ids = torch.randint(1, 256, (3, 12), generator=torch.Generator().manual_seed(1))
+    am = (torch.arange(12)[None] < torch.tensor(lengths)[:, None]).long()
+    batch = {"input_ids": ids.masked_fill(am == 0, 0), "attention_mask": am}
+    layer_ids = [0, 2, 5] if kind == "qwen3" else [1, 3, 7]  # the last includes the final norm
+    ctx, last = target_step(model, batch, layer_ids, want_last=True)
+    for b, n in enumerate(lengths):
+        alone_ctx, alone_last = target_features(model, batch["input_ids"][b:b + 1, :n], None, layer_ids, True)
+        diff = max((ctx[b, :n] - alone_ctx[0]).abs().max().item(), (last[b, :n] - alone_last[0]).abs().max().item())
+        assert diff < 1e-5, f"row {b} ({n} of 12 tokens real): max |padded batch - row alone| = {diff}"

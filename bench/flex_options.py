@@ -9,6 +9,9 @@ option set, median of 5 forward+backward passes after 2 warm-up passes (which co
     FLEX_LAYOUT=trainer FLEX_SHAPES=1024x32,512x16,1024x32 PYTHONPATH=. python3 bench/flex_options.py
         # through dflash.attention.attend_padded (tiles, dynamic sizes), one process: the second 1024 x 32 row runs
         # the graph compiled with dynamic sizes, as a trainer does once it has seen a second batch shape
+    FLEX_CHUNKS=1,4,8 FLEX_ONLY=default PYTHONPATH=. python3 bench/flex_options.py
+        # each row's anchors split into C rows of A / C anchors, the context keys repeated per row (same attention
+        # per query; the backward's key tiles, one program each, are then C times as many)
 """
 
 from __future__ import annotations
@@ -40,6 +43,22 @@ OPTIONS = {
 LAYOUT = os.environ.get("FLEX_LAYOUT", "heads")  # heads: contiguous [B, heads, L, D]; rows: the trainer's views
 AUTOCAST = os.environ.get("FLEX_AUTOCAST") == "1"  # call under bf16 autocast, as the trainer does
 ONLY = [x for x in os.environ.get("FLEX_ONLY", "").split(",") if x]
+CHUNKS = [int(x) for x in os.environ.get("FLEX_CHUNKS", "1").split(",")]
+
+
+def _to_chunks(t_BhnD: torch.Tensor, chunks: int) -> torch.Tensor:
+    """[1, heads, n, D] -> [chunks, heads, n / chunks, D] (a view)."""
+    return t_BhnD.unflatten(2, (chunks, -1))[0].transpose(0, 1)
+
+
+def _chunked(flex, S: int, chunks: int, mask):
+    """flex over q/k/v of one row, run as `chunks` rows that each repeat the context keys."""
+    def run(q, k, v, **kw):
+        kc, vc = (torch.cat([t[:, :, :S].expand(chunks, -1, -1, -1), _to_chunks(t[:, :, S:], chunks)], 2)
+                  for t in (k, v))
+        out = flex(_to_chunks(q, chunks), kc, vc, **{**kw, "block_mask": mask})
+        return out.transpose(0, 1).flatten(1, 2)[None]
+    return run
 
 
 def _shapes(text: str) -> list[tuple[int, int]]:
@@ -52,6 +71,8 @@ def _shapes(text: str) -> list[tuple[int, int]]:
     return shapes
 
 
+if LAYOUT == "trainer" and CHUNKS != [1]:
+    sys.exit("FLEX_CHUNKS applies to FLEX_LAYOUT=heads or rows (the trainer's call takes its own mask)")
 SHAPES = _shapes(os.environ.get("FLEX_SHAPES", "512x16,1024x32"))
 
 
@@ -59,7 +80,7 @@ def main() -> None:
     torch.manual_seed(0)
     S, H, KV, D = 3072, 32, 8, 128
     results = []
-    for A, bs in SHAPES:
+    for (A, bs), C in ((shape, c) for shape in SHAPES for c in CHUNKS):
         anchors = torch.sort(torch.randperm(S - 1)[:A]).values[None].cuda()
         mask = build_train_mask(anchors, torch.ones_like(anchors, dtype=torch.bool), S, bs, "cuda", "flex").mask
         Q, L = A * bs, S + A * bs
@@ -81,6 +102,10 @@ def main() -> None:
             else:
                 torch._dynamo.reset()
                 flex = torch.compile(flex_attention)
+            if C > 1:
+                cmask = build_train_mask(anchors.view(C, A // C), torch.ones(C, A // C, dtype=torch.bool, device="cuda"),
+                                         S, bs, "cuda", "flex").mask
+                flex = _chunked(flex, S, C, cmask)
             try:
                 times = []
                 t0 = time.perf_counter()
@@ -96,7 +121,7 @@ def main() -> None:
                         compile_s = time.perf_counter() - t0
                     if i >= 2:
                         times.append(start.elapsed_time(end))
-                row = {"shape": f"{A}x{bs}", "layout": LAYOUT, "autocast": AUTOCAST, "options": name,
+                row = {"shape": f"{A}x{bs}", "chunks": C, "layout": LAYOUT, "autocast": AUTOCAST, "options": name,
                        "fwd_bwd_ms": sorted(times)[2], "compile_s": round(compile_s, 1)}
             except Exception as e:  # an option set the kernel refuses: recorded, the rest still run
                 row = {"shape": f"{A}x{bs}", "options": name, "error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"}

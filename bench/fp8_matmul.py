@@ -15,6 +15,7 @@ and sums them over 5 layers. Nothing here trains: whether the drafter's acceptan
 training run (`dflash-train` on the GPU) before the step may use it.
 
     PYTHONPATH=. python3 bench/fp8_matmul.py                   # one H200, ~1 min
+    PYTHONPATH=. python3 bench/fp8_matmul.py --per-tensor      # one scale per tensor (cuBLAS's fastest fp8 path)
     PYTHONPATH=. python3 bench/fp8_matmul.py --device cpu --tiny   # smoke run (per-tensor scales: all the CPU has)
 """
 
@@ -47,8 +48,11 @@ def quantize_rows(torch, t, per_row: bool):
 
 def scaled_mm(torch, a, b_t, per_row: bool):
     """a [M, K] @ b_t.T, b_t [N, K] (both bf16), through fp8 operands scaled per row of a and per row of b_t."""
-    qa, sa = quantize_rows(torch, a, per_row)
-    qb, sb = quantize_rows(torch, b_t, per_row)
+    return mm_only(torch, *quantize_rows(torch, a, per_row), *quantize_rows(torch, b_t, per_row), per_row)
+
+
+def mm_only(torch, qa, sa, qb, sb, per_row: bool):
+    """The fp8 matmul alone, on operands quantize_rows already made."""
     scale_b = sb.reshape(1, -1) if per_row else sb.reshape(())
     return torch._scaled_mm(qa, qb.t(), scale_a=sa if per_row else sa.reshape(()), scale_b=scale_b,
                             out_dtype=torch.bfloat16)
@@ -85,14 +89,17 @@ def measure(torch, device, rows: int, k: int, n: int, per_row: bool, repeat: int
         "input grad": (lambda: dy @ w, lambda: scaled_mm(torch, dy, w_t, per_row)),
         "weight grad": (lambda: dy.t() @ x, lambda: scaled_mm(torch, dy_t, x_t, per_row)),
     }
+    operands = {"forward": (x, w), "input grad": (dy, w_t), "weight grad": (dy_t, x_t)}
     out = {}
     for name, (bf16_op, fp8_op) in ops.items():
         ref, got = bf16_op().float(), fp8_op().float()
         flop = 2 * rows * k * n
         bf16_ms = timed(torch, device, bf16_op, repeat)
         fp8_ms = timed(torch, device, fp8_op, repeat)
-        out[name] = {"bf16_ms": bf16_ms, "fp8_ms": fp8_ms, "bf16_tflops": flop / bf16_ms / 1e9,
-                     "fp8_tflops": flop / fp8_ms / 1e9,
+        quantized = [t for op in operands[name] for t in quantize_rows(torch, op, per_row)]
+        mm_ms = timed(torch, device, lambda: mm_only(torch, *quantized, per_row), repeat)
+        out[name] = {"bf16_ms": bf16_ms, "fp8_ms": fp8_ms, "fp8_mm_only_ms": mm_ms, "bf16_tflops": flop / bf16_ms / 1e9,
+                     "fp8_tflops": flop / fp8_ms / 1e9, "fp8_mm_only_tflops": flop / mm_ms / 1e9,
                      "rel_error": float((got - ref).norm() / ref.norm().clamp_min(1e-30))}
     # The fp8 operands must be scaled along their non-contracted dimension, so the input and weight gradients
     # need transposed copies of W, dy and x (made outside the timed ops above): timed here, added to fp8's total.
@@ -106,6 +113,7 @@ def parse_args(argv=None):
     ap.add_argument("--device", default="cuda", help="cuda (default) or cpu")
     ap.add_argument("--tiny", action="store_true", help="tiny shapes (a CPU smoke run)")
     ap.add_argument("--repeat", type=int, default=10, help="timed runs per matmul (median reported)")
+    ap.add_argument("--per-tensor", action="store_true", help="one scale per tensor (what the CPU has) on a GPU too")
     ap.add_argument("--json", metavar="PATH", help="also write the results here")
     args = ap.parse_args(argv)
     if args.repeat < 1:
@@ -129,7 +137,7 @@ def main(argv=None) -> int:
         print("fp8_matmul: --device cuda but torch sees no GPU; use --device cpu --tiny for a smoke run",
               file=sys.stderr)
         return 1
-    per_row = device.type == "cuda"  # torch's CPU _scaled_mm takes one scale per tensor only
+    per_row = device.type == "cuda" and not args.per_tensor  # torch's CPU _scaled_mm takes one scale per tensor only
     linears, shapes = (TINY_LINEARS, TINY_SHAPES) if args.tiny else (LINEARS, SHAPES)
     results = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                "torch": torch.__version__, "scales": "per row" if per_row else "per tensor", "layers": LAYERS,
@@ -137,18 +145,20 @@ def main(argv=None) -> int:
     for shape, rows in shapes.items():
         per_linear = {name: measure(torch, device, rows, k, n, per_row, args.repeat) for name, k, n in linears}
         bf16 = LAYERS * sum(op["bf16_ms"] for r in per_linear.values() for key, op in r.items() if key != "transposes_ms")
+        mm = LAYERS * sum(op["fp8_mm_only_ms"] for r in per_linear.values() for key, op in r.items() if key != "transposes_ms")
         fp8 = LAYERS * sum(op["fp8_ms"] for r in per_linear.values() for key, op in r.items() if key != "transposes_ms")
         fp8 += LAYERS * sum(r["transposes_ms"] for r in per_linear.values())
         worst = max(op["rel_error"] for r in per_linear.values() for key, op in r.items() if key != "transposes_ms")
         results["shapes"][shape] = {"rows": rows, "linears": per_linear, "layers_bf16_ms": bf16,
-                                    "layers_fp8_ms": fp8, "worst_rel_error": worst}
+                                    "layers_fp8_ms": fp8, "layers_fp8_mm_only_ms": mm, "worst_rel_error": worst}
         print(f"[{shape}] {rows} rows, {LAYERS} layers: bf16 {bf16:.1f} ms, fp8 {fp8:.1f} ms "
-              f"(quantisation and transposes included), worst relative error {worst:.4f}")
+              f"(quantisation and transposes included; the matmuls alone {mm:.1f} ms), worst relative error {worst:.4f}")
         for name, r in per_linear.items():
             for op in ("forward", "input grad", "weight grad"):
                 m = r[op]
                 print(f"[{shape}]   {name:8s} {op:12s} bf16 {m['bf16_ms']:7.3f} ms {m['bf16_tflops']:6.0f} TFLOP/s"
-                      f"   fp8 {m['fp8_ms']:7.3f} ms {m['fp8_tflops']:6.0f} TFLOP/s   error {m['rel_error']:.4f}")
+                      f"   fp8 {m['fp8_ms']:7.3f} ms {m['fp8_tflops']:6.0f} TFLOP/s (matmul alone {m['fp8_mm_only_tflops']:5.0f})"
+                      f"   error {m['rel_error']:.4f}")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1) + "\n")
     return 0

@@ -75,6 +75,7 @@ def build_train_mask(
         raise ValueError(f"sliding window ({window}) must be >= block_size ({block_size}): a query sees its whole block")
     device = torch.device(device)
     anchor_BA = _effective_anchors(anchors_BA.to(device), valid_BA.to(device).bool())
+    padded_context = context_valid_BS is not None  # None: every context position is a token (no mask term for it)
     if context_valid_BS is None:
         context_valid_BS = torch.ones(anchor_BA.shape[0], seq_len, dtype=torch.bool, device=device)
     context_valid_BS = context_valid_BS.to(device).bool()
@@ -85,7 +86,7 @@ def build_train_mask(
     if backend == "sdpa":
         mask = _dense_mask(anchor_BA, context_valid_BS, seq_len, block_size, window)
     else:
-        mask = _block_mask(anchor_BA, context_valid_BS, seq_len, block_size, device, window)
+        mask = _block_mask(anchor_BA, context_valid_BS, seq_len, block_size, device, window, padded_context)
     return TrainMask(backend, mask, q_len, kv_len)
 
 
@@ -144,8 +145,12 @@ def _dense_mask(anchor_BA, context_valid_BS, seq_len, block_size, window=None) -
 FLEX_TILE = 128  # flex attention's default BLOCK_SIZE: the mask is described per 128 x 128 tile
 
 
-def _block_mask(anchor_BA, context_valid_BS, seq_len, block_size, device, window=None) -> BlockMask:
+def _block_mask(anchor_BA, context_valid_BS, seq_len, block_size, device, window=None,
+                padded_context=True) -> BlockMask:
     """The BlockMask built from tile-level facts with plain tensor ops (no compiled mask creation).
+
+    padded_context=False (no context_valid given: every position is a token) drops the per-key context read
+    from the mask_mod the kernels evaluate on every partial tile.
 
     create_block_mask(..., _compile=True) compiled the mask_mod for every new shape and its first call
     did not finish within 183 s at the 512 x 16 bench shape on an H200 (bench/results/h200_compile_probe.log);
@@ -159,9 +164,10 @@ def _block_mask(anchor_BA, context_valid_BS, seq_len, block_size, device, window
         # Kernels may evaluate this on indices past the end (partial tiles): keep reads in bounds.
         q_block = q_idx // block_size
         is_ctx = kv_idx < seq_len
-        ctx_ok = context_valid_BS[b, torch.clamp(kv_idx, max=last_ctx)]
         anchor = anchor_BA[b, torch.clamp(q_block, max=A - 1)]
-        sees_ctx = is_ctx & ctx_ok & (kv_idx < anchor)
+        sees_ctx = is_ctx & (kv_idx < anchor)
+        if padded_context:
+            sees_ctx = sees_ctx & context_valid_BS[b, torch.clamp(kv_idx, max=last_ctx)]
         sees_own = (~is_ctx) & ((kv_idx - seq_len) // block_size == q_block)
         return sees_ctx | sees_own
 

@@ -439,7 +439,6 @@ def drafter_step_math(
     dcfg, tcfg = getattr(drafter, "module", drafter).config, cfg.train  # plain or DDP-wrapped
     input_ids_BS = _batch_field(batch, "input_ids")
     loss_mask_BS = _batch_field(batch, "loss_mask")
-    attention_mask_BS = _batch_field(batch, "attention_mask", required=False)
     B, S = input_ids_BS.shape
     device = input_ids_BS.device
     bs = dcfg.block_size
@@ -453,9 +452,9 @@ def drafter_step_math(
         input_ids_BS, anchors_BA, bs, dcfg.mask_token_id, loss_mask_BS=loss_mask_BS, valid_BA=valid_BA
     )
     noise_BQH = F.embedding(block_ids_BQ, embed_VH)
-    context_valid_BS = attention_mask_BS.bool() if attention_mask_BS is not None else None
-    attn = build_layer_masks(anchors_BA, valid_BA, S, bs, device, attn_backend, dcfg.layer_types, dcfg.sliding_window,
-                             context_valid_BS=context_valid_BS)
+    # No context mask: rows are right-padded and a valid anchor is a real token (loss_mask), so every context
+    # position before it is real too; an invalid anchor sees no context. The kernels then read no padding mask.
+    attn = build_layer_masks(anchors_BA, valid_BA, S, bs, device, attn_backend, dcfg.layer_types, dcfg.sliding_window)
     context_pos_BS = torch.arange(S, device=device).expand(B, S)
     hidden_BQH = drafter(context_BSF, noise_BQH, context_pos_BS, query_pos_BQ, attn)
 

@@ -240,3 +240,26 @@ def test_compiled_flex_on_cuda_matches_sdpa_over_several_tiles(window):
         graphs.append(int(counters["stats"]["unique_graphs"]))
     print(f"compiled graphs after each shape: {graphs}")
     assert graphs[2] - graphs[0] <= 1, f"flex recompiled for every shape: graphs after each shape {graphs}"
+
+
+@pytest.mark.parametrize("seed, seq_len, block_size, n_anchors, window", [
+    (0, 300, 16, 20, None), (2, 200, 4, 50, None), (4, 384, 8, 40, 128),
+])
+def test_right_padded_rows_need_no_context_mask(seed, seq_len, block_size, n_anchors, window):
+    """dflash.loss passes no context mask: with right padding and valid anchors on real tokens (what collate and
+    sample_anchors give), the mask without it is the same, element by element, and flex's output too."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.tensor([seq_len, seq_len - 40, seq_len // 3])
+    context_valid = torch.arange(seq_len)[None] < lengths[:, None]
+    anchors = torch.sort((torch.rand(3, n_anchors, generator=g) * (lengths[:, None] - 1)).long(), dim=1).values
+    valid = torch.rand(3, n_anchors, generator=g) > 0.2
+    dense = {cv is None: build_train_mask(anchors, valid, seq_len, block_size, "cpu", "sdpa", context_valid_BS=cv,
+                                          window=window).mask for cv in (context_valid, None)}
+    assert torch.equal(dense[True], dense[False])
+    Q = n_anchors * block_size
+    q, k, v = (torch.randn(3, h, n, D, generator=g) for h, n in ((HQ, Q), (HKV, seq_len + Q), (HKV, seq_len + Q)))
+    flex = attend(q, k, v, build_train_mask(anchors, valid, seq_len, block_size, "cpu", "flex", window=window))
+    ref = attend(q, k, v, build_train_mask(anchors, valid, seq_len, block_size, "cpu", "sdpa",
+                                           context_valid_BS=context_valid, window=window))
+    diff = float((flex - ref).abs().max())
+    assert diff < 1e-5, f"flex without the context mask vs sdpa with it: max abs diff {diff:.3e}"

@@ -87,3 +87,17 @@ def test_fp8_matmul_bench_compares_every_matmul_of_a_layer_on_cpu(tmp_path):
     assert shape["layers_fp8_ms"] > 0 and shape["worst_rel_error"] < 0.08
     bad = _run(["bench/fp8_matmul.py", "--device", "tpu"], tmp_path)
     assert bad.returncode == 2 and "Traceback" not in bad.stderr and bad.stderr.count("\n") == 1, bad.stderr
+
+
+def test_fp8_mlp_bench_runs_the_block_both_ways_on_cpu(tmp_path):
+    """The MLP block through the fp8 autograd Function (per-tensor scales on CPU): output and both gradients
+    within ~10% of bf16's after two e4m3 matmuls in a row; a wrong transpose or scale would be off by ~100%."""
+    out = tmp_path / "fp8_mlp.json"
+    proc = _run(["bench/fp8_mlp.py", "--device", "cpu", "--tiny", "--repeat", "1", "--json", str(out)], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r = json.loads(out.read_text())["shapes"]["tiny"]
+    assert r["bf16_ms"] > 0 and r["fp8_ms"] > 0
+    for what in ("output", "input_grad", "gate_up_weight_grad"):
+        assert 0 < r[f"rel_error_{what}"] < 0.1, (what, r)
+    bad = _run(["bench/fp8_mlp.py", "--device", "tpu"], tmp_path)
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr and bad.stderr.count("\n") == 1, bad.stderr

@@ -1,0 +1,169 @@
+"""FP8 in the drafter's MLP block with the quantisation compiled into its neighbours: is it fast enough?
+
+bench/fp8_matmul.py showed the e4m3 matmuls alone at ~1.8x bf16 on an H200 but eager quantisation passes
+costing more than they save. Here the whole block the drafter compiles (RMSNorm -> fused gate/up -> SiLU * up
+-> down, Qwen3-8B-shaped: hidden 4096, intermediate 12288) runs forward + backward under torch.compile twice:
+
+  bf16  as the trainer runs it (bf16 weights here, no autocast: the matmuls and the fusions are what is timed)
+  fp8   both linears through an autograd Function: forward and input gradient as torch._scaled_mm on e4m3
+        operands with one scale per row (per output row of the activations, per output channel of W for the
+        forward, per input channel for the input gradient), the weight gradient in bf16; inductor is free to
+        fuse each amax / scale / cast into the kernel that produced the tensor (the norm, SiLU * up, the
+        SiLU backward)
+
+at the bench's query rows (512 x 16 = 8,192 and 1024 x 32 = 32,768), median of 10 after 3 warm-up passes, with
+the relative error of the output and of the input gradient against bf16. Nothing here trains: a drafter
+trained this way must first show its acceptance length before the step may use it.
+
+    PYTHONPATH=. python3 bench/fp8_mlp.py --json $OUT/fp8_mlp.json      # one H200, ~1 min
+    uv run python bench/fp8_mlp.py --device cpu --tiny                   # smoke run: eager, per-tensor scales
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+E4M3_MAX = 448.0
+SHAPES = {"512x16": 8192, "1024x32": 32768}
+HIDDEN, INTERMEDIATE = 4096, 12288
+
+
+def quantize(t: torch.Tensor, per_row: bool):
+    """(e4m3 copy, float32 scales) with t ~= q * scale, one scale per row (or per tensor)."""
+    amax = t.abs().amax(-1, keepdim=True) if per_row else t.abs().amax().reshape(1, 1)
+    scale = amax.float().clamp_min(1e-12) / E4M3_MAX
+    return (t.float() / scale).to(torch.float8_e4m3fn), scale
+
+
+def fp8_mm(a: torch.Tensor, b_t: torch.Tensor, per_row: bool) -> torch.Tensor:
+    """a [M, K] @ b_t.T with b_t [N, K] contiguous, both quantised along K, bf16 out."""
+    qa, sa = quantize(a, per_row)
+    qb, sb = quantize(b_t, per_row)
+    if not per_row:
+        sa, sb = sa.reshape(()), sb.reshape(())
+    return torch._scaled_mm(qa, qb.t(), scale_a=sa, scale_b=sb.t() if per_row else sb, out_dtype=torch.bfloat16)
+
+
+class Fp8Linear(torch.autograd.Function):
+    """y = x W^T: forward and input gradient in fp8, weight gradient in bf16 (x is kept in bf16 for it)."""
+
+    @staticmethod
+    def forward(ctx, x_MK, w_NK, per_row: bool):
+        ctx.save_for_backward(x_MK, w_NK)
+        ctx.per_row = per_row
+        return fp8_mm(x_MK, w_NK, per_row)
+
+    @staticmethod
+    def backward(ctx, dy_MN):
+        x_MK, w_NK = ctx.saved_tensors
+        dx_MK = fp8_mm(dy_MN.contiguous(), w_NK.t().contiguous(), ctx.per_row)
+        dw_NK = dy_MN.t() @ x_MK
+        return dx_MK, dw_NK, None
+
+
+def rms_norm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    x32 = x.float()
+    return (w.float() * x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + 1e-6)).to(x.dtype)
+
+
+def mlp_block(x, norm_w, gate_up_w, down_w, fp8: bool, per_row: bool):
+    xn = rms_norm(x, norm_w)
+    linear = (lambda a, w: Fp8Linear.apply(a, w, per_row)) if fp8 else (lambda a, w: a @ w.t())
+    gate, up = linear(xn, gate_up_w).chunk(2, dim=-1)
+    return linear(torch.nn.functional.silu(gate) * up, down_w)
+
+
+def timed(fn, device, repeat: int, warmup: int = 3) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeat):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return sorted(times)[len(times) // 2]
+
+
+def measure(rows: int, hidden: int, inter: int, device, compiled: bool, per_row: bool, repeat: int) -> dict:
+    g = torch.Generator(device=device).manual_seed(0)
+    bf = torch.bfloat16
+    x = torch.randn(rows, hidden, device=device, generator=g).to(bf)
+    weights = (torch.ones(hidden, device=device, dtype=bf),
+               (torch.randn(2 * inter, hidden, device=device, generator=g) / hidden ** 0.5).to(bf),
+               (torch.randn(hidden, inter, device=device, generator=g) / inter ** 0.5).to(bf))
+    dy = torch.randn(rows, hidden, device=device, generator=g).to(bf)
+    out = {}
+    results = {}
+    for name in ("bf16", "fp8"):
+        block = torch.compile(mlp_block) if compiled else mlp_block
+        leaves = [t.detach().clone().requires_grad_(True) for t in (x, *weights)]
+
+        def step(leaves=leaves, block=block, fp8=name == "fp8"):
+            for t in leaves:
+                t.grad = None
+            y = block(*leaves, fp8=fp8, per_row=per_row)
+            y.backward(dy)
+            return y
+
+        t0 = time.perf_counter()
+        y = step()
+        first_s = time.perf_counter() - t0
+        results[name] = (y.detach().float(), leaves[0].grad.float(), leaves[2].grad.float())
+        out[f"{name}_ms"] = timed(step, device, repeat)
+        out[f"{name}_first_call_s"] = round(first_s, 2)
+    rel = lambda a, b: float((a - b).norm() / b.norm().clamp_min(1e-30))  # noqa: E731
+    for i, what in enumerate(("output", "input_grad", "gate_up_weight_grad")):
+        out[f"rel_error_{what}"] = rel(results["fp8"][i], results["bf16"][i])
+    out["speedup"] = out["bf16_ms"] / out["fp8_ms"]
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--device", default="cuda", help="cuda (default) or cpu")
+    ap.add_argument("--tiny", action="store_true", help="tiny shapes, eager (a CPU smoke run)")
+    ap.add_argument("--per-tensor", action="store_true", help="one scale per tensor instead of per row")
+    ap.add_argument("--repeat", type=int, default=10, help="timed passes per variant (median reported)")
+    ap.add_argument("--json", metavar="PATH", help="also write the results here")
+    args = ap.parse_args(argv)
+    if args.repeat < 1:
+        ap.error(f"--repeat must be >= 1, got {args.repeat}")
+    if args.device not in ("cuda", "cpu"):
+        print(f"fp8_mlp: --device {args.device!r}: use cuda or cpu", file=sys.stderr)
+        return 2
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("fp8_mlp: --device cuda but torch sees no GPU; use --device cpu --tiny for a smoke run", file=sys.stderr)
+        return 1
+    device = torch.device(args.device)
+    per_row = device.type == "cuda" and not args.per_tensor  # torch's CPU _scaled_mm takes one scale per tensor
+    shapes, hidden, inter = ({"tiny": 64}, 64, 128) if args.tiny else (SHAPES, HIDDEN, INTERMEDIATE)
+    results = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+               "torch": torch.__version__, "scales": "per row" if per_row else "per tensor",
+               "hidden": hidden, "intermediate": inter, "shapes": {}}
+    for shape, rows in shapes.items():
+        r = measure(rows, hidden, inter, device, not args.tiny, per_row, args.repeat)
+        results["shapes"][shape] = r
+        print(f"[{shape}] MLP block forward + backward, {rows} rows: bf16 {r['bf16_ms']:.2f} ms, fp8 {r['fp8_ms']:.2f} ms "
+              f"({r['speedup']:.2f}x); relative error vs bf16: output {r['rel_error_output']:.4f}, input grad "
+              f"{r['rel_error_input_grad']:.4f}, weight grad {r['rel_error_gate_up_weight_grad']:.4f}", flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

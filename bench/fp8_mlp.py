@@ -15,7 +15,7 @@ at the bench's query rows (512 x 16 = 8,192 and 1024 x 32 = 32,768), median of 1
 the relative error of the output and of the input gradient against bf16. Nothing here trains: a drafter
 trained this way must first show its acceptance length before the step may use it.
 
-    PYTHONPATH=. python3 bench/fp8_mlp.py --json $OUT/fp8_mlp.json      # one H200, ~1 min
+    PYTHONPATH=. python3 bench/fp8_mlp.py --json $OUT/fp8_mlp.json      # one H200, ~1 min (dflash.fp8's Fp8Linear)
     uv run python bench/fp8_mlp.py --device cpu --tiny                   # smoke run: eager, per-tensor scales
 """
 
@@ -29,42 +29,13 @@ from pathlib import Path
 
 import torch
 
-E4M3_MAX = 448.0
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from dflash.fp8 import Fp8Linear  # noqa: E402
+
 SHAPES = {"512x16": 8192, "1024x32": 32768}
 HIDDEN, INTERMEDIATE = 4096, 12288
-
-
-def quantize(t: torch.Tensor, per_row: bool):
-    """(e4m3 copy, float32 scales) with t ~= q * scale, one scale per row (or per tensor)."""
-    amax = t.abs().amax(-1, keepdim=True) if per_row else t.abs().amax().reshape(1, 1)
-    scale = amax.float().clamp_min(1e-12) / E4M3_MAX
-    return (t.float() / scale).to(torch.float8_e4m3fn), scale
-
-
-def fp8_mm(a: torch.Tensor, b_t: torch.Tensor, per_row: bool) -> torch.Tensor:
-    """a [M, K] @ b_t.T with b_t [N, K] contiguous, both quantised along K, bf16 out."""
-    qa, sa = quantize(a, per_row)
-    qb, sb = quantize(b_t, per_row)
-    if not per_row:
-        sa, sb = sa.reshape(()), sb.reshape(())
-    return torch._scaled_mm(qa, qb.t(), scale_a=sa, scale_b=sb.t() if per_row else sb, out_dtype=torch.bfloat16)
-
-
-class Fp8Linear(torch.autograd.Function):
-    """y = x W^T: forward and input gradient in fp8, weight gradient in bf16 (x is kept in bf16 for it)."""
-
-    @staticmethod
-    def forward(ctx, x_MK, w_NK, per_row: bool):
-        ctx.save_for_backward(x_MK, w_NK)
-        ctx.per_row = per_row
-        return fp8_mm(x_MK, w_NK, per_row)
-
-    @staticmethod
-    def backward(ctx, dy_MN):
-        x_MK, w_NK = ctx.saved_tensors
-        dx_MK = fp8_mm(dy_MN.contiguous(), w_NK.t().contiguous(), ctx.per_row)
-        dw_NK = dy_MN.t() @ x_MK
-        return dx_MK, dw_NK, None
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -72,9 +43,9 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return (w.float() * x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + 1e-6)).to(x.dtype)
 
 
-def mlp_block(x, norm_w, gate_up_w, down_w, fp8: bool, per_row: bool):
+def mlp_block(x, norm_w, gate_up_w, down_w, fp8: bool):
     xn = rms_norm(x, norm_w)
-    linear = (lambda a, w: Fp8Linear.apply(a, w, per_row)) if fp8 else (lambda a, w: a @ w.t())
+    linear = Fp8Linear.apply if fp8 else (lambda a, w: a @ w.t())
     gate, up = linear(xn, gate_up_w).chunk(2, dim=-1)
     return linear(torch.nn.functional.silu(gate) * up, down_w)
 
@@ -98,7 +69,7 @@ def timed(fn, device, repeat: int, warmup: int = 3) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def measure(rows: int, hidden: int, inter: int, device, compiled: bool, per_row: bool, repeat: int) -> dict:
+def measure(rows: int, hidden: int, inter: int, device, compiled: bool, repeat: int) -> dict:
     g = torch.Generator(device=device).manual_seed(0)
     bf = torch.bfloat16
     x = torch.randn(rows, hidden, device=device, generator=g).to(bf)
@@ -115,7 +86,7 @@ def measure(rows: int, hidden: int, inter: int, device, compiled: bool, per_row:
         def step(leaves=leaves, block=block, fp8=name == "fp8"):
             for t in leaves:
                 t.grad = None
-            y = block(*leaves, fp8=fp8, per_row=per_row)
+            y = block(*leaves, fp8=fp8)
             y.backward(dy)
             return y
 
@@ -136,7 +107,6 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default="cuda", help="cuda (default) or cpu")
     ap.add_argument("--tiny", action="store_true", help="tiny shapes, eager (a CPU smoke run)")
-    ap.add_argument("--per-tensor", action="store_true", help="one scale per tensor instead of per row")
     ap.add_argument("--repeat", type=int, default=10, help="timed passes per variant (median reported)")
     ap.add_argument("--json", metavar="PATH", help="also write the results here")
     args = ap.parse_args(argv)
@@ -149,13 +119,13 @@ def main(argv=None) -> int:
         print("fp8_mlp: --device cuda but torch sees no GPU; use --device cpu --tiny for a smoke run", file=sys.stderr)
         return 1
     device = torch.device(args.device)
-    per_row = device.type == "cuda" and not args.per_tensor  # torch's CPU _scaled_mm takes one scale per tensor
+    per_row = device.type == "cuda"  # torch's CPU _scaled_mm takes one scale per tensor (dflash.fp8)
     shapes, hidden, inter = ({"tiny": 64}, 64, 128) if args.tiny else (SHAPES, HIDDEN, INTERMEDIATE)
     results = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                "torch": torch.__version__, "scales": "per row" if per_row else "per tensor",
                "hidden": hidden, "intermediate": inter, "shapes": {}}
     for shape, rows in shapes.items():
-        r = measure(rows, hidden, inter, device, not args.tiny, per_row, args.repeat)
+        r = measure(rows, hidden, inter, device, not args.tiny, args.repeat)
         results["shapes"][shape] = r
         print(f"[{shape}] MLP block forward + backward, {rows} rows: bf16 {r['bf16_ms']:.2f} ms, fp8 {r['fp8_ms']:.2f} ms "
               f"({r['speedup']:.2f}x); relative error vs bf16: output {r['rel_error_output']:.4f}, input grad "

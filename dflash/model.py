@@ -29,6 +29,7 @@ from torch.utils.checkpoint import checkpoint
 
 from dflash.attention import LAYER_TYPES, TrainMask, attend_padded
 from dflash.config import default_target_layer_ids  # noqa: F401 (also used by importers of dflash.model)
+from dflash.fp8 import FP8_MODES, fp8_linear
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -350,8 +351,14 @@ class DrafterMLP(nn.Module):
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
+    fp8 = False  # train.fp8 = "mlp": both matmuls through dflash.fp8 (DFlashDrafter.set_fp8)
+
     def forward(self, x):
-        gate, up = F.linear(x, torch.cat([self.gate_proj.weight, self.up_proj.weight])).chunk(2, dim=-1)  # one GEMM
+        gate_up_w = torch.cat([self.gate_proj.weight, self.up_proj.weight])  # one GEMM for both
+        if self.fp8:
+            gate, up = fp8_linear(x, gate_up_w).chunk(2, dim=-1)
+            return fp8_linear(F.silu(gate) * up, self.down_proj.weight)
+        gate, up = F.linear(x, gate_up_w).chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -425,7 +432,8 @@ def _keep_matmul_outputs():
 def _save_matmuls(ctx, op, *args, **kwargs):
     from torch.utils.checkpoint import CheckpointPolicy
 
-    matmuls = (torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default)
+    matmuls = (torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
+               torch.ops.aten._scaled_mm.default)
     return CheckpointPolicy.MUST_SAVE if op in matmuls else CheckpointPolicy.PREFER_RECOMPUTE
 
 
@@ -482,6 +490,17 @@ class DFlashDrafter(nn.Module):
         """Compile each layer's attention inputs and MLP block (one graph for all layers; CUDA training)."""
         for layer in self.layers:
             layer.compiled = on
+
+    def set_fp8(self, mode: str) -> None:
+        """off: bf16 matmuls; mlp: each MLP's forward and input-gradient matmuls in e4m3 (dflash.fp8)."""
+        if mode not in FP8_MODES:
+            raise ValueError(f"fp8 must be one of {FP8_MODES}, got {mode!r}")
+        sizes = (self.config.hidden_size, self.config.intermediate_size)
+        if mode != "off" and any(n % 16 for n in sizes):
+            raise ValueError(f"train.fp8 needs the drafter's hidden and intermediate sizes divisible by 16 (fp8 "
+                             f"matmuls), got {sizes}; set train.fp8 = \"off\"")
+        for layer in self.layers:
+            layer.mlp.fp8 = mode == "mlp"
 
     def set_recompute(self, mode: str) -> None:
         """off: keep every activation; mlp: recompute each layer's MLP in backward; layer: each whole layer."""

@@ -30,7 +30,8 @@ import torch.distributed as dist
 
 from dflash import checkpoint as ckpt
 from dflash import rundir
-from dflash.config import RunConfig, dump_config
+from dflash.config import ConfigError, RunConfig, dump_config
+from dflash.fp8 import fp8_problem
 from dflash.data import collate, prefetch, to_device
 from dflash.heldout import BEST_KEY
 from dflash.loss import read_metrics
@@ -124,6 +125,13 @@ class Trainer:
         self.recompute, self.recompute_why = self._choose_recompute()
         self.drafter.set_recompute(self.recompute)
         self.drafter.set_compile(cfg.train.compile and self.device.type == "cuda")
+        problem = fp8_problem(cfg.train.fp8, self.device)
+        try:
+            if problem:
+                raise ValueError(problem)
+            self.drafter.set_fp8(cfg.train.fp8)
+        except ValueError as e:  # a GPU without fp8 tensor cores, or drafter sizes the fp8 matmuls cannot take
+            raise ConfigError(str(e)) from None
         self.embed_w, self.head_w = source.frozen_weights()
         self.optimizer = build_optimizer(self.drafter, cfg)
         self.step = 0
@@ -280,6 +288,7 @@ class Trainer:
         self.log(f"drafter: {d.num_hidden_layers} layers, block {d.block_size}, target layers {d.target_layer_ids}, "
                  f"{n_params / 1e6:.1f}M trainable params; attention {self.attn_backend} on {self.device}; "
                  f"recompute {self.recompute} ({self.recompute_why})"
+                 + (f"; fp8 {self.cfg.train.fp8} (e4m3 MLP matmuls)" if self.cfg.train.fp8 != "off" else "")
                  + (f"; {self.world} data-parallel drafter ranks" if self.world > 1 else ""))
         self.log(f"features: {self.source.describe()}")
         if self.init_line:

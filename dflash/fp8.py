@@ -29,16 +29,13 @@ def quantize(t: torch.Tensor, per_row: bool) -> tuple[torch.Tensor, torch.Tensor
 def fp8_mm(a_MK: torch.Tensor, b_NK: torch.Tensor) -> torch.Tensor:
     """a @ b^T in bf16 through e4m3 operands (b contiguous [N, K]); row scales on CUDA, per tensor on CPU."""
     per_row = a_MK.device.type == "cuda"
-    M = a_MK.shape[0]
-    # fp8 GEMMs want every dimension a multiple of 16: zero rows, cut after (no branch on M: one compiled graph)
-    a_MK = torch.nn.functional.pad(a_MK, (0, 0, 0, (-M) % 16))
     qa, sa = quantize(a_MK, per_row)
     qb, sb = quantize(b_NK, per_row)
     if per_row:
         y = torch._scaled_mm(qa, qb.t(), scale_a=sa, scale_b=sb.t(), out_dtype=torch.bfloat16)
     else:
         y = torch._scaled_mm(qa, qb.t(), scale_a=sa.reshape(()), scale_b=sb.reshape(()), out_dtype=torch.bfloat16)
-    return y[:M]
+    return y
 
 
 class Fp8Linear(torch.autograd.Function):

@@ -177,6 +177,26 @@ def environment(torch, device: str) -> dict:
     return env
 
 
+def median_ms(torch, device, fn, repeat: int, warmup: int = 1) -> float:
+    """Median ms of fn() over `repeat` runs after `warmup` untimed ones (CUDA events on a GPU, wall clock on CPU)."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeat):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return sorted(times)[len(times) // 2]
+
+
 def write_json(path: Path, obj) -> None:
     """Atomic JSON write (the scripts rewrite their output after every measurement)."""
     path = Path(path)

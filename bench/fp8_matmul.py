@@ -24,11 +24,12 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+
+from bench.common import median_ms  # noqa: E402
 
 # (name, in features, out features) of one drafter layer's linears (fused as the model runs them)
 LINEARS = (("qkv", 4096, 6144), ("o", 4096, 4096), ("gate_up", 4096, 24576), ("down", 12288, 4096))
@@ -59,22 +60,8 @@ def mm_only(torch, qa, sa, qb, sb, per_row: bool):
 
 
 def timed(torch, device, fn, repeat: int) -> float:
-    """Median ms of fn() over `repeat` runs after one warm-up (CUDA events on a GPU, wall clock on CPU)."""
-    fn()
-    times = []
-    for _ in range(repeat):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-    return sorted(times)[len(times) // 2]
+    """Median ms of fn() over `repeat` runs after one warm-up."""
+    return median_ms(torch, device, fn, repeat)
 
 
 def measure(torch, device, rows: int, k: int, n: int, per_row: bool, repeat: int) -> dict:
@@ -97,7 +84,7 @@ def measure(torch, device, rows: int, k: int, n: int, per_row: bool, repeat: int
         bf16_ms = timed(torch, device, bf16_op, repeat)
         fp8_ms = timed(torch, device, fp8_op, repeat)
         quantized = [t for op in operands[name] for t in quantize_rows(torch, op, per_row)]
-        mm_ms = timed(torch, device, lambda: mm_only(torch, *quantized, per_row), repeat)
+        mm_ms = timed(torch, device, lambda q=quantized: mm_only(torch, *q, per_row), repeat)
         out[name] = {"bf16_ms": bf16_ms, "fp8_ms": fp8_ms, "fp8_mm_only_ms": mm_ms, "bf16_tflops": flop / bf16_ms / 1e9,
                      "fp8_tflops": flop / fp8_ms / 1e9, "fp8_mm_only_tflops": flop / mm_ms / 1e9,
                      "rel_error": float((got - ref).norm() / ref.norm().clamp_min(1e-30))}

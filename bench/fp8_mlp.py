@@ -32,6 +32,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from bench.common import median_ms  # noqa: E402
 from dflash.fp8 import Fp8Linear  # noqa: E402
 
 SHAPES = {"512x16": 8192, "1024x32": 32768}
@@ -48,25 +49,6 @@ def mlp_block(x, norm_w, gate_up_w, down_w, fp8: bool):
     linear = Fp8Linear.apply if fp8 else (lambda a, w: a @ w.t())
     gate, up = linear(xn, gate_up_w).chunk(2, dim=-1)
     return linear(torch.nn.functional.silu(gate) * up, down_w)
-
-
-def timed(fn, device, repeat: int, warmup: int = 3) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeat):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-    return sorted(times)[len(times) // 2]
 
 
 def measure(rows: int, hidden: int, inter: int, device, compiled: bool, repeat: int) -> dict:
@@ -94,7 +76,7 @@ def measure(rows: int, hidden: int, inter: int, device, compiled: bool, repeat: 
         y = step()
         first_s = time.perf_counter() - t0
         results[name] = (y.detach().float(), leaves[0].grad.float(), leaves[2].grad.float())
-        out[f"{name}_ms"] = timed(step, device, repeat)
+        out[f"{name}_ms"] = median_ms(torch, device, step, repeat, warmup=3)
         out[f"{name}_first_call_s"] = round(first_s, 2)
     rel = lambda a, b: float((a - b).norm() / b.norm().clamp_min(1e-30))  # noqa: E731
     for i, what in enumerate(("output", "input_grad", "gate_up_weight_grad")):

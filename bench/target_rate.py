@@ -125,8 +125,9 @@ def main(argv=None) -> int:
         "nvml_peak_bytes": peak.peak, "environment": environment(torch, args.device),
     }
     print(f"kernels: {result['kernels']}")
-    print(f"{tokens} tokens/batch in {args.rows} rows{' with the padding mask' if args.padding_mask else ''} x {args.steps}: {result['tok_per_s']:.0f} tok/s; torch peak {gib(result['max_allocated_bytes'])}, "
-          f"NVML peak {gib(result['nvml_peak_bytes'])}")
+    mask = " with the padding mask" if args.padding_mask else ""
+    print(f"{tokens} tokens/batch in {args.rows} rows{mask} x {args.steps}: {result['tok_per_s']:.0f} tok/s; "
+          f"torch peak {gib(result['max_allocated_bytes'])}, NVML peak {gib(result['nvml_peak_bytes'])}")
     if args.out:
         write_json(args.out, result)
     return 0

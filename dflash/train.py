@@ -31,8 +31,8 @@ import torch.distributed as dist
 from dflash import checkpoint as ckpt
 from dflash import rundir
 from dflash.config import ConfigError, RunConfig, dump_config
-from dflash.fp8 import fp8_problem
 from dflash.data import collate, prefetch, to_device
+from dflash.fp8 import fp8_problem
 from dflash.heldout import BEST_KEY
 from dflash.loss import read_metrics
 from dflash.model import DFlashDrafter, drafter_config_for_run, start_compile_workers

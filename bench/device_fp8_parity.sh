@@ -33,6 +33,7 @@ evaluate() { python3 -c 'import sys; from dflash.cli import eval_main; eval_main
 echo "== data $(date +%T)"
 data prepare --target smollm2 --prompts chitchat --out $P/train --limit "$PROMPTS" --max-new-tokens "$NEW_TOKENS" \
   --batch-size 64 --device "$DEVICE" 2>&1 | grep -v Warning | tail -2
+[ -d $P/train ] || { echo "data prepare failed: no $P/train"; exit 1; }
 data prepare --target smollm2 --prompts held-out --out $P/heldout --limit 16 --max-new-tokens "$NEW_TOKENS" \
   --batch-size 16 --device "$DEVICE" 2>&1 | grep -v Warning | tail -1
 gpu=0

@@ -71,6 +71,8 @@ def _shapes(text: str) -> list[tuple[int, int]]:
     return shapes
 
 
+if any(c < 1 for c in CHUNKS):
+    sys.exit(f"FLEX_CHUNKS={CHUNKS}: every chunk count must be >= 1")
 if LAYOUT == "trainer" and CHUNKS != [1]:
     sys.exit("FLEX_CHUNKS applies to FLEX_LAYOUT=heads or rows (the trainer's call takes its own mask)")
 SHAPES = _shapes(os.environ.get("FLEX_SHAPES", "512x16,1024x32"))
@@ -81,6 +83,8 @@ def main() -> None:
     S, H, KV, D = 3072, 32, 8, 128
     results = []
     for (A, bs), C in ((shape, c) for shape in SHAPES for c in CHUNKS):
+        if A % C:
+            sys.exit(f"FLEX_CHUNKS: {A} anchors do not split into {C} rows; pick chunk counts dividing every anchor count")
         anchors = torch.sort(torch.randperm(S - 1)[:A]).values[None].cuda()
         mask = build_train_mask(anchors, torch.ones_like(anchors, dtype=torch.bool), S, bs, "cuda", "flex").mask
         Q, L = A * bs, S + A * bs

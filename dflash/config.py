@@ -268,6 +268,9 @@ class RunConfig(_Strict):
         if self.train.fp8 != "off" and self.device != "cuda":
             raise ValueError(f"train.fp8 = \"{self.train.fp8}\" needs device = \"cuda\" (fp8 tensor cores); "
                              "set train.fp8 = \"off\" for a CPU run")
+        if self.train.fp8 != "off" and not self.train.compile:
+            raise ValueError(f"train.fp8 = \"{self.train.fp8}\" needs train.compile = true (uncompiled, its quantisation "
+                             "passes cost more than the fp8 matmuls save: bench/fp8_mlp.py); set one of them")
         return self
 
     @model_validator(mode="after")
@@ -281,6 +284,8 @@ class RunConfig(_Strict):
     def drafter_hash(self) -> str:
         """Hash of what decides the compiled kernels' shapes (for the compile-cache manifest)."""
         key = {"drafter": self.drafter.model_dump(), "target": self.target.path, "dtype": self.target.dtype}
+        if self.train.fp8 != "off":  # other MLP graphs (absent when off: older manifests keep their hash)
+            key["fp8"] = self.train.fp8
         return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
 
 

@@ -26,9 +26,10 @@ def quantize(t: torch.Tensor, per_row: bool) -> tuple[torch.Tensor, torch.Tensor
     return (t.float() / scale).to(torch.float8_e4m3fn), scale
 
 
-def fp8_mm(a_MK: torch.Tensor, b_NK: torch.Tensor) -> torch.Tensor:
-    """a @ b^T in bf16 through e4m3 operands (b contiguous [N, K]); row scales on CUDA, per tensor on CPU."""
-    per_row = a_MK.device.type == "cuda"
+def fp8_mm(a_MK: torch.Tensor, b_NK: torch.Tensor, per_row: bool | None = None) -> torch.Tensor:
+    """a @ b^T in bf16 through e4m3 operands (b contiguous [N, K]); row scales on CUDA, per tensor on CPU
+    (per_row: force one or the other; torch's CPU kernel takes per-tensor scales only)."""
+    per_row = a_MK.device.type == "cuda" if per_row is None else per_row
     qa, sa = quantize(a_MK, per_row)
     qb, sb = quantize(b_NK, per_row)
     if per_row:

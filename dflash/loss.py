@@ -406,7 +406,8 @@ def train_step_math(
     generator: torch.Generator | None,
     attn_backend: Backend,
 ) -> tuple[torch.Tensor, dict]:
-    """Loss (with a graph to the drafter) and metrics for one batch {input_ids, loss_mask[, attention_mask]} [B, S]."""
+    """Loss (with a graph to the drafter) and metrics for one batch {input_ids, loss_mask} [B, S] of right-padded rows
+    (dflash.data.collate: loss_mask 0 on padding); an attention_mask in the batch is not read (see target_step)."""
     context_BSF, last_BSH = target_step(target, batch, drafter.config.target_layer_ids, cfg.train.kl_weight > 0)
     embed_VH, head_VH = target_embed_and_head(target)
     return drafter_step_math(drafter, embed_VH, head_VH, batch, context_BSF, last_BSH, cfg, generator, attn_backend)

@@ -185,6 +185,9 @@ class Trainer:
     def colocated(cls, cfg: RunConfig, resume_from: Path | None = None, log=print) -> Trainer:
         """The target in this process (`LocalTarget`, or `CachedTarget` with train.cache_features)."""
         device = run_device(cfg)
+        problem = fp8_problem(cfg.train.fp8, device)
+        if problem:  # before minutes of loading the target
+            raise ConfigError(problem)
         start_compile_workers(device, cfg.train.compile)
         return cls(cfg, local_source(cfg, device, log), resume_from, log=log)
 
@@ -408,7 +411,11 @@ class Trainer:
     def _evaluate(self) -> dict:
         """heldout_* metrics of the drafter at this step (dflash.heldout), with their wall time."""
         t0 = time.perf_counter()
-        held = self.heldout.evaluate(self.drafter, self.source, self.device, self.attn_backend)
+        self.drafter.set_fp8("off")  # measured as exported and served: bf16, whatever train.fp8 is
+        try:
+            held = self.heldout.evaluate(self.drafter, self.source, self.device, self.attn_backend)
+        finally:
+            self.drafter.set_fp8(self.cfg.train.fp8)
         held["heldout_eval_s"] = round(time.perf_counter() - t0, 3)
         held["step"] = self.step
         return held

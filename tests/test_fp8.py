@@ -128,3 +128,31 @@ def test_compiled_fp8_mlp_on_cuda_is_as_close_to_bf16_as_eager_fp8():
     for ref, eager, compiled in zip(results["bf16"], results["fp8"], results["compiled fp8"]):
         assert 0 < _rel(eager, ref) < 0.1 and _rel(compiled, ref) < 1.5 * _rel(eager, ref) + 0.01, (
             _rel(eager, ref), _rel(compiled, ref))
+
+
+def test_row_scaled_fp8_mm_hands_torch_the_layouts_it_documents(monkeypatch):
+    """The CUDA branch (one scale per row of a, per row of b) on CPU, through a stand-in for torch._scaled_mm that
+    checks the layouts torch documents (a row-major, b column-major, scale_a [M, 1], scale_b [1, N]) and computes
+    the scaled product: a transposed operand or a swapped scale would fail here without a GPU."""
+    def scaled_mm(a, b, scale_a, scale_b, out_dtype):
+        M, K = a.shape
+        N = b.shape[1]
+        assert b.shape[0] == K and a.stride(1) == 1 and b.stride(0) == 1, (a.stride(), b.stride())
+        assert scale_a.shape == (M, 1) and scale_b.shape == (1, N), (scale_a.shape, scale_b.shape)
+        return ((a.float() * scale_a) @ (b.float() * scale_b)).to(out_dtype)
+
+    monkeypatch.setattr(torch, "_scaled_mm", scaled_mm)
+    g = torch.Generator().manual_seed(4)
+    a = torch.randn(40, 64, generator=g).to(torch.bfloat16)
+    b = (torch.randn(24, 64, generator=g) * torch.linspace(0.01, 10, 24)[:, None]).to(torch.bfloat16)  # rows differ
+    from dflash.fp8 import fp8_mm
+
+    assert 0 < _rel(fp8_mm(a, b, per_row=True), a.float() @ b.float().t()) < 0.08
+
+
+def test_fp8_needs_compile_and_changes_the_compile_cache_key():
+    with pytest.raises(ConfigError, match="train.compile"):
+        config_from_dict({"train": {"fp8": "mlp", "compile": False}})
+    off, on = config_from_dict({}), config_from_dict({"train": {"fp8": "mlp"}})
+    assert off.drafter_hash() != on.drafter_hash()
+    assert off.drafter_hash() == config_from_dict({"train": {"fp8": "off"}}).drafter_hash()

@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import torch
 
+from dflash.config import FP8_MIN_CAPABILITY
+
 E4M3_MAX = 448.0  # largest finite float8_e4m3fn
 FP8_MODES = ("off", "mlp")  # train.fp8: bf16 everywhere, or e4m3 forward + input-gradient matmuls in each MLP
-MIN_CAPABILITY = (8, 9)  # fp8 tensor cores: Ada (8.9), Hopper (9.0) and later
+MIN_CAPABILITY = FP8_MIN_CAPABILITY  # fp8 tensor cores: Ada (8.9), Hopper (9.0) and later
 
 
 def quantize(t: torch.Tensor, per_row: bool) -> tuple[torch.Tensor, torch.Tensor]:

@@ -17,7 +17,7 @@ from packaging.utils import canonicalize_name
 from packaging.version import InvalidVersion, Version
 
 from dflash.compile_manifest import MANIFEST_NAME, differences
-from dflash.config import ConfigError, default_target_layer_ids
+from dflash.config import FP8_MIN_CAPABILITY, ConfigError, default_target_layer_ids
 from dflash.errors import DflashError
 from dflash.memory import choose_recompute, drafter_shape, drafter_state_bytes, role_need_bytes
 from preflight.envs import run_command, sync_command
@@ -502,7 +502,7 @@ def check_gpu_processes(ctx: Context) -> CheckResult:
 # ---------------------------------------------------------------- compile cache, model source
 
 
-def _cache_gpu(ctx: Context) -> Gpu | None:
+def _drafter_gpu(ctx: Context) -> Gpu | None:
     snap = ctx.gpus.snapshot
     if snap is None:
         return None
@@ -534,7 +534,7 @@ def check_compile_cache(ctx: Context) -> CheckResult:
         "torch": ctx.torch.version if ctx.torch else None,
         "triton": (ctx.distributions.get("triton") or [None])[0],
     }
-    gpu = _cache_gpu(ctx)
+    gpu = _drafter_gpu(ctx)
     if gpu is not None:
         now["gpu_name"] = gpu.name
         now["compute_capability"] = gpu.compute_capability
@@ -621,11 +621,27 @@ def check_config(ctx: Context) -> CheckResult:
     if heads % kv:
         problems.append(f"drafter heads {heads} not a multiple of its kv heads {kv} (unset fields take the target's)")
         fixes.append(f"set drafter.num_attention_heads and drafter.num_key_value_heads in {where} (heads a multiple of kv)")
+    if cfg.train.fp8 != "off":
+        _fp8_problems(ctx, drafter_shape(cfg, shape), where, problems, fixes)
     data.update(target_layer_ids=ids, mask_token_id=mask)
     if problems:
         return _r("config", "fail", "; ".join(problems), "; ".join(fixes), problems=problems, **data)
     return _r("config", "pass", f"target {cfg.target.path}: {layers} layers, vocab {vocab:,}; the drafter reads layers "
               f"{ids}, mask token {'from the target' if mask is None else mask}", **data)
+
+
+def _fp8_problems(ctx: Context, d, where: str, problems: list[str], fixes: list[str]) -> None:
+    """train.fp8 needs fp8 tensor cores on the drafter's GPU and MLP sizes the fp8 matmuls take (dflash.fp8)."""
+    fp8 = ctx.config.train.fp8
+    if d.hidden % 16 or d.intermediate % 16:
+        problems.append(f"train.fp8 = {fp8!r} needs the drafter's hidden and intermediate sizes divisible by 16, "
+                        f"got {d.hidden} and {d.intermediate}")
+        fixes.append(f"set train.fp8 = \"off\" in {where}")
+    gpu = _drafter_gpu(ctx)
+    if gpu is not None and tuple(int(x) for x in gpu.compute_capability.split(".")) < FP8_MIN_CAPABILITY:
+        problems.append(f"train.fp8 = {fp8!r} needs compute capability {'.'.join(map(str, FP8_MIN_CAPABILITY))}+, the "
+                        f"drafter's GPU {gpu.name} has {gpu.compute_capability}")
+        fixes.append(f"set train.fp8 = \"off\" in {where}, or train on an Ada/Hopper-class GPU")
 
 
 def _default_layer_ids(ctx: Context, n: int) -> list[int] | None:

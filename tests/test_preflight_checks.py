@@ -878,3 +878,17 @@ def test_config_fails_when_the_target_cannot_be_read(tmp_path, setup, says):
     r = checks.check_config(ctx)
     assert r.status == "fail" and "target.path" in r.summary and says in r.summary, r.summary
     assert r.fix.startswith("set target.path in run.toml")
+
+
+def test_config_checks_fp8_against_the_drafters_gpu_and_sizes(tmp_path):
+    """train.fp8 = "mlp" passes on H200s with SmolLM2's sizes (576 / 1536); an A100-class GPU (8.0) or an MLP size
+    not divisible by 16 fails before launch, naming the value and the fix."""
+    assert checks.check_config(make_ctx(tmp_path, config={"train": {"fp8": "mlp"}})).status == "pass"
+    old = recorded()
+    for g in old["gpus"]:
+        g["compute_capability"] = "8.0"
+    r = checks.check_config(make_ctx(tmp_path, config={"train": {"fp8": "mlp"}}, gpus=old))
+    assert r.status == "fail" and "compute capability 8.9+" in r.summary and "has 8.0" in r.summary, r.summary
+    assert 'set train.fp8 = "off" in run.toml' in r.fix
+    r = checks.check_config(make_ctx(tmp_path, config={"train": {"fp8": "mlp"}, "drafter": {"intermediate_size": 1000}}))
+    assert r.status == "fail" and "divisible by 16, got 576 and 1000" in r.summary, r.summary

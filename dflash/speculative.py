@@ -128,6 +128,22 @@ class Decoder:
         return self._truncate(tokens, max_new), accept
 
 
+def divergence(tokens: list[int], ref: list[int], margins: list[float]) -> tuple[str, str] | None:
+    """How speculative tokens differ from target-only greedy ref: None when identical, else (kind, where).
+
+    kind "tie": the first differing token is one where the target-only greedy's top-2 logits were exactly equal
+    (margin 0, common for a bf16 target on a GPU): either token is the target's greedy choice, and the batched
+    verify pass broke the tie the other way. That is a tie-break, not a lossy decoder. kind "differs": anything else.
+    """
+    if tokens == ref:
+        return None
+    k = next((j for j, (a, b) in enumerate(zip(tokens, ref)) if a != b), min(len(tokens), len(ref)))
+    if k >= min(len(tokens), len(ref)):
+        return "differs", f"lengths {len(tokens)} vs {len(ref)}"
+    kind = "tie" if margins[k] == 0.0 else "differs"
+    return kind, f"token {k}: speculative {tokens[k]} vs greedy {ref[k]} (greedy top-2 logit margin {margins[k]:.2e})"
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize()
@@ -172,13 +188,12 @@ def evaluate_drafters(target, tokenizer, drafters: dict[str, DFlashDrafter], pro
             spec_time += time.perf_counter() - t0
             accepts += acc
             ref, margins = reference[i]
-            if tokens != ref:
+            found = divergence(tokens, ref, margins)
+            if found and found[0] == "tie":
+                report.ties.append(f"prompt {i}: diverged at an exact tie of the target's logits, {found[1]}")
+            elif found:
                 report.lossless = False
-                k = next((j for j, (a, b) in enumerate(zip(tokens, ref)) if a != b), min(len(tokens), len(ref)))
-                why = (f"token {k}: speculative {tokens[k]} vs greedy {ref[k]} (greedy top-2 logit margin "
-                       f"{margins[k]:.2e})" if k < min(len(tokens), len(ref)) else
-                       f"lengths {len(tokens)} vs {len(ref)}")
-                report.mismatches.append(f"prompt {i}: output differs from target-only greedy at {why}")
+                report.mismatches.append(f"prompt {i}: output differs from target-only greedy at {found[1]}")
         report.verify_steps = len(accepts)
         report.new_tokens = ref_tokens
         report.mean_accept_len = round(sum(accepts) / max(1, len(accepts)), 3)

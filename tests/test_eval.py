@@ -110,3 +110,25 @@ def test_drafter_of_another_target_is_refused(root):
     cfg = drafter_config_from_target(dict(llama.config.to_dict(), num_hidden_layers=8), 1, 4, mask_token_id=MASK_ID)
     with pytest.raises(EvalError, match="does not belong to this target"):
         evaluate_drafters(llama, tok, {"x": DFlashDrafter(cfg)}, [word_text(3)], None, 4, progress=False)
+
+
+def test_a_divergence_at_an_exact_tie_is_not_a_lossy_decoder():
+    """bf16 targets on a GPU tie their top-2 logits now and then (margin exactly 0): the batched verify pass may pick
+    the other token. That prompt is reported as a tie, the verdict stays lossless; any other difference is lossy."""
+    from dflash.speculative import divergence
+
+    assert divergence([1, 2, 3], [1, 2, 3], [0.5, 0.0, 0.1]) is None
+    assert divergence([1, 7, 3], [1, 2, 3], [0.5, 0.0, 0.1]) == (
+        "tie", "token 1: speculative 7 vs greedy 2 (greedy top-2 logit margin 0.00e+00)")
+    assert divergence([1, 2, 9], [1, 2, 3], [0.5, 0.0, 0.1])[0] == "differs"
+    assert divergence([1, 2], [1, 2, 3], [0.5, 0.0, 0.1]) == ("differs", "lengths 2 vs 3")
+
+
+def test_report_prints_ties_inside_a_lossless_verdict(capsys):
+    from dflash.eval import EvalReport, print_report
+
+    r = EvalReport("d", 4, 4, 8, verify_steps=3, new_tokens=8, histogram={1: 3}, ties=["prompt 2: diverged at ..."])
+    print_report(r)
+    out = capsys.readouterr().out
+    assert "lossless: identical to target-only greedy decoding up to exact ties: 1 of 4 prompts" in out
+    assert "prompt 2: diverged" in out and "NOT LOSSLESS" not in out

@@ -53,6 +53,8 @@ class Decoder:
         self.target, self.drafter, self.eos_ids = target, drafter, set(eos_ids)
         self.device = next(target.parameters()).device
         self.embed_w, self.head_w = target_embed_and_head(target)
+        # Logits closer than this relative gap are a tie at the target's precision (one bf16 ulp: 2^-7 of the value).
+        self.tie_eps = torch.finfo(self.head_w.dtype).eps
 
     def _forward(self, ids: list[int], cache, last_only: bool = False):
         from_ids = torch.tensor([ids], device=self.device)
@@ -75,7 +77,8 @@ class Decoder:
 
     @torch.no_grad()
     def greedy(self, prompt: list[int], max_new: int) -> tuple[list[int], list[float]]:
-        """Target-only greedy tokens and the top-2 logit margin behind each (for mismatch reports)."""
+        """Target-only greedy tokens and, behind each, (top-2 logit margin, whether the two tie at the target's
+        precision: margin <= |top logit| x its dtype's eps, one ulp or less), for mismatch reports."""
         from transformers import DynamicCache
 
         cache = DynamicCache()
@@ -84,7 +87,8 @@ class Decoder:
         while True:
             top = logits[-1].topk(2)
             tokens.append(int(top.indices[0]))
-            margins.append(float(top.values[0] - top.values[1]))
+            gap = float(top.values[0] - top.values[1])
+            margins.append((gap, gap <= abs(float(top.values[0])) * self.tie_eps))
             if self._finished(tokens, max_new):
                 return tokens, margins
             logits, _ = self._forward([tokens[-1]], cache, last_only=True)
@@ -128,20 +132,22 @@ class Decoder:
         return self._truncate(tokens, max_new), accept
 
 
-def divergence(tokens: list[int], ref: list[int], margins: list[float]) -> tuple[str, str] | None:
+def divergence(tokens: list[int], ref: list[int], margins: list[tuple[float, bool]]) -> tuple[str, str] | None:
     """How speculative tokens differ from target-only greedy ref: None when identical, else (kind, where).
 
-    kind "tie": the first differing token is one where the target-only greedy's top-2 logits were exactly equal
-    (margin 0, common for a bf16 target on a GPU): either token is the target's greedy choice, and the batched
-    verify pass broke the tie the other way. That is a tie-break, not a lossy decoder. kind "differs": anything else.
+    kind "tie": the first differing token is one where target-only greedy's top-2 logits tied at the target's
+    precision (Decoder.greedy's margins: equal, or one bf16 ulp apart; common for a bf16 target on a GPU): the
+    batched verify pass computes the same logits in another order and may pick the other token. That is a
+    tie-break, not a lossy decoder. kind "differs": anything else.
     """
     if tokens == ref:
         return None
     k = next((j for j, (a, b) in enumerate(zip(tokens, ref)) if a != b), min(len(tokens), len(ref)))
     if k >= min(len(tokens), len(ref)):
         return "differs", f"lengths {len(tokens)} vs {len(ref)}"
-    kind = "tie" if margins[k] == 0.0 else "differs"
-    return kind, f"token {k}: speculative {tokens[k]} vs greedy {ref[k]} (greedy top-2 logit margin {margins[k]:.2e})"
+    gap, tie = margins[k]
+    return ("tie" if tie else "differs"), (f"token {k}: speculative {tokens[k]} vs greedy {ref[k]} (greedy top-2 "
+                                           f"logit margin {gap:.2e}{', a tie at the target precision' if tie else ''})")
 
 
 def _sync(device: torch.device) -> None:

@@ -112,16 +112,23 @@ def test_drafter_of_another_target_is_refused(root):
         evaluate_drafters(llama, tok, {"x": DFlashDrafter(cfg)}, [word_text(3)], None, 4, progress=False)
 
 
-def test_a_divergence_at_an_exact_tie_is_not_a_lossy_decoder():
-    """bf16 targets on a GPU tie their top-2 logits now and then (margin exactly 0): the batched verify pass may pick
-    the other token. That prompt is reported as a tie, the verdict stays lossless; any other difference is lossy."""
+def test_a_divergence_at_a_tie_of_the_targets_logits_is_not_a_lossy_decoder(root):
+    """bf16 targets on a GPU tie their top-2 logits now and then (equal, or one bf16 ulp apart): the batched verify
+    pass may pick the other token. That prompt is reported as a tie, the verdict stays lossless; any other
+    difference is lossy. Decoder.greedy marks ties by the target's dtype."""
     from dflash.speculative import divergence
 
-    assert divergence([1, 2, 3], [1, 2, 3], [0.5, 0.0, 0.1]) is None
-    assert divergence([1, 7, 3], [1, 2, 3], [0.5, 0.0, 0.1]) == (
-        "tie", "token 1: speculative 7 vs greedy 2 (greedy top-2 logit margin 0.00e+00)")
-    assert divergence([1, 2, 9], [1, 2, 3], [0.5, 0.0, 0.1])[0] == "differs"
-    assert divergence([1, 2], [1, 2, 3], [0.5, 0.0, 0.1]) == ("differs", "lengths 2 vs 3")
+    margins = [(0.5, False), (0.0, True), (0.1, False)]
+    assert divergence([1, 2, 3], [1, 2, 3], margins) is None
+    assert divergence([1, 7, 3], [1, 2, 3], margins) == (
+        "tie", "token 1: speculative 7 vs greedy 2 (greedy top-2 logit margin 0.00e+00, a tie at the target precision)")
+    assert divergence([1, 2, 9], [1, 2, 3], margins)[0] == "differs"
+    assert divergence([1, 2], [1, 2, 3], margins) == ("differs", "lengths 2 vs 3")
+    model, tok = load_eval_target(str(chat_target(root, "llama")), "cpu")
+    dec = Decoder(model, None, [tok.eos_token_id])
+    assert dec.tie_eps == torch.finfo(torch.float32).eps
+    _, got = dec.greedy(chat_prompt_ids(tok, word_text(3)), 6)
+    assert all(tie == (gap <= 1e-5) for gap, tie in got if gap > 1e-3 or gap == 0), got
 
 
 def test_report_prints_ties_inside_a_lossless_verdict(capsys):

@@ -192,7 +192,7 @@ class HeldOut:
         return finish_sums(total)
 
     def real(self, drafter, target) -> dict:
-        from dflash.speculative import Decoder, divergence
+        from dflash.speculative import Decoder, check_output
 
         eos = eos_ids(target)
         n_new = self.cfg.eval.max_new_tokens
@@ -204,8 +204,8 @@ class HeldOut:
         for prompt, (ref, margins) in zip(self.prompts, self._reference):
             tokens, acc = dec.speculative(prompt, n_new, drafter.config.block_size)
             accepts += acc
-            found = divergence(tokens, ref, margins)
-            lossless &= found is None or found[0] == "tie"  # a tie-break of equal logits is not a lossy decoder
+            found = check_output(dec, prompt, tokens, ref, margins)
+            lossless &= found is None or found[0] == "tie"  # a tie-break of (near-)equal logits is not a lossy decoder
         return {"heldout_real_accept_len": sum(accepts) / max(1, len(accepts)), "heldout_real_lossless": lossless,
                 "heldout_real_prompts": len(self.prompts), "heldout_real_verify_steps": len(accepts)}
 

@@ -502,17 +502,31 @@ def check_gpu_processes(ctx: Context) -> CheckResult:
 # ---------------------------------------------------------------- compile cache, model source
 
 
-def _drafter_gpu(ctx: Context) -> Gpu | None:
+def _drafter_gpus(ctx: Context) -> list[Gpu]:
+    """The GPUs training the drafter (the first visible one for a co-located run), [] without a GPU snapshot."""
     snap = ctx.gpus.snapshot
     if snap is None:
-        return None
+        return []
     if ctx.config is not None:
-        rows = _resolved(ctx)
-        for _name, roles, gpu, _why in rows:
-            if gpu is not None and "drafter" in roles:
-                return gpu
+        found = [gpu for _name, roles, gpu, _why in _resolved(ctx) if gpu is not None and "drafter" in roles]
+        if found:
+            return found
     visible, _ = visible_gpus(snap.gpus, ctx.gpus.cuda_visible_devices)
-    return visible[0] if visible else None
+    return visible[:1]
+
+
+def _drafter_gpu(ctx: Context) -> Gpu | None:
+    gpus = _drafter_gpus(ctx)
+    return gpus[0] if gpus else None
+
+
+def _capability(text: str) -> tuple[int, int] | None:
+    """ "9.0" -> (9, 0); None when unknown or unreadable (older recorded snapshots say "0.0")."""
+    try:
+        major, minor = (int(x) for x in text.split(".")[:2])
+    except (ValueError, AttributeError):
+        return None
+    return None if (major, minor) == (0, 0) else (major, minor)
 
 
 def check_compile_cache(ctx: Context) -> CheckResult:
@@ -637,8 +651,8 @@ def _fp8_problems(ctx: Context, d, where: str, problems: list[str], fixes: list[
         problems.append(f"train.fp8 = {fp8!r} needs the drafter's hidden and intermediate sizes divisible by 16, "
                         f"got {d.hidden} and {d.intermediate}")
         fixes.append(f"set train.fp8 = \"off\" in {where}")
-    gpu = _drafter_gpu(ctx)
-    if gpu is not None and tuple(int(x) for x in gpu.compute_capability.split(".")) < FP8_MIN_CAPABILITY:
+    old = [g for g in _drafter_gpus(ctx) if (_capability(g.compute_capability) or FP8_MIN_CAPABILITY) < FP8_MIN_CAPABILITY]
+    for gpu in old[:1]:
         problems.append(f"train.fp8 = {fp8!r} needs compute capability {'.'.join(map(str, FP8_MIN_CAPABILITY))}+, the "
                         f"drafter's GPU {gpu.name} has {gpu.compute_capability}")
         fixes.append(f"set train.fp8 = \"off\" in {where}, or train on an Ada/Hopper-class GPU")

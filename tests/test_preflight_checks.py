@@ -892,3 +892,11 @@ def test_config_checks_fp8_against_the_drafters_gpu_and_sizes(tmp_path):
     assert 'set train.fp8 = "off" in run.toml' in r.fix
     r = checks.check_config(make_ctx(tmp_path, config={"train": {"fp8": "mlp"}, "drafter": {"intermediate_size": 1000}}))
     assert r.status == "fail" and "divisible by 16, got 576 and 1000" in r.summary, r.summary
+    mixed = recorded()
+    mixed["gpus"][int(SPLIT["drafter_gpus"][-1])]["compute_capability"] = "8.0"  # one drafter GPU of several
+    r = checks.check_config(make_ctx(tmp_path, config={"train": {"fp8": "mlp"}}, gpus=mixed))
+    assert r.status == "fail" and "has 8.0" in r.summary, r.summary
+    unknown = recorded()
+    for g in unknown["gpus"]:
+        g["compute_capability"] = "0.0"  # older recorded snapshots: not judged
+    assert checks.check_config(make_ctx(tmp_path, config={"train": {"fp8": "mlp"}}, gpus=unknown)).status == "pass"

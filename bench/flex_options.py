@@ -43,7 +43,10 @@ OPTIONS = {
 LAYOUT = os.environ.get("FLEX_LAYOUT", "heads")  # heads: contiguous [B, heads, L, D]; rows: the trainer's views
 AUTOCAST = os.environ.get("FLEX_AUTOCAST") == "1"  # call under bf16 autocast, as the trainer does
 ONLY = [x for x in os.environ.get("FLEX_ONLY", "").split(",") if x]
-CHUNKS = [int(x) for x in os.environ.get("FLEX_CHUNKS", "1").split(",")]
+try:
+    CHUNKS = [int(x) for x in os.environ.get("FLEX_CHUNKS", "1").split(",")]
+except ValueError:
+    sys.exit(f"FLEX_CHUNKS={os.environ['FLEX_CHUNKS']!r}: give row counts separated by commas, e.g. 1,2,4,8")
 
 
 def _to_chunks(t_BhnD: torch.Tensor, chunks: int) -> torch.Tensor:

@@ -93,7 +93,8 @@ def main(argv=None) -> int:
     ap.add_argument("--json", metavar="PATH", help="also write the results here")
     args = ap.parse_args(argv)
     if args.repeat < 1:
-        ap.error(f"--repeat must be >= 1, got {args.repeat}")
+        print(f"fp8_mlp: --repeat must be >= 1, got {args.repeat}", file=sys.stderr)
+        return 2
     if args.device not in ("cuda", "cpu"):
         print(f"fp8_mlp: --device {args.device!r}: use cuda or cpu", file=sys.stderr)
         return 2

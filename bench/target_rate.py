@@ -68,6 +68,13 @@ def main(argv=None) -> int:
                    help="pass the batch's attention mask to the target, as dflash did before it stopped (what it cost)")
     p.add_argument("--out", type=Path, help="write the result as JSON here")
     args = p.parse_args(argv)
+    for name in ("rows", "steps"):
+        if getattr(args, name) < 1:
+            print(f"target_rate: --{name} must be >= 1, got {getattr(args, name)}", file=sys.stderr)
+            return 2
+    if args.warmup < 0:
+        print(f"target_rate: --warmup must be >= 0, got {args.warmup}", file=sys.stderr)
+        return 2
 
     import torch
 

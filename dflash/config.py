@@ -45,6 +45,7 @@ MAX_SEED = 2**32 - 1  # numpy's default_rng and torch.manual_seed both take it; 
 
 FP8_MIN_CAPABILITY = (8, 9)  # train.fp8: GPUs with fp8 tensor cores (Ada 8.9, Hopper 9.0 and later)
 
+
 class _Strict(BaseModel):
     # allow_inf_nan=False: an inf or nan float (weight_decay = inf) trains NaN weights; refuse it here
     model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)

@@ -18,7 +18,6 @@ from dflash.config import FP8_MIN_CAPABILITY
 
 E4M3_MAX = 448.0  # largest finite float8_e4m3fn
 FP8_MODES = ("off", "mlp")  # train.fp8: bf16 everywhere, or e4m3 forward + input-gradient matmuls in each MLP
-MIN_CAPABILITY = FP8_MIN_CAPABILITY  # fp8 tensor cores: Ada (8.9), Hopper (9.0) and later
 
 
 def quantize(t: torch.Tensor, per_row: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -35,10 +34,8 @@ def fp8_mm(a_MK: torch.Tensor, b_NK: torch.Tensor, per_row: bool | None = None) 
     qa, sa = quantize(a_MK, per_row)
     qb, sb = quantize(b_NK, per_row)
     if per_row:
-        y = torch._scaled_mm(qa, qb.t(), scale_a=sa, scale_b=sb.t(), out_dtype=torch.bfloat16)
-    else:
-        y = torch._scaled_mm(qa, qb.t(), scale_a=sa.reshape(()), scale_b=sb.reshape(()), out_dtype=torch.bfloat16)
-    return y
+        return torch._scaled_mm(qa, qb.t(), scale_a=sa, scale_b=sb.t(), out_dtype=torch.bfloat16)
+    return torch._scaled_mm(qa, qb.t(), scale_a=sa.reshape(()), scale_b=sb.reshape(()), out_dtype=torch.bfloat16)
 
 
 class Fp8Linear(torch.autograd.Function):
@@ -73,7 +70,7 @@ def fp8_problem(mode: str, device: torch.device) -> str | None:
     if device.type != "cuda":
         return f"train.fp8 = {mode!r} needs a CUDA GPU with fp8 tensor cores (this run is on {device.type}); set train.fp8 = \"off\""
     cap = torch.cuda.get_device_capability(device)
-    if cap < MIN_CAPABILITY:
-        return (f"train.fp8 = {mode!r} needs compute capability {MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]}+ "
+    if cap < FP8_MIN_CAPABILITY:
+        return (f"train.fp8 = {mode!r} needs compute capability {FP8_MIN_CAPABILITY[0]}.{FP8_MIN_CAPABILITY[1]}+ "
                 f"(this GPU: {cap[0]}.{cap[1]}); set train.fp8 = \"off\"")
     return None

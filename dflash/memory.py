@@ -419,8 +419,8 @@ def target_forward_bytes(cfg: RunConfig, shape: TargetShape, w: Workload, cal: C
 
     Without soft labels the forward stops after the deepest selected layer: inside it, the
     other n - 1 captured layer outputs are alive with the layer's working set (no padding mask:
-    dflash.loss.target_step passes none). At the end the n captured outputs and their concatenation (the returned features,
-    counted as their own part) are alive together. With soft labels the forward runs every
+    dflash.loss.target_step passes none). At the end the n captured outputs and their
+    concatenation (the returned features, counted as their own part) are alive together. With soft labels the forward runs every
     layer with all n captured outputs alive.
     """
     dt = DTYPE_BYTES[cfg.target.dtype]

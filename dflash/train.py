@@ -125,12 +125,12 @@ class Trainer:
         self.recompute, self.recompute_why = self._choose_recompute()
         self.drafter.set_recompute(self.recompute)
         self.drafter.set_compile(cfg.train.compile and self.device.type == "cuda")
-        problem = fp8_problem(cfg.train.fp8, self.device)
+        problem = fp8_problem(cfg.train.fp8, self.device)  # a GPU without fp8 tensor cores
+        if problem:
+            raise ConfigError(problem)
         try:
-            if problem:
-                raise ValueError(problem)
             self.drafter.set_fp8(cfg.train.fp8)
-        except ValueError as e:  # a GPU without fp8 tensor cores, or drafter sizes the fp8 matmuls cannot take
+        except ValueError as e:  # drafter sizes the fp8 matmuls cannot take
             raise ConfigError(str(e)) from None
         self.embed_w, self.head_w = source.frozen_weights()
         self.optimizer = build_optimizer(self.drafter, cfg)

@@ -177,6 +177,19 @@ def environment(torch, device: str) -> dict:
     return env
 
 
+def bench_device(torch, name: str, text: str):
+    """(torch.device, None) for --device cuda|cpu, or (None, (exit code, one-line error)) for anything else."""
+    try:
+        device = torch.device(text)
+    except RuntimeError:
+        return None, (2, f"{name}: --device {text!r} is not a torch device; use cuda or cpu")
+    if device.type not in ("cuda", "cpu"):
+        return None, (2, f"{name}: --device {text!r}: use cuda or cpu")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        return None, (1, f"{name}: --device cuda but torch sees no GPU; use --device cpu --tiny for a smoke run")
+    return device, None
+
+
 def median_ms(torch, device, fn, repeat: int, warmup: int = 1) -> float:
     """Median ms of fn() over `repeat` runs after `warmup` untimed ones (CUDA events on a GPU, wall clock on CPU)."""
     for _ in range(warmup):

@@ -29,7 +29,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.common import median_ms  # noqa: E402
+from bench.common import bench_device, median_ms  # noqa: E402
 
 # (name, in features, out features) of one drafter layer's linears (fused as the model runs them)
 LINEARS = (("qkv", 4096, 6144), ("o", 4096, 4096), ("gate_up", 4096, 24576), ("down", 12288, 4096))
@@ -112,18 +112,10 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     import torch
 
-    try:
-        device = torch.device(args.device)
-    except RuntimeError:
-        print(f"fp8_matmul: --device {args.device!r} is not a torch device; use cuda or cpu", file=sys.stderr)
-        return 2
-    if device.type not in ("cuda", "cpu"):
-        print(f"fp8_matmul: --device {args.device!r}: use cuda or cpu", file=sys.stderr)
-        return 2
-    if device.type == "cuda" and not torch.cuda.is_available():
-        print("fp8_matmul: --device cuda but torch sees no GPU; use --device cpu --tiny for a smoke run",
-              file=sys.stderr)
-        return 1
+    device, error = bench_device(torch, "fp8_matmul", args.device)
+    if error:
+        print(error[1], file=sys.stderr)
+        return error[0]
     per_row = device.type == "cuda" and not args.per_tensor  # torch's CPU _scaled_mm takes one scale per tensor only
     linears, shapes = (TINY_LINEARS, TINY_SHAPES) if args.tiny else (LINEARS, SHAPES)
     results = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",

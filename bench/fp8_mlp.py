@@ -32,7 +32,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.common import median_ms  # noqa: E402
+from bench.common import bench_device, median_ms  # noqa: E402
 from dflash.fp8 import Fp8Linear  # noqa: E402
 
 SHAPES = {"512x16": 8192, "1024x32": 32768}
@@ -95,13 +95,10 @@ def main(argv=None) -> int:
     if args.repeat < 1:
         print(f"fp8_mlp: --repeat must be >= 1, got {args.repeat}", file=sys.stderr)
         return 2
-    if args.device not in ("cuda", "cpu"):
-        print(f"fp8_mlp: --device {args.device!r}: use cuda or cpu", file=sys.stderr)
-        return 2
-    if args.device == "cuda" and not torch.cuda.is_available():
-        print("fp8_mlp: --device cuda but torch sees no GPU; use --device cpu --tiny for a smoke run", file=sys.stderr)
-        return 1
-    device = torch.device(args.device)
+    device, error = bench_device(torch, "fp8_mlp", args.device)
+    if error:
+        print(error[1], file=sys.stderr)
+        return error[0]
     per_row = device.type == "cuda"  # torch's CPU _scaled_mm takes one scale per tensor (dflash.fp8)
     shapes, hidden, inter = ({"tiny": 64}, 64, 128) if args.tiny else (SHAPES, HIDDEN, INTERMEDIATE)
     results = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",

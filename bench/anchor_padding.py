@@ -2,7 +2,7 @@
 
 A batch's rows share one anchor count A (the largest row's); a row with fewer anchors carries invalid blocks
 that still go through the drafter layers. With train.batch_anchors the batch's anchors are split over its rows
-as evenly as their eligible positions allow (dflash.loss.anchor_quotas), which keeps A tight. This walks the
+as evenly as their eligible positions allow (dflash.train.loss.anchor_quotas), which keeps A tight. This walks the
 real sampler and collate over a synthetic lognormal length mix (CPU, seconds):
 
     uv run python bench/anchor_padding.py                  # 2000 samples, mean 1500 tokens, sigma 0.8
@@ -18,9 +18,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dflash.data import BucketBatchSampler, ShardDataset, collate  # noqa: E402
-from dflash.loss import anchor_quotas  # noqa: E402
-from dflash.synthetic import write_random_dataset  # noqa: E402
+from dflash.data.batching import collate
+from dflash.data.buckets import BucketBatchSampler
+from dflash.data.shards import ShardDataset
+from dflash.data.synthetic import write_random_dataset
+from dflash.train.loss import anchor_quotas
 
 SETTINGS = (  # (token_budget, max_batch_size, batch_anchors, max_anchors)
     (16384, 16, 1024, 1024), (49152, 64, 1024, 1024), (16384, 16, None, 512), (49152, 64, None, 1024),

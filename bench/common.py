@@ -15,12 +15,12 @@ import threading
 import time
 from pathlib import Path
 
-from dflash.synthetic import target_config
+from dflash.data.synthetic import target_config
 
 REPO = Path(__file__).resolve().parents[1]
 
 # A Qwen3-shaped target small enough for a CPU smoke run (--tiny): 6 layers, hidden 64, vocabulary 512.
-# Written as config.json alone (dflash.synthetic.write_target, weights=False): random_init builds it.
+# Written as config.json alone (dflash.data.synthetic.write_target, weights=False): random_init builds it.
 TINY_TARGET = target_config(
     "qwen3", vocab_size=512, num_hidden_layers=6, max_position_embeddings=4096, rms_norm_eps=1e-6,
     rope_theta=1000000.0, torch_dtype="float32", pad_token_id=0,

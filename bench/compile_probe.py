@@ -25,9 +25,9 @@ def main() -> None:
     t_import = time.perf_counter()
     import torch
 
-    from dflash.attention import attend, build_train_mask
+    from dflash.models.attention import attend, build_train_mask
 
-    print(f"import torch + dflash.attention: {time.perf_counter() - t_import:.1f} s", flush=True)
+    print(f"import torch + dflash.models.attention: {time.perf_counter() - t_import:.1f} s", flush=True)
     device = torch.device(args.device)
     S, A, bs, H, KV, D = (64, 8, 4, 4, 2, 16) if args.tiny else (3072, 512, 16, 32, 8, 128)
     backend = "flex" if device.type == "cuda" else "sdpa"

@@ -5,13 +5,13 @@ Run (from the repository root):
     uv run python bench/data_check.py                       # ~1.0 B tokens (~5 GiB of shards), then keeps them
     uv run python bench/data_check.py --tokens 2e8 --clean  # a quick one; delete the shards afterwards
 
-Measures, on synthetic shards (``dflash.synthetic.write_random_dataset``: lognormal lengths with
+Measures, on synthetic shards (``dflash.data.synthetic.write_random_dataset``: lognormal lengths with
 the incident's merged mean of 2,202 tokens, ids below the Qwen3.6 vocabulary of 248,320, the
 first quarter of each sample its prompt), written once under --out (git-ignored) and reused:
 
 - ``dataset`` check, default path: ``preflight.facts.scan_shard`` over every shard, the exact code
   preflight runs (list lengths, samples over the budget, token id and loss_mask ranges and the
-  learnable positions, vectorised by ``dflash.data.value_stats``); cold (page cache dropped with
+  learnable positions, vectorised by ``dflash.data.identity.value_stats``); cold (page cache dropped with
   posix_fadvise DONTNEED) and warm; and ``value_stats`` alone on the opened tables;
 - ``--verify-data``: sha256 of every shard (``dflash.filehash.sha256_files``, one thread per file),
   cold and warm, and one file on one thread (what bounds a checkpoint's largest file, optimizer.pt);
@@ -33,9 +33,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dflash.data import shard_files, value_stats  # noqa: E402
+from dflash.data.identity import shard_files, value_stats
+from dflash.data.synthetic import write_random_dataset
 from dflash.filehash import sha256_file, sha256_files  # noqa: E402
-from dflash.synthetic import write_random_dataset  # noqa: E402
 from preflight.facts import scan_shard  # noqa: E402
 
 VOCAB = 248_320  # Qwen3.6-27B's vocabulary
@@ -95,7 +95,7 @@ def checkpoint_bytes() -> tuple[int, int] | None:
     """(checkpoint bytes, optimizer.pt bytes) of the 27B-class preset per the memory model, or None."""
     try:
         from dflash.config import load_config
-        from dflash.memory import drafter_params, load_target_shape
+        from dflash.memory.shape import drafter_params, load_target_shape
 
         cfg = load_config(PRESET)
         n = drafter_params(cfg, load_target_shape(cfg.target.path))

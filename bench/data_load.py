@@ -7,7 +7,7 @@ Run (from the repository root):
     uv run python bench/data_load.py --mean-length 300      # same sample count, ~1.6 GB on disk
     uv run python bench/data_load.py --clean                # delete the generated data afterwards
 
-The synthetic shards (dflash.synthetic.write_random_dataset) are written once under --out
+The synthetic shards (dflash.data.synthetic.write_random_dataset) are written once under --out
 (default .cache/bench-data/load, git-ignored) and reused by later runs with the same
 --samples/--mean-length/--max-length. Before the "cold" pass every shard is
 dropped from the page cache (posix_fadvise DONTNEED), so it measures reads from disk; the "warm"
@@ -32,15 +32,16 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dflash.data import BucketBatchSampler, ShardDataset  # noqa: E402
-from dflash.synthetic import write_random_dataset  # noqa: E402
+from dflash.data.buckets import BucketBatchSampler
+from dflash.data.shards import ShardDataset
+from dflash.data.synthetic import write_random_dataset
 
 SAMPLES_PER_SHARD = 50_000
 VOCAB = 151_936  # Qwen3 vocabulary size: token ids are drawn below it
 
 
 def generate(out: Path, samples: int, mean_length: int, max_length: int, seed: int) -> None:
-    """Write the synthetic shards (dflash.synthetic keeps a folder already holding the same set)."""
+    """Write the synthetic shards (dflash.data.synthetic keeps a folder already holding the same set)."""
     t0 = time.perf_counter()
     write_random_dataset(out, samples, mean_length, VOCAB, sigma=0.8, max_length=max_length, prompt_share=0.25,
                          seed=seed, per_shard=SAMPLES_PER_SHARD)

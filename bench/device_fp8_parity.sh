@@ -28,8 +28,8 @@ if [ "${INSTALL:-1}" = 1 ]; then
   export PYTHONPATH=$PWD/.cache/site:$PWD
 fi
 source "$(dirname "$0")/device_waivers.sh"  # W=(--waive ... --reason ...)
-data() { python3 -c 'import sys; from dflash.cli import data_main; data_main(sys.argv[1:])' "$@"; }
-evaluate() { python3 -c 'import sys; from dflash.cli import eval_main; eval_main(sys.argv[1:])' "$@"; }
+data() { python3 -c 'import sys; from dflash.commands.train import data_main; data_main(sys.argv[1:])' "$@"; }
+evaluate() { python3 -c 'import sys; from dflash.commands.train import eval_main; eval_main(sys.argv[1:])' "$@"; }
 echo "== data $(date +%T)"
 data prepare --target smollm2 --prompts chitchat --out $P/train --limit "$PROMPTS" --max-new-tokens "$NEW_TOKENS" \
   --batch-size 64 --device "$DEVICE" 2>&1 | grep -v Warning | tail -2
@@ -39,7 +39,7 @@ data prepare --target smollm2 --prompts held-out --out $P/heldout --limit 16 --m
 gpu=0
 for mode in $MODES; do
   echo "== train fp8=$mode on GPU $gpu $(date +%T)"
-  CUDA_VISIBLE_DEVICES=$gpu python3 -m dflash.cli --config configs/demo-cpu.toml --set device=\"$DEVICE\" \
+  CUDA_VISIBLE_DEVICES=$gpu python3 -m dflash.commands.train --config configs/demo-cpu.toml --set device=\"$DEVICE\" \
     --set target.dtype=\"$([ "$DEVICE" = cuda ] && echo bfloat16 || echo float32)\" \
     --set train.compile=$([ "$DEVICE" = cuda ] && echo true || echo false) --set train.fp8=\"$mode\" \
     --set train.epochs="$EPOCHS" --set eval.every=500 --set data.path=\"$P/train\" --set eval.path=\"$P/heldout\" \

@@ -1,13 +1,13 @@
 """Flex attention tile sizes for the DFlash training mask: forward + backward time per kernel_options set.
 
-The training mask (dflash.attention) at the bench shapes (Qwen3-8B drafter: 32 query heads, 8 kv heads,
+The training mask (dflash.models.attention) at the bench shapes (Qwen3-8B drafter: 32 query heads, 8 kv heads,
 head_dim 128, 3072 context tokens; 512 anchors x block 16 and 1024 x 32), one compiled flex call per
 option set, median of 5 forward+backward passes after 2 warm-up passes (which compile).
 
     PYTHONPATH=. python3 bench/flex_options.py            # one GPU, ~2 min
     FLEX_LAYOUT=rows FLEX_AUTOCAST=1 FLEX_ONLY=default PYTHONPATH=. python3 bench/flex_options.py   # as in the trainer
     FLEX_LAYOUT=trainer FLEX_SHAPES=1024x32,512x16,1024x32 PYTHONPATH=. python3 bench/flex_options.py
-        # through dflash.attention.attend_padded (tiles, dynamic sizes), one process: the second 1024 x 32 row runs
+        # through dflash.models.attention.attend_padded (tiles, dynamic sizes), one process: the second 1024 x 32 row runs
         # the graph compiled with dynamic sizes, as a trainer does once it has seen a second batch shape
     FLEX_CHUNKS=1,4,8 FLEX_ONLY=default PYTHONPATH=. python3 bench/flex_options.py
         # each row's anchors split into C rows of A / C anchors, the context keys repeated per row (same attention
@@ -24,7 +24,7 @@ import time
 import torch
 from torch.nn.attention.flex_attention import flex_attention
 
-from dflash.attention import build_train_mask
+from dflash.models.attention import build_train_mask
 
 OPTIONS = {
     "default": {},
@@ -102,7 +102,7 @@ def main() -> None:
             if ONLY and name not in ONLY:
                 continue
             if LAYOUT == "trainer":  # the trainer's own call: one compiled function for the whole process
-                from dflash.attention import TrainMask, attend
+                from dflash.models.attention import TrainMask, attend
 
                 tm = TrainMask("flex", mask, Q, L)
                 flex = lambda q, k, v, tm=tm, **_: attend(q, k, v, tm)  # noqa: E731

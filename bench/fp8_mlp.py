@@ -15,7 +15,7 @@ at the bench's query rows (512 x 16 = 8,192 and 1024 x 32 = 32,768), median of 1
 the relative error of the output and of the input gradient against bf16. Nothing here trains: a drafter
 trained this way must first show its acceptance length before the step may use it.
 
-    PYTHONPATH=. python3 bench/fp8_mlp.py --json $OUT/fp8_mlp.json      # one H200, ~1 min (dflash.fp8's Fp8Linear)
+    PYTHONPATH=. python3 bench/fp8_mlp.py --json $OUT/fp8_mlp.json      # one H200, ~1 min (dflash.models.fp8's Fp8Linear)
     uv run python bench/fp8_mlp.py --device cpu --tiny                   # smoke run: eager, per-tensor scales
 """
 
@@ -33,7 +33,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from bench.common import bench_device, median_ms  # noqa: E402
-from dflash.fp8 import Fp8Linear  # noqa: E402
+from dflash.models.fp8 import Fp8Linear  # noqa: E402
 
 SHAPES = {"512x16": 8192, "1024x32": 32768}
 HIDDEN, INTERMEDIATE = 4096, 12288
@@ -99,7 +99,7 @@ def main(argv=None) -> int:
     if error:
         print(error[1], file=sys.stderr)
         return error[0]
-    per_row = device.type == "cuda"  # torch's CPU _scaled_mm takes one scale per tensor (dflash.fp8)
+    per_row = device.type == "cuda"  # torch's CPU _scaled_mm takes one scale per tensor (dflash.models.fp8)
     shapes, hidden, inter = ({"tiny": 64}, 64, 128) if args.tiny else (SHAPES, HIDDEN, INTERMEDIATE)
     results = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                "torch": torch.__version__, "scales": "per row" if per_row else "per tensor",

@@ -1,4 +1,4 @@
-"""Write a synthetic Arrow dataset of random token ids (dflash.synthetic.write_random_dataset) for GPU runs.
+"""Write a synthetic Arrow dataset of random token ids (dflash.data.synthetic.write_random_dataset) for GPU runs.
 
     PYTHONPATH=. python3 bench/make_synthetic.py --out .cache/syn-3072 --samples 256 --length 3072 --vocab 151936
     PYTHONPATH=. python3 bench/make_synthetic.py --out .cache/syn-mix --samples 10000 --length 2826 --sigma 0.8
@@ -17,7 +17,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dflash.synthetic import write_random_dataset  # noqa: E402
+from dflash.data.synthetic import write_random_dataset
 
 
 def main() -> None:

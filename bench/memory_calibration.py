@@ -2,15 +2,15 @@
 
 Every (configuration, role) runs in a fresh subprocess, so peaks never mix:
 - target role: the frozen target (random init on the GPU from config.json) and three
-  ``dflash.loss.target_step`` calls over a padded batch filling token_budget (the memory
+  ``dflash.train.loss.target_step`` calls over a padded batch filling token_budget (the memory
   model's worst target batch: 2 rows, the second one padded, when max_batch_size >= 2);
 - drafter role: DFlashDrafter + frozen bf16 embedding / lm_head tensors + fused AdamW, and
-  three real steps (``dflash.loss.drafter_step_math`` under bf16 autocast, backward, grad
+  three real steps (``dflash.train.loss.drafter_step_math`` under bf16 autocast, backward, grad
   clipping, optimizer step) on random target features of the memory model's worst batch shape.
 Recorded per measurement: torch max_memory_allocated / max_memory_reserved, the GPU's NVML used
 memory at its peak (sampled in a thread during the steps and after each; nothing subtracted)
 and before the worker started, with the run config, the target's config.json, torch/CUDA
-versions and the GPU name, in the format ``dflash.calibration.Measurement`` reads.
+versions and the GPU name, in the format ``dflash.memory.calibration.Measurement`` reads.
 
 Run (from the repository root; no install needed besides the packages):
 
@@ -41,7 +41,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from bench.common import TINY_TARGET, Nvml, NvmlPeak, environment, gib, gpu_uuid, is_oom, write_json  # noqa: E402
-from dflash.synthetic import write_target  # noqa: E402
+from dflash.data.synthetic import write_target  # noqa: E402
 
 STEPS = 3
 
@@ -157,7 +157,7 @@ def _record(steps: list, nvml: Nvml, torch, device, t0: float, **extra) -> None:
 
 
 def _target_role(cfg, device, steps, nvml, torch) -> dict:
-    from dflash.step import LocalTarget
+    from dflash.train.step import LocalTarget
 
     t0 = time.perf_counter()
     cfg.target.random_init = True  # real shapes, random weights
@@ -184,11 +184,11 @@ def _target_role(cfg, device, steps, nvml, torch) -> dict:
 
 
 def _drafter_role(cfg, device, steps, nvml, torch) -> dict:
-    """The trainer's own step (dflash.step) on random features of the memory model's worst batch shape."""
-    from dflash.memory import recompute_mode, workload
-    from dflash.model import DFlashDrafter, drafter_config_for_run
-    from dflash.step import build_optimizer, clip_and_step, micro_step, resolve_mask_token_id, set_lr
-    from dflash.target import target_text_config, torch_dtype
+    """The trainer's own step (dflash.train.step) on random features of the memory model's worst batch shape."""
+    from dflash.memory.parts import recompute_mode, workload
+    from dflash.models.drafter import DFlashDrafter, drafter_config_for_run
+    from dflash.models.target import target_text_config, torch_dtype
+    from dflash.train.step import build_optimizer, clip_and_step, micro_step, resolve_mask_token_id, set_lr
 
     t0 = time.perf_counter()
     tconf = target_text_config(cfg.target.path)
@@ -372,8 +372,8 @@ def measure_all(args) -> int:
 
 
 def print_table(measurements: list[dict]) -> None:
-    from dflash.calibration import current_measurements, fit_calibration, prediction_errors
-    from dflash.memory import DEFAULT_CALIBRATION
+    from dflash.memory.calibration import current_measurements, fit_calibration, prediction_errors
+    from dflash.memory.parts import DEFAULT_CALIBRATION
 
     usable, superseded = current_measurements([m for m in measurements if m.get("ok") and m.get("nvml_used_bytes")])
     errs = prediction_errors(usable, DEFAULT_CALIBRATION) if usable else []

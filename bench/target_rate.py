@@ -1,4 +1,4 @@
-"""The target role's rate: tokens per second of the frozen target's feature forward (dflash.loss.target_step).
+"""The target role's rate: tokens per second of the frozen target's feature forward (dflash.train.loss.target_step).
 
 The target is built with random weights on the GPU from the run config's target.path config.json
 (real shapes), fed batches of token_budget tokens split into --rows rows (the last one 1/8 padded when
@@ -37,8 +37,8 @@ from bench.common import Nvml, NvmlPeak, environment, gib, parse_sets, write_jso
 def kernels(model) -> dict:
     """Where the Gated DeltaNet functions the model's linear-attention layers call come from (fla / causal_conv1d
     kernels, or transformers' PyTorch fallbacks): transformers' import-time binding, or the PyTorch references
-    dflash.target binds per model off CUDA (and with --pytorch-linear-attention)."""
-    from dflash.target import linear_attention_kernels
+    dflash.models.target binds per model off CUDA (and with --pytorch-linear-attention)."""
+    from dflash.models.target import linear_attention_kernels
 
     layer = next((m for m in model.modules() if linear_attention_kernels(m)), None)
     if layer is None:
@@ -79,9 +79,9 @@ def main(argv=None) -> int:
     import torch
 
     from dflash.config import load_config
-    from dflash.loss import target_step
-    from dflash.step import feature_layer_ids
-    from dflash.target import load_target, target_features, use_torch_linear_attention
+    from dflash.models.target import load_target, target_features, use_torch_linear_attention
+    from dflash.train.loss import target_step
+    from dflash.train.step import feature_layer_ids
 
     cfg = load_config(args.config, parse_sets(args.set))
     device = torch.device(args.device)
@@ -89,7 +89,7 @@ def main(argv=None) -> int:
     if args.tiny:
         import tempfile
 
-        from dflash.synthetic import hybrid_target_config, write_target
+        from dflash.data.synthetic import hybrid_target_config, write_target
 
         path = str(write_target(Path(tempfile.mkdtemp()) / "tiny", hybrid_target_config(num_hidden_layers=8), weights=False))
         cfg.data.token_budget = min(cfg.data.token_budget, 256)

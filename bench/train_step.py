@@ -1,10 +1,10 @@
-"""Benchmark: the real co-located trainer step (dflash.train.Trainer.train_step) on one device.
+"""Benchmark: the real co-located trainer step (dflash.train.trainer.Trainer.train_step) on one device.
 
 Writes a synthetic Arrow dataset of exactly the configured shape (every sample token_budget /
 max_batch_size tokens long, loss_mask 0 on the first 10%, 1 after), builds the real Trainer
 (random-init target from config.json, drafter, fused AdamW), runs warmup steps (compilation),
 then times N steps with CUDA events. The target forward is timed alone on the same batches
-(dflash.loss.target_step); the drafter step is the rest. Reports input tokens/s, ms/step,
+(dflash.train.loss.target_step); the drafter step is the rest. Reports input tokens/s, ms/step,
 torch max allocated/reserved and NVML used memory (device, and this process when the driver says).
 
 Run (from the repository root; no install needed besides the packages):
@@ -43,7 +43,7 @@ from bench.common import (  # noqa: E402
     parse_sets,
     write_json,
 )
-from dflash.synthetic import write_random_dataset, write_target  # noqa: E402
+from dflash.data.synthetic import write_random_dataset, write_target
 
 DEFAULT_CONFIG = "configs/qwen3-8b-1gpu.toml"
 
@@ -137,7 +137,7 @@ def measure(name: str, overrides: dict, args, data_root: Path, out_root: Path) -
     import torch
 
     from dflash.config import load_config
-    from dflash.train import Trainer
+    from dflash.train.trainer import Trainer
 
     cfg = load_config(args.config, overrides)
     length = cfg.data.token_budget // cfg.data.max_batch_size

@@ -204,7 +204,7 @@ class TopologyConfig(_Strict):
 
 
 class EvalConfig(_Strict):
-    """Held-out evaluation during training (dflash.heldout): off unless `path` or `holdout` names the data."""
+    """Held-out evaluation during training (dflash.train.heldout): off unless `path` or `holdout` names the data."""
 
     path: str = Field("", description="held-out Arrow dataset folder (input_ids + loss_mask shards, never trained on); "
                       "empty = none")
@@ -395,3 +395,18 @@ def dump_config(cfg: RunConfig) -> str:
 def config_sha256(cfg: RunConfig) -> str:
     """Identity of a resolved config: the gate stamps it into preflight.json, workers compare it."""
     return hashlib.sha256(dump_config(cfg).encode()).hexdigest()
+
+
+REPO_ROOT = Path(__file__).resolve().parents[1]  # relative target paths fall back to it
+
+
+def resolve_target_dir(path: str) -> Path:
+    """target.path as given (absolute, or found from the working directory), else relative to the repository root.
+
+    The fallback lets the committed configs (``configs/targets/...``) work from any directory. The one target-path
+    rule: the memory model, preflight and the trainer's loader all resolve target.path here.
+    """
+    p = Path(path).expanduser()
+    if p.is_absolute() or p.exists():
+        return p
+    return REPO_ROOT / p

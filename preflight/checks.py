@@ -16,10 +16,11 @@ from packaging.markers import default_environment
 from packaging.utils import canonicalize_name
 from packaging.version import InvalidVersion, Version
 
-from dflash.compile_manifest import MANIFEST_NAME, differences
 from dflash.config import FP8_MIN_CAPABILITY, ConfigError, default_target_layer_ids
 from dflash.errors import DflashError
-from dflash.memory import choose_recompute, drafter_shape, drafter_state_bytes, role_need_bytes
+from dflash.memory.parts import choose_recompute, role_need_bytes
+from dflash.memory.shape import drafter_shape, drafter_state_bytes
+from dflash.runs.compile_manifest import MANIFEST_NAME, differences
 from preflight.envs import run_command, sync_command
 from preflight.estimate import DEFAULT_CUDA
 from preflight.facts import MODEL_SOURCE_PACKAGE, PROJECT_DIST, Context
@@ -645,7 +646,7 @@ def check_config(ctx: Context) -> CheckResult:
 
 
 def _fp8_problems(ctx: Context, d, where: str, problems: list[str], fixes: list[str]) -> None:
-    """train.fp8 needs fp8 tensor cores on the drafter's GPU and MLP sizes the fp8 matmuls take (dflash.fp8)."""
+    """train.fp8 needs fp8 tensor cores on the drafter's GPU and MLP sizes the fp8 matmuls take (dflash.models.fp8)."""
     fp8 = ctx.config.train.fp8
     if d.hidden % 16 or d.intermediate % 16:
         problems.append(f"train.fp8 = {fp8!r} needs the drafter's hidden and intermediate sizes divisible by 16, "
@@ -684,22 +685,6 @@ def _incompatible(ctx: Context, saved: dict) -> list[str]:
     return out
 
 
-# What fixes the cosine lr schedule of a run: changed on a resume, the schedule changes (dflash.rundir.schedule_change).
-SCHEDULE_FIELDS = (("train", "max_steps"), ("train", "epochs"), ("train", "grad_accum"), ("train", "lr"),
-                   ("train", "warmup_ratio"), ("data", "token_budget"), ("data", "max_batch_size"),
-                   ("data", "num_buckets"))
-
-
-def _schedule_changes(ctx: Context, saved: dict) -> list[str]:
-    now = ctx.config.model_dump()
-    out = []
-    for section, key in SCHEDULE_FIELDS:
-        old = (saved.get(section) or {}).get(key)
-        if old != now[section][key]:
-            out.append(f"{section}.{key} {old!r} -> {now[section][key]!r}")
-    return out
-
-
 def check_run_dir(ctx: Context) -> CheckResult:
     rd = ctx.run_dir
     intent = ctx.resume_intent
@@ -725,7 +710,7 @@ def check_run_dir(ctx: Context) -> CheckResult:
     if intent == "fresh":
         return _r("run-dir", "pass", f"--fresh: {len(rd.checkpoints)} existing checkpoint(s) (newest {name}, "
                   f"step {newest.step}) will be moved aside, not resumed", **data)
-    # --resume latest takes the newest checkpoint that verifies (dflash.rundir.resolve_resume)
+    # --resume latest takes the newest checkpoint that verifies (dflash.runs.rundir.resolve_resume)
     usable = [c for c in rd.checkpoints if c.meta is not None and not c.error]
     chosen = usable[-1] if usable else None
     skipped = [c for c in rd.checkpoints if chosen is None or c.step > chosen.step]
@@ -747,10 +732,9 @@ def check_run_dir(ctx: Context) -> CheckResult:
     if skipped:
         notes.append(f"--resume latest skips {said}")
         fixes.append("move the damaged checkpoint(s) aside, or pass --fresh")
-    schedule = _schedule_changes(ctx, chosen.meta.get("config") or {})
-    if schedule:
-        data["schedule_changes"] = schedule
-        notes.append(f"the lr schedule changes ({', '.join(schedule)}): dflash-train refuses this resume without "
+    if rd.schedule_change:  # the trainer's own rule (dflash.data.plan.schedule_change), so both say the same
+        data["schedule_change"] = rd.schedule_change
+        notes.append(f"the lr schedule changes ({rd.schedule_change}): dflash-train refuses this resume without "
                      "--allow-schedule-change")
         fixes.append(f"restore those settings in {_config_arg(ctx)}, or pass --allow-schedule-change")
     old = chosen.meta.get("dataset") or {}
@@ -833,7 +817,7 @@ def check_dataset(ctx: Context) -> CheckResult:
 def _dataset_contents(ctx: Context, data: dict) -> tuple[list[tuple[str, str]], list[tuple[str, str | None]], str]:
     """(failures, warnings, what was verified) about what the shards hold: the manifest's shard records and
     target fingerprint, token ids against the run's vocabulary, loss_mask values, something to learn."""
-    from dflash.data import compare_targets  # the dataset identity's owner (numpy + pyarrow: only with a dataset)
+    from dflash.data.identity import compare_targets
 
     ds, cfg = ctx.dataset, ctx.config
     fails: list[tuple[str, str]] = []
@@ -925,7 +909,7 @@ def _dataset_contents(ctx: Context, data: dict) -> tuple[list[tuple[str, str]], 
     if odd_mask:
         fails.append((f"loss_mask values outside 0/1 (from {mask_lo} to {mask_hi}) in "
                       f"{_listing([s.name for s in odd_mask], 3)}",
-                      "rewrite those shards with loss_mask 0 (context) or 1 (to learn); dflash.data.write_shard "
+                      "rewrite those shards with loss_mask 0 (context) or 1 (to learn); dflash.data.shards.write_shard "
                       "refuses other values"))
     if anchors == 0 and not odd_mask:
         why = "loss_mask is 0 everywhere" if mask_hi == 0 else \

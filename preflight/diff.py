@@ -6,9 +6,9 @@
                        #             effect="memory model: drafter peak -9.10 GiB"), ...]
     d.exit_code        # 0: nothing that matters differs, 1: something does
 
-Pure functions of two snapshots (``dflash.snapshot`` owns their layout); the memory model
+Pure functions of two snapshots (``dflash.runs.records`` owns their layout); the memory model
 (``dflash.memory``) predicts both configs' peaks per role, and the effect of each single change
-that it depends on, with B's value put into A's run. `dflash-diff` (``preflight.diff_cli``) only prints.
+that it depends on, with B's value put into A's run. `dflash-diff` (``dflash.commands.diff``) only prints.
 """
 
 from __future__ import annotations
@@ -90,7 +90,7 @@ class _Model:
 def _model(snap: dict) -> _Model | None:
     from dflash.config import config_from_dict
     from dflash.errors import DflashError
-    from dflash.memory import TargetShape
+    from dflash.memory.shape import TargetShape
 
     mem, shape = snap.get("memory") or {}, (snap.get("target") or {}).get("shape")
     if not shape or not mem.get("cuda"):
@@ -105,7 +105,7 @@ def _model(snap: dict) -> _Model | None:
 
 def _peaks(m: _Model, cfg=None, cuda: str | None = None, expandable: bool | None = None) -> dict[str, int] | None:
     from dflash.errors import DflashError
-    from dflash.memory import recompute_mode, role_parts, roles, with_recompute
+    from dflash.memory.parts import recompute_mode, role_parts, roles, with_recompute
 
     cfg = cfg or m.cfg
     resolved = cfg.train.recompute == m.cfg.train.recompute  # else a what-if of train.recompute itself

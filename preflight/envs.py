@@ -11,7 +11,7 @@ the export of those groups); every other profile in ``.venvs/<profile>``. How: `
 hash-checked; uv.lock is git-ignored and never used), then the project itself editable without dependencies.
 Files are copied, not hard-linked into uv's cache (uv's default): a hard link is one file shared by every
 environment built from that cache, so an edit in one profile's environment would edit the other's. Nothing
-here touches any environment but the named profile's. The ``dflash-env`` command (``preflight.env_cli``) only
+here touches any environment but the named profile's. The ``dflash-env`` command (``dflash.commands.env``) only
 formats what these functions return.
 """
 
@@ -141,7 +141,7 @@ def site_packages(env: Path) -> list[Path]:
 
 def env_drift(env: Path, lock_text: str) -> list[str]:
     """How the distributions installed in venv `env` differ from a lock ([] = exactly the lock + the project)."""
-    from preflight.facts import installed_distributions
+    from preflight.pyenv import installed_distributions
 
     markers = dict(default_environment())
     version = _python_version(env)
@@ -263,7 +263,7 @@ def run_environ(env: ProfileEnv, environ: Mapping[str, str]) -> tuple[dict[str, 
     VIRTUAL_ENV and UV_PROJECT_ENVIRONMENT name it and UV_NO_SYNC=1, so a `uv run` inside runs in this
     environment as it is instead of re-syncing it to uv's default groups (the incident); PYTHONHOME unset.
     """
-    from preflight.facts import python_env_root
+    from preflight.pyenv import python_env_root
 
     me = os.path.realpath(env.path)
     keep, dropped = [], []

@@ -1,4 +1,4 @@
-"""What dflash-estimate decides, apart from how it prints it (``preflight.estimate_cli`` only formats).
+"""What dflash-estimate decides, apart from how it prints it (``dflash.commands.estimate`` only formats).
 
 The run config is read with its ``--set`` overrides (``dflash.config.parse_overrides``, the one
 parser); the CUDA version is the one given, else the config's profile manifest's, else 12.8; the
@@ -17,7 +17,8 @@ import re
 
 from dflash.config import load_config, parse_overrides
 from dflash.errors import DflashError
-from dflash.memory import Estimate, estimate, role_gpus, roles
+from dflash.memory.fit import Estimate, estimate, role_gpus
+from dflash.memory.parts import roles
 from preflight.nvml import GpuInfo, NvmlGpuInfo, NvmlUnavailable, resolve_gpu, visible_gpus
 from preflight.profiles import ProfileError, load_profile
 

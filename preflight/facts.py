@@ -29,17 +29,18 @@ from typing import TYPE_CHECKING, Any
 
 from packaging.utils import canonicalize_name
 
-from dflash import rundir
-from dflash.compile_manifest import ManifestError, read_manifest
 from dflash.config import ConfigError, RunConfig
-from dflash.memory import TargetShape, load_target_shape
+from dflash.memory.shape import TargetShape, load_target_shape
+from dflash.runs import rundir
+from dflash.runs.compile_manifest import ManifestError, read_manifest
 from preflight.envs import locate
 from preflight.lockfile import LockFile, parse_lock
 from preflight.nvml import GpuInfo, NvmlSnapshot, NvmlUnavailable
 from preflight.profiles import ENVS_DIR, REPO_ROOT, Profile, ProfileError, load_profile, lock_path
+from preflight.pyenv import installed_distributions, python_env_root
 
 if TYPE_CHECKING:
-    from dflash.data import ValueStats  # numpy + pyarrow: imported only when a dataset is read
+    from dflash.data.identity import ValueStats
 
 # The code a training run executes: a debugging hack left in any module of the package changes what a run trains.
 MODEL_SOURCE_PACKAGE = "dflash"
@@ -146,7 +147,7 @@ class Checkpoint:
     step: int
     path: str
     meta: dict | None = None
-    error: str | None = None  # why a resume would refuse it (dflash.rundir.checkpoint_problem)
+    error: str | None = None  # why a resume would refuse it (dflash.runs.rundir.checkpoint_problem)
     size_bytes: int = 0
 
 
@@ -155,9 +156,11 @@ class RunDir:
     path: str
     exists: bool
     writable: bool
-    problem: str | None = None  # why it is not usable (dflash.rundir.write_problem)
+    problem: str | None = None  # why it is not usable (dflash.runs.rundir.write_problem)
     checkpoints: list[Checkpoint] = field(default_factory=list)  # finished saves, oldest first
     deep: bool = False  # sha256 compared too (--verify-data), not only sizes
+    # how resuming the newest usable checkpoint changes the lr schedule (dflash.data.plan.schedule_change), or None
+    schedule_change: str | None = None
 
     @property
     def newest(self) -> Checkpoint | None:
@@ -190,7 +193,7 @@ class Dataset:
     error: str | None = None  # the folder itself
     manifest: dict | None = None  # manifest.json beside the shards (dflash.data), None when absent
     manifest_error: str | None = None  # why it could not be read
-    target: dict | None = None  # the run's target fingerprint (dflash.data.target_fingerprint)
+    target: dict | None = None  # the run's target fingerprint (dflash.data.identity.target_fingerprint)
     target_error: str | None = None  # why it could not be taken
     deep: bool = False  # shard sha256 computed (--verify-data)
 
@@ -200,8 +203,8 @@ class Dataset:
 
     @property
     def fingerprint(self) -> str:
-        """The trainer's identity of these shards (dflash.data.dataset_fingerprint), as checkpoints record it."""
-        from dflash.data import dataset_fingerprint
+        """The trainer's identity of these shards (dflash.data.identity.dataset_fingerprint), as checkpoints record it."""
+        from dflash.data.identity import dataset_fingerprint
 
         return dataset_fingerprint((s.name, s.size_bytes, s.rows) for s in self.shards)
 
@@ -236,7 +239,7 @@ class Context:
     gpus: GpuFacts = field(default_factory=lambda: GpuFacts(error="NVML not queried"))
     model_source: ModelSource = field(default_factory=lambda: ModelSource(mode="none"))
     compile_cache: CompileCache | None = None
-    target_shape: TargetShape | None = None  # the target's sizes (dflash.memory.load_target_shape), when readable
+    target_shape: TargetShape | None = None  # the target's sizes (dflash.memory.shape.load_target_shape), when readable
     target_error: str | None = None  # why they are not: the file, the problem and the fix
     run_dir: RunDir | None = None
     dataset: Dataset | None = None
@@ -252,47 +255,8 @@ class Context:
 # ---------------------------------------------------------------- environment
 
 
-def _header(path: Path) -> tuple[str | None, str | None]:
-    """Name and Version from a METADATA/PKG-INFO header (stops at the first blank line: no email parser)."""
-    name = version = None
-    try:
-        with open(path, encoding="utf-8", errors="replace") as f:
-            for line in f:
-                if not line.strip():
-                    break
-                if line.startswith("Name:"):
-                    name = line[5:].strip()
-                elif line.startswith("Version:"):
-                    version = line[8:].strip()
-    except OSError:
-        pass
-    return name, version
 
 
-def installed_distributions(paths: list[str] | None = None) -> dict[str, list[str]]:
-    """Canonical name -> versions of every distribution on sys.path (two versions = installed twice)."""
-    out: dict[str, list[str]] = {}
-    seen: set[str] = set()
-    for entry in sys.path if paths is None else paths:
-        real = os.path.realpath(entry or ".")
-        if real in seen or not os.path.isdir(real):
-            continue
-        seen.add(real)
-        try:
-            names = os.listdir(real)
-        except OSError:
-            continue
-        for d in names:
-            if d.endswith(".dist-info"):
-                meta = Path(real, d, "METADATA")
-            elif d.endswith(".egg-info"):
-                meta = Path(real, d, "PKG-INFO") if os.path.isdir(os.path.join(real, d)) else Path(real, d)
-            else:
-                continue
-            name, version = _header(meta)
-            if name and version:
-                out.setdefault(canonicalize_name(name), []).append(version)
-    return out
 
 
 _VERSION_LINE = re.compile(r"^__version__\s*=\s*['\"]([^'\"]+)['\"]", re.M)
@@ -409,12 +373,6 @@ def verify_records(names: list[str], workers: int | None = None) -> Records:
     return Records(checks, time.perf_counter() - t0)
 
 
-def python_env_root(bin_dir: Path) -> str | None:
-    """The Python environment (venv or conda) whose bin dir this is, or None."""
-    root = bin_dir.parent
-    if bin_dir.name in ("bin", "Scripts") and ((root / "pyvenv.cfg").is_file() or (root / "conda-meta").is_dir()):
-        return str(root)
-    return None
 
 
 def _executables(d: Path) -> set[str]:
@@ -675,11 +633,12 @@ def compile_cache(profile: Profile, env: dict[str, str]) -> CompileCache:
     return cc
 
 
-def run_dir(output_dir: str, deep: bool = False) -> RunDir:
-    """The run dir and its finished checkpoints, judged by dflash.rundir's rules (the ones `--resume` applies).
+def run_dir(output_dir: str, deep: bool = False, config: RunConfig | None = None) -> RunDir:
+    """The run dir and its finished checkpoints, judged by dflash.runs.rundir's rules (the ones `--resume` applies).
 
     Every checkpoint's files are checked against the sizes meta.json recorded; with ``deep`` (--verify-data)
-    also their sha256, newest first until one verifies (the one `--resume latest` would load).
+    also their sha256, newest first until one verifies (the one `--resume latest` would load). With the run's
+    config, also how resuming that checkpoint changes the lr schedule: the trainer's own rule, asked here.
     """
     path = Path(output_dir)
     problem = rundir.write_problem(path)
@@ -698,6 +657,9 @@ def run_dir(output_dir: str, deep: bool = False) -> RunDir:
                     break
     if rd.checkpoints:
         rd.checkpoints[-1].size_bytes = _dir_size(Path(rd.checkpoints[-1].path))
+    usable = [c for c in rd.checkpoints if c.meta is not None and not c.error]
+    if config is not None and usable:
+        rd.schedule_change = rundir.resume_schedule_change(usable[-1].path, config)
     return rd
 
 
@@ -709,12 +671,12 @@ def _list_lengths(column):
 
 
 def scan_shard(path: Path, limit: int, first_row: int, keep: int = 3) -> Shard:
-    """Rows, lengths, samples over `limit`, and the value ranges (dflash.data.value_stats) of one shard."""
+    """Rows, lengths, samples over `limit`, and the value ranges (dflash.data.identity.value_stats) of one shard."""
     import numpy as np
     import pyarrow as pa
     import pyarrow.ipc as ipc
 
-    from dflash.data import COLUMNS, value_stats
+    from dflash.data.identity import COLUMNS, value_stats
 
     shard = Shard(path.name, first_row=first_row, size_bytes=path.stat().st_size)
     try:
@@ -758,7 +720,7 @@ def scan_shard(path: Path, limit: int, first_row: int, keep: int = 3) -> Shard:
 def dataset(cfg: RunConfig, deep: bool = False) -> Dataset:
     """The shards of data.path (the trainer's rule for which files are shards), their manifest, the run's target
     fingerprint to compare it with, and with ``deep`` (--verify-data) every shard's sha256."""
-    from dflash.data import read_manifest, shard_files, target_fingerprint
+    from dflash.data.identity import read_manifest, shard_files, target_fingerprint
     from dflash.filehash import sha256_files
 
     limit = cfg.data.token_budget if cfg.data.max_length is None else min(cfg.data.token_budget, cfg.data.max_length)
@@ -883,7 +845,8 @@ def gather(
         ctx.compile_cache = compile_cache(ctx.profile, env)
     if config is not None:
         ctx.target_shape, ctx.target_error = target_shape(config)
-        ctx.run_dir = run_dir(config.output_dir, deep=verify_data and resume_intent == "resume")
+        resuming = resume_intent == "resume"
+        ctx.run_dir = run_dir(config.output_dir, deep=verify_data and resuming, config=config if resuming else None)
         ctx.dataset = dataset(config, deep=verify_data)
         ctx.disk = disk(config.output_dir)
     ctx.host = host_info(ctx.gpus, root)

@@ -8,8 +8,9 @@
 
 Runs the same checks as ``dflash-preflight`` (no torch import, no CUDA context: NVML only).
 Modules under ``dflash/`` import nothing else from ``preflight``: the profile facts the trainer
-needs come from the small functions below (`profile_env`, `apply_profile_env`,
-`compile_cache_dir`, `provenance`, `repo_root`), so preflight's internals can change freely.
+needs come from the small functions below (`apply_profile_env`, `provenance`, `repo_root`) and from
+``preflight.profiles`` (`compile_cache_dir`), so preflight's internals can change freely. Only the command modules
+(``dflash/commands/``) import preflight at all.
 """
 
 from __future__ import annotations
@@ -25,11 +26,11 @@ from pathlib import Path
 
 from dflash.config import RunConfig, config_sha256
 from dflash.errors import UsageError
-from dflash.rundir import PREFLIGHT_NAME
+from dflash.runs.rundir import PREFLIGHT_NAME
 from preflight.checks import CHECK_IDS, run_checks
 from preflight.facts import Context, gather, git_commit
 from preflight.nvml import GpuInfo, NvmlGpuInfo
-from preflight.profiles import REPO_ROOT, ProfileError, load_profile, lock_path
+from preflight.profiles import REPO_ROOT, ProfileError, compile_cache_dir, lock_path, profile_env
 from preflight.report import Report, apply_waivers
 
 REPORT_NAME = PREFLIGHT_NAME
@@ -47,9 +48,6 @@ def repo_root() -> Path:
     return REPO_ROOT
 
 
-def profile_env(name: str) -> dict[str, str]:
-    """The environment variables profile `name` requires (envs/<name>.toml `env`). Raises ProfileError."""
-    return dict(load_profile(name).env)
 
 
 def apply_profile_env(name: str, log=print) -> dict[str, str]:
@@ -72,9 +70,6 @@ def apply_profile_env(name: str, log=print) -> dict[str, str]:
     return applied
 
 
-def compile_cache_dir(name: str) -> Path:
-    """The inductor cache dir of profile `name` (``~`` expanded). Raises ProfileError."""
-    return load_profile(name).compile_cache_path
 
 
 def provenance(name: str) -> dict:
@@ -185,8 +180,8 @@ def write_report(cfg: RunConfig, report: Report, ranks: list[dict] | None = None
 def write_snapshot(cfg: RunConfig, report: Report, facts: Context) -> list[str]:
     """``<output_dir>/snapshot.json`` of a run the gate let start (after `write_report` stamped it): what
     `dflash-diff` compares. Returns a note when it could not be written; a run never stops for its snapshot."""
-    from dflash.snapshot import SNAPSHOT_NAME
-    from dflash.snapshot import write_snapshot as write
+    from dflash.runs.records import SNAPSHOT_NAME
+    from dflash.runs.records import write_snapshot as write
     from preflight.snapshot import stamp, take
 
     try:

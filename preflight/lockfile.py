@@ -1,7 +1,7 @@
 """The committed, host-free profile locks (requirements format with hashes): parse, judge, export.
 
 `judge_lock` and `check_all` decide what is wrong with a lock; `write_locks` regenerates them
-with uv. The `dflash-lock` command (``preflight.lock_cli``) only formats what these return, and
+with uv. The `dflash-lock` command (``dflash.commands.lock``) only formats what these return, and
 preflight's `profile` check calls `judge_lock` directly.
 """
 

@@ -82,3 +82,13 @@ def load_profile(name: str, envs_dir: Path = ENVS_DIR) -> Profile:
 
 def lock_path(name: str, envs_dir: Path = ENVS_DIR) -> Path:
     return envs_dir / f"{name}.lock"
+
+
+def profile_env(name: str) -> dict[str, str]:
+    """The environment variables profile `name` requires (envs/<name>.toml `env`). Raises ProfileError."""
+    return dict(load_profile(name).env)
+
+
+def compile_cache_dir(name: str) -> Path:
+    """The inductor cache dir of profile `name` (``~`` expanded). Raises ProfileError."""
+    return load_profile(name).compile_cache_path

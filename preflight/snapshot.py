@@ -1,11 +1,11 @@
 """A run's snapshot, filled from the facts preflight gathered: everything that can move speed or memory.
 
     from preflight.snapshot import take, here
-    snap = take(ctx, report)            # the gate: facts of this launch (dflash.snapshot.write_snapshot stores it)
+    snap = take(ctx, report)            # the gate: facts of this launch (dflash.runs.records.write_snapshot stores it)
     now = here(snap)                    # dflash-diff --here: this machine now, for the run that snapshot started
 
 No I/O of its own beyond what `preflight.facts.gather` already did (`here` gathers again), no torch,
-no CUDA context. The file's layout is `dflash.snapshot`'s; this module only fills it.
+no CUDA context. The file's layout is `dflash.runs.records`'s; this module only fills it.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import hashlib
 import os
 from dataclasses import asdict
 
-from dflash.snapshot import FORMAT, now_utc
+from dflash.runs.records import FORMAT, now_utc
 from preflight.facts import Context
 
 # Environment variables that change what a run loads, how it allocates or how it talks to its peers.
@@ -67,9 +67,8 @@ def here(snap: dict, gpu_info=None) -> dict:
     """
     from dflash.config import config_from_dict
     from preflight.facts import gather
-    from preflight.gate import compile_cache_dir, profile_env
     from preflight.nvml import NvmlGpuInfo
-    from preflight.profiles import ProfileError
+    from preflight.profiles import ProfileError, compile_cache_dir, profile_env
 
     cfg = config_from_dict(snap["config"], source="the snapshot's config")
     environ = dict(os.environ)
@@ -199,7 +198,7 @@ def _memory(ctx: Context) -> dict:
     """The memory model's peak per role of this run, with the CUDA of the installed torch build (the one the run
     loads) and recompute = auto resolved as the trainer will, on the free memory of the role's GPU."""
     from dflash.errors import DflashError
-    from dflash.memory import choose_recompute, recompute_mode, role_need_bytes, roles, with_recompute
+    from dflash.memory.parts import choose_recompute, recompute_mode, role_need_bytes, roles, with_recompute
     from preflight.estimate import DEFAULT_CUDA
 
     cfg = ctx.config

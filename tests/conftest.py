@@ -10,14 +10,36 @@ included) and removed at its end; nothing is written into the repository or the 
 
 from __future__ import annotations
 
+import inspect
 import os
+import re
 import shutil
 import sys
 import tempfile
 
 import pytest
 
-_PYCACHE: str | None = None  # the bytecode folder this process made (removed at the end), if any
+# What starts another process. A test is marked e2e when its source, a helper of its module it calls or a fixture it
+# uses does this, so `pytest -m "not e2e"` is the inner loop (every in-process test, a fraction of the wall time).
+SPAWNS = re.compile(r"subprocess\.|Popen\(|torchrun|mp\.spawn|multiprocessing\.|train_cmd\(|train_main_here\(")
+
+
+def _source(obj) -> str:
+    try:
+        return inspect.getsource(obj)
+    except (OSError, TypeError):
+        return ""
+
+
+def _spawning_helpers(module) -> set[str]:
+    """Names of the module's functions (fixtures included) that start a process, directly or through each other."""
+    funcs = {n: _source(getattr(f, "__wrapped__", f)) for n, f in vars(module).items() if inspect.isfunction(f)}
+    found = {n for n, src in funcs.items() if SPAWNS.search(src)}
+    while True:
+        more = {n for n, src in funcs.items() if n not in found and any(re.search(rf"\b{h}\b", src) for h in found)}
+        if not more:
+            return found
+        found |= more
 
 
 def pytest_configure(config):
@@ -34,6 +56,20 @@ def pytest_configure(config):
     os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
 
 
+def pytest_collection_modifyitems(config, items):
+    helpers: dict = {}
+    for item in items:
+        module, fn = getattr(item, "module", None), getattr(item, "function", None)
+        if module is None or fn is None:
+            continue
+        if module not in helpers:
+            helpers[module] = _spawning_helpers(module)
+        source = _source(fn)
+        if SPAWNS.search(source) or helpers[module] & set(item.fixturenames) or \
+                any(re.search(rf"\b{h}\(", source) for h in helpers[module]):
+            item.add_marker(pytest.mark.e2e)
+
+
 def pytest_unconfigure(config):
     if _PYCACHE is not None:
         shutil.rmtree(_PYCACHE, ignore_errors=True)
@@ -42,8 +78,8 @@ def pytest_unconfigure(config):
 @pytest.fixture(scope="session")
 def tiny_target():
     """A frozen random Qwen3ForCausalLM: 6 layers, hidden 64, 4 heads / 2 kv heads, head_dim 16, vocab 256."""
-    from dflash.synthetic import random_target, target_config
-    from dflash.target import freeze
+    from dflash.data.synthetic import random_target, target_config
+    from dflash.models.target import freeze
 
     # initializer_range larger than HF's 0.02 so the random lm_head can express confident predictions.
     config = target_config("qwen3", vocab_size=256, num_hidden_layers=6, initializer_range=0.1)

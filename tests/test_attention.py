@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dflash.attention import attend, build_train_mask
+from dflash.models.attention import attend, build_train_mask
 
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 
@@ -132,7 +132,7 @@ def test_sliding_window_counts_back_from_each_query_position():
 
 
 def test_layer_masks_follow_the_layer_types():
-    from dflash.attention import build_layer_masks
+    from dflash.models.attention import build_layer_masks
 
     anchors, valid = torch.tensor([[6]]), torch.tensor([[True]])
     masks = build_layer_masks(anchors, valid, 12, 4, "cpu", "sdpa", ["sliding_attention", "full_attention"], 4)
@@ -144,7 +144,7 @@ def test_layer_masks_follow_the_layer_types():
 
 
 def _check_tiles(seed, seq_len, block_size, n_anchors, window):
-    from dflash.attention import FLEX_TILE, _tile_lists
+    from dflash.models.attention import FLEX_TILE, _tile_lists
 
     anchors, valid, context_valid = _tile_case(seed, seq_len, block_size, n_anchors)
     eff = torch.where(valid, anchors, torch.zeros_like(anchors))
@@ -179,7 +179,7 @@ def test_sliding_block_mask_tiles_cover_every_visible_pair_and_full_tiles_are_fu
 
 def test_sliding_tiles_still_use_full_tiles():
     """16 blocks anchored at 400..415, window 300: they all see 123..399, so context tile 1 (128..255) is full."""
-    from dflash.attention import _tile_lists
+    from dflash.models.attention import _tile_lists
 
     anchors = torch.arange(400, 416)[None]
     partial, full = _tile_lists(anchors, torch.ones(1, 512, dtype=torch.bool), 512, 8, window=300)
@@ -246,7 +246,7 @@ def test_compiled_flex_on_cuda_matches_sdpa_over_several_tiles(window):
     (0, 300, 16, 20, None), (2, 200, 4, 50, None), (4, 384, 8, 40, 128),
 ])
 def test_right_padded_rows_need_no_context_mask(seed, seq_len, block_size, n_anchors, window):
-    """dflash.loss passes no context mask: with right padding and valid anchors on real tokens (what collate and
+    """dflash.train.loss passes no context mask: with right padding and valid anchors on real tokens (what collate and
     sample_anchors give), the mask without it is the same, element by element, and flex's output too."""
     g = torch.Generator().manual_seed(seed)
     lengths = torch.tensor([seq_len, seq_len - 40, seq_len // 3])

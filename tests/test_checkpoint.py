@@ -13,16 +13,16 @@ import pickle
 import re
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from dflash import checkpoint as ckpt
-from dflash import rundir
-from dflash.train import run
-from trainkit import tiny_config, write_toml
+from dflash.runs import checkpoint as ckpt
+from dflash.runs import rundir
+from dflash.train.trainer import run
+from preflight import gate
+from trainkit import tiny_config, train_cmd, write_toml
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -34,13 +34,14 @@ def finished_run(tmp_path_factory):
     """A 2-step CPU run with checkpoints at steps 1 and 2: (config, raw config, run dir)."""
     root = tmp_path_factory.mktemp("ckpt")
     cfg, raw = tiny_config(root, max_steps=2, save_every=1, keep_last=2)
-    assert run(cfg, None, log=lambda *_: None, progress=False) == 0
+    # provenance as dflash-train hands it to the trainer (once, from preflight's gate)
+    assert run(cfg, None, log=lambda *_: None, progress=False, provenance=gate.provenance(cfg.profile)) == 0
     return cfg, raw, Path(cfg.output_dir)
 
 
 def test_a_checkpoint_holds_json_and_tensors_and_no_pickle(finished_run):
     cfg, _, out = finished_run
-    latest = ckpt.list_checkpoints(out)[-1]
+    latest = rundir.list_checkpoints(out)[-1]
     assert latest == rundir.checkpoint_path(out, 2)
     names = sorted(p.name for p in latest.iterdir())
     assert names == ["drafter", "meta.json", "optimizer.pt", "trainer_state.json", "trainer_state.safetensors"]
@@ -55,7 +56,7 @@ def test_a_checkpoint_holds_json_and_tensors_and_no_pickle(finished_run):
 
 def test_meta_records_size_and_sha256_of_every_other_file(finished_run):
     _, _, out = finished_run
-    latest = ckpt.list_checkpoints(out)[-1]
+    latest = rundir.list_checkpoints(out)[-1]
     files = rundir.read_meta(latest)[rundir.FILES_KEY]
     on_disk = sorted(p.relative_to(latest).as_posix() for p in latest.rglob("*") if p.is_file())
     assert sorted(files) == [f for f in on_disk if f != rundir.META_NAME]
@@ -96,11 +97,11 @@ def _make_legacy(folder: Path, marker: Path) -> None:
 def test_an_old_pickled_state_is_refused_and_never_unpickled(finished_run, tmp_path):
     _, _, out = finished_run
     copy = tmp_path / "step_00000002"
-    shutil.copytree(ckpt.list_checkpoints(out)[-1], copy)
+    shutil.copytree(rundir.list_checkpoints(out)[-1], copy)
     marker = tmp_path / "code-ran"
     _make_legacy(copy, marker)
     for load in (ckpt.load_trainer_state, lambda p: ckpt.load_checkpoint(p, None, None, "cpu")):
-        with pytest.raises(ckpt.CheckpointError, match=r"older dflash version .*start over with --fresh"):
+        with pytest.raises(rundir.CheckpointError, match=r"older dflash version .*start over with --fresh"):
             load(copy)
     assert not marker.exists()
 
@@ -108,9 +109,9 @@ def test_an_old_pickled_state_is_refused_and_never_unpickled(finished_run, tmp_p
 def test_missing_files_are_named_by_the_loader(finished_run, tmp_path):
     _, _, out = finished_run
     copy = tmp_path / "checkpoints" / "step_00000002"
-    shutil.copytree(ckpt.list_checkpoints(out)[-1], copy)
+    shutil.copytree(rundir.list_checkpoints(out)[-1], copy)
     (copy / rundir.STATE_TENSORS).unlink()
-    with pytest.raises(ckpt.CheckpointError, match=r"trainer_state.safetensors is missing .*--fresh"):
+    with pytest.raises(rundir.CheckpointError, match=r"trainer_state.safetensors is missing .*--fresh"):
         ckpt.load_trainer_state(copy)
 
 
@@ -168,9 +169,7 @@ def _damaged_copy(finished_run, tmp_path, case):
 
 
 def _train(config: Path, run_dir: Path, *extra: str) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "dflash.cli", "--config", str(config), "--output-dir", str(run_dir), "--no-progress",
-           "--waive", "model-source", "--reason", "tests run on a working tree", *extra]
-    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
+    return subprocess.run(train_cmd(config, "--output-dir", str(run_dir), *extra), cwd=REPO, capture_output=True, text=True)
 
 
 def _tree(run_dir: Path) -> list[str]:
@@ -234,7 +233,7 @@ def test_a_checkpoint_without_recorded_files_is_judged_by_its_loader(finished_ru
     del meta[rundir.FILES_KEY]
     (folder / rundir.META_NAME).write_text(json.dumps(meta))
     assert rundir.checkpoint_problem(folder, deep=True) is None
-    with pytest.raises(ckpt.CheckpointError, match=r"trainer_state.json is corrupt \(.+\); " + PREVIOUS):
+    with pytest.raises(rundir.CheckpointError, match=r"trainer_state.json is corrupt \(.+\); " + PREVIOUS):
         ckpt.load_trainer_state(folder)
 
 
@@ -245,9 +244,9 @@ def test_a_resume_that_changes_the_lr_schedule_is_refused_unless_allowed(finishe
     run_dir = tmp_path / "run"
     shutil.copytree(out, run_dir)
     same = config_from_dict(dict(raw, output_dir=str(run_dir)))
-    assert rundir.schedule_change(rundir.checkpoint_path(run_dir, 2), same) is None
+    assert rundir.resume_schedule_change(rundir.checkpoint_path(run_dir, 2), same) is None
     longer = config_from_dict(dict(raw, output_dir=str(run_dir), train=dict(raw["train"], max_steps=20, lr=0.02)))
-    assert rundir.schedule_change(rundir.checkpoint_path(run_dir, 2), longer) == \
+    assert rundir.resume_schedule_change(rundir.checkpoint_path(run_dir, 2), longer) == \
         "total steps 2 -> 20, train.lr 0.01 -> 0.02 (train.max_steps 2 -> 20)"
     before = _tree(run_dir)
     with pytest.raises(rundir.RunDirError, match=r"^--resume step_00000002 \(step 2\) would change the lr schedule: "
@@ -270,7 +269,7 @@ def test_a_resume_that_changes_the_lr_schedule_is_refused_unless_allowed(finishe
     state = json.loads((folder / rundir.STATE_JSON).read_text())
     state["sampler"]["batches_per_epoch"] = 6
     (folder / rundir.STATE_JSON).write_text(json.dumps(state))
-    assert rundir.schedule_change(folder, by_epochs) == "total steps 6 -> 9 (dataset 40 -> 64 samples)"
+    assert rundir.resume_schedule_change(folder, by_epochs) == "total steps 6 -> 9 (dataset 40 -> 64 samples)"
 
 
 def test_preflight_and_the_checkpoint_agree_on_the_dataset(finished_run):
@@ -278,7 +277,7 @@ def test_preflight_and_the_checkpoint_agree_on_the_dataset(finished_run):
     from preflight.gate import build_report
 
     cfg, _, out = finished_run
-    meta = rundir.read_meta(ckpt.list_checkpoints(out)[-1])
+    meta = rundir.read_meta(rundir.list_checkpoints(out)[-1])
     report = build_report(cfg.profile, cfg, resume_intent="resume")
     assert report.by_id("dataset").data["fingerprint"] == meta["dataset"]["fingerprint"]
     run_dir = report.by_id("run-dir")

@@ -9,16 +9,10 @@ import pyarrow as pa
 import pytest
 import torch
 
-from dflash.data import (
-    BucketBatchSampler,
-    DatasetError,
-    ShardDataset,
-    check_max_length,
-    collate,
-    shard_batches,
-    write_shard,
-    write_shard_arrays,
-)
+from dflash.data.batching import collate
+from dflash.data.buckets import BucketBatchSampler, shard_batches
+from dflash.data.identity import DatasetError
+from dflash.data.shards import ShardDataset, check_max_length, write_shard, write_shard_arrays
 
 
 def _rows(rng: np.random.Generator, n: int, lo: int = 1, hi: int = 60):
@@ -320,7 +314,7 @@ def test_collate_pads_right(dataset_dir):
 def test_prefetch_keeps_order_and_bounds_the_read_ahead():
     import time
 
-    from dflash.data import prefetch
+    from dflash.data.batching import prefetch
 
     produced = []
 
@@ -337,7 +331,7 @@ def test_prefetch_keeps_order_and_bounds_the_read_ahead():
 
 
 def test_prefetch_raises_the_producers_error_in_the_consumer():
-    from dflash.data import prefetch
+    from dflash.data.batching import prefetch
 
     def items():
         yield 1
@@ -353,7 +347,7 @@ def test_closing_a_prefetch_stops_its_thread():
     import threading
     import time
 
-    from dflash.data import prefetch
+    from dflash.data.batching import prefetch
 
     def forever():
         i = 0
@@ -375,7 +369,7 @@ def test_closing_a_prefetch_stops_its_thread():
 
 
 def test_value_stats_ranges_and_learnable_positions():
-    from dflash.data import ValueStats, value_stats
+    from dflash.data.identity import ValueStats, value_stats
 
     ids = pa.array([[5, 2, 9], [7], [1, 3], [], [4, 4, 4]], type=pa.list_(pa.int32()))
     mask = pa.array([[0, 1, 1], [1], [1, 1], [], [1, 0, 1]], type=pa.list_(pa.int8()))
@@ -391,7 +385,7 @@ def test_value_stats_ranges_and_learnable_positions():
 
 
 def test_compare_targets_fails_on_vocabulary_or_tokenizer_only():
-    from dflash.data import compare_targets
+    from dflash.data.identity import compare_targets
 
     qwen8b = {"vocab_size": 151_936, "model_type": "qwen3", "num_layers": 36, "hidden": 4096, "tokenizer_sha256": "a" * 64}
     assert compare_targets(qwen8b, dict(qwen8b)) == ([], [])
@@ -405,7 +399,7 @@ def test_compare_targets_fails_on_vocabulary_or_tokenizer_only():
 
 
 def test_tokenizer_sha256_covers_the_tokenizer_files(tmp_path):
-    from dflash.data import tokenizer_sha256
+    from dflash.data.identity import tokenizer_sha256
 
     assert tokenizer_sha256(tmp_path) is None
     (tmp_path / "tokenizer.json").write_text('{"model": 1}')

@@ -10,9 +10,9 @@ import json
 
 import pytest
 
-from dflash import demo
+from dflash.commands import demo
 from dflash.config import load_config
-from dflash.synthetic import word_text
+from dflash.data.synthetic import word_text
 from preflight.gate import GateResult
 from preflight.report import Report
 from trainkit import chat_target
@@ -60,8 +60,8 @@ def test_pipeline_on_a_tiny_target(tmp_path, monkeypatch, capsys):
 @pytest.mark.slow
 def test_smollm2_converts_and_answers():
     """The embedded target: GGUF -> HF folder (cached), and it knows its capitals."""
-    from dflash.eval import Decoder, load_eval_target
-    from dflash.prompts import chat_prompt_ids
+    from dflash.data.prompts import chat_prompt_ids
+    from dflash.eval.speculative import Decoder, load_eval_target
 
     model, tok = load_eval_target("smollm2", "cpu")
     ids = chat_prompt_ids(tok, "What is the capital of France?")

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from dflash.commands.env import main
 from preflight import envs
-from preflight.env_cli import main
 from preflight.envs import EnvError, env_drift, locate, run_command, run_environ, sync_command
 from preflight.profiles import ENVS_DIR
 
@@ -191,7 +191,7 @@ def test_sync_builds_the_standin_profile_from_its_lock_and_leaves_the_training_e
     other = fake_venv(tmp_path / "sglang-env", {})
     here = str(Path(sys.prefix) / "bin")  # the training env, which runs dflash-env here
     environ = dict(os.environ, PATH=os.pathsep.join([here, str(other / "bin"), os.environ.get("PATH", "")]))
-    p = subprocess.run([sys.executable, "-m", "preflight.env_cli", "--envs-dir", str(envs_dir), "run", "--profile",
+    p = subprocess.run([sys.executable, "-m", "dflash.commands.env", "--envs-dir", str(envs_dir), "run", "--profile",
                         "standin", "--", "python", "-c", probe], cwd=REPO, env=environ, capture_output=True, text=True,
                        timeout=60)
     assert p.returncode == 0, p.stderr
@@ -200,7 +200,7 @@ def test_sync_builds_the_standin_profile_from_its_lock_and_leaves_the_training_e
     path = path.split(os.pathsep)
     assert path[0] == str(env / "bin") and here not in path and str(other / "bin") not in path
     assert p.stderr == f"dflash-env: left out of PATH (other Python environments): {other / 'bin'}\n"
-    p = subprocess.run([sys.executable, "-m", "preflight.env_cli", "--envs-dir", str(envs_dir), "run", "--profile",
+    p = subprocess.run([sys.executable, "-m", "dflash.commands.env", "--envs-dir", str(envs_dir), "run", "--profile",
                         "standin", "--", "python", "-c", "raise SystemExit(7)"], cwd=REPO, capture_output=True, timeout=60)
     assert p.returncode == 7  # run is the command: its exit code, nothing added
 
@@ -223,7 +223,7 @@ def test_sync_builds_the_standin_profile_from_its_lock_and_leaves_the_training_e
 def test_not_found_command_exits_127_with_one_line(tmp_path):
     envs_dir = standin(tmp_path)
     fake_venv(tmp_path / ".venvs" / "standin", {})
-    p = subprocess.run([sys.executable, "-m", "preflight.env_cli", "--envs-dir", str(envs_dir), "run", "--profile",
+    p = subprocess.run([sys.executable, "-m", "dflash.commands.env", "--envs-dir", str(envs_dir), "run", "--profile",
                         "standin", "--", "no-such-command-xyz"], cwd=REPO, capture_output=True, text=True, timeout=60,
                        env=dict(os.environ, PATH="/nonexistent"))
     assert p.returncode == 127 and p.stdout == ""

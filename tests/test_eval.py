@@ -8,11 +8,13 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from dflash.cli import eval_command
-from dflash.eval import Decoder, EvalError, evaluate_drafters, find_drafter_folder, load_eval_target
-from dflash.model import DFlashDrafter, drafter_config_from_target
-from dflash.prompts import chat_prompt_ids
-from dflash.synthetic import word_text
+from dflash.commands.eval import eval_command
+from dflash.data.prompts import chat_prompt_ids
+from dflash.data.synthetic import word_text
+from dflash.eval.evaluate import find_drafter_folder
+from dflash.eval.results import EvalError
+from dflash.eval.speculative import Decoder, evaluate_drafters, load_eval_target
+from dflash.models.drafter import DFlashDrafter, drafter_config_from_target
 from trainkit import chat_target
 
 MASK_ID = 5  # "<mask>" in the tiny tokenizer
@@ -145,7 +147,8 @@ def test_a_tie_break_is_lossless_and_a_wrong_token_is_not(root, monkeypatch):
 
 
 def test_report_prints_ties_inside_a_lossless_verdict(capsys):
-    from dflash.eval import EvalReport, print_report
+    from dflash.eval.evaluate import print_report
+    from dflash.eval.results import EvalReport
 
     r = EvalReport("d", 4, 4, 8, verify_steps=3, new_tokens=8, histogram={1: 3}, ties=["prompt 2: diverged at ..."])
     print_report(r)

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from dflash.attention import build_layer_masks
-from dflash.model import DFlashDrafter, drafter_config_from_target
-from dflash.synthetic import WORD_TOKENIZER_IDS, hybrid_target_config, write_target
+from dflash.data.synthetic import WORD_TOKENIZER_IDS, hybrid_target_config, write_target
+from dflash.models.attention import build_layer_masks
+from dflash.models.drafter import DFlashDrafter, drafter_config_from_target
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from dflash.config import ConfigError, config_from_dict
-from dflash.fp8 import Fp8Linear, fp8_linear, fp8_problem
-from dflash.model import DFlashConfig, DFlashDrafter, _norm_mlp, _norm_mlp_keeping_matmuls
+from dflash.models.drafter import DFlashConfig, DFlashDrafter, _norm_mlp, _norm_mlp_keeping_matmuls
+from dflash.models.fp8 import Fp8Linear, fp8_linear, fp8_problem
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -69,7 +69,7 @@ def test_fp8_mlp_stays_close_to_bf16_through_the_drafter():
     drafter = _tiny_drafter()
     ctx = torch.randn(1, 12, 64, generator=torch.Generator().manual_seed(2))
     noise = torch.randn(1, 8, 64, generator=torch.Generator().manual_seed(3))
-    from dflash.attention import build_train_mask
+    from dflash.models.attention import build_train_mask
 
     mask = build_train_mask(torch.tensor([[5, 9]]), torch.tensor([[True, True]]), 12, 4, "cpu", "sdpa")
     pos_ctx, pos_q = torch.arange(12)[None], torch.tensor([[5, 6, 7, 8, 9, 10, 11, 12]])
@@ -110,7 +110,7 @@ def test_compiled_fp8_mlp_on_cuda_is_as_close_to_bf16_as_eager_fp8():
     so the two fp8 paths round a few elements differently). 250 rows: not a multiple of 16."""
     if fp8_problem("mlp", torch.device("cuda")):
         pytest.skip(fp8_problem("mlp", torch.device("cuda")))
-    from dflash.model import _compiled
+    from dflash.models.drafter import _compiled
 
     drafter = _tiny_drafter().cuda()
     layer = drafter.layers[0]
@@ -145,7 +145,7 @@ def test_row_scaled_fp8_mm_hands_torch_the_layouts_it_documents(monkeypatch):
     g = torch.Generator().manual_seed(4)
     a = torch.randn(40, 64, generator=g).to(torch.bfloat16)
     b = (torch.randn(24, 64, generator=g) * torch.linspace(0.01, 10, 24)[:, None]).to(torch.bfloat16)  # rows differ
-    from dflash.fp8 import fp8_mm
+    from dflash.models.fp8 import fp8_mm
 
     assert 0 < _rel(fp8_mm(a, b, per_row=True), a.float() @ b.float().t()) < 0.08
 

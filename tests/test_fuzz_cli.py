@@ -45,7 +45,7 @@ def with_line(raw: dict, section: str, line: str) -> str:
 
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
-    from dflash.train import run
+    from dflash.train.trainer import run
 
     root = tmp_path_factory.mktemp("fuzz")
     cfg, raw = tiny_config(root, max_steps=2, save_every=1)
@@ -140,23 +140,23 @@ def snapshot(root: Path) -> dict:
 
 def _main(prog: str):
     if prog == "dflash-train":
-        from dflash.cli import train_main as main
+        from dflash.commands.train import train_main as main
     elif prog == "dflash-data":
-        from dflash.cli import data_main as main
+        from dflash.commands.data import data_main as main
     elif prog == "dflash-eval":
-        from dflash.cli import eval_main as main
+        from dflash.commands.eval import eval_main as main
     elif prog == "dflash-report":
-        from dflash.cli import report_main as main
+        from dflash.commands.report import report_main as main
     elif prog == "dflash-preflight":
-        from preflight.cli import main
+        from dflash.commands.preflight import main
     elif prog == "dflash-estimate":
-        from preflight.estimate_cli import main
+        from dflash.commands.estimate import main
     elif prog == "dflash-lock":
-        from preflight.lock_cli import main
+        from dflash.commands.lock import main
     elif prog == "dflash-diff":
-        from preflight.diff_cli import main
+        from dflash.commands.diff import main
     else:
-        from dflash.split import main
+        from dflash.commands.torchrun import main
     return main
 
 
@@ -319,14 +319,14 @@ CASES = [
     ("dflash-diff", [f"{B}/snap-truncated", f"{R}/run"], "without its 'environment' section", 2, None),
     ("dflash-diff", ["--here", f"{B}/snap-old-config"], "its config does not validate in this version", 2, None),
     ("dflash-diff", [f"{R}/run", "--bogus"], "No such option '--bogus'", 2, None),
-    # ---- python -m dflash.split (a rank under torchrun)
-    ("dflash.split", ["--config", G], "run under torchrun", 2, None),
-    ("dflash.split", [], "give --config RUN.toml", 2, TORCHRUN),
-    ("dflash.split", ["--config", G, "--resume", "latest", "--fresh"], "exclude each other", 2, TORCHRUN),
-    ("dflash.split", ["--config", G, "--waive", "env-drift"], "give one --reason for each --waive", 2, TORCHRUN),
-    ("dflash.split", ["--config", f"{B}/not-utf8.toml"], "not UTF-8 text", 2, TORCHRUN),
-    ("dflash.split", ["--config", G, "--set", "train={lr=1}"], "a table would replace", 2, TORCHRUN),
-    ("dflash.split", ["--config", G], "topology.target_gpus / drafter_gpus are empty", 2, TORCHRUN),
+    # ---- python -m dflash.commands.torchrun (a rank under torchrun)
+    ("dflash.commands.torchrun", ["--config", G], "run under torchrun", 2, None),
+    ("dflash.commands.torchrun", [], "give --config RUN.toml", 2, TORCHRUN),
+    ("dflash.commands.torchrun", ["--config", G, "--resume", "latest", "--fresh"], "exclude each other", 2, TORCHRUN),
+    ("dflash.commands.torchrun", ["--config", G, "--waive", "env-drift"], "give one --reason for each --waive", 2, TORCHRUN),
+    ("dflash.commands.torchrun", ["--config", f"{B}/not-utf8.toml"], "not UTF-8 text", 2, TORCHRUN),
+    ("dflash.commands.torchrun", ["--config", G, "--set", "train={lr=1}"], "a table would replace", 2, TORCHRUN),
+    ("dflash.commands.torchrun", ["--config", G], "topology.target_gpus / drafter_gpus are empty", 2, TORCHRUN),
 ]
 
 
@@ -361,15 +361,15 @@ def test_there_are_enough_cases_for_every_command():
 
 
 @pytest.mark.parametrize("cmd, says", [
-    (["-m", "dflash.cli", "--config", "{root}/run.toml", "--set", "train.lr.x=1"], "train.lr is a value"),
-    (["-m", "dflash.cli", "--config", "{root}/run.toml", "--fresh", "--waive", "nosuch", "--reason", "x"], "unknown check id"),
-    (["-c", "from dflash.cli import data_main; data_main()", "prepare", "--device", "tpu", "--out", "{root}/new"],
+    (["-m", "dflash.commands.train", "--config", "{root}/run.toml", "--set", "train.lr.x=1"], "train.lr is a value"),
+    (["-m", "dflash.commands.train", "--config", "{root}/run.toml", "--fresh", "--waive", "nosuch", "--reason", "x"], "unknown check id"),
+    (["-c", "from dflash.commands.data import data_main; data_main()", "prepare", "--device", "tpu", "--out", "{root}/new"],
      "--device 'tpu'"),
-    (["-c", "from dflash.cli import eval_main; eval_main()", "--drafter", "{root}/bad/garbage-weights"],
+    (["-c", "from dflash.commands.eval import eval_main; eval_main()", "--drafter", "{root}/bad/garbage-weights"],
      "not a complete safetensors file"),
-    (["-m", "preflight.estimate_cli", "--config", "{root}/run.toml", "--gpu-memory", "99999999999999999999999999TiB"],
+    (["-m", "dflash.commands.estimate", "--config", "{root}/run.toml", "--gpu-memory", "99999999999999999999999999TiB"],
      "far above any GPU"),
-    (["-m", "preflight.diff_cli", "--here", "{root}/bad/snap-old-config"], "does not validate in this version"),
+    (["-m", "dflash.commands.diff", "--here", "{root}/bad/snap-old-config"], "does not validate in this version"),
 ])
 def test_usage_errors_are_decided_before_torch_is_imported(world, cmd, says):
     """In a fresh interpreter: the error line comes out and torch was never imported (seconds, not minutes)."""
@@ -398,7 +398,7 @@ def test_usage_errors_are_decided_before_torch_is_imported(world, cmd, says):
 def test_gate_refuses_a_config_that_does_not_fit_the_target(world, tmp_path, capsys, keep_environ, change, says):
     """Values that validate but cannot work with this target: the gate's `config` check refuses (exit 1) before a
     model loads; the run dir gets only its preflight report."""
-    from dflash.cli import train_main
+    from dflash.commands.train import train_main
 
     raw = tomllib.loads((world / "run.toml").read_text())
     raw["output_dir"] = str(tmp_path / "run")
@@ -418,9 +418,9 @@ def test_gate_refuses_a_config_that_does_not_fit_the_target(world, tmp_path, cap
 def test_lock_and_profile_files_that_are_not_utf8_are_findings_not_tracebacks(world, capsys):
     """A lock or profile manifest with stray bytes: `dflash-lock check` lists the problem (exit 1), and preflight's
     `profile` check fails instead of crashing the gather."""
+    from dflash.commands.lock import main
     from preflight.checks import check_profile
     from preflight.facts import gather
-    from preflight.lock_cli import main
 
     for envs, says in [("envs-not-utf8", "train-cu128: "), ("envs-profile-not-utf8", "train-cu128.toml: not UTF-8 text")]:
         with pytest.raises(SystemExit) as e:

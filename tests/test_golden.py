@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from dflash.train import run
+from dflash.train.trainer import run
 from trainkit import tiny_config
 
 GOLDEN = Path(__file__).parent / "data" / "golden_tiny_loss.json"

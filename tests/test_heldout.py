@@ -14,17 +14,20 @@ import numpy as np
 import pytest
 import torch
 
-from dflash import checkpoint as ckpt
-from dflash import rundir
 from dflash.config import ConfigError, config_from_dict
-from dflash.data import BucketBatchSampler, ShardDataset, collate
-from dflash.heldout import BATCH_INDEX_OFFSET, prompt_of
-from dflash.loss import block_inputs, read_metrics, sample_anchors, slot_weights, train_step_math
-from dflash.model import DFlashDrafter
-from dflash.speculative import Decoder
-from dflash.step import anchor_generator, schedule
-from dflash.target import load_target
-from dflash.train import Trainer, run
+from dflash.data.batching import collate
+from dflash.data.buckets import BucketBatchSampler
+from dflash.data.plan import schedule
+from dflash.data.shards import ShardDataset
+from dflash.eval.speculative import Decoder
+from dflash.models.drafter import DFlashDrafter
+from dflash.models.target import load_target
+from dflash.runs import checkpoint as ckpt
+from dflash.runs import rundir
+from dflash.train.heldout import BATCH_INDEX_OFFSET, prompt_of
+from dflash.train.loss import block_inputs, read_metrics, sample_anchors, slot_weights, train_step_math
+from dflash.train.step import anchor_generator
+from dflash.train.trainer import Trainer, run
 from trainkit import tiny_config
 
 REPO = Path(__file__).resolve().parent.parent
@@ -52,7 +55,7 @@ def test_heldout_numbers_equal_a_separate_eval_of_the_same_checkpoint(evaluated)
     out = Path(cfg.output_dir)
     last = [r for r in rows(out) if "heldout_accept_len" in r][-1]
     assert last["step"] == 12 and [r["step"] for r in rows(out) if "heldout_loss" in r] == [4, 8, 12]
-    path = ckpt.list_checkpoints(out)[-1]
+    path = rundir.list_checkpoints(out)[-1]
     assert path.name == "step_00000012"
     assert json.loads((path / "meta.json").read_text())["heldout"]["heldout_accept_len"] == last["heldout_accept_len"]
 
@@ -110,7 +113,7 @@ def test_best_points_at_the_best_heldout_step_and_survives_keep_last(evaluated):
     best = rundir.best_checkpoint(out)
     assert best is not None and best.name == rundir.checkpoint_name(best_row["step"])
     assert os.readlink(out / "checkpoints" / "best") == best.name  # relative: the run dir can move
-    assert best in ckpt.list_checkpoints(out)  # keep_last = 1 kept it beside the last
+    assert best in rundir.list_checkpoints(out)  # keep_last = 1 kept it beside the last
     # eval.export = best: the exported drafter is best's weights (in bf16, as published drafters are)
     from safetensors.torch import load_file
 
@@ -135,7 +138,7 @@ def test_keep_last_never_prunes_best(tmp_path):
     rundir.set_best(out, first)
     for step in (2, 3, 4):
         ckpt.save_checkpoint(out, step, _Tiny(), opt, {"step": step}, cfg, {}, keep_last=1)
-    assert [p.name for p in ckpt.list_checkpoints(out)] == ["step_00000001", "step_00000004"]
+    assert [p.name for p in rundir.list_checkpoints(out)] == ["step_00000001", "step_00000004"]
     assert rundir.best_checkpoint(out) == first
 
 
@@ -146,7 +149,7 @@ def test_best_survives_kill_9_during_its_update(tmp_path):
         folder = rundir.checkpoint_path(out, step)
         folder.mkdir(parents=True)
         (folder / "meta.json").write_text("{}")
-    code = ("import sys; from dflash import rundir\n"
+    code = ("import sys; from dflash.runs import rundir\n"
             "rundir.set_best(sys.argv[1], 'step_00000001'); print('go', flush=True)\n"
             "while True:\n"
             "    for s in ('step_00000002', 'step_00000001'): rundir.set_best(sys.argv[1], s)\n")
@@ -178,7 +181,7 @@ def test_report_to_tensorboard_writes_readable_event_files(evaluated):
 
 
 def test_missing_tracker_package_is_exit_2_and_one_line(evaluated, tmp_path, capsys, monkeypatch):
-    from dflash.cli import train_main
+    from dflash.commands.train import train_main
 
     _, raw = evaluated
     config = tmp_path / "run.toml"
@@ -206,7 +209,7 @@ def test_init_from_loads_the_weights_and_refuses_another_shape(evaluated, tmp_pa
     for (name, a), (_, b) in zip(trainer.drafter.state_dict().items(), loaded.state_dict().items()):
         assert torch.equal(a, b), name
     other = dict(raw, drafter={"num_layers": 1, "block_size": 8})
-    from dflash.warmstart import InitFromError
+    from dflash.train.warmstart import InitFromError
 
     with pytest.raises(InitFromError, match=r"block_size 4 vs the run's 8") as e:
         Trainer.colocated(config_from_dict(other), log=lambda *_: None)

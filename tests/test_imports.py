@@ -1,8 +1,10 @@
 """The import rules that keep the layers apart, checked on the source (every import, lazy ones included).
 
-- The trainer (dflash/) reaches preflight only through its public gate, ``preflight.gate``.
-- Library modules never import a command module: commands format what libraries decide.
-- The on-disk contracts and the run config load without torch, so preflight stays light.
+- The folders are floors: a module imports only from a lower floor or from its own package (LAYERS), so the
+  package graph has no circle, and no module imports from a circle either (no module-level cycle).
+- Only the command modules (dflash/commands/) import preflight; the library hears of it from them.
+- The on-disk contracts, the plan and the memory model never import torch or transformers, not even lazily, so
+  preflight and the estimator stay light (TORCH_FREE, walked through every project module they reach).
 """
 
 from __future__ import annotations
@@ -17,11 +19,16 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 PACKAGES = ("dflash", "preflight")
-CLI_MODULES = {"dflash.cli", "preflight.cli", "preflight.estimate_cli", "preflight.lock_cli", "preflight.env_cli",
-               "preflight.diff_cli"}
-GATE = "preflight.gate"
-TORCH_FREE = ("dflash.rundir", "dflash.compile_manifest", "dflash.config", "dflash.errors", "dflash.data", "dflash.snapshot",
-              "preflight.diff")
+COMMANDS = "dflash.commands"
+# floor of each package: imports go to a lower floor (or stay inside the package)
+LAYERS = {"dflash.errors": 0, "dflash.filehash": 0, "dflash.config": 1, "dflash.models": 2, "dflash.memory": 3,
+          "dflash.data": 4, "dflash.runs": 5, "dflash.eval": 5, "dflash.train": 6, "preflight": 6,
+          "dflash.commands": 7, "dflash": 8}
+TORCH_FREE = ("dflash.config", "dflash.errors", "dflash.filehash", "dflash.runs.rundir", "dflash.runs.compile_manifest",
+              "dflash.runs.records", "dflash.data.identity", "dflash.data.shards", "dflash.data.buckets",
+              "dflash.data.plan", "dflash.memory.shape", "dflash.memory.parts", "dflash.memory.fit", "preflight.diff",
+              "preflight.gate", "preflight.checks", "preflight.facts", "dflash.eval.results")
+HEAVY = ("torch", "transformers", "triton")
 
 
 @cache
@@ -52,29 +59,97 @@ def imported(name: str, path: Path) -> set[str]:
     return out
 
 
+def package_of(module: str) -> str:
+    """The floor a module lives on: its LAYERS entry (the longest prefix that names one)."""
+    parts = module.split(".")
+    for n in range(len(parts), 0, -1):
+        if ".".join(parts[:n]) in LAYERS:
+            return ".".join(parts[:n])
+    raise AssertionError(f"{module}: on no floor; add its package to LAYERS")
+
+
+@cache
+def graph() -> dict[str, set[str]]:
+    """Project module -> the project modules it imports (lazy imports included, packages' __init__ left out)."""
+    known = modules()
+    return {name: {m for m in imported(name, path) if m in known and m != name and m not in PACKAGES
+                   and not known[m].name == "__init__.py"}
+            for name, path in known.items()}
+
+
 def test_the_walk_sees_lazy_and_package_imports(tmp_path):
     src = tmp_path / "m.py"
-    src.write_text("def f():\n    from preflight import gate, profiles\n    import dflash.cli\n")
-    assert {"preflight.gate", "preflight.profiles", "dflash.cli"} <= imported("dflash.m", src)
+    src.write_text("def f():\n    from preflight import gate, profiles\n    import dflash.commands.train\n")
+    assert {"preflight.gate", "preflight.profiles", "dflash.commands.train"} <= imported("dflash.m", src)
 
 
-def test_the_trainer_uses_only_the_public_gate_of_preflight():
-    bad = {name: sorted(m for m in imported(name, path) if m.split(".")[0] == "preflight" and m not in
-                        ("preflight", GATE))
-           for name, path in modules().items() if name.split(".")[0] == "dflash"}
-    bad = {k: v for k, v in bad.items() if v}
-    assert bad == {}, f"dflash modules importing preflight internals (use {GATE}): {bad}"
+def test_only_the_command_modules_import_preflight():
+    bad = {name: sorted(m for m in imported(name, path) if m.split(".")[0] == "preflight")
+           for name, path in modules().items() if name.split(".")[0] == "dflash" and not name.startswith(COMMANDS)}
+    assert {k: v for k, v in bad.items() if v} == {}, "only dflash/commands/ may import preflight"
 
 
-def test_no_library_module_imports_a_command_module():
-    bad = {name: sorted(imported(name, path) & CLI_MODULES)
-           for name, path in modules().items() if name not in CLI_MODULES}
-    bad = {k: v for k, v in bad.items() if v}
-    assert bad == {}, f"library modules importing command modules: {bad}"
+def test_every_import_goes_down_a_floor_or_stays_in_its_package():
+    bad = []
+    for name, targets in graph().items():
+        mine = package_of(name)
+        for t in targets:
+            theirs = package_of(t)
+            if theirs != mine and LAYERS[theirs] >= LAYERS[mine]:
+                bad.append(f"{name} -> {t} ({mine} floor {LAYERS[mine]} -> {theirs} floor {LAYERS[theirs]})")
+    assert bad == [], "imports that go up or sideways:\n" + "\n".join(sorted(bad))
+
+
+def test_no_import_circle_between_modules():
+    g = graph()
+    index, low, stack, on, circles = {}, {}, [], set(), []
+
+    def visit(v):  # Tarjan's strongly connected components
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in sorted(g[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                circles.append(sorted(comp))
+
+    for v in sorted(g):
+        if v not in index:
+            visit(v)
+    assert circles == [], f"import circles: {circles}"
+
+
+def reach(module: str) -> set[str]:
+    seen, todo = set(), [module]
+    while todo:
+        m = todo.pop()
+        if m not in seen:
+            seen.add(m)
+            todo.extend(graph()[m])
+    return seen
 
 
 @pytest.mark.parametrize("module", TORCH_FREE)
+def test_torch_free_modules_reach_no_torch_even_lazily(module):
+    bad = sorted(f"{m} imports {h}" for m in reach(module) for h in HEAVY
+                 if any(i == h or i.startswith(h + ".") for i in imported(m, modules()[m])))
+    assert bad == [], f"{module} reaches torch-class imports: {bad}"
+
+
+@pytest.mark.parametrize("module", ("dflash.runs.rundir", "dflash.data.plan", "dflash.memory.fit", "preflight.gate"))
 def test_contract_modules_load_without_torch(module):
-    code = f"import sys, {module}; bad = [m for m in ('torch', 'transformers') if m in sys.modules]; print(bad)"
+    code = f"import sys, {module}; bad = [m for m in {HEAVY!r} if m in sys.modules]; print(bad)"
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", f"{module} imports {out.stdout.strip()}"

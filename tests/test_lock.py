@@ -108,7 +108,7 @@ def test_unhashed_pin_fails(tmp_path):
 
 def test_cli_exit_codes_and_json(tmp_path):
     bad = envs(tmp_path, CU128_LOCK + f"triton==3.6.0 \\\n    {H}\n")
-    cmd = [sys.executable, "-m", "preflight.lock_cli", "check", "--no-export", "--envs-dir", str(bad)]
+    cmd = [sys.executable, "-m", "dflash.commands.lock", "check", "--no-export", "--envs-dir", str(bad)]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     assert proc.returncode == 1
     assert proc.stdout.strip().splitlines() == ["train-cu128: duplicate: triton is pinned twice (lines 4 and 16)"]
@@ -122,11 +122,11 @@ def test_cli_exit_codes_and_json(tmp_path):
 
 def test_cli_errors_are_one_line(tmp_path):
     env = dict(os.environ, UV=str(tmp_path / "no-uv"))
-    proc = subprocess.run([sys.executable, "-m", "preflight.lock_cli", "write"], capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-m", "dflash.commands.lock", "write"], capture_output=True, text=True,
                           cwd=REPO_ROOT, env=env)
     assert proc.returncode == 1 and proc.stdout == ""
     assert proc.stderr.startswith("dflash-lock: error: cannot run uv (") and proc.stderr.count("\n") == 1
-    proc = subprocess.run([sys.executable, "-m", "preflight.lock_cli", "diff", "train-cu128", "nope"],
+    proc = subprocess.run([sys.executable, "-m", "dflash.commands.lock", "diff", "train-cu128", "nope"],
                           capture_output=True, text=True, cwd=REPO_ROOT)
     assert proc.returncode == 2 and proc.stderr.startswith("dflash-lock: error: unknown profile 'nope'")
 
@@ -153,7 +153,7 @@ def test_committed_locks_equal_fresh_export():
 
 
 def test_real_diff_command_shows_torch_first():
-    proc = subprocess.run([sys.executable, "-m", "preflight.lock_cli", "diff", "train-cu128", "infer-cu130"],
+    proc = subprocess.run([sys.executable, "-m", "dflash.commands.lock", "diff", "train-cu128", "infer-cu130"],
                           capture_output=True, text=True, cwd=REPO_ROOT)
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()

@@ -9,16 +9,8 @@ import torch
 import torch.nn.functional as F
 
 from dflash.config import config_from_dict
-from dflash.loss import (
-    block_inputs,
-    block_metrics,
-    dflash_loss,
-    read_metrics,
-    sample_anchors,
-    slot_weights,
-    train_step_math,
-)
-from dflash.model import DFlashDrafter, drafter_config_from_target
+from dflash.models.drafter import DFlashDrafter, drafter_config_from_target
+from dflash.train.loss import block_inputs, block_metrics, dflash_loss, read_metrics, sample_anchors, slot_weights, train_step_math
 
 
 def test_sample_anchors_are_eligible_sorted_and_padded():
@@ -162,7 +154,7 @@ def test_loss_falls_over_30_steps(tiny_target, kl_weight, ratio):
 
 
 def test_batch_anchor_cap_bounds_total_and_keeps_rows_sorted():
-    from dflash.loss import sample_anchors
+    from dflash.train.loss import sample_anchors
 
     mask = torch.ones(6, 40, dtype=torch.int8)
     mask[2, 20:] = 0
@@ -186,8 +178,9 @@ def test_host_counts_from_collate_give_the_same_anchors(tmp_path, batch_anchors)
     drawn after reading the counts back from the tensor (the step no longer waits for the GPU there)."""
     import numpy as np
 
-    from dflash.data import ShardDataset, collate, write_shard
-    from dflash.loss import sample_anchors
+    from dflash.data.batching import collate
+    from dflash.data.shards import ShardDataset, write_shard
+    from dflash.train.loss import sample_anchors
 
     rng = np.random.default_rng(0)
     lengths = [33, 7, 50, 2, 40]
@@ -203,7 +196,7 @@ def test_host_counts_from_collate_give_the_same_anchors(tmp_path, batch_anchors)
 
 
 def test_anchor_quotas_fill_short_rows_first_and_meet_the_budget():
-    from dflash.loss import anchor_quotas
+    from dflash.train.loss import anchor_quotas
 
     caps = torch.tensor([2, 100, 100, 7])
     assert anchor_quotas(caps, 50).tolist() == [2, 21, 20, 7]

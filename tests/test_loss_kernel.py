@@ -1,4 +1,4 @@
-"""The fused Triton loss kernel (dflash.loss_kernel) against the unfused CPU reference (dflash.loss._chunk_loss).
+"""The fused Triton loss kernel (dflash.train.loss_kernel) against the unfused CPU reference (dflash.train.loss._chunk_loss).
 
 The kernel runs on CUDA; here it runs under Triton's interpreter, which must be switched on before
 triton compiles anything, so the checks run in a child process with TRITON_INTERPRET=1.
@@ -18,8 +18,8 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def _case(dtype, kl_weight, chunk, block_v):
-    import dflash.loss_kernel as kernel
-    from dflash.loss import dflash_loss, read_metrics, slot_weights
+    import dflash.train.loss_kernel as kernel
+    from dflash.train.loss import dflash_loss, read_metrics, slot_weights
 
     kernel.BLOCK_V = block_v  # several loop iterations per row, the last one partial
     g = torch.Generator().manual_seed(3)
@@ -82,7 +82,7 @@ def test_fused_loss_kernel_equals_reference_under_triton_interpreter():
 @pytest.mark.parametrize("kl_weight", [0.0, 0.5])
 def test_fused_loss_on_cuda_matches_reference_at_a_real_vocabulary(kl_weight):
     """bf16 on the GPU, Qwen3's vocabulary (151936 = 37 loop iterations of 4096 + a partial one)."""
-    from dflash.loss import dflash_loss, read_metrics, slot_weights
+    from dflash.train.loss import dflash_loss, read_metrics, slot_weights
 
     g = torch.Generator().manual_seed(0)
     B, A, bs, H, V = 2, 16, 16, 512, 151936

@@ -10,25 +10,13 @@ from pathlib import Path
 
 import pytest
 
-from dflash.calibration import fit_calibration, prediction_errors
+from dflash.commands.estimate import main
 from dflash.config import ConfigError, config_from_dict, default_target_layer_ids, load_config
-from dflash.memory import (
-    Calibration,
-    GiB,
-    TargetShape,
-    choose_recompute,
-    drafter_params,
-    drafter_state_bytes,
-    estimate,
-    load_target_shape,
-    role_need_bytes,
-    role_parts,
-    with_recompute,
-    with_setting,
-    workload,
-)
+from dflash.memory.calibration import fit_calibration, prediction_errors
+from dflash.memory.fit import estimate, with_setting
+from dflash.memory.parts import Calibration, choose_recompute, role_need_bytes, role_parts, with_recompute, workload
+from dflash.memory.shape import GiB, TargetShape, drafter_params, drafter_state_bytes, load_target_shape
 from preflight.estimate import EstimateError, nvml_gpu_bytes, parse_size, run_estimate
-from preflight.estimate_cli import main
 from preflight.nvml import FakeGpuInfo
 
 REPO = Path(__file__).resolve().parent.parent
@@ -340,7 +328,7 @@ def test_parse_size_rejects(text):
 
 def test_cli_27b_prints_both_roles_and_limits():
     exe = Path(sys.executable).parent / "dflash-estimate"
-    cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "preflight.estimate_cli"]
+    cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "dflash.commands.estimate"]
     res = subprocess.run([*cmd, "--config", "configs/qwen3-27b-5t3d.toml", "--gpu-memory", "80GiB",
                           "--set", "train.recompute=off"], cwd=REPO, capture_output=True, text=True, timeout=60)
     out = res.stdout
@@ -415,7 +403,7 @@ def test_batch_anchors_caps_loss_tokens_and_pads_rows_to_the_largest_kept_count(
 
 
 def test_memory_model_and_calibration_import_no_torch():
-    code = ("import sys; import dflash.memory, dflash.calibration, dflash.smollm2, preflight.estimate_cli; "
+    code = ("import sys; import dflash.memory, dflash.memory.calibration, dflash.models.smollm2, dflash.commands.estimate; "
             "assert 'torch' not in sys.modules, sorted(m for m in sys.modules if m.startswith('torch'))")
     res = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert res.returncode == 0, res.stderr

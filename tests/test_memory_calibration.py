@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from dflash.calibration import current_measurements, fit_calibration, prediction_errors
-from dflash.memory import DEFAULT_CALIBRATION
+from dflash.memory.calibration import current_measurements, fit_calibration, prediction_errors
+from dflash.memory.parts import DEFAULT_CALIBRATION
 
 DATA = Path(__file__).resolve().parent / "data" / "memory_calibration.json"
 

@@ -7,10 +7,10 @@ import json
 import pytest
 import torch
 
-from dflash.attention import build_train_mask
-from dflash.loss import block_inputs
-from dflash.model import DFlashDrafter, default_target_layer_ids, drafter_config_from_target
-from dflash.target import load_target, target_embed_and_head, target_features, torch_dtype
+from dflash.models.attention import build_train_mask
+from dflash.models.drafter import DFlashDrafter, default_target_layer_ids, drafter_config_from_target
+from dflash.models.target import load_target, target_embed_and_head, target_features, torch_dtype
+from dflash.train.loss import block_inputs
 
 
 def test_default_target_layer_ids():
@@ -159,7 +159,7 @@ def test_torch_dtype_maps_every_config_dtype_and_names_the_allowed_ones():
 
 def _float64_drafter_and_grads():
     """A 2-layer float64 drafter and a function giving (output, parameter gradients) of one forward + backward."""
-    from dflash.attention import build_train_mask
+    from dflash.models.attention import build_train_mask
 
     torch.manual_seed(0)
     tcfg = {"hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
@@ -204,7 +204,7 @@ def test_recompute_gives_the_same_gradients_as_stored_activations(mode):
 @pytest.mark.parametrize("mode", ["off", "mlp", "layer"])
 def test_compiled_layers_give_the_eager_gradients(mode, monkeypatch):
     """train.compile: the compiled layer pieces (aot_eager here; inductor on CUDA) change speed, never the math."""
-    import dflash.model as model_mod
+    import dflash.models.drafter as model_mod
 
     monkeypatch.setattr(model_mod, "COMPILE_BACKEND", "aot_eager")
     monkeypatch.setattr(model_mod, "_compiled_fns", {})
@@ -251,7 +251,7 @@ def _shaped_inputs(S=30, seed=0):
 
 
 def _masks(drafter, anchors, valid, S, backend):
-    from dflash.attention import build_layer_masks
+    from dflash.models.attention import build_layer_masks
 
     c = drafter.config
     return build_layer_masks(anchors, valid, S, c.block_size, "cpu", backend, c.layer_types, c.sliding_window)
@@ -323,7 +323,7 @@ def test_sliding_drafter_save_load_round_trip(tmp_path):
 
 def test_run_config_drafter_fields_shape_the_drafter():
     from dflash.config import config_from_dict
-    from dflash.model import drafter_config_for_run
+    from dflash.models.drafter import drafter_config_for_run
 
     cfg = config_from_dict({"drafter": {"num_layers": 3, "block_size": 4, "num_attention_heads": 6, "num_key_value_heads": 3,
                                         "head_dim": 4, "intermediate_size": 40, "sliding_window": 8,

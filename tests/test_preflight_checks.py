@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from dflash.config import config_from_dict
-from dflash.data import ValueStats
+from dflash.data.identity import ValueStats
 from preflight import checks
 from preflight.checks import CHECK_IDS, NEEDS_CONFIG, run_checks
 from preflight.facts import (
@@ -416,7 +416,7 @@ def test_gpu_memory_fails_when_need_exceeds_free(tmp_path):
 
 
 def test_gpu_memory_colocated_gpu_0_needs_the_colocated_role(tmp_path):
-    from dflash.memory import role_need_bytes
+    from dflash.memory.parts import role_need_bytes
 
     ctx = make_ctx(tmp_path, config={"topology": {"target_gpus": [], "drafter_gpus": []}})
     r = checks.check_gpu_memory(ctx)
@@ -560,7 +560,7 @@ def test_run_dir_with_checkpoints_needs_intent(tmp_path):
 
 
 def test_run_dir_resume_refuses_a_checkpoint_the_trainer_would_refuse(tmp_path):
-    from dflash.rundir import LEGACY_REASON
+    from dflash.runs.rundir import LEGACY_REASON
 
     ctx = _with_checkpoint(make_ctx(tmp_path))
     ctx.run_dir.checkpoints = ctx.run_dir.checkpoints[1:]
@@ -593,14 +593,16 @@ def test_run_dir_resume_skips_damaged_newer_checkpoints_as_the_trainer_does(tmp_
 
 
 def test_run_dir_resume_that_changes_the_lr_schedule_warns(tmp_path):
-    """The incident's `--max-steps` on resume: lr fell 18x in 5 steps while preflight said "config compatible"."""
-    ctx = _with_checkpoint(make_ctx(tmp_path), config_over={"train.max_steps": 20_000, "train.lr": 3e-4})
+    """The incident's `--max-steps` on resume: lr fell 18x in 5 steps while preflight said "config compatible".
+    The change itself is the trainer's rule, gathered as a fact (test_schedule_rule.py checks they agree)."""
+    ctx = _with_checkpoint(make_ctx(tmp_path))
     ctx.resume_intent = "resume"
+    ctx.run_dir.schedule_change = "total steps 20,000 -> 1,200 (train.max_steps 20000 -> None)"
     r = checks.check_run_dir(ctx)
     assert r.status == "warn" and "compatible" not in r.summary
-    assert "the lr schedule changes (train.max_steps 20000 -> None, train.lr 0.0003 -> 0.0006): dflash-train refuses " \
-           "this resume without --allow-schedule-change" in r.summary
-    assert "--allow-schedule-change" in r.fix and r.data["schedule_changes"][0] == "train.max_steps 20000 -> None"
+    assert "the lr schedule changes (total steps 20,000 -> 1,200 (train.max_steps 20000 -> None)): dflash-train " \
+           "refuses this resume without --allow-schedule-change" in r.summary
+    assert "--allow-schedule-change" in r.fix and r.data["schedule_change"].startswith("total steps 20,000")
 
 
 def test_run_dir_resume_incompatible_fails(tmp_path):

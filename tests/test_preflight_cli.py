@@ -12,11 +12,11 @@ import pyarrow as pa
 import pyarrow.ipc as ipc
 import pytest
 
+from dflash.commands.preflight import main
 from dflash.config import config_from_dict
-from dflash.data import shard_records, target_fingerprint, write_manifest
-from dflash.rundir import CHECKPOINT_FILES, META_NAME
+from dflash.data.identity import shard_records, target_fingerprint, write_manifest
+from dflash.runs.rundir import CHECKPOINT_FILES, META_NAME
 from preflight.checks import CHECK_IDS, NEEDS_CONFIG
-from preflight.cli import main
 from preflight.gate import run_preflight
 from preflight.nvml import FakeGpuInfo
 from preflight.report import Report
@@ -261,7 +261,7 @@ def test_real_process_json_exit_code_and_never_imports_torch(tmp_path):
     """Runs the real command in a fresh interpreter: one JSON object, exact exit code, torch never imported."""
     code = ("import sys, runpy\n"
             "sys.argv = ['dflash-preflight', '--profile', 'train-cu128', '--json', '--nvml-fake', 'none']\n"
-            "try:\n    runpy.run_module('preflight.cli', run_name='__main__')\n"
+            "try:\n    runpy.run_module('dflash.commands.preflight', run_name='__main__')\n"
             "except SystemExit as e:\n    rc = e.code\n"
             "print('TORCH_IMPORTED' if 'torch' in sys.modules else 'NO_TORCH', file=sys.stderr)\n"
             "sys.exit(rc)\n")
@@ -274,7 +274,7 @@ def test_real_process_json_exit_code_and_never_imports_torch(tmp_path):
 
 
 def test_real_process_usage_error(tmp_path):
-    p = subprocess.run([sys.executable, "-m", "preflight.cli", "--profile", "nope"], cwd=REPO,
+    p = subprocess.run([sys.executable, "-m", "dflash.commands.preflight", "--profile", "nope"], cwd=REPO,
                        capture_output=True, text=True, timeout=60)
     assert p.returncode == 2 and p.stdout == ""
     assert p.stderr == "dflash-preflight: error: unknown profile 'nope' (known: infer-cu130, train-cu128)\n"

@@ -14,7 +14,7 @@ import pyarrow.ipc as ipc
 import pytest
 
 from dflash.config import config_from_dict
-from preflight import facts
+from preflight import facts, pyenv
 from preflight.nvml import FakeGpuInfo
 
 FIXTURE = Path(__file__).parent / "data" / "nvml_fake_8gpu.json"
@@ -48,12 +48,12 @@ def test_installed_distributions_finds_each_and_duplicates(tmp_path):
     _dist_info(a, "Flash-Attn", "2.8.3")
     _dist_info(a, "torch", "2.11.0+cu130")
     _dist_info(b, "torch", "2.10.0+cu128")
-    got = facts.installed_distributions([str(a), str(b), str(tmp_path / "missing")])
+    got = pyenv.installed_distributions([str(a), str(b), str(tmp_path / "missing")])
     assert got == {"flash-attn": ["2.8.3"], "torch": ["2.11.0+cu130", "2.10.0+cu128"]}
 
 
 def test_installed_distributions_matches_this_environment():
-    got = facts.installed_distributions()
+    got = pyenv.installed_distributions()
     assert "dflash" in got and "pydantic" in got and "torch" in got
 
 
@@ -158,9 +158,9 @@ def test_model_source_of_this_checkout_covers_all_of_dflash():
     src = facts.model_source()
     if src.mode != "git" or src.error:
         pytest.skip("not a git checkout")
-    assert set(src.files) >= {f"dflash/{p.name}" for p in (facts.REPO_ROOT / "dflash").glob("*.py")
-                              if f"dflash/{p.name}" not in src.states or src.states[f"dflash/{p.name}"] != "untracked"}
-    assert "dflash/train.py" in src.files and "dflash/data.py" in src.files
+    every = {p.relative_to(facts.REPO_ROOT).as_posix() for p in (facts.REPO_ROOT / "dflash").rglob("*.py")}
+    assert set(src.files) >= {f for f in every if src.states.get(f) != "untracked"}
+    assert "dflash/train/trainer.py" in src.files and "dflash/data/shards.py" in src.files
 
 
 @pytest.mark.skipif(shutil.which("git") is None, reason="git not installed")
@@ -263,8 +263,8 @@ def test_run_dir_lists_finished_checkpoints(tmp_path):
 
 
 def test_run_dir_flags_checkpoints_a_resume_would_refuse(tmp_path):
-    """Preflight judges checkpoint folders by dflash.rundir's rules, the ones `dflash-train --resume` applies."""
-    from dflash.rundir import CHECKPOINT_FILES, LEGACY_STATE, META_NAME
+    """Preflight judges checkpoint folders by dflash.runs.rundir's rules, the ones `dflash-train --resume` applies."""
+    from dflash.runs.rundir import CHECKPOINT_FILES, LEGACY_STATE, META_NAME
 
     run = tmp_path / "run"
     whole = _ckpt(run, 500, {"step": 500})
@@ -282,7 +282,7 @@ def test_run_dir_flags_checkpoints_a_resume_would_refuse(tmp_path):
 
 def _recorded_ckpt(run: Path, step: int) -> Path:
     """A checkpoint whose meta.json records its files' sizes and sha256, as save_checkpoint writes it."""
-    from dflash.rundir import CHECKPOINT_FILES, FILES_KEY, META_NAME, record_files
+    from dflash.runs.rundir import CHECKPOINT_FILES, FILES_KEY, META_NAME, record_files
 
     d = _ckpt(run, step, None)
     (d / "drafter.safetensors").unlink()
@@ -341,7 +341,7 @@ def test_dataset_counts_and_finds_samples_that_never_fit(tmp_path):
 
 
 def test_dataset_fingerprint_matches_the_trainer(tmp_path):
-    from dflash.data import ShardDataset
+    from dflash.data.shards import ShardDataset
 
     (tmp_path / "data").mkdir()
     _shard(tmp_path / "data" / "a.arrow", [10, 20])
@@ -350,7 +350,7 @@ def test_dataset_fingerprint_matches_the_trainer(tmp_path):
 
 
 def test_dataset_reads_values_manifest_target_and_with_verify_data_the_sha256(tmp_path):
-    from dflash.data import ValueStats, shard_records, target_fingerprint, write_manifest
+    from dflash.data.identity import ValueStats, shard_records, target_fingerprint, write_manifest
 
     (tmp_path / "data").mkdir()
     _shard(tmp_path / "data" / "a.arrow", [10, 1, 3])  # ids 0..n-1, loss_mask all 1
@@ -398,9 +398,8 @@ def test_compile_cache_reads_manifest(tmp_path, monkeypatch):
 
 
 def test_compile_manifest_written_by_the_trainer_is_read_by_preflight(tmp_path, monkeypatch):
-    from dflash.compile_manifest import MANIFEST_NAME, write_manifest
-    from preflight.gate import compile_cache_dir
-    from preflight.profiles import load_profile
+    from dflash.runs.compile_manifest import MANIFEST_NAME, write_manifest
+    from preflight.profiles import compile_cache_dir, load_profile
 
     monkeypatch.setenv("HOME", str(tmp_path))
     written = {"torch": "2.10.0+cu128", "triton": "3.6.0", "gpu_name": "NVIDIA H200", "compute_capability": "9.0",
@@ -430,7 +429,7 @@ def test_gather_builds_a_full_context(tmp_path, monkeypatch):
 
 
 def test_target_shape_is_read_by_the_memory_model_reader(tmp_path, monkeypatch):
-    from dflash.memory import load_target_shape
+    from dflash.memory.shape import load_target_shape
 
     monkeypatch.chdir(tmp_path)  # relative paths resolve as dflash-estimate resolves them
     shape, error = facts.target_shape(config_from_dict({"target": {"path": "configs/targets/qwen3-8b"}}))

@@ -10,11 +10,12 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from dflash import prepare as prep
-from dflash.cli import data_command
-from dflash.data import ShardDataset, target_fingerprint
-from dflash.prompts import HELD_OUT, is_held_out, load_prompts
-from dflash.synthetic import word_text, word_tokenizer
+from dflash.commands.data import data_command
+from dflash.data import prepare as prep
+from dflash.data.identity import target_fingerprint
+from dflash.data.prompts import HELD_OUT, is_held_out, load_prompts
+from dflash.data.shards import ShardDataset
+from dflash.data.synthetic import word_text, word_tokenizer
 from trainkit import chat_target
 
 N_PROMPTS = 10
@@ -219,7 +220,7 @@ def test_merge_refuses_inputs_built_for_different_targets(two_datasets, tmp_path
 
 
 def test_manifest_records_target_and_hashes_of_data_written_elsewhere(target, tmp_path):
-    from dflash.data import write_shard
+    from dflash.data.shards import write_shard
 
     data = tmp_path / "elsewhere"
     write_shard(data / "x.arrow", [[1, 2, 3], [4, 5]], [[0, 1, 1], [1, 1]])

@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from dflash.cli import report_main
+from dflash.commands.report import report_main
 from dflash.config import config_from_dict
-from dflash.report import PLOTS
-from dflash.train import run
+from dflash.runs.html_report import PLOTS
+from dflash.train.trainer import run
 from trainkit import tiny_config, write_toml
 
 REPO = Path(__file__).resolve().parent.parent
@@ -61,7 +61,7 @@ def test_report_of_a_finished_run(finished, capsys):
 def test_report_of_a_running_then_killed_run_and_two_runs_overlaid(finished, tmp_path, capsys):
     cfg, raw = tiny_config(tmp_path, max_steps=5000, save_every=5)
     config = write_toml(raw, tmp_path / "run.toml")
-    cmd = [sys.executable, "-m", "dflash.cli", "--config", str(config), "--no-progress", "--fresh",
+    cmd = [sys.executable, "-m", "dflash.commands.train", "--config", str(config), "--no-progress", "--fresh",
            "--waive", "model-source", "--reason", "tests run on a working tree"]
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     run_dir = Path(cfg.output_dir)

@@ -11,13 +11,12 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from dflash import rundir
-from trainkit import tiny_config, write_toml
+from dflash.runs import rundir
+from trainkit import tiny_config, train_cmd, write_toml
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -35,8 +34,7 @@ USERNS = _userns()
 
 def train(config: Path, *extra: str, confine: str | None = None, folder: Path | None = None):
     """dflash-train as a user runs it; confine="ro" mounts `folder` read-only, "full" puts a full tmpfs there."""
-    cmd = [sys.executable, "-m", "dflash.cli", "--config", str(config), "--no-progress",
-           "--waive", "model-source", "--reason", "tests run on a working tree", *extra]
+    cmd = train_cmd(config, *extra)
     if confine == "ro" and USERNS:
         setup = 'mount --bind "$0" "$0" && mount -o remount,ro,bind "$0" "$0"'
         cmd = ["unshare", "-rm", "sh", "-c", f'{setup} && shift && exec "$@"', str(folder), "--", *cmd]

@@ -12,7 +12,6 @@ of this tree) and the extra package (a .dist-info folder on sys.path, what an in
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -21,32 +20,19 @@ from pathlib import Path
 
 import pytest
 
-from dflash import snapshot
-from dflash.compile_manifest import write_manifest
-from dflash.synthetic import write_random_dataset
+from dflash.data.synthetic import write_random_dataset
+from dflash.runs import records as snapshot
+from dflash.runs.compile_manifest import write_manifest
 from preflight import facts, gate
 from trainkit import tiny_config, write_toml
+from trainkit import train_main_here as train
 
 REPO = Path(__file__).resolve().parent.parent
 WAIVE = ["--waive", "model-source", "--reason", "tests run on a working tree"]
 
 
-def train(config: Path, *args: str) -> int:
-    """dflash-train in this process (torch imported once); the profile variables it sets are undone after."""
-    from dflash.cli import train_main
-
-    environ = dict(os.environ)
-    try:
-        with pytest.raises(SystemExit) as e:
-            train_main(["--config", str(config), "--no-progress", *args])
-    finally:
-        os.environ.clear()
-        os.environ.update(environ)
-    return e.value.code
-
-
 def diff(*argv: str, capsys) -> tuple[int, list[str], str]:
-    from preflight.diff_cli import main
+    from dflash.commands.diff import main
 
     capsys.readouterr()
     with pytest.raises(SystemExit) as e:
@@ -57,8 +43,8 @@ def diff(*argv: str, capsys) -> tuple[int, list[str], str]:
 
 def source_checkout(root: Path) -> Path:
     """A git checkout holding the drafter's source as committed (what the model-source facts look at)."""
-    (root / "dflash").mkdir(parents=True)
-    shutil.copy(REPO / "dflash" / "model.py", root / "dflash" / "model.py")
+    (root / "dflash" / "models").mkdir(parents=True)
+    shutil.copy(REPO / "dflash" / "models" / "drafter.py", root / "dflash" / "models" / "drafter.py")
     git = ["git", "-C", str(root), "-c", "user.email=t@example.com", "-c", "user.name=t"]
     for args in (["init", "-q"], ["add", "-A"], ["commit", "-qm", "drafter source"]):
         subprocess.run(git + args, check=True, capture_output=True)
@@ -100,7 +86,7 @@ def runs(tmp_path_factory):
         configs["B"] = write_toml(b, root / "B.toml")
         with pytest.MonkeyPatch.context() as incident:
             shutil.rmtree(cache)  # "cleaned up"
-            model_py = src / "dflash" / "model.py"
+            model_py = src / "dflash" / "models" / "drafter.py"
             model_py.write_text(model_py.read_text() + "\nDEBUG_HACK = True  # left in by hand\n")
             site = root / "site"
             (site / "sglang-0.5.23.dist-info").mkdir(parents=True)
@@ -133,7 +119,7 @@ def test_every_run_dir_holds_a_small_sorted_snapshot_and_its_outcome(runs):
     assert outcome["peak"]["host_rss_bytes"] > 0 and outcome["last"]["loss"] > 0
     b = json.loads((runs["B"] / snapshot.SNAPSHOT_NAME).read_text())
     assert b["run"]["intent"] == "resume" and b["run"]["resume"] == {"step": 2, "checkpoint": "step_00000002"}
-    assert b["code"]["dirty"]["dflash/model.py"]["state"] == "modified"
+    assert b["code"]["dirty"]["dflash/models/drafter.py"]["state"] == "modified"
 
 
 def test_the_incident_diff_lists_every_change_movers_first(runs, capsys):
@@ -146,7 +132,7 @@ def test_the_incident_diff_lists_every_change_movers_first(runs, capsys):
         ("warm (300 kB; torch 2.10.0+cu128", "compile cache"),
         ("train.max_anchors 1024 -> 768", "config"),
         ("dataset sample length mean", "data"),
-        ("dflash/model.py: as committed -> modified (sha256 ", "code"),
+        ("dflash/models/drafter.py: as committed -> modified (sha256 ", "code"),
         ("fresh start -> resume from step 2 (step_00000002)", "run"),
     ]
     found = []
@@ -181,7 +167,7 @@ def test_json_has_the_same_findings(runs, capsys):
     data = json.loads("\n".join(lines))
     assert code == 1 and data["exit_code"] == 1 and data["counted"] == 7 and data["relevant"] == 5
     keys = [d["key"] for d in data["differences"] if d["counts"]]
-    assert keys[:2] == ["torch", "sglang"] and "train.max_anchors" in keys and "dflash/model.py" in keys
+    assert keys[:2] == ["torch", "sglang"] and "train.max_anchors" in keys and "dflash/models/drafter.py" in keys
     assert next(d for d in data["differences"] if d["key"] == "torch")["b"] == {"version": "2.11.0+cu130", "cuda": "13.0"}
 
 
@@ -258,7 +244,7 @@ def test_a_second_run_in_the_same_dir_keeps_the_first_snapshot(tmp_path, capsys)
     assert not (out / snapshot.OUTCOME_NAME).exists()
     snap, outcome, notes = snapshot.load(kept)
     assert snap["run"]["gate_id"] == "a" * 32 and outcome["gate_id"] == "a" * 32 and notes == []
-    from preflight.diff_cli import main
+    from dflash.commands.diff import main
 
     with pytest.raises(SystemExit) as e:  # the run dir alone: its previous run against it
         main([str(out)])
@@ -279,7 +265,7 @@ def test_a_dead_split_rank_is_named_in_the_outcome(tmp_path):
 
 
 def test_a_run_started_without_the_gate_has_an_outcome_but_no_snapshot(tmp_path):
-    from dflash.train import run
+    from dflash.train.trainer import run
 
     cfg, _ = tiny_config(tmp_path, max_steps=2)
     assert run(cfg, None, log=lambda *_: None, progress=False) == 0
@@ -292,7 +278,7 @@ def test_a_run_started_without_the_gate_has_an_outcome_but_no_snapshot(tmp_path)
 
 def test_diff_is_a_console_script():
     scripts = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]
-    assert scripts["dflash-diff"] == "preflight.diff_cli:main"
+    assert scripts["dflash-diff"] == "dflash.commands.diff:main"
 
 
 def test_the_outcome_keeps_each_run_gpus_peak_from_nvml(tmp_path, monkeypatch):

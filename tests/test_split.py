@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from dflash.split import cpu_threads_per_rank, physical_gpu, ranks_for, suggest_split
-from dflash.train import run
-from test_train import metrics, train_cmd, write_toml
-from trainkit import tiny_config
+from dflash.runs import rundir
+from dflash.train.split import cpu_threads_per_rank, physical_gpu, ranks_for, suggest_split
+from dflash.train.trainer import run
+from trainkit import metrics, tiny_config, train_cmd, write_toml
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -136,10 +136,9 @@ def test_killing_a_rank_ends_the_run_with_a_clear_message(tmp_path):
     for r in ranks:  # nobody left behind
         with pytest.raises(ProcessLookupError):
             os.kill(r["pid"], 0)
-    from dflash import checkpoint as ckpt
-    from dflash.model import DFlashDrafter
+    from dflash.models.drafter import DFlashDrafter
 
-    latest = ckpt.list_checkpoints(run_dir)[-1]
+    latest = rundir.list_checkpoints(run_dir)[-1]
     DFlashDrafter.from_pretrained(latest / "drafter")  # still loadable
     ended = json.loads((run_dir / "outcome.json").read_text())["ended"]  # what dflash-diff shows
     assert (ended["how"], ended["rank"], ended["role"], ended["detail"]) == ("crashed", target["rank"], "target",
@@ -175,16 +174,15 @@ def test_sigterm_to_every_process_stops_cleanly_with_a_checkpoint(tmp_path):
     for r in ranks:
         with pytest.raises(ProcessLookupError):
             os.kill(r["pid"], 0)
-    from dflash import checkpoint as ckpt
 
-    last = ckpt.list_checkpoints(run_dir)[-1]
+    last = rundir.list_checkpoints(run_dir)[-1]
     assert int(last.name.split("_")[1]) == metrics(run_dir)[-1]["step"]
     assert json.loads((run_dir / "outcome.json").read_text())["ended"]["how"] == "stopped"
 
 
 def torchrun_cmd(config: Path, *extra: str) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-            "-m", "dflash.split", "--config", str(config),
+            "-m", "dflash.commands.torchrun", "--config", str(config),
             "--waive", "model-source", "--reason", "tests run on a working tree", *extra]
 
 
@@ -238,7 +236,7 @@ def test_torchrun_trains_after_the_gate_passes(tmp_path):
 
 
 def test_a_worker_started_by_hand_refuses_without_this_runs_gate(tmp_path):
-    """`python -m dflash.split --config-json` is the launcher's internal path: without its gate id it refuses."""
+    """`python -m dflash.commands.torchrun --config-json` is the launcher's internal path: without its gate id it refuses."""
     cfg, raw = tiny_config(tmp_path, max_steps=2)
     from dflash.config import config_from_dict, dump_config
 
@@ -248,7 +246,7 @@ def test_a_worker_started_by_hand_refuses_without_this_runs_gate(tmp_path):
     path.write_text(dump_config(split_cfg))
     env = dict(os.environ, RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29555")
     env.pop("DFLASH_GATE_ID", None)
-    out = subprocess.run([sys.executable, "-m", "dflash.split", "--config-json", str(path)], cwd=REPO,
+    out = subprocess.run([sys.executable, "-m", "dflash.commands.torchrun", "--config-json", str(path)], cwd=REPO,
                          capture_output=True, text=True, env=env, timeout=120)
     assert out.returncode != 0
     assert "no passing preflight report of this run" in out.stderr and "Traceback" not in out.stderr

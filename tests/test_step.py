@@ -1,4 +1,4 @@
-"""The optimizer step (`dflash.step.clip_and_step`) and the drafter step's waits for the GPU."""
+"""The optimizer step (`dflash.train.step.clip_and_step`) and the drafter step's waits for the GPU."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from dflash.config import config_from_dict
-from dflash.step import build_optimizer, clip_and_step
+from dflash.train.step import build_optimizer, clip_and_step
 
 
 def _model_and_cfg(grad_clip: float):
@@ -73,10 +73,10 @@ def test_the_drafter_step_never_waits_for_the_gpu(tmp_path):
     """Anchors, masks, the compiled drafter forward, the loss, backward and the optimizer step are all queued
     without one wait for the GPU (torch's sync debug mode raises on any): the step's metrics are read once,
     after the update (`read_metrics`)."""
-    from dflash.data import to_device
-    from dflash.loss import read_metrics
-    from dflash.step import micro_step
-    from dflash.train import Trainer
+    from dflash.data.batching import to_device
+    from dflash.train.loss import read_metrics
+    from dflash.train.step import micro_step
+    from dflash.train.trainer import Trainer
     from trainkit import tiny_config
 
     cfg, _ = tiny_config(tmp_path, max_steps=10, compile=True, kl_weight=0.5)
@@ -108,13 +108,13 @@ def test_the_drafter_step_never_waits_for_the_gpu(tmp_path):
 
 def test_one_drafter_rank_trains_without_ddp(tmp_path):
     """A drafter group of one rank has nothing to reduce: no DDP wrapper and so no gradient buckets (the memory
-    model counts them only for several drafter ranks, `dflash.memory.ddp_drafters`)."""
+    model counts them only for several drafter ranks, `dflash.memory.parts.ddp_drafters`)."""
     import socket
 
     import torch.distributed as dist
 
-    from dflash.step import local_source
-    from dflash.train import Trainer
+    from dflash.train.step import local_source
+    from dflash.train.trainer import Trainer
     from trainkit import tiny_config
 
     cfg, _ = tiny_config(tmp_path, max_steps=1)
@@ -134,14 +134,14 @@ def test_one_drafter_rank_trains_without_ddp(tmp_path):
 def test_a_checkpoint_of_a_non_fused_adamw_resumes_fused(tmp_path):
     """CPU checkpoints written before AdamW was fused everywhere store fused=False in their param groups; loading
     one must leave the optimizer fused (clip_and_step's grad_scale / found_inf need it), and training goes on."""
-    from dflash import checkpoint as ckpt
-    from dflash.train import run
+    from dflash.runs import rundir
+    from dflash.train.trainer import run
     from trainkit import tiny_config
 
     cfg, _ = tiny_config(tmp_path, max_steps=2, save_every=2)
     assert run(cfg, None, log=lambda *_: None, progress=False) == 0
-    saved = ckpt.list_checkpoints(Path(cfg.output_dir))[-1]
-    opt_file = saved / ckpt.OPTIMIZER_NAME
+    saved = rundir.list_checkpoints(Path(cfg.output_dir))[-1]
+    opt_file = saved / rundir.OPTIMIZER_NAME
     state = torch.load(opt_file, weights_only=True)
     for group in state["param_groups"]:
         group["fused"] = False
@@ -150,4 +150,4 @@ def test_a_checkpoint_of_a_non_fused_adamw_resumes_fused(tmp_path):
     lines = []
     assert run(cfg, saved, log=lines.append, progress=False) == 0
     assert any(line.startswith(f"resumed from {saved}") for line in lines)
-    assert ckpt.list_checkpoints(Path(cfg.output_dir))[-1].name == "step_00000004"
+    assert rundir.list_checkpoints(Path(cfg.output_dir))[-1].name == "step_00000004"

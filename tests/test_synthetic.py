@@ -1,4 +1,4 @@
-"""dflash.synthetic: reproducible random targets and synthetic datasets of the asked shape."""
+"""dflash.data.synthetic: reproducible random targets and synthetic datasets of the asked shape."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from dflash.data import ShardDataset
-from dflash.synthetic import (
+from dflash.data.shards import ShardDataset
+from dflash.data.synthetic import (
     WORD_TOKENIZER_IDS,
     random_target,
     target_config,
@@ -20,7 +20,7 @@ from dflash.synthetic import (
     write_random_dataset,
     write_target,
 )
-from dflash.target import load_target
+from dflash.models.target import load_target
 
 
 def test_same_seed_same_weights_other_seed_other_weights(tmp_path):
@@ -86,7 +86,7 @@ def test_a_matching_folder_is_reused_a_changed_one_rewritten_a_foreign_one_refus
     assert ShardDataset(path).lengths.tolist() == [30] * 5
     (tmp_path / "mine").mkdir()
     (tmp_path / "mine" / "notes.txt").write_text("keep")
-    with pytest.raises(ValueError, match="not written by dflash.synthetic"):
+    with pytest.raises(ValueError, match="not written by dflash.data.synthetic"):
         write_pattern_dataset(tmp_path / "mine")
     assert (tmp_path / "mine" / "notes.txt").read_text() == "keep"
     assert np.all(ShardDataset(path).get(0)[0] < 49)

@@ -10,9 +10,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from dflash.memory import load_target_shape
-from dflash.synthetic import hybrid_target_config, random_target, write_target
-from dflash.target import (
+from dflash.data.synthetic import hybrid_target_config, random_target, write_target
+from dflash.memory.shape import load_target_shape
+from dflash.models.target import (
     bind_linear_attention,
     decoder_of,
     linear_attention_kernels,
@@ -233,11 +233,11 @@ import sys
 sys.path.insert(0, sys.argv[1])
 import triton_interpreter  # noqa: F401  (before fla)
 import torch
-import dflash.target
-from dflash.synthetic import hybrid_target_config, random_target
-from dflash.target import linear_attention_kernels, use_torch_linear_attention
+import dflash.models.target
+from dflash.data.synthetic import hybrid_target_config, random_target
+from dflash.models.target import linear_attention_kernels, use_torch_linear_attention
 
-dflash.target.linear_attention_path = lambda device_type, fla_installed: "fla"  # keep fla's kernels on the CPU
+dflash.models.target.linear_attention_path = lambda device_type, fla_installed: "fla"  # keep fla's kernels on the CPU
 model = random_target(hybrid_target_config(num_hidden_layers=4, vocab_size=256, initializer_range=0.1))
 layer = model.model.layers[0].linear_attn
 kernel = linear_attention_kernels(layer)["torch_chunk_gated_delta_rule"]
@@ -279,7 +279,7 @@ def test_memory_model_counts_hybrid_params_as_transformers_builds_them(config):
     """dflash.memory's TargetShape (torch-free) against the parameters of the model transformers builds (on meta)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from dflash.memory import TargetShape
+    from dflash.memory.shape import TargetShape
 
     raw = json.loads((Path(config) / "config.json").read_text()) if isinstance(config, str) else config
     hf = AutoConfig.from_pretrained(config) if isinstance(config, str) else AutoConfig.for_model(**raw)
@@ -293,7 +293,7 @@ def test_memory_model_counts_hybrid_params_as_transformers_builds_them(config):
 @pytest.mark.parametrize("kind", ["qwen3", "hybrid"])
 def test_target_step_needs_no_mask_for_right_padded_rows(tiny_target, hybrid_folders, kind):
     """target_step passes no attention mask: each row's real positions get the features of that row alone."""
-    from dflash.loss import target_step
+    from dflash.train.loss import target_step
 
     model = tiny_target if kind == "qwen3" else load_target(hybrid_folders["text"], "float32", "cpu")
     lengths = [12, 9, 5]

@@ -13,25 +13,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from dflash import checkpoint as ckpt
-from dflash.model import DFlashDrafter
-from dflash.step import cosine_lr
-from dflash.target import decoder_of
-from dflash.train import Trainer, run
-from trainkit import tiny_config, write_toml
+from dflash.data.plan import cosine_lr
+from dflash.models.drafter import DFlashDrafter
+from dflash.models.target import decoder_of
+from dflash.runs import rundir
+from dflash.train.trainer import Trainer, run
+from trainkit import metrics, tiny_config, train_cmd, write_toml
 
 REPO = Path(__file__).resolve().parent.parent
-
-
-def metrics(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
-
-
-def train_cmd(config: Path, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "dflash.cli", "--config", str(config), "--no-progress",
-            "--waive", "model-source", "--reason", "tests run on a working tree", *extra]
 
 
 def test_cosine_schedule_warms_up_then_decays():
@@ -81,8 +70,8 @@ def test_feature_cache_skips_the_target_once_every_sample_was_seen(tmp_path):
 
 def test_checkpoint_reloads_into_drafter_and_fresh_process(tmp_path):
     cfg, _ = tiny_config(tmp_path, max_steps=10)
-    run(cfg, None, log=lambda *_: None, progress=False)
-    latest = ckpt.list_checkpoints(cfg.output_dir)[-1]
+    run(cfg, None, log=lambda *_: None, progress=False, provenance={"lock_sha256": "ab" * 32, "git_commit": None})
+    latest = rundir.list_checkpoints(cfg.output_dir)[-1]
     assert latest.name == "step_00000010"
     meta = json.loads((latest / "meta.json").read_text())
     assert meta["step"] == 10 and meta["config"]["drafter"]["block_size"] == 4
@@ -94,7 +83,7 @@ def test_checkpoint_reloads_into_drafter_and_fresh_process(tmp_path):
         assert torch.equal(a, b.to(a.dtype)), name
     assert trainer.step == 10
     # in a fresh process
-    code = ("import sys,torch; from dflash.model import DFlashDrafter; "
+    code = ("import sys,torch; from dflash.models.drafter import DFlashDrafter; "
             "d=DFlashDrafter.from_pretrained(sys.argv[1]); "
             "print(sum(float(p.double().sum()) for p in d.parameters()))")
     out = subprocess.run([sys.executable, "-c", code, str(latest / "drafter")], capture_output=True, text=True,
@@ -115,12 +104,12 @@ def test_resume_after_kill_matches_uninterrupted(tmp_path):
                             stderr=subprocess.STDOUT, text=True)
     run_dir = Path(cfg.output_dir)
     deadline = time.time() + 120
-    while time.time() < deadline and not any(c.name == "step_00000010" for c in ckpt.list_checkpoints(run_dir)):
+    while time.time() < deadline and not any(c.name == "step_00000010" for c in rundir.list_checkpoints(run_dir)):
         assert proc.poll() is None, proc.stdout.read()
         time.sleep(0.05)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
-    saved = ckpt.list_checkpoints(run_dir)[-1]
+    saved = rundir.list_checkpoints(run_dir)[-1]
     step = int(saved.name.split("_")[1])
     assert 10 <= step < 20
     out = subprocess.run(train_cmd(config, "--resume", "latest"), cwd=REPO, capture_output=True, text=True)
@@ -152,7 +141,7 @@ def test_sigterm_finishes_step_checkpoints_and_exits_75(tmp_path):
     out, _ = proc.communicate(timeout=60)
     assert proc.returncode == 75, out
     assert "stopped by SIGTERM" in out and "--resume latest" in out
-    last = ckpt.list_checkpoints(cfg.output_dir)[-1]
+    last = rundir.list_checkpoints(cfg.output_dir)[-1]
     assert int(last.name.split("_")[1]) == metrics(Path(cfg.output_dir))[-1]["step"]
     marker = json.loads((Path(cfg.output_dir) / "stopped.json").read_text())
     assert marker["signal"] == "SIGTERM" and marker["checkpoint"] == str(last) and marker["exit_code"] == 75
@@ -166,7 +155,7 @@ def test_refuses_without_resume_or_fresh_when_checkpoints_exist(tmp_path):
     out = subprocess.run(train_cmd(config), cwd=REPO, capture_output=True, text=True)
     assert out.returncode == 2
     assert "step_00000002" in out.stderr and "--resume latest" in out.stderr and "--fresh" in out.stderr
-    assert [c.name for c in ckpt.list_checkpoints(cfg.output_dir)] == ["step_00000001", "step_00000002"]
+    assert [c.name for c in rundir.list_checkpoints(cfg.output_dir)] == ["step_00000001", "step_00000002"]
 
 
 def test_corrupt_shard_names_the_file(tmp_path):
@@ -183,8 +172,8 @@ def test_corrupt_shard_names_the_file(tmp_path):
 def test_resume_from_an_older_checkpoint_moves_newer_ones_aside(tmp_path):
     cfg, raw = tiny_config(tmp_path, max_steps=6, save_every=2, keep_last=3)
     run(cfg, None, log=lambda *_: None, progress=False)
-    (ckpt.checkpoints_dir(cfg.output_dir) / "step_00000004.bak").mkdir()  # an odd folder must not break saves
-    older = ckpt.checkpoints_dir(cfg.output_dir) / "step_00000002"
+    (rundir.checkpoints_dir(cfg.output_dir) / "step_00000004.bak").mkdir()  # an odd folder must not break saves
+    older = rundir.checkpoints_dir(cfg.output_dir) / "step_00000002"
     raw["train"]["max_steps"] = 3
     config = write_toml(raw, tmp_path / "run.toml")
     refused = subprocess.run(train_cmd(config, "--resume", str(older)), cwd=REPO, capture_output=True, text=True)
@@ -192,7 +181,7 @@ def test_resume_from_an_older_checkpoint_moves_newer_ones_aside(tmp_path):
     assert refused.stderr.strip() == ("dflash-train: error: --resume step_00000002 (step 2) would change the lr "
                                       "schedule: total steps 6 -> 3 (train.max_steps 6 -> 3); pass "
                                       "--allow-schedule-change to accept it, or restore the checkpoint's settings")
-    assert [c.name for c in ckpt.list_checkpoints(cfg.output_dir)] == ["step_00000002", "step_00000004",
+    assert [c.name for c in rundir.list_checkpoints(cfg.output_dir)] == ["step_00000002", "step_00000004",
                                                                        "step_00000006"]  # nothing moved
     out = subprocess.run(train_cmd(config, "--resume", str(older), "--allow-schedule-change"), cwd=REPO,
                          capture_output=True, text=True)
@@ -200,9 +189,9 @@ def test_resume_from_an_older_checkpoint_moves_newer_ones_aside(tmp_path):
     assert ("--allow-schedule-change: resuming step_00000002 (step 2) with a new lr schedule: total steps 6 -> 3 "
             "(train.max_steps 6 -> 3)") in out.stdout
     assert "2 newer checkpoint(s) moved to" in out.stdout
-    names = [c.name for c in ckpt.list_checkpoints(cfg.output_dir)]
+    names = [c.name for c in rundir.list_checkpoints(cfg.output_dir)]
     assert names == ["step_00000002", "step_00000003"]  # the resumed-from one is kept, latest is this run's
-    assert ckpt.resolve_resume(cfg.output_dir, "latest").name == "step_00000003"
+    assert rundir.resolve_resume(cfg.output_dir, "latest").name == "step_00000003"
 
 
 def test_dataset_too_small_for_one_step_is_a_clear_error(tmp_path):
@@ -253,7 +242,7 @@ def test_metrics_count_compiled_graphs(tmp_path):
 
 def _poison_loss_from(monkeypatch, first_bad_step: int) -> None:
     """micro_step returns a nan loss (and so nan gradients) from the given optimizer step on (one batch per step)."""
-    import dflash.train as train_mod
+    import dflash.train.trainer as train_mod
 
     real, calls = train_mod.micro_step, []
 
@@ -268,7 +257,7 @@ def _poison_loss_from(monkeypatch, first_bad_step: int) -> None:
 def test_non_finite_loss_stops_the_run_and_saves_nothing_from_it(tmp_path, monkeypatch, capsys):
     """A nan loss at step 5 (checkpoints every 2): exit 1 with one error line; step 4 stays the newest checkpoint,
     it is not pruned, no drafter/ export is written and no metrics row of the bad step."""
-    from dflash.cli import train_main
+    from dflash.commands.train import train_main
 
     cfg, raw = tiny_config(tmp_path, max_steps=10, save_every=2, keep_last=2)
     config = write_toml(raw, tmp_path / "run.toml")
@@ -285,7 +274,7 @@ def test_non_finite_loss_stops_the_run_and_saves_nothing_from_it(tmp_path, monke
     assert err[-1].startswith("dflash-train: error: step 5: loss nan, gradient norm nan: training diverged; nothing "
                               "was saved from it"), err[-1]
     out = Path(cfg.output_dir)
-    assert [c.name for c in ckpt.list_checkpoints(out)] == ["step_00000002", "step_00000004"]
+    assert [c.name for c in rundir.list_checkpoints(out)] == ["step_00000002", "step_00000004"]
     assert not (out / "drafter").exists()
     assert [r["step"] for r in metrics(out)] == [1, 2, 3, 4]
     good = DFlashDrafter.from_pretrained(out / "checkpoints" / "step_00000004" / "drafter")
@@ -295,14 +284,14 @@ def test_non_finite_loss_stops_the_run_and_saves_nothing_from_it(tmp_path, monke
 def test_non_finite_weights_are_never_saved(tmp_path):
     """weight_decay = inf (now refused by the config; forced here past validation): step 1's loss is finite but
     its update is not, and the save of step 1 refuses to write the non-finite weights."""
-    from dflash.train import NonFiniteError
+    from dflash.train.trainer import NonFiniteError
 
     cfg, _ = tiny_config(tmp_path, max_steps=3, save_every=1)
     cfg.train.__dict__["weight_decay"] = float("inf")  # bypass validate_assignment: what an older config could hold
     with pytest.raises(NonFiniteError, match=r"step 1: drafter weights are not finite .*earlier checkpoints are intact"):
         run(cfg, None, log=lambda *_: None, progress=False)
     out = Path(cfg.output_dir)
-    assert ckpt.list_checkpoints(out) == [] and not (out / "drafter").exists()
+    assert rundir.list_checkpoints(out) == [] and not (out / "drafter").exists()
 
 
 def test_warm_cache_of_a_cuda_config_without_a_gpu_fails_in_one_line(tmp_path):
@@ -328,7 +317,8 @@ def _flip_middle(file: Path, n: int = 64) -> None:
 @pytest.mark.parametrize("case", ["id >= vocab", "all-zero loss_mask", "1-token samples", "64 flipped bytes"])
 def test_data_the_run_cannot_learn_from_stops_at_the_gate(tmp_path, case):
     """Each passed preflight before, then crashed in step 1 or "trained" with exit 0; now the dataset check fails."""
-    from dflash.data import shard_records, target_fingerprint, write_manifest, write_shard
+    from dflash.data.identity import shard_records, target_fingerprint, write_manifest
+    from dflash.data.shards import write_shard
 
     cfg, raw = tiny_config(tmp_path, max_steps=2)
     data = Path(cfg.data.path)
@@ -369,7 +359,7 @@ def test_a_refused_fresh_start_moves_nothing(tmp_path):
     assert refused.returncode == 1 and "refusing to start" in refused.stderr, refused.stdout + refused.stderr
     after = sorted(str(p.relative_to(out)) for p in out.rglob("*"))
     assert [p for p in after if p not in before] == ["preflight.json"] or after == before
-    assert not list(out.glob("replaced-*")) and len(ckpt.list_checkpoints(out)) == 2
+    assert not list(out.glob("replaced-*")) and len(rundir.list_checkpoints(out)) == 2
 
 
 def test_compilation_happens_in_the_main_thread_only(tmp_path, monkeypatch):
@@ -378,7 +368,7 @@ def test_compilation_happens_in_the_main_thread_only(tmp_path, monkeypatch):
     run's length buckets are counted in metrics.jsonl."""
     import threading
 
-    import dflash.model as model_mod
+    import dflash.models.drafter as model_mod
 
     threads = []
 
@@ -393,7 +383,7 @@ def test_compilation_happens_in_the_main_thread_only(tmp_path, monkeypatch):
     torch._dynamo.reset()  # graphs other tests compiled for the same functions would add recompiles here
     set_compile = model_mod.DFlashDrafter.set_compile
     monkeypatch.setattr(model_mod.DFlashDrafter, "set_compile", lambda self, on: set_compile(self, True))  # CUDA-only
-    from dflash.train import compiled_graphs
+    from dflash.train.trainer import compiled_graphs
 
     cfg, _ = tiny_config(tmp_path, max_steps=8)
     before = compiled_graphs()  # a process-wide counter

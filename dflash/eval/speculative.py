@@ -1,0 +1,263 @@
+"""Greedy speculative decoding of a drafter against its target, checked lossless (the torch half of dflash-eval).
+
+Per prompt (batch 1), the target prefills the prompt and emits the first token. Then each
+verify step: the drafter drafts one block at anchor n = the position of the last token (slot 0
+= that token, slots 1..B-1 = the mask token, context = the target features of positions < n),
+the target runs once over [last token, draft_1..draft_{B-1}], and the leading drafted tokens
+equal to the target's own greedy tokens are accepted, plus the target's next token. The step's
+acceptance length is accepted + 1.
+
+The target keeps a KV cache (rolled back past the first rejected token), so a verify step costs
+one forward over B new tokens. The drafter recomputes its context projection over the whole
+prefix each step (it is 1-5 layers; cheap at these lengths).
+Target-only greedy decoding (the same cached forward, one token at a time) is the reference:
+the speculative output must equal it token for token, else the report says where and exit 1.
+``dflash.eval.evaluate`` checks the inputs without torch first and reports.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from dflash.data.prepare import eos_ids_of
+from dflash.data.prompts import chat_prompt_ids
+from dflash.eval.results import EvalError, EvalReport
+from dflash.models.attention import build_layer_masks
+from dflash.models.drafter import DFlashDrafter
+from dflash.models.target import target_embed_and_head
+
+
+def check_pair(target, drafter: DFlashDrafter) -> None:
+    t, d = target.config, drafter.config
+    layers = t.num_hidden_layers
+    problems = []
+    if d.vocab_size != t.vocab_size:
+        problems.append(f"vocab {d.vocab_size} vs the target's {t.vocab_size}")
+    if d.hidden_size != t.hidden_size:
+        problems.append(f"hidden {d.hidden_size} vs {t.hidden_size}")
+    if d.num_target_layers != layers or max(d.target_layer_ids) >= layers:
+        problems.append(f"trained on a {d.num_target_layers}-layer target, this one has {layers}")
+    if problems:
+        raise EvalError("the drafter does not belong to this target: " + "; ".join(problems))
+
+
+class Decoder:
+    """The target (with KV cache) and, optionally, a drafter; batch 1."""
+
+    def __init__(self, target, drafter: DFlashDrafter | None, eos_ids: list[int]):
+        self.target, self.drafter, self.eos_ids = target, drafter, set(eos_ids)
+        self.device = next(target.parameters()).device
+        self.embed_w, self.head_w = target_embed_and_head(target)
+        # Logits closer than this relative gap are a tie at the target's precision (one bf16 ulp: 2^-7 of the value).
+        self.tie_eps = torch.finfo(self.head_w.dtype).eps
+
+    def _forward(self, ids: list[int], cache, last_only: bool = False):
+        from_ids = torch.tensor([ids], device=self.device)
+        out = self.target(input_ids=from_ids, past_key_values=cache, use_cache=True,
+                          output_hidden_states=self.drafter is not None, logits_to_keep=1 if last_only else 0)
+        feats = None
+        if self.drafter is not None:
+            # feature of target layer l = hidden_states[l + 1], as in dflash.models.target.target_features
+            feats = torch.cat([out.hidden_states[i + 1][0] for i in self.drafter.config.target_layer_ids], dim=-1)
+        return out.logits[0].float(), feats
+
+    def _finished(self, tokens: list[int], max_new: int) -> bool:
+        return len(tokens) >= max_new or bool(self.eos_ids.intersection(tokens))
+
+    def _truncate(self, tokens: list[int], max_new: int) -> list[int]:
+        for i, t in enumerate(tokens):
+            if t in self.eos_ids:
+                return tokens[: i + 1][:max_new]
+        return tokens[:max_new]
+
+    @torch.no_grad()
+    def greedy(self, prompt: list[int], max_new: int) -> tuple[list[int], list[float]]:
+        """Target-only greedy tokens and the top-2 logit margin behind each (for mismatch reports)."""
+        from transformers import DynamicCache
+
+        cache = DynamicCache()
+        logits, _ = self._forward(prompt, cache, last_only=True)
+        tokens, margins = [], []
+        while True:
+            top = logits[-1].topk(2)
+            tokens.append(int(top.indices[0]))
+            margins.append(float(top.values[0] - top.values[1]))
+            if self._finished(tokens, max_new):
+                return tokens, margins
+            logits, _ = self._forward([tokens[-1]], cache, last_only=True)
+
+    @torch.no_grad()
+    def not_greedy_at(self, prompt: list[int], tokens: list[int]) -> int | None:
+        """The first index of tokens that is not a greedy choice of the target after prompt + tokens before it,
+        within one ulp of the top logit in the target's dtype (|top| x eps), or None: one forward over them all."""
+        ids = torch.tensor([prompt + tokens], device=self.device)
+        logits = self.target(input_ids=ids, use_cache=False).logits[0, len(prompt) - 1: len(prompt) - 1 + len(tokens)]
+        logits = logits.float()
+        top = logits.max(dim=-1).values
+        chosen = logits.gather(1, torch.tensor(tokens, device=self.device)[:, None])[:, 0]
+        bad = (chosen < top - top.abs() * self.tie_eps).nonzero()
+        return int(bad[0, 0]) if len(bad) else None
+
+    @torch.no_grad()
+    def draft(self, ctx_SF: torch.Tensor, last: int, block_size: int) -> list[int]:
+        """The drafter's tokens for slots 1..B-1 of a block anchored at n = len(ctx) (slot 0 = last)."""
+        d = self.drafter
+        n = ctx_SF.shape[0]
+        block = torch.full((1, block_size), d.config.mask_token_id, device=self.device)
+        block[0, 0] = last
+        noise_BQH = F.embedding(block, self.embed_w)
+        attn = build_layer_masks(torch.tensor([[n]]), torch.tensor([[True]]), n, block_size, self.device, "sdpa",
+                                 d.config.layer_types, d.config.sliding_window)
+        ctx_pos = torch.arange(n, device=self.device)[None]
+        q_pos = torch.arange(n, n + block_size, device=self.device)[None]
+        hidden_QH = d(ctx_SF[None], noise_BQH, ctx_pos, q_pos, attn)[0, 1:]
+        return (hidden_QH.to(self.head_w.dtype) @ self.head_w.T).argmax(dim=-1).tolist()
+
+    @torch.no_grad()
+    def speculative(self, prompt: list[int], max_new: int, block_size: int) -> tuple[list[int], list[int]]:
+        """Speculative greedy tokens and the acceptance length of every verify step."""
+        from transformers import DynamicCache
+
+        cache = DynamicCache()
+        logits, ctx_SF = self._forward(prompt, cache, last_only=True)
+        tokens = [int(logits[-1].argmax())]
+        accept = []
+        while not self._finished(tokens, max_new):
+            drafted = self.draft(ctx_SF, tokens[-1], block_size)
+            logits, feats = self._forward([tokens[-1], *drafted], cache)
+            greedy = logits.argmax(dim=-1).tolist()  # greedy[i]: the target's token after slot i
+            a = 0
+            while a < len(drafted) and drafted[a] == greedy[a]:
+                a += 1
+            accept.append(a + 1)
+            tokens += drafted[:a] + [greedy[a]]
+            ctx_SF = torch.cat([ctx_SF, feats[: a + 1]])  # positions n..n+a are now final
+            if block_size - 1 - a:
+                cache.crop(-(block_size - 1 - a))  # drop the rejected drafts' keys/values
+        return self._truncate(tokens, max_new), accept
+
+
+def first_difference(tokens: list[int], ref: list[int], margins: list[float]) -> str:
+    """Where speculative tokens first differ from target-only greedy ref, with greedy's top-2 margin there."""
+    k = next((j for j, (a, b) in enumerate(zip(tokens, ref)) if a != b), min(len(tokens), len(ref)))
+    if k >= min(len(tokens), len(ref)):
+        return f"lengths {len(tokens)} vs {len(ref)}"
+    return f"token {k}: speculative {tokens[k]} vs greedy {ref[k]} (greedy top-2 logit margin {margins[k]:.2e})"
+
+
+def check_output(dec: Decoder, prompt: list[int], tokens: list[int], ref: list[int], margins: list[float]
+                 ) -> tuple[str, str] | None:
+    """None when the speculative tokens equal target-only greedy's; else ("tie", where) when every one of them is
+    still a greedy choice of the target within one ulp of its top logit (a bf16 target on a GPU ties now and then,
+    and the batched verify pass breaks the tie the other way), or ("differs", where): a lossy decoder."""
+    if tokens == ref:
+        return None
+    where = first_difference(tokens, ref, margins)
+    bad = dec.not_greedy_at(prompt, tokens)
+    if bad is None:
+        return "tie", where
+    return "differs", where + f"; token {bad} is not a greedy choice of the target"
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def evaluate_drafters(target, tokenizer, drafters: dict[str, DFlashDrafter], prompts: list[str],
+                      block_size: int | None, max_new_tokens: int, log=print, progress: bool | None = None
+                      ) -> dict[str, EvalReport]:
+    """Reports per drafter on the same prompts; target-only greedy runs once and is the reference."""
+    import sys
+
+    from tqdm import tqdm
+
+    eos_ids = eos_ids_of(target, tokenizer)
+    prompt_ids = [chat_prompt_ids(tokenizer, p) for p in prompts]
+    device = next(target.parameters()).device
+    progress = sys.stderr.isatty() if progress is None else progress
+    base = Decoder(target, None, eos_ids)
+    base.greedy(prompt_ids[0], 4)  # warm-up: first calls allocate
+    reference, base_time = [], 0.0
+    for ids in tqdm(prompt_ids, desc="target-only greedy", unit="prompt", disable=not progress, dynamic_ncols=True):
+        _sync(device)
+        t0 = time.perf_counter()
+        reference.append(base.greedy(ids, max_new_tokens))
+        _sync(device)
+        base_time += time.perf_counter() - t0
+    ref_tokens = sum(len(t) for t, _ in reference)
+
+    reports = {}
+    for name, drafter in drafters.items():
+        check_pair(target, drafter)
+        bs = block_size or drafter.config.block_size
+        dec = Decoder(target, drafter, eos_ids)
+        report = EvalReport(name, len(prompts), bs, max_new_tokens)
+        accepts, spec_time = [], 0.0
+        for i, ids in enumerate(tqdm(prompt_ids, desc=f"speculative ({name})", unit="prompt",
+                                     disable=not progress, dynamic_ncols=True)):
+            _sync(device)
+            t0 = time.perf_counter()
+            tokens, acc = dec.speculative(ids, max_new_tokens, bs)
+            _sync(device)
+            spec_time += time.perf_counter() - t0
+            accepts += acc
+            ref, margins = reference[i]
+            found = check_output(dec, ids, tokens, ref, margins)
+            if found and found[0] == "tie":
+                report.ties.append(f"prompt {i}: differs from target-only greedy at {found[1]}, every token a greedy "
+                                   "choice within one ulp (a tie)")
+            elif found:
+                report.lossless = False
+                report.mismatches.append(f"prompt {i}: output differs from target-only greedy at {found[1]}")
+        report.verify_steps = len(accepts)
+        report.new_tokens = ref_tokens
+        report.mean_accept_len = round(sum(accepts) / max(1, len(accepts)), 3)
+        report.histogram = dict(sorted(Counter(accepts).items()))
+        report.spec_tok_s = round(ref_tokens / max(spec_time, 1e-9), 1)
+        report.target_tok_s = round(ref_tokens / max(base_time, 1e-9), 1)
+        report.speedup = round(report.spec_tok_s / max(report.target_tok_s, 1e-9), 2)
+        reports[name] = report
+    return reports
+
+
+def _short(e: BaseException, limit: int = 200) -> str:
+    text = " ".join(str(e).split()) or type(e).__name__
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def load_eval_target(target: str, device: str, log=print):
+    """(model, tokenizer) for 'smollm2' or an HF folder; float32 on CPU, bfloat16 on CUDA."""
+    from transformers import AutoTokenizer
+
+    from dflash.models.smollm2_convert import resolve_target
+    from dflash.models.target import load_target
+
+    path = resolve_target(target, log=log)
+    if not (path / "config.json").is_file():
+        raise EvalError(f"--target {target}: no config.json there (expected a Hugging Face model folder or 'smollm2')")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise EvalError(f"--device {device}: no CUDA device is visible; use --device cpu")
+    dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        if len(tokenizer) < 2:  # transformers builds an empty tokenizer when the folder has no tokenizer files
+            raise ValueError("its tokenizer has no vocabulary: tokenizer files missing")
+        return load_target(path, dtype, device), tokenizer
+    except (OSError, ValueError, KeyError, TypeError) as e:  # weights or tokenizer files missing or broken
+        raise EvalError(f"--target {target}: cannot load the model and its tokenizer ({_short(e)}); give a complete "
+                        "Hugging Face model folder (config.json, weights, tokenizer)") from None
+
+
+def load_drafter(folder: Path, device: str) -> DFlashDrafter:
+    """The drafter of a checked folder (dflash.eval.evaluate.check_drafter_files) in float32, in eval mode."""
+    try:
+        return DFlashDrafter.from_pretrained(folder, device=device, dtype=torch.float32).eval()
+    except (ValueError, KeyError, TypeError, RuntimeError) as e:  # fields missing, tensors of other shapes
+        raise EvalError(f"--drafter {folder}: not a drafter this version can load ({_short(e)}); use the drafter/ "
+                        "folder a run writes") from None

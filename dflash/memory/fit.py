@@ -1,0 +1,203 @@
+"""The fit search: which settings (token_budget, max_batch_size, max_anchors) fit a GPU of a given size, per role.
+
+    from dflash.memory.fit import estimate
+    estimate(load_config("configs/qwen3-27b-5t3d.toml"), "12.8", 95 * 2**30).limits   # largest settings that fit
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from typing import Callable, Literal
+
+from pydantic import BaseModel, Field
+
+from dflash.config import MAX_TOKENS, RunConfig
+from dflash.memory.parts import (
+    DEFAULT_CALIBRATION,
+    Calibration,
+    GpuRole,
+    Workload,
+    choose_recompute,
+    is_split,
+    role_parts,
+    roles,
+    with_recompute,
+    workload,
+)
+from dflash.memory.shape import GiB, MemoryModelError, TargetShape, load_target_shape
+
+# --------------------------------------------------------------------------- estimate + limits
+
+
+class Row(BaseModel):
+    component: str
+    bytes: int
+
+
+class RoleEstimate(BaseModel):
+    role: GpuRole
+    gpus: list[str] = Field(description="GPUs of this role (empty: the one co-located device)")
+    rows: list[Row]
+    total_bytes: int
+    gpu_bytes: int | None
+    headroom_bytes: int | None = Field(description="gpu_bytes - total_bytes; negative: does not fit")
+    fits: bool | None
+
+
+Setting = Literal["token_budget", "max_batch_size", "max_anchors"]
+LimitStatus = Literal["fits", "none_fit", "unbounded", "no_effect"]
+
+
+class Limit(BaseModel):
+    role: GpuRole
+    setting: Setting
+    configured: int
+    value: int | None = Field(description="largest value that fits, the others as configured")
+    status: LimitStatus
+    note: str
+
+
+class Estimate(BaseModel):
+    config: str = Field(description="run config the estimate is for")
+    target: str = Field(description="target architecture summary")
+    cuda: str
+    gpu_bytes: int | None
+    workload: Workload
+    assumption: str
+    roles: list[RoleEstimate]
+    limits: list[Limit]
+    calibration: dict
+
+
+_SETTINGS: dict[Setting, tuple[str, str]] = {
+    "token_budget": ("data", "token_budget"),
+    "max_batch_size": ("data", "max_batch_size"),
+    "max_anchors": ("train", "max_anchors"),
+}
+
+
+def with_setting(cfg: RunConfig, setting: Setting, value: int) -> RunConfig:
+    section, key = _SETTINGS[setting]
+    new = cfg.model_copy(deep=True)
+    setattr(getattr(new, section), key, value)
+    return new
+
+
+def largest_fitting(fits: Callable[[int], bool], lo: int, cap: int) -> tuple[int | None, bool]:
+    """Largest v in [lo, cap] with fits(v), for monotone fits; (None, _) if fits(lo) fails.
+
+    Returns (value, reached_cap). Doubling search, then bisection.
+    """
+    if not fits(lo):
+        return None, False
+    good = lo
+    while True:
+        probe = min(cap, max(good * 2, good + 1))
+        if probe == good:
+            return good, True
+        if not fits(probe):
+            bad = probe
+            break
+        good = probe
+    while bad - good > 1:
+        mid = (good + bad) // 2
+        if fits(mid):
+            good = mid
+        else:
+            bad = mid
+    return good, False
+
+
+def _limit(cfg: RunConfig, shape: TargetShape, role: GpuRole, setting: Setting, cuda: str, gpu: int, cal: Calibration) -> Limit:
+    section, key = _SETTINGS[setting]
+    configured = getattr(getattr(cfg, section), key)
+    if role == "target" and setting != "token_budget":
+        return Limit(role=role, setting=setting, configured=configured, value=None, status="no_effect",
+                     note="the target forward does not depend on it")
+
+    def fits(v: int) -> bool:
+        return sum(p.bytes for p in role_parts(cfg_for(v), shape, role, cuda, cal)) <= gpu
+
+    def cfg_for(v: int) -> RunConfig:
+        return with_setting(cfg, setting, v)
+
+    bs = cfg.drafter.block_size
+    if setting == "token_budget":
+        lo, cap = max(16, bs), MAX_TOKENS  # the run config refuses more
+    elif setting == "max_batch_size":
+        lo, cap = 1, max(1, cfg.data.token_budget // bs)
+    else:
+        lo, cap = 1, max(1, cfg.data.token_budget - 1)  # a row never has more eligible anchors
+    value, at_cap = largest_fitting(fits, lo, cap)
+    if value is None:
+        note = f"even {setting} = {lo} does not fit; lower another setting or use more GPU memory"
+        return Limit(role=role, setting=setting, configured=configured, value=None, status="none_fit", note=note)
+    if at_cap:
+        note = {
+            "max_batch_size": f"every value fits: a batch holds at most token_budget // block_size = {cap} sequences",
+            "max_anchors": f"every value fits: a row of token_budget tokens has at most {cap} eligible anchors",
+        }.get(setting, "fits at any value tried")
+        return Limit(role=role, setting=setting, configured=configured, value=value, status="unbounded", note=note)
+    verdict = "configured value fits" if configured <= value else "configured value does NOT fit"
+    return Limit(role=role, setting=setting, configured=configured, value=value, status="fits", note=verdict)
+
+
+def role_gpus(cfg: RunConfig, role: GpuRole) -> list[str]:
+    return {"target": cfg.topology.target_gpus, "drafter": cfg.topology.drafter_gpus}.get(role, [])
+
+
+def _resolve_auto(cfg: RunConfig, shape: TargetShape, cuda: str, gpu_bytes: int | None,
+                  cal: Calibration) -> tuple[RunConfig, str]:
+    """train.recompute = auto as the trainer resolves it on a GPU of gpu_bytes (off when no size is given)."""
+    if cfg.train.recompute != "auto":
+        return cfg, f"recompute {cfg.train.recompute}"
+    if gpu_bytes is None:
+        return with_recompute(cfg, "off"), "recompute auto -> off (give a GPU size to let it choose)"
+    role = "drafter" if is_split(cfg) else "colocated"
+    mode, _ = choose_recompute(cfg, role, cuda, gpu_bytes, cal, shape)
+    return with_recompute(cfg, mode), f"recompute auto -> {mode} (the fastest mode that fits {gpu_bytes / GiB:.1f} GiB)"
+
+
+def estimate(
+    cfg: RunConfig,
+    cuda: str,
+    gpu_bytes: int | None,
+    cal: Calibration = DEFAULT_CALIBRATION,
+    source: str = "",
+) -> Estimate:
+    """Per-role component table, totals, headroom and the largest settings that fit."""
+    if gpu_bytes is not None and gpu_bytes <= 0:
+        raise MemoryModelError(f"GPU memory must be positive, got {gpu_bytes} bytes")
+    cal.context_bytes(cuda)  # unknown CUDA major: fail before any work
+    shape = load_target_shape(cfg.target.path)
+    cfg, recompute_note = _resolve_auto(cfg, shape, cuda, gpu_bytes, cal)
+    w = workload(cfg)
+    role_list = roles(cfg)
+    out: list[RoleEstimate] = []
+    for role in role_list:
+        parts = role_parts(cfg, shape, role, cuda, cal)
+        total = sum(p.bytes for p in parts)
+        headroom = None if gpu_bytes is None else gpu_bytes - total
+        out.append(RoleEstimate(
+            role=role, gpus=role_gpus(cfg, role), rows=[Row(component=p.component, bytes=p.bytes) for p in parts],
+            total_bytes=total, gpu_bytes=gpu_bytes, headroom_bytes=headroom,
+            fits=None if headroom is None else headroom >= 0,
+        ))
+    limits = []
+    if gpu_bytes is not None:
+        for role in role_list:
+            for setting in _SETTINGS:
+                limits.append(_limit(cfg, shape, role, setting, cuda, gpu_bytes, cal))
+    target = (f"{shape.model_type or 'decoder'} {shape.num_layers} layers, hidden {shape.hidden}, "
+              f"intermediate {shape.intermediate}, {shape.heads}/{shape.kv_heads} heads x {shape.head_dim}, "
+              f"vocab {shape.vocab}{', tied' if shape.tied else ''}; {shape.params / 1e9:.2f} B params in {cfg.target.dtype}")
+    assumption = (
+        f"worst case: {w.sequences} sequences x {w.seq_len} tokens (padded) <= token_budget {w.tokens} "
+        f"(max_batch_size {cfg.data.max_batch_size}, sequences shorter than block {cfg.drafter.block_size} ignored); "
+        f"{w.anchors_per_seq} anchors (max_anchors {cfg.train.max_anchors}, at most seq_len - 1"
+        f"{f', batch_anchors {cfg.train.batch_anchors} over the batch, rows padded to the largest' if cfg.train.batch_anchors else ''}"
+        f") x block {cfg.drafter.block_size} = {w.queries_per_seq} queries per sequence, {w.queries} in the batch, "
+        f"{w.loss_tokens} through the lm_head; {recompute_note}"
+    )
+    return Estimate(config=source, target=target, cuda=cuda, gpu_bytes=gpu_bytes, workload=w, assumption=assumption,
+                    roles=out, limits=limits, calibration=asdict(cal))

@@ -1,0 +1,236 @@
+"""The frozen target: loading it, and pulling out only the hidden states the drafter reads.
+
+The feature of target layer l is the output of decoder layer l (hidden_states[l + 1] of a
+Hugging Face `output_hidden_states=True` forward). `target_features` runs the decoder only as
+far as the deepest selected layer unless the last hidden state is wanted (soft labels), and
+never computes logits over the sequence.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import inspect
+from collections.abc import Callable
+from pathlib import Path
+from types import CellType, FunctionType, MethodType
+
+import torch
+from torch import nn
+
+from dflash.config import resolve_target_dir
+from dflash.errors import DflashError
+
+# The one map from a config's dtype name (target.dtype) to the torch dtype.
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def torch_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    """The torch dtype of a name in DTYPES (a torch dtype passes through); ValueError names the allowed ones."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in DTYPES:
+        raise ValueError(f"target dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    return DTYPES[dtype]
+
+
+def target_text_config(path: str | Path):
+    """The target's language-model HF config: a vision-language wrapper's text_config, else the config itself."""
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(path).get_text_config()
+
+
+class TargetError(DflashError):
+    """A target folder that cannot be loaded as asked; one line with the fix."""
+
+    exit_code = 2
+
+
+def load_target(
+    path_or_name: str | Path, dtype: str | torch.dtype, device: str | torch.device, random_init: bool = False
+) -> nn.Module:
+    """An HF causal LM from a folder, frozen and in eval mode; random_init builds it on the device from config.json.
+
+    A vision-language wrapper folder (Qwen3.5/3.6: config.json with text_config, text weights under
+    model.language_model.*) loads as its causal LM alone: transformers maps the wrapper's config to
+    the text model's class and its weight names onto it, and never builds the vision tower.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    path = resolve_target_dir(str(path_or_name))  # the rule preflight and the memory model apply
+    if not (path / "config.json").is_file():
+        raise TargetError(f"target {str(path_or_name)!r}: no config.json there (expected a Hugging Face model folder); "
+                          "set target.path to the model's folder")
+    dtype, device = torch_dtype(dtype), torch.device(device)
+    if random_init:
+        config = AutoConfig.from_pretrained(path, trust_remote_code=False)
+        with torch.device(device):
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, device_map={"": device}, trust_remote_code=False)
+    if any(name.startswith(("visual.", "model.visual.")) for name, _ in model.named_parameters()):
+        raise TargetError(f"target {str(path_or_name)!r}: transformers built a vision tower ({type(model).__name__}); "
+                         "upgrade transformers to a version that loads this model as a causal LM alone")
+    return freeze(bind_linear_attention(model, device))
+
+
+def freeze(model: nn.Module) -> nn.Module:
+    model.eval()
+    model.requires_grad_(False)
+    return model
+
+
+# ---------------------------------------------------------------------------------------------
+# Linear-attention kernels (Gated DeltaNet layers of Qwen3.5-family hybrid targets)
+
+# The functions a Gated DeltaNet layer's forward calls by module-global name. transformers decorates each
+# with `use_kernel_func_from_hub_with_fallback` (integrations/hub_kernels.py), which imports the kernel
+# package when the modeling module is imported (fla: chunk_gated_delta_rule, fused_recurrent_gated_delta_rule;
+# causal_conv1d: causal_conv1d_fn, causal_conv1d_update) and binds the name to it for every device, else to
+# the PyTorch reference it wraps (reachable as the wrapper's __wrapped__).
+KERNEL_FUNCTIONS = ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule", "causal_conv1d_fn",
+                    "causal_conv1d_update")
+
+
+def linear_attention_path(device_type: str, fla_installed: bool) -> str:
+    """'fla' (its Triton kernels) for a target on CUDA when fla is installed, else 'torch' (transformers' reference).
+
+    Triton needs a GPU driver: on a CPU (or any non-CUDA) target fla's kernels fail at the first forward
+    ("0 active drivers"), so the target keeps transformers' PyTorch Gated DeltaNet there.
+    """
+    return "fla" if device_type == "cuda" and fla_installed else "torch"
+
+
+def fla_installed() -> bool:
+    return importlib.util.find_spec("fla") is not None
+
+
+def bind_linear_attention(model: nn.Module, device: str | torch.device) -> nn.Module:
+    """Give `model`'s linear-attention layers the PyTorch path unless linear_attention_path picks fla for `device`.
+
+    transformers binds the Gated DeltaNet's kernels once per process, at import, for every device (see
+    KERNEL_FUNCTIONS), so with fla installed a CPU target would run Triton. The seam is per loaded model:
+    each such layer gets its own forward whose kernel names resolve to the PyTorch references; transformers'
+    module, the class and every other model in the process are left as they are. A target keeps the path it
+    was loaded with: load it on the device it runs on.
+    """
+    if linear_attention_path(torch.device(device).type, fla_installed()) == "torch":
+        use_torch_linear_attention(model)
+    return model
+
+
+def use_torch_linear_attention(model: nn.Module) -> nn.Module:
+    """Bind every linear-attention layer of `model` (a layer whose forward calls KERNEL_FUNCTIONS) to the PyTorch path."""
+    for module in model.modules():
+        if linear_attention_kernels(module):
+            module.forward = MethodType(_torch_forward(type(module)), module)
+    return model
+
+
+def linear_attention_kernels(module: nn.Module) -> dict[str, Callable]:
+    """{name in KERNEL_FUNCTIONS: the function `module`'s forward calls under it}; {} if it calls none."""
+    return _kernels_called(module.forward)
+
+
+def _kernels_called(forward: Callable) -> dict[str, Callable]:
+    body = inspect.unwrap(forward)  # the forward's own code, under its decorators
+    code = getattr(body, "__code__", None)  # None for a compiled (C++) forward
+    return {name: body.__globals__[name] for name in KERNEL_FUNCTIONS if code and name in code.co_names}
+
+
+@functools.cache
+def _torch_forward(layer_class: type) -> FunctionType:
+    """`layer_class.forward` with the KERNEL_FUNCTIONS it calls resolving to transformers' PyTorch references."""
+    references = {name: inspect.unwrap(kernel) for name, kernel in _kernels_called(layer_class.forward).items()}
+    return _rebuilt(layer_class.forward, references)
+
+
+def _rebuilt(function: FunctionType, names: dict[str, Callable]) -> FunctionType:
+    """A copy of `function` whose innermost body (through the __wrapped__ chain of decorators such as
+    transformers' force_accelerate_hooks) looks `names` up in a copy of its globals with those names replaced."""
+    inner = getattr(function, "__wrapped__", None)
+    if inner is None:
+        globals_ = {**function.__globals__, **names}
+        copy = FunctionType(function.__code__, globals_, function.__name__, function.__defaults__, function.__closure__)
+    else:
+        new_inner = _rebuilt(inner, names)
+        cells = tuple(CellType(new_inner) if cell.cell_contents is inner else cell for cell in function.__closure__ or ())
+        if sum(cell.cell_contents is new_inner for cell in cells) != 1:
+            raise RuntimeError(f"{function.__qualname__}: a decorator does not call the function it wraps from its closure; "
+                               "this transformers version cannot keep the PyTorch linear-attention path per model")
+        copy = FunctionType(function.__code__, function.__globals__, function.__name__, function.__defaults__, cells)
+    copy.__kwdefaults__ = function.__kwdefaults__
+    functools.update_wrapper(copy, function)
+    if inner is None:
+        del copy.__wrapped__
+    else:
+        copy.__wrapped__ = new_inner
+    return copy
+
+
+def decoder_of(model: nn.Module) -> nn.Module:
+    """The decoder stack (`model.model` for *ForCausalLM) holding `.layers` and `.norm`."""
+    decoder = getattr(model, "model", model)
+    if not hasattr(decoder, "layers"):
+        raise ValueError(f"{type(model).__name__}: cannot find the decoder layers (expected model.model.layers)")
+    return decoder
+
+
+class _StopForward(Exception):
+    pass
+
+
+def _layer_output(output) -> torch.Tensor:
+    return output[0] if isinstance(output, tuple) else output
+
+
+@torch.no_grad()
+def target_features(
+    model: nn.Module,
+    input_ids_BS: torch.Tensor,
+    attention_mask_BS: torch.Tensor | None,
+    layer_ids: list[int],
+    want_last: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(context [B, S, n*H] = selected layer outputs concatenated, last hidden [B, S, H] after the final norm or None)."""
+    decoder = decoder_of(model)
+    layers = decoder.layers
+    num_layers = len(layers)
+    if not layer_ids or any(not 0 <= i < num_layers for i in layer_ids):
+        raise ValueError(f"target layer ids {layer_ids} must be within [0, {num_layers - 1}]")
+    deepest = max(layer_ids)
+    captured: dict[int, torch.Tensor] = {}
+
+    def capture(index):
+        def hook(_module, _args, output):
+            captured[index] = _layer_output(output)
+            if index == deepest and not want_last:
+                raise _StopForward
+
+        return hook
+
+    handles = [layers[i].register_forward_hook(capture(i)) for i in sorted(set(layer_ids))]
+    last_BSH = None
+    try:
+        out = decoder(input_ids=input_ids_BS, attention_mask=attention_mask_BS, use_cache=False)
+        last_BSH = out.last_hidden_state
+    except _StopForward:
+        pass
+    finally:
+        for h in handles:
+            h.remove()
+    feats = [captured[i] for i in layer_ids]
+    if deepest == num_layers - 1:
+        # HF reports the last layer's output after the final norm; match it.
+        feats = [decoder.norm(f) if i == num_layers - 1 else f for i, f in zip(layer_ids, feats)]
+    return torch.cat(feats, dim=-1), last_BSH
+
+
+def target_embed_and_head(model: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+    """(embedding weight [V, H], lm_head weight [V, H]), detached: the drafter uses them frozen."""
+    embed = model.get_input_embeddings().weight.detach()
+    head = model.get_output_embeddings()
+    if head is None:
+        raise ValueError(f"{type(model).__name__} has no output embeddings (lm_head)")
+    return embed, head.weight.detach()

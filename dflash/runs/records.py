@@ -1,0 +1,300 @@
+"""A run's snapshot and outcome: what it was started with, and how it went. Torch-free.
+
+    <output_dir>/snapshot.json   written by the preflight gate once it passed, before anything heavy loads
+    <output_dir>/outcome.json    rewritten atomically by the trainer as the run goes, and at its end
+    <output_dir>/previous/<time>-<gate>/   the snapshot and outcome of an earlier run in this dir, moved aside
+
+`dflash-diff A B` compares two of them ("what changed since the last good run?"). This module is
+the only one that knows the files' names and layout: the gate writes a snapshot that
+``preflight.snapshot.take`` fills from the facts preflight gathered (`write_snapshot`), the
+trainer keeps the outcome (`Outcome`), the split launcher names a rank that died
+(`record_crash`), and `dflash-diff` reads both back (`load`).
+
+snapshot.json (keys sorted, a few kilobytes)::
+
+    {"format": "dflash-snapshot/1",
+     "run": {"gate_id", "time_utc", "config_sha256", "intent": "fresh"|"resume"|null, "resume": {"step", "checkpoint"}|null},
+     "environment": {"profile", "lock_sha256", "torch": {"version", "cuda"}, "builds": {...}, "distributions": {name: version},
+                     "records": {name: {"version", "record_sha256", "modified", "missing"}}, "env": {VAR: value},
+                     "path": [dir, ...], "host": {"hostname", "platform", "python", "executable", "cpus"}},
+     "gpus": {"driver", "cuda_driver", "cuda_visible_devices", "error", "devices": [{"index", "cuda_index", "uuid", "name",
+              "total_bytes", "free_bytes", "compute_capability", "roles"}]},
+     "code": {"mode", "commit", "dirty": {path: {"state", "sha256"}}, "error"},
+     "compile_cache": {"path", "exists", "size_bytes", "manifest", "error", "env_override"},
+     "config": {the resolved run config},
+     "data": {"path", "fingerprint", "samples", "tokens", "shards", "length": {"min", "mean", "p50", "p90", "p99", "max"}},
+     "target": {"path", "shape": {TargetShape fields}, "fingerprint"},
+     "memory": {"cuda", "expandable_segments", "roles": {role: {"bytes", "recompute"}}, "error"},
+     "preflight": {"ok", "failed": [id], "warned": [id], "waived": {id: reason}}}
+
+outcome.json::
+
+    {"format": "dflash-outcome/1", "gate_id", "started_utc", "updated_utc", "start_step", "step",
+     "first_step_s", "to_first_step_s", "compiled_graphs": {"first_step", "last"}, "rows",
+     "steady": {"tok_per_s", "target_tok_s_per_gpu", "drafter_tok_s_per_gpu", "drafter_wait_frac", "target_wait_frac"},
+     "peak": {"gpus": {uuid: bytes used (NVML)}, "torch_allocated_bytes", "host_rss_bytes"},
+     "last": {"loss", "accept_len"},
+     "ended": {"how": "running"|"finished"|"stopped"|"crashed"|"interrupted", "step", "detail", "rank", "role", "gpu"}}
+"""
+
+from __future__ import annotations
+
+import calendar
+import json
+import os
+import statistics
+import time
+from collections import deque
+from pathlib import Path
+
+from dflash.errors import UsageError
+
+SNAPSHOT_NAME = "snapshot.json"
+OUTCOME_NAME = "outcome.json"
+PREVIOUS_DIR = "previous"
+FORMAT = "dflash-snapshot/1"
+OUTCOME_FORMAT = "dflash-outcome/1"
+STEADY_ROWS = 50  # steady rates are medians over this many of the latest metrics rows (the first row is excluded)
+RATE_KEYS = ("tok_per_s", "target_tok_s_per_gpu", "drafter_tok_s_per_gpu", "drafter_wait_frac", "target_wait_frac")
+
+
+class SnapshotError(UsageError):
+    """A path that holds no readable snapshot of this format; the message is one line naming the fix (exit 2)."""
+
+
+def now_utc() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+
+
+def _write_json(path: Path, data: dict) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
+    os.replace(tmp, path)
+
+
+# ---------------------------------------------------------------- the snapshot
+
+
+def write_snapshot(output_dir: str | Path, snapshot: dict) -> Path:
+    """Write a new run's snapshot (atomically, keys sorted); the previous run's snapshot and outcome in this dir
+    move to previous/<time>-<gate>/ first (never deleted). Raises OSError."""
+    assert snapshot.get("format") == FORMAT, "a snapshot is built by preflight.snapshot.take"
+    out = Path(output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    _move_previous(out)
+    path = out / SNAPSHOT_NAME
+    _write_json(path, snapshot)
+    return path
+
+
+def _move_previous(out: Path) -> Path | None:
+    old = out / SNAPSHOT_NAME
+    if not old.exists():
+        return None
+    try:
+        run = json.loads(old.read_text()).get("run") or {}
+    except (OSError, ValueError, AttributeError):
+        run = {}
+    stamp = str(run.get("time_utc") or "unknown").replace(":", "").replace("-", "")
+    base = out / PREVIOUS_DIR / f"{stamp}-{str(run.get('gate_id') or 'nogate')[:8]}"
+    folder, n = base, 1
+    while folder.exists():
+        folder, n = base.with_name(f"{base.name}.{n}"), n + 1
+    folder.mkdir(parents=True)
+    for name in (SNAPSHOT_NAME, OUTCOME_NAME):
+        if (out / name).exists():
+            (out / name).rename(folder / name)
+    return folder
+
+
+def previous_runs(output_dir: str | Path) -> list[Path]:
+    """Earlier runs' snapshot folders of a run dir, oldest first (dflash-diff takes any of them as a run)."""
+    root = Path(output_dir) / PREVIOUS_DIR
+    return sorted(p for p in root.iterdir() if (p / SNAPSHOT_NAME).is_file()) if root.is_dir() else []
+
+
+def load(path: str | Path) -> tuple[dict, dict | None, list[str]]:
+    """(snapshot, outcome or None, notes) of a run dir, a previous/<...> folder, or a snapshot.json file.
+
+    Reads only. Raises SnapshotError (one line) for a path with no readable snapshot of this format.
+    """
+    p = Path(path)
+    if not p.exists():
+        raise SnapshotError(f"{path}: no such run dir; give a run dir a dflash-train run wrote (it holds {SNAPSHOT_NAME})")
+    file = p if p.is_file() else p / SNAPSHOT_NAME
+    if not file.is_file():
+        earlier = previous_runs(p) if p.is_dir() else []
+        hint = f"; its earlier run: {earlier[-1]}" if earlier else ""
+        raise SnapshotError(f"{path}: no {SNAPSHOT_NAME} (not a run dir, or a run started before snapshots were "
+                            f"written); give a run dir a dflash-train run wrote{hint}")
+    try:
+        snap = json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:
+        why = e.strerror if isinstance(e, OSError) and e.strerror else " ".join(str(e).split())[:120]
+        raise SnapshotError(f"{file}: not a readable snapshot ({why}); it is written by the preflight gate of "
+                            "dflash-train, give another run dir") from None
+    if not isinstance(snap, dict) or snap.get("format") != FORMAT:
+        found = snap.get("format") if isinstance(snap, dict) else type(snap).__name__
+        raise SnapshotError(f"{file}: not a {FORMAT} snapshot (format {found!r}); give a run dir written by this "
+                            "version of dflash-train")
+    for key in ("run", "environment", "config"):
+        if not isinstance(snap.get(key), dict):
+            raise SnapshotError(f"{file}: {FORMAT} snapshot without its {key!r} section (truncated or edited); "
+                                "give another run dir")
+    outcome, notes = None, []
+    ofile = file.with_name(OUTCOME_NAME)
+    if ofile.exists():
+        try:
+            outcome = json.loads(ofile.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, ValueError, RecursionError):
+            notes.append(f"{ofile}: unreadable, outcome not compared")
+        if outcome is not None and (not isinstance(outcome, dict) or outcome.get("format") != OUTCOME_FORMAT):
+            notes.append(f"{ofile}: not a {OUTCOME_FORMAT} file, outcome not compared")
+            outcome = None
+        elif outcome is not None and outcome.get("gate_id") != snap["run"].get("gate_id"):
+            notes.append(f"{ofile}: of another run than {file.name} (gate id), outcome not compared")
+            outcome = None
+    return snap, outcome, notes
+
+
+# ---------------------------------------------------------------- the outcome
+
+
+def _host_rss_bytes() -> int | None:
+    try:
+        import resource
+
+        return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux reports KiB
+    except (ImportError, OSError, ValueError):
+        return None
+
+
+class NvmlUsage:
+    """Memory used on the run's GPUs (by UUID) through NVML; nothing (and no retry) where NVML is not there."""
+
+    def __init__(self, uuids: list[str]):
+        self.handles: dict[str, object] = {}
+        if not uuids:
+            return
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            self.nvml = pynvml
+            for uuid in uuids:
+                self.handles[uuid] = pynvml.nvmlDeviceGetHandleByUUID(uuid)
+        except Exception:  # no driver, a UUID this node does not have: the peak is simply not recorded
+            self.handles = {}
+
+    def used(self) -> dict[str, int]:
+        out = {}
+        for uuid, h in self.handles.items():
+            try:
+                out[uuid] = int(self.nvml.nvmlDeviceGetMemoryInfo(h).used)
+            except Exception:
+                continue
+        return out
+
+
+class Outcome:
+    """outcome.json of the run under way, kept by the rank that logs (rank 0 of the drafters).
+
+    Every update rewrites the file atomically, so a reader (or a killed run) always finds a whole
+    JSON object; a run killed without a word stays "running" with its last update time.
+    """
+
+    def __init__(self, output_dir: str | Path, start_step: int):
+        self.path = Path(output_dir) / OUTCOME_NAME
+        run, gpus = {}, []
+        try:
+            snap = json.loads((Path(output_dir) / SNAPSHOT_NAME).read_text())
+            run = snap.get("run") or {}
+            gpus = [d["uuid"] for d in (snap.get("gpus") or {}).get("devices") or [] if d.get("roles")]
+        except (OSError, ValueError, AttributeError, KeyError, TypeError):
+            pass  # a run started without the gate (tests, library use): an outcome without a snapshot
+        self.gate_time = _parse_utc(run.get("time_utc"))
+        self.nvml = NvmlUsage(gpus)
+        self.recent: dict[str, deque] = {k: deque(maxlen=STEADY_ROWS) for k in RATE_KEYS}
+        self.data = {"format": OUTCOME_FORMAT, "gate_id": run.get("gate_id"), "started_utc": now_utc(),
+                     "updated_utc": now_utc(), "start_step": start_step, "step": start_step, "rows": 0,
+                     "first_step_s": None, "to_first_step_s": None, "compiled_graphs": {"first_step": None, "last": None},
+                     "steady": {}, "peak": {"gpus": {}, "torch_allocated_bytes": None, "host_rss_bytes": None},
+                     "last": {}, "ended": {"how": "running", "step": start_step}}
+        self._sample()
+        self.write()
+
+    def write(self) -> None:
+        self.data["updated_utc"] = now_utc()
+        try:
+            _write_json(self.path, self.data)
+        except OSError:
+            pass  # a full disk must not stop training; the checkpoint code reports it
+
+    def _sample(self) -> None:
+        peak = self.data["peak"]
+        for uuid, used in self.nvml.used().items():
+            peak["gpus"][uuid] = max(used, peak["gpus"].get(uuid, 0))
+        peak["host_rss_bytes"] = _host_rss_bytes()
+
+    def first_step(self, seconds: float, graphs: int) -> None:
+        self.data["first_step_s"] = round(seconds, 3)
+        if self.gate_time is not None:
+            self.data["to_first_step_s"] = round(time.time() - self.gate_time, 1)
+        self.data["compiled_graphs"]["first_step"] = graphs
+        self.write()
+
+    def row(self, rec: dict) -> None:
+        """A metrics row (dflash.train.trainer's record): rates, peaks, the last loss and acceptance."""
+        d = self.data
+        d["rows"] += 1
+        d["step"] = d["ended"]["step"] = rec.get("step", d["step"])
+        if d["rows"] > 1:
+            for k in RATE_KEYS:  # the first row's window holds the first step, compilation included
+                if isinstance(rec.get(k), (int, float)):
+                    self.recent[k].append(float(rec[k]))
+        d["steady"] = {k: round(statistics.median(v), 4) for k, v in self.recent.items() if v}
+        if "compiled_graphs" in rec:
+            d["compiled_graphs"]["last"] = rec["compiled_graphs"]
+        if isinstance(rec.get("mem_gib"), (int, float)):
+            b = int(rec["mem_gib"] * 2**30)
+            d["peak"]["torch_allocated_bytes"] = max(b, d["peak"]["torch_allocated_bytes"] or 0)
+        d["last"] = {k: rec[k] for k in ("loss", "accept_len") if isinstance(rec.get(k), (int, float))}
+        self._sample()
+        self.write()
+
+    def end(self, how: str, step: int, detail: str | None = None) -> None:
+        """finished | stopped (by a signal, after a checkpoint) | crashed (an exception here) | interrupted."""
+        self.data["ended"] = {"how": how, "step": step, "detail": detail, "rank": 0 if how == "crashed" else None}
+        self._sample()
+        self.write()
+
+
+def record_crash(output_dir: str | Path, rank: int, role: str, gpu: str | None, detail: str) -> None:
+    """The split launcher's word on a run that died: which rank, its role and GPU (keeps the rank's own error)."""
+    path = Path(output_dir) / OUTCOME_NAME
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        data = None
+    if not isinstance(data, dict):  # the run died before its trainer started: an outcome that says only that
+        try:
+            gate_id = (json.loads((Path(output_dir) / SNAPSHOT_NAME).read_text()).get("run") or {}).get("gate_id")
+        except (OSError, ValueError, AttributeError):
+            return
+        data = {"format": OUTCOME_FORMAT, "gate_id": gate_id, "started_utc": None, "step": None, "rows": 0}
+    ended = data.get("ended") or {}
+    own = ended.get("detail") if ended.get("how") == "crashed" and ended.get("rank") == rank else None
+    data["ended"] = {"how": "crashed", "step": data.get("step"), "rank": rank, "role": role, "gpu": gpu,
+                     "detail": f"{detail}" + (f": {own}" if own else "")}
+    data["updated_utc"] = now_utc()
+    try:
+        _write_json(path, data)
+    except OSError:
+        pass
+
+
+def _parse_utc(text) -> float | None:
+    try:
+        return float(calendar.timegm(time.strptime(str(text), "%Y-%m-%dT%H:%M:%SZ")))
+    except (TypeError, ValueError):
+        return None

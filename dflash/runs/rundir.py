@@ -1,0 +1,505 @@
+"""The run dir: its layout, its checkpoints, and the explicit resume/fresh rule. Torch-free.
+
+    <output_dir>/
+        config.json                 the resolved run config, written when a run starts
+        preflight.json              the gate's report for this run
+        snapshot.json, outcome.json what the run started with and how it went (dflash.runs.records; dflash-diff)
+        previous/<time>-<gate>/     an earlier run's snapshot.json and outcome.json, moved aside
+        metrics.jsonl               one JSON row per logged step
+        drafter/                    the final drafter (HF folder, bf16, target's tokenizer), written when the run finishes
+        checkpoints/step_<8 digits>/
+            meta.json               step, resolved config, dataset identity, provenance (written last)
+            drafter/                HF folder (config.json + model.safetensors + dflash.py), loadable on its own
+            optimizer.pt            AdamW state (tensors only: loaded with weights_only=True)
+            trainer_state.json      step, sampler position, ... (plain JSON)
+            trainer_state.safetensors   the trainer state's tensors (RNG states)
+        checkpoints/step_<8 digits>.tmp/      a save in progress (never listed)
+        checkpoints/best            symlink to the step_* folder with the best held-out acceptance (replaced
+                                    atomically; keep_last never prunes its target)
+        heldout.json                the held-out sample ids ([eval] holdout) the run never trains on
+        running.json                pid and host of the process training now (removed when it returns;
+                                    left behind by a crash or a kill, with the error when there was one)
+        report/                     dflash-report's HTML and PNGs
+        tensorboard/                --report-to tensorboard's event files
+        checkpoints.abandoned-*/, replaced-*/, metrics.abandoned-*.jsonl   moved aside, never deleted
+
+This module is the only place that knows these names: the trainer (``dflash.runs.checkpoint``,
+``dflash.train.trainer``), ``dflash-train``'s resume/fresh rule and preflight's `run-dir` facts all use
+it, so a checkpoint the trainer would refuse is one preflight refuses too.
+
+Verifying a checkpoint (`checkpoint_problem`): every file a resume loads is there, and each file
+recorded in meta.json has its recorded size (a stat: instant); ``deep`` also compares each file's
+sha256 with the recorded one (reads every byte: ~1 s per GB here, see bench/README.md). A resume
+reads every byte anyway, so `--resume` verifies deep; preflight checks sizes unless asked for
+``--verify-data``. `--resume latest` takes the newest checkpoint that verifies and says which newer
+ones it skipped and why.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from dflash.errors import DflashError, UsageError
+from dflash.filehash import sha256_files
+
+if TYPE_CHECKING:
+    from dflash.config import RunConfig
+
+CONFIG_NAME = "config.json"
+PREFLIGHT_NAME = "preflight.json"
+METRICS_NAME = "metrics.jsonl"
+DRAFTER_DIR = "drafter"
+STOPPED_NAME = "stopped.json"
+# dflash-train's exit code when a signal stopped the run after a checkpoint (sysexits EX_TEMPFAIL: try again
+# later): a scheduler resubmits with --resume latest; 0 means the run finished, 1 a failure, 2 bad input.
+EXIT_STOPPED = 75
+MIN_FREE_BYTES = 1 << 20  # below this a run cannot even write its report and config: the output dir is full
+CHECKPOINTS_DIR = "checkpoints"
+BEST_NAME = "best"  # inside CHECKPOINTS_DIR: a relative symlink to a step_* folder
+HELDOUT_NAME = "heldout.json"
+RUNNING_NAME = "running.json"
+REPORT_DIR = "report"
+TENSORBOARD_DIR = "tensorboard"  # --report-to tensorboard's event files
+STEP_PREFIX = "step_"
+TMP_SUFFIX = ".tmp"
+
+# Inside one checkpoint folder.
+META_NAME = "meta.json"
+WEIGHTS_NAME = "model.safetensors"  # inside DRAFTER_DIR
+OPTIMIZER_NAME = "optimizer.pt"
+STATE_JSON = "trainer_state.json"
+STATE_TENSORS = "trainer_state.safetensors"
+LEGACY_STATE = "trainer_state.pt"  # the pickled state of older versions: never loaded
+CHECKPOINT_FILES = (META_NAME, f"{DRAFTER_DIR}/{WEIGHTS_NAME}", OPTIMIZER_NAME, STATE_JSON, STATE_TENSORS)
+FILES_KEY = "files"  # meta.json: {path inside the checkpoint: {"bytes": size, "sha256": hex}}, all but meta.json
+
+
+class RunDirError(UsageError):
+    """--resume/--fresh that do not fit the run dir; the message is one line naming the fix (exit 2)."""
+
+
+class CheckpointError(DflashError):
+    """A checkpoint that cannot be found or loaded; the message is one line naming the file and the fix."""
+
+
+# ---------------------------------------------------------------- paths and listing
+
+
+def checkpoints_dir(output_dir: str | Path) -> Path:
+    return Path(output_dir) / CHECKPOINTS_DIR
+
+
+def checkpoint_name(step: int) -> str:
+    return f"{STEP_PREFIX}{step:08d}"
+
+
+def checkpoint_path(output_dir: str | Path, step: int) -> Path:
+    return checkpoints_dir(output_dir) / checkpoint_name(step)
+
+
+def checkpoint_step(path: str | Path) -> int | None:
+    """The step a checkpoint folder's name says (``step_00000690`` -> 690); None for any other name."""
+    name = Path(path).name
+    digits = name[len(STEP_PREFIX):]
+    if name.startswith(STEP_PREFIX) and len(digits) == 8 and digits.isdigit():
+        return int(digits)
+    return None
+
+
+def list_checkpoints(output_dir: str | Path) -> list[Path]:
+    """Finished checkpoints, oldest first: ``step_<8 digits>`` folders holding meta.json (written last).
+
+    Saves in progress (``*.tmp``) and any other folder are ignored.
+    """
+    root = checkpoints_dir(output_dir)
+    if not root.is_dir():
+        return []
+    done = [p for p in root.iterdir() if checkpoint_step(p) is not None and p.is_dir() and (p / META_NAME).exists()]
+    return sorted(done, key=checkpoint_step)
+
+
+def resolve_resume(output_dir: str | Path, resume: str, deep: bool = True, log=print) -> Path:
+    """`latest` or a checkpoint folder -> the verified folder to load. Raises RunDirError or CheckpointError.
+
+    `latest` is the newest checkpoint that verifies (`checkpoint_problem`); newer ones that do not are
+    named in one line through `log`, with the reason. A folder given by path must verify itself.
+    """
+    if resume != "latest":
+        path = Path(resume)
+        if not (path / META_NAME).exists():
+            raise RunDirError(f"--resume {resume}: not a checkpoint folder (no {META_NAME}); use --resume latest")
+        return verify_checkpoint(path, deep)
+    found = list_checkpoints(output_dir)
+    if not found:
+        raise RunDirError(f"--resume latest: no checkpoint in {checkpoints_dir(output_dir)}; use --fresh")
+    skipped: list[str] = []
+    for path in reversed(found):
+        problem = checkpoint_problem(path, deep)
+        if problem is None:
+            if skipped:
+                log(f"--resume latest: skipped {'; '.join(skipped)}; resuming {path.name} (step {checkpoint_step(path)})")
+            return path
+        skipped.append(f"{path.name} ({problem})")
+    raise CheckpointError(f"--resume latest: no checkpoint in {checkpoints_dir(output_dir)} verifies: "
+                          f"{'; '.join(skipped)}; start over with --fresh")
+
+
+# ---------------------------------------------------------------- reading and verifying one checkpoint
+
+
+def resume_fix(path: str | Path) -> str:
+    """What to do about a checkpoint that cannot be loaded: the previous one, if there is one, else --fresh."""
+    path = Path(path)
+    step = checkpoint_step(path)
+    earlier = [p for p in list_checkpoints(path.parent.parent) if step is not None and checkpoint_step(p) < step]
+    if earlier:
+        return f"resume the previous one with --resume {earlier[-1]}, or start over with --fresh"
+    return "start over with --fresh"
+
+
+def meta_or_problem(path: str | Path) -> tuple[dict | None, str | None]:
+    """(meta.json of a checkpoint, None), or (None, a short reason it cannot be read)."""
+    try:
+        meta = json.loads((Path(path) / META_NAME).read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        return None, f"{META_NAME} unreadable: {' '.join(str(e).split())}"
+    if not isinstance(meta, dict):
+        return None, f"{META_NAME} unreadable: not a JSON object"
+    return meta, None
+
+
+def read_meta(path: str | Path) -> dict:
+    """meta.json of a checkpoint folder. Raises CheckpointError."""
+    meta, problem = meta_or_problem(path)
+    if problem:
+        raise CheckpointError(f"{path}: {problem}; {resume_fix(path)}")
+    return meta
+
+
+def is_legacy(path: str | Path) -> bool:
+    """Written by a version that pickled its trainer state (trainer_state.pt), which this one never unpickles."""
+    path = Path(path)
+    return (path / LEGACY_STATE).exists() and not (path / STATE_JSON).exists()
+
+
+LEGACY_REASON = f"written by an older dflash version ({LEGACY_STATE}, a pickle this version does not load)"
+
+
+def legacy_message(path: str | Path) -> str:
+    return f"{path}: {LEGACY_REASON}; start over with --fresh"
+
+
+def record_files(folder: str | Path) -> dict[str, dict]:
+    """{path inside the folder: {"bytes": size, "sha256": hex}} of every file but meta.json: what a save records.
+
+    Files are hashed in parallel threads (bench/README.md has the speed). Raises OSError.
+    """
+    folder = Path(folder)
+    files = sorted(p for p in folder.rglob("*") if p.is_file() and p != folder / META_NAME)
+    hashes = sha256_files(files)
+    out = {}
+    for p in files:
+        digest = hashes[p]
+        if isinstance(digest, OSError):
+            raise digest
+        out[p.relative_to(folder).as_posix()] = {"bytes": p.stat().st_size, "sha256": digest}
+    return out
+
+
+def checkpoint_problem(path: str | Path, deep: bool = False, meta: dict | None = None) -> str | None:
+    """Why a finished checkpoint cannot be resumed (None when it verifies): an older version's pickle, a
+    missing file, an unreadable meta.json, a file whose size differs from meta.json's record, and with
+    ``deep`` one whose sha256 differs. A checkpoint saved before sizes were recorded is judged by its files.
+    """
+    path = Path(path)
+    if is_legacy(path):
+        return LEGACY_REASON
+    missing = [name for name in CHECKPOINT_FILES if not (path / name).is_file()]
+    if missing:
+        return f"{', '.join(missing)} missing (an incomplete checkpoint)"
+    if meta is None:
+        meta, problem = meta_or_problem(path)
+        if problem:
+            return problem
+    files = meta.get(FILES_KEY)
+    if not isinstance(files, dict):
+        return None
+    for rel, rec in sorted(files.items()):
+        try:
+            size = (path / rel).stat().st_size
+        except FileNotFoundError:
+            return f"{rel} missing (recorded in {META_NAME})"
+        except OSError as e:
+            return f"{rel} unreadable ({e.strerror})"
+        if not isinstance(rec, dict) or size != rec.get("bytes"):
+            want = rec.get("bytes") if isinstance(rec, dict) else None
+            return f"{rel} is {size:,} bytes, {META_NAME} recorded {want if want is None else format(want, ',')} " \
+                   "(truncated or rewritten since the save)"
+    if deep:
+        hashes = sha256_files(path / rel for rel in sorted(files))
+        for rel in sorted(files):
+            digest = hashes[path / rel]
+            if isinstance(digest, OSError):
+                return f"{rel} unreadable ({digest.strerror})"
+            if digest != files[rel].get("sha256"):
+                return f"{rel} content differs from its sha256 in {META_NAME} (damaged since the save)"
+    return None
+
+
+def verify_checkpoint(path: str | Path, deep: bool = True) -> Path:
+    """Raise CheckpointError unless the checkpoint verifies (`checkpoint_problem`); returns the path."""
+    if is_legacy(path):
+        raise CheckpointError(legacy_message(path))
+    problem = checkpoint_problem(path, deep)
+    if problem:
+        raise CheckpointError(f"{path}: {problem}; {resume_fix(path)}")
+    return Path(path)
+
+
+def write_problem(output_dir: str | Path) -> str | None:
+    """Why a run cannot write its output dir (None when it can): its nearest existing folder is not a
+    folder, is on a read-only file system, or is not writable by this user; or no space is left there."""
+    path = Path(output_dir)
+    probe = path
+    while not probe.exists():
+        if probe.parent == probe:
+            return f"no existing parent of {path}"
+        probe = probe.parent
+    if not probe.is_dir():
+        return f"{probe} exists and is not a directory"
+    for folder in (probe, checkpoints_dir(path)):
+        if not folder.is_dir():
+            continue
+        try:
+            st = os.statvfs(folder)
+        except OSError as e:
+            return f"cannot inspect {folder} ({e.strerror})"
+        if st.f_flag & os.ST_RDONLY:
+            return f"{folder} is on a read-only file system"
+        if not os.access(folder, os.W_OK | os.X_OK):
+            return f"{folder} is not writable by this user"
+        free = st.f_bavail * st.f_frsize
+        if free < MIN_FREE_BYTES:
+            return f"no space left on the file system of {folder} ({free:,} bytes free)"
+    return None
+
+
+
+# ---------------------------------------------------------------- a run stopped by a signal
+
+
+def write_stopped(output_dir: str | Path, signame: str, step: int, checkpoint: str | Path | None) -> Path:
+    """Mark the run dir as stopped by a signal (the trainer, at a signal stop); `clear_stopped` unmarks it."""
+    path = Path(output_dir) / STOPPED_NAME
+    tmp = path.with_name(f".{STOPPED_NAME}.tmp")
+    tmp.write_text(json.dumps({"signal": signame, "step": step, "checkpoint": str(checkpoint) if checkpoint else None,
+                               "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "exit_code": EXIT_STOPPED}) + "\n")
+    tmp.replace(path)
+    return path
+
+
+def read_stopped(output_dir: str | Path) -> dict | None:
+    """The stop marker of the last run, or None when it finished, failed, or has not run."""
+    try:
+        data = json.loads((Path(output_dir) / STOPPED_NAME).read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def clear_stopped(output_dir: str | Path) -> None:
+    (Path(output_dir) / STOPPED_NAME).unlink(missing_ok=True)
+
+
+# ---------------------------------------------------------------- the resume/fresh rule
+
+
+def prepare_output_dir(cfg: RunConfig, resume: str | None, fresh: bool, log=print,
+                       allow_schedule_change: bool = False, apply: bool = True) -> Path | None:
+    """Enforce the explicit resume/fresh rule before anything is loaded. Returns the checkpoint to resume, or None.
+
+    - checkpoints in the run dir and neither --resume nor --fresh: RunDirError (nobody guesses);
+    - --resume: the checkpoint must verify, sizes and sha256 (`resolve_resume`: `latest` skips damaged
+      newer ones and says so; CheckpointError when none verifies); a resume that would change the lr
+      schedule (dflash.data.plan.schedule_change) is refused unless allow_schedule_change, and the change is printed.
+    Nothing in the run dir moves before every refusal above has been decided; with apply=False nothing
+    moves at all (the caller runs the gate first, then `make_room`).
+    """
+    out = Path(cfg.output_dir)
+    existing = list_checkpoints(out)
+    if resume and fresh:
+        raise RunDirError("--resume and --fresh exclude each other; pick one")
+    if existing and not resume and not fresh:
+        newest = existing[-1]
+        raise RunDirError(f"{cfg.output_dir} already holds checkpoints (newest {newest.name}, step "
+                          f"{checkpoint_step(newest)}); say --resume latest to continue it or --fresh to start over")
+    path = None
+    if resume:
+        path = resolve_resume(out, resume, deep=True, log=log)
+        step = _step_of(path)
+        change = resume_schedule_change(path, cfg)
+        if change and not allow_schedule_change:
+            raise RunDirError(f"--resume {path.name} (step {step}) would change the lr schedule: {change}; "
+                              "pass --allow-schedule-change to accept it, or restore the checkpoint's settings")
+        if change:
+            log(f"--allow-schedule-change: resuming {path.name} (step {step}) with a new lr schedule: {change}")
+    if apply:
+        make_room(cfg, path, fresh, log)
+    return path
+
+
+def resume_record(path: str | Path) -> tuple[dict | None, dict | None]:
+    """(meta.json, trainer state JSON) of a checkpoint, each None when unreadable: what the schedule rule reads."""
+    meta, _ = meta_or_problem(Path(path))
+    try:
+        state = json.loads((Path(path) / STATE_JSON).read_text())
+    except (OSError, ValueError):
+        state = None
+    return meta, state if isinstance(state, dict) else None
+
+
+def resume_schedule_change(path: str | Path, cfg: RunConfig) -> str | None:
+    """How resuming checkpoint `path` under `cfg` changes the lr schedule (dflash.data.plan.schedule_change)."""
+    from dflash.data.plan import schedule_change  # numpy + pyarrow: only when a resume is decided
+
+    return schedule_change(*resume_record(path), cfg)
+
+
+def _step_of(path: Path) -> int:
+    step = checkpoint_step(path)
+    if step is None:  # a checkpoint folder given by path under another name: its meta says the step
+        step = int(read_meta(path).get("step") or 0)
+    return step
+
+
+def make_room(cfg: RunConfig, resume_from: Path | None, fresh: bool, log=print) -> None:
+    """What the decided resume/fresh intent moves, once the run may start (nothing is deleted):
+
+    - resuming: newer checkpoints move aside so `latest` stays this run's, and metrics rows after its
+      step move to metrics.abandoned-*.jsonl;
+    - --fresh: the old checkpoints, metrics, final drafter, held-out ids, report and tensorboard events move to
+      replaced-*/ (a new run's curves never mix with the old one's).
+    """
+    out = Path(cfg.output_dir)
+    if resume_from is not None:
+        step = _step_of(resume_from)
+        newer = [c for c in list_checkpoints(out) if checkpoint_step(c) > step]
+        if newer and resume_from.parent == checkpoints_dir(out):
+            aside = _aside(out, "checkpoints.abandoned")
+            aside.mkdir()
+            for c in newer:
+                c.rename(aside / c.name)
+            log(f"--resume {resume_from.name}: {len(newer)} newer checkpoint(s) moved to {aside}, so `latest` "
+                "stays this run's (nothing deleted)")
+        trim_metrics(out, step, log)
+    elif fresh:
+        leftovers = [p for p in (checkpoints_dir(out), out / METRICS_NAME, out / DRAFTER_DIR, out / HELDOUT_NAME,
+                                 out / REPORT_DIR, out / TENSORBOARD_DIR) if p.exists()]
+        if leftovers:
+            aside = _aside(out, "replaced")
+            aside.mkdir()
+            for p in leftovers:
+                p.rename(aside / p.name)
+            log(f"--fresh: previous {', '.join(p.name for p in leftovers)} moved to {aside} (nothing deleted)")
+
+
+def trim_metrics(out: Path, step: int, log=print) -> None:
+    """Rows logged after the resumed step (the interrupted run's) move to metrics.abandoned-*.jsonl,
+    so metrics.jsonl holds each step once after the resume."""
+    path = Path(out) / METRICS_NAME
+    if not path.is_file():
+        return
+    keep, later = [], []
+    for line in path.read_text().splitlines(keepends=True):
+        try:
+            row_step = int(json.loads(line).get("step", 0))
+        except (ValueError, AttributeError):
+            row_step = 0  # a torn last line of a killed run: keep it where it was logged
+        (later if row_step > step else keep).append(line)
+    if not later:
+        return
+    aside = Path(out) / f"{_aside(Path(out), 'metrics.abandoned').name}.jsonl"
+    aside.write_text("".join(later))
+    tmp = path.with_suffix(".jsonl.tmp")
+    tmp.write_text("".join(keep))
+    tmp.replace(path)
+    log(f"--resume: {len(later)} metrics row(s) after step {step} moved to {aside.name}")
+
+
+def _aside(out: Path, stem: str) -> Path:
+    """A new, unused folder name under the run dir for things moved out of the way."""
+    base = out / f"{stem}-{time.strftime('%Y%m%d-%H%M%S')}"
+    path, n = base, 1
+    while path.exists():
+        path, n = base.with_name(f"{base.name}.{n}"), n + 1
+    return path
+
+
+# ---------------------------------------------------------------- the best checkpoint
+
+
+def best_checkpoint(output_dir: str | Path) -> Path | None:
+    """The finished checkpoint `checkpoints/best` points to, or None (no pointer, or its target is gone)."""
+    link = checkpoints_dir(output_dir) / BEST_NAME
+    try:
+        target = os.readlink(link)
+    except OSError:
+        return None
+    path = link.parent / target
+    if checkpoint_step(path) is None or not (path / META_NAME).is_file():
+        return None
+    return path
+
+
+def set_best(output_dir: str | Path, checkpoint: str | Path) -> Path:
+    """Point `checkpoints/best` at a checkpoint folder of this run, atomically: a new relative symlink is
+    renamed over the old one, so a kill at any instant leaves the old pointer or the new one, never none."""
+    root = checkpoints_dir(output_dir)
+    name = Path(checkpoint).name
+    if checkpoint_step(name) is None or not (root / name / META_NAME).is_file():
+        raise CheckpointError(f"{checkpoint}: not a finished checkpoint of {root}; best points at step_* folders only")
+    for stale in root.glob(f".{BEST_NAME}.*{TMP_SUFFIX}"):  # this process's, or one a kill left mid-update
+        stale.unlink(missing_ok=True)
+    tmp = root / f".{BEST_NAME}.{os.getpid()}{TMP_SUFFIX}"
+    os.symlink(name, tmp)
+    os.replace(tmp, root / BEST_NAME)
+    try:
+        fd = os.open(root, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError:  # a filesystem that cannot sync a directory: the rename is atomic all the same
+        pass
+    return root / BEST_NAME
+
+
+# ---------------------------------------------------------------- a run in progress
+
+
+def write_running(output_dir: str | Path, **extra) -> Path:
+    """Mark the run dir as being trained by this process (dflash-report tells running from crashed by it)."""
+    import socket
+
+    path = Path(output_dir) / RUNNING_NAME
+    tmp = path.with_name(f".{RUNNING_NAME}.tmp")
+    tmp.write_text(json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
+                               "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), **extra}) + "\n")
+    tmp.replace(path)
+    return path
+
+
+def read_running(output_dir: str | Path) -> dict | None:
+    try:
+        data = json.loads((Path(output_dir) / RUNNING_NAME).read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def clear_running(output_dir: str | Path) -> None:
+    (Path(output_dir) / RUNNING_NAME).unlink(missing_ok=True)

@@ -1,0 +1,603 @@
+"""The trainer: one loop for every layout.
+
+    run(cfg, resume_from)          co-located: the target in this process (`LocalTarget`)
+    Trainer(cfg, RemoteTargets)    a split drafter rank: features arrive from target ranks (dflash.train.split)
+
+Reads as a plain loop: build -> (resume) -> step -> log -> checkpoint -> finish. What a step
+computes lives in dflash.train.step; where its features come from is the feature source; with a
+drafter process group the drafter is data-parallel and rank 0 of that group logs and saves.
+Every rank walks the same deterministic batch sequence: a step takes the next
+grad_accum x world global batches, and this rank trains those at positions j % world == rank.
+With [eval], held-out numbers (dflash.train.heldout) join the metrics rows and the best of them moves
+checkpoints/best; with report_to, trackers (dflash.train.trackers) receive every row.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+import math
+import os
+import signal
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from dflash.config import ConfigError, RunConfig, dump_config
+from dflash.data.batching import collate, prefetch, to_device
+from dflash.data.plan import RunError, restore_position, schedule
+from dflash.models.drafter import DFlashDrafter, drafter_config_for_run, start_compile_workers
+from dflash.models.fp8 import fp8_problem
+from dflash.runs import checkpoint as ckpt
+from dflash.runs import rundir
+from dflash.runs.records import Outcome
+from dflash.train.heldout import BEST_KEY
+from dflash.train.loss import read_metrics
+from dflash.train.step import (
+    FeatureSource,
+    average_metrics,
+    build_optimizer,
+    clip_and_step,
+    grad_norm,
+    local_source,
+    micro_step,
+    pad_token_id,
+    resolve_mask_token_id,
+    set_lr,
+    target_folder,
+)
+
+__all__ = ["NonFiniteError", "RunError", "StopFlag", "Trainer", "run", "run_device", "warm_cache"]
+
+DUPLICATE_SIGNAL_S = 2.0  # the same signal again within this many seconds is the same stop
+DIVERGED_FIX = ("nothing was saved from it, earlier checkpoints are intact; lower train.lr or check the data, then "
+                "dflash-train --resume latest")
+
+
+class NonFiniteError(RunError):
+    """A loss, gradient norm or weight that is inf or nan: the run stops before saving anything from that step."""
+
+
+@dataclass
+class StopFlag:
+    """Set by SIGINT/SIGTERM; the loop finishes its step, checkpoints and returns (dflash-train exits 75)."""
+    requested: bool = False
+    signame: str = ""
+    _at: float = 0.0
+    _old: dict = field(default_factory=dict)
+
+    def install(self) -> None:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            self._old[sig] = signal.signal(sig, self._handle)
+
+    def restore(self) -> None:
+        for sig, old in self._old.items():
+            signal.signal(sig, old)
+
+    def _handle(self, signum, frame) -> None:
+        if self.requested:
+            if signal.Signals(signum).name != self.signame or time.monotonic() - self._at < DUPLICATE_SIGNAL_S:
+                # torchrun's SIGTERM after a Ctrl-C, or one stop delivered twice (a scheduler signals every
+                # process and a launcher forwards it): the same stop, already under way
+                return
+            raise KeyboardInterrupt  # the same signal again, later: leave now
+        self.requested = True
+        self.signame = signal.Signals(signum).name
+        self._at = time.monotonic()
+        print(f"\n{self.signame}: finishing this step, then saving a checkpoint (send again to abort)",
+              file=sys.stderr, flush=True)
+
+
+def run_device(cfg: RunConfig) -> torch.device:
+    """The device this process trains on (a split worker has already picked its GPU)."""
+    if cfg.device == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+class Trainer:
+    def __init__(self, cfg: RunConfig, source: FeatureSource, resume_from: Path | None = None, group=None,
+                 log=print, provenance: dict | None = None):
+        """`provenance`: what wrote this run (the command asks preflight once), kept in every checkpoint's meta."""
+        self.cfg, self.source, self.group, self.log = cfg, source, group, log
+        self.provenance = dict(provenance or {})
+        self.rank = dist.get_rank(group) if group is not None else 0
+        self.world = dist.get_world_size(group) if group is not None else 1
+        self.is_logger = self.rank == 0
+        if not self.is_logger:
+            self.log = lambda *_, **__: None  # rank 0 of the drafter group speaks for all
+        self.out = Path(cfg.output_dir)
+        self.device = run_device(cfg)
+        self.attn_backend = "flex" if self.device.type == "cuda" else "sdpa"
+        torch.manual_seed(cfg.train.seed)
+
+        self.dataset, self.sampler, self.total_steps = schedule(cfg, self.world)
+        self.batches_per_step = cfg.train.grad_accum * self.world
+
+        tcfg = source.target_config
+        dcfg = drafter_config_for_run(cfg, tcfg, resolve_mask_token_id(cfg, tcfg))
+        self.drafter = DFlashDrafter(dcfg).to(self.device, torch.float32)
+        self.recompute, self.recompute_why = self._choose_recompute()
+        self.drafter.set_recompute(self.recompute)
+        self.drafter.set_compile(cfg.train.compile and self.device.type == "cuda")
+        problem = fp8_problem(cfg.train.fp8, self.device)  # a GPU without fp8 tensor cores
+        if problem:
+            raise ConfigError(problem)
+        try:
+            self.drafter.set_fp8(cfg.train.fp8)
+        except ValueError as e:  # drafter sizes the fp8 matmuls cannot take
+            raise ConfigError(str(e)) from None
+        self.embed_w, self.head_w = source.frozen_weights()
+        self.optimizer = build_optimizer(self.drafter, cfg)
+        self.step = 0
+        self.resumed_from = None
+        self.init_line = None
+        self.last_checkpoint: Path | None = None
+        if cfg.init_from and resume_from is None:
+            from dflash.train.warmstart import load_init
+
+            self.init_line = load_init(self.drafter, cfg.init_from)
+        if resume_from is not None:
+            self._resume(resume_from)
+        self.heldout = self._heldout()
+        self.best = _best_value(self.out) if self.heldout is not None else None
+        self.model = self.drafter
+        if self.world > 1:  # one drafter rank has nothing to reduce: no DDP, no gradient buckets (1730M params: 6.4 GiB)
+            from torch.nn.parallel import DistributedDataParallel as DDP
+
+            # gradients as views of DDP's buckets: one fp32 copy of them, not the buckets and the grads
+            self.model = DDP(self.drafter, process_group=group, gradient_as_bucket_view=True,
+                             device_ids=[self.device.index] if self.device.type == "cuda" else None)
+
+    def _choose_recompute(self) -> tuple[str, str]:
+        """train.recompute as configured, or for auto the fastest mode the memory model fits on this GPU."""
+        from dflash.memory.parts import choose_recompute, recompute_mode
+
+        mode = self.cfg.train.recompute
+        if mode != "auto":
+            return mode, "as configured"
+        if self.device.type != "cuda":
+            return "off", "auto on CPU"
+        free, _total = torch.cuda.mem_get_info(self.device)
+        usable = free + torch.cuda.memory_reserved(self.device)  # what this process can hold
+        role = "drafter" if self.cfg.topology.target_gpus else "colocated"
+        try:
+            mode, need = choose_recompute(self.cfg, role, torch.version.cuda or "12.8", usable)
+        except ValueError as e:  # a shape the memory model cannot read: keep every activation
+            return recompute_mode(self.cfg), f"auto: memory model unavailable ({e})"
+        return mode, f"auto: predicted peak {need / 2**30:.1f} GiB of {usable / 2**30:.1f} GiB usable on {self.device}"
+
+    def _heldout(self):
+        """The held-out evaluator of a run with [eval] (co-located only: dflash.config refuses it in split runs)."""
+        if not self.cfg.eval.enabled:
+            return None
+        from dflash.data.plan import heldout_dataset
+        from dflash.train.heldout import HeldOut
+
+        assert self.group is None and hasattr(self.source, "model"), "held-out eval needs the target in this process"
+        return HeldOut(self.cfg, heldout_dataset(self.cfg), pad_token_id(self.source.target_config), self.log)
+
+    @classmethod
+    def colocated(cls, cfg: RunConfig, resume_from: Path | None = None, log=print, provenance: dict | None = None) -> Trainer:
+        """The target in this process (`LocalTarget`, or `CachedTarget` with train.cache_features)."""
+        device = run_device(cfg)
+        problem = fp8_problem(cfg.train.fp8, device)
+        if problem:  # before minutes of loading the target
+            raise ConfigError(problem)
+        start_compile_workers(device, cfg.train.compile)
+        return cls(cfg, local_source(cfg, device, log), resume_from, log=log, provenance=provenance)
+
+    def _dataset_meta(self) -> dict:
+        return {"path": self.cfg.data.path, "samples": self.dataset.num_samples,
+                "fingerprint": self.dataset.fingerprint}
+
+    def _resume(self, path: Path) -> None:
+        state, meta = ckpt.load_checkpoint(path, self.drafter, self.optimizer, self.device)
+        self.step = restore_position(self.sampler, self.dataset, state, meta, self.log)
+        if state.get("rng_cpu") is not None:
+            torch.set_rng_state(state["rng_cpu"])
+        if self.device.type == "cuda" and state.get("rng_cuda") is not None:
+            torch.cuda.set_rng_state(state["rng_cuda"])
+        self.resumed_from = path
+        self.log(f"resumed from {path} at step {self.step}")
+
+    def save(self, heldout: dict | None = None) -> Path:
+        bad = [name for name, p in self.drafter.named_parameters() if not bool(torch.isfinite(p).all())]
+        if bad:  # a finite loss and gradient can still give a non-finite update (an overflowing AdamW step)
+            raise NonFiniteError(f"step {self.step}: drafter weights are not finite ({', '.join(bad[:3])}); {DIVERGED_FIX}")
+
+        state = {"step": self.step, "sampler": self.sampler.state_dict(), "rng_cpu": torch.get_rng_state(),
+                 "rng_cuda": torch.cuda.get_rng_state() if self.device.type == "cuda" else None,
+                 "n_drafters": self.world}
+        extra = dict(self.provenance, **({"heldout": heldout} if heldout else {}))
+        return ckpt.save_checkpoint(self.out, self.step, self.drafter, self.optimizer, state, self.cfg,
+                                    self._dataset_meta(), self.cfg.train.keep_last, extra)
+
+    def train_step(self, mine: list[tuple[int, dict]]) -> dict:
+        """One optimizer step over this rank's batches [(global index, batch)]; plain-float metrics."""
+        lr = set_lr(self.optimizer, self.cfg, self.step, self.total_steps)
+        # DDP's grads are views of its buckets: zeroed in place (set to None, a no_sync micro-batch would allocate a
+        # second fp32 copy beside the buckets); a bare drafter frees them until backward needs them again.
+        self.optimizer.zero_grad(set_to_none=self.model is self.drafter)
+        raws = []
+        for i, (k, batch) in enumerate(mine):
+            batch = to_device(batch, self.device)
+            features = self.source.features(k, batch)
+            last = i == len(mine) - 1
+            sync = self.model.no_sync() if self.model is not self.drafter and not last else contextlib.nullcontext()
+            with sync:
+                loss, m = micro_step(self.model, self.embed_w, self.head_w, batch, features, self.cfg, self.device,
+                                     self.attn_backend, k)
+                (loss / len(mine)).backward()
+            raws.append(m)
+        norm = grad_norm(self.drafter)
+        # The step's one read of its results: every batch's metrics and the norm, once backward is queued and before
+        # the update is: a diverged step never updates, and the update's kernels run while the host prepares the
+        # next step. (A split run's drafter also waits for each batch's features to arrive.)
+        parts = read_metrics([*raws, {"grad_norm": norm}])
+        norm_value = parts.pop()["grad_norm"]
+        out = average_metrics(parts)
+        if not math.isfinite(out["loss"]) or not math.isfinite(norm_value):
+            raise NonFiniteError(f"step {self.step + 1}: loss {out['loss']}, gradient norm {norm_value}: training "
+                                 f"diverged; {DIVERGED_FIX}")
+        clip_and_step(self.drafter, self.optimizer, self.cfg, norm)
+        self.step += 1
+        out.update(lr=lr, grad_norm=norm_value)
+        return out
+
+    def step_batches(self):
+        """(epoch, position after the step, [(global index, batch)] of this rank) per optimizer step, read and
+        collated ahead by a thread.
+
+        The producer walks a copy of the sampler; the loop moves ``self.sampler`` to a step's
+        position once the step is trained, so a checkpoint records the consumed position, not the
+        read-ahead one.
+        """
+        pad = pad_token_id(self.source.target_config)
+        pin = self.device.type == "cuda"
+        reader = copy.copy(self.sampler)
+        per_step = self.batches_per_step
+
+        def collated():
+            step = self.step
+            while True:
+                group = [next(iter_reader) for _ in range(per_step)]
+                mine = []
+                for j, (_, _, indices) in enumerate(group):
+                    if j % self.world == self.rank:
+                        batch = collate(self.dataset, indices, pad)
+                        batch["sample_ids"] = torch.tensor(indices)  # the feature cache's keys
+                        mine.append((step * per_step + j, {k: v.pin_memory() for k, v in batch.items()}
+                                     if pin else batch))
+                epoch, index, _ = group[-1]
+                yield epoch, {"epoch": epoch, "index": index + 1}, mine
+                step += 1
+
+        iter_reader = iter(reader)
+        yield from prefetch(collated())
+
+    def print_plan(self) -> None:
+        self.log(f"dataset {self.cfg.data.path}: {self.dataset.num_samples} samples, "
+                 f"{int(self.dataset.lengths.sum())} tokens")
+        self.log(self.sampler.summary())
+        d = self.drafter.config
+        n_params = sum(p.numel() for p in self.drafter.parameters())
+        self.log(f"drafter: {d.num_hidden_layers} layers, block {d.block_size}, target layers {d.target_layer_ids}, "
+                 f"{n_params / 1e6:.1f}M trainable params; attention {self.attn_backend} on {self.device}; "
+                 f"recompute {self.recompute} ({self.recompute_why})"
+                 + (f"; fp8 {self.cfg.train.fp8} (e4m3 MLP matmuls)" if self.cfg.train.fp8 != "off" else "")
+                 + (f"; {self.world} data-parallel drafter ranks" if self.world > 1 else ""))
+        self.log(f"features: {self.source.describe()}")
+        if self.init_line:
+            self.log(self.init_line)
+        if self.heldout is not None:
+            self.log(self.heldout.describe() + (f"; best so far {self.best:.3f}" if self.best is not None else ""))
+        self.log(f"schedule: {self.total_steps} steps of {self.batches_per_step} batches, lr {self.cfg.train.lr} "
+                 f"cosine, warmup {self.cfg.train.warmup_ratio}")
+        if hasattr(self.source, "cache_bytes"):
+            size = self.source.cache_bytes(int(self.dataset.lengths.sum()))
+            self.log(f"feature cache: grows to {size / 2**30:.2f} GiB on {self.device}")
+
+    # ---- the loop
+
+    def run(self, progress: bool | None = None) -> int:
+        """Train to the end (or to a signal). Returns the exit code."""
+        if self.is_logger:
+            self.print_plan()
+            rundir.write_running(self.out, step=self.step, total_steps=self.total_steps)
+            if self.heldout is not None:
+                from dflash.train.heldout import write_ids
+
+                write_ids(self.out, self.cfg, self.heldout.dataset)
+        from dflash.train.trackers import Trackers
+
+        trackers = Trackers(self.cfg.report_to if self.is_logger else [], self.out, self.cfg.model_dump(), self.log)
+        stop = StopFlag()
+        stop.install()
+        bar = self._bar(progress)
+        last_save = self.step
+        metrics_file = (self.out / "metrics.jsonl").open("a") if self.is_logger else None
+        self.outcome = Outcome(self.out, self.step) if self.is_logger else None  # outcome.json, for dflash-diff
+        stream = self.step_batches()
+        held = None
+        try:
+            pending = self._next(stream) if self.step < self.total_steps else None
+            window = {"t0": time.perf_counter(), "tokens": 0}
+            first_step = self.step + 1
+            stopping = False
+            while pending is not None:
+                epoch, position, mine = pending
+                m = self.train_step(mine)
+                self.sampler.load_state_dict(position)
+                if self.step == first_step:
+                    self.first_step_s = time.perf_counter() - window["t0"]
+                    self.log(f"first step: {self.first_step_s:.1f} s (compilation included); "
+                             f"{compiled_graphs()} compiled graph(s)")
+                    if self.outcome:
+                        self.outcome.first_step(self.first_step_s, compiled_graphs())
+                pending = self._next(stream) if self.step < self.total_steps else None  # post receives early
+                window["tokens"] += sum(int(b["lengths"].sum()) for _, b in mine)
+                stopping = self._agree(stop.requested)
+                rec = None
+                if self.step % self.cfg.train.log_every == 0 or self.step == self.total_steps or stopping:
+                    rec = self._record(m, epoch, window)
+                held = self._evaluate() if self.heldout is not None and not stopping and \
+                    self.heldout.due(self.step, self.total_steps) else None
+                if held is not None:
+                    rec = dict(rec or {"step": self.step, "epoch": epoch}, **held)
+                if rec is not None:
+                    if self.is_logger:
+                        metrics_file.write(json.dumps(rec) + "\n")
+                        metrics_file.flush()
+                        self.outcome.row(rec)
+                        self._print(rec, bar)
+                        trackers.log(rec)
+                    window = {"t0": time.perf_counter(), "tokens": 0}
+                if bar:
+                    bar.update(1)
+                better = held is not None and (self.best is None or held[BEST_KEY] > self.best)
+                if self.step % self.cfg.train.save_every == 0 or stopping or better:
+                    last_save = self._save_if_logger(held)
+                    if better and self.is_logger:
+                        self._set_best(held)
+                if stopping:
+                    pending = None
+            if self.step != last_save or not rundir.list_checkpoints(self.out):
+                last_save = self._save_if_logger(held if held is not None and held.get("step") == self.step else None)
+        except BaseException as e:
+            if self.outcome:
+                how = "interrupted" if isinstance(e, KeyboardInterrupt) else "crashed"
+                self.outcome.end(how, self.step, f"{type(e).__name__}: {' '.join(str(e).split())[:300]}")
+            if self.is_logger:  # dflash-report tells a failed run from a killed one by this
+                rundir.write_running(self.out, step=self.step, total_steps=self.total_steps,
+                                     error=" ".join(str(e).split())[:300] or type(e).__name__)
+            raise
+        finally:
+            trackers.close()
+            stream.close()
+            stop.restore()
+            if bar:
+                bar.close()
+            if metrics_file:
+                metrics_file.close()
+        return self._finish(stop, stopping)
+
+    def _next(self, stream):
+        item = next(stream)
+        for k, batch in item[2]:
+            self.source.expect(k, batch)
+        return item
+
+    def _agree(self, flag: bool) -> bool:
+        """All drafter ranks stop together (a signal may reach only some of them)."""
+        if self.group is None:
+            return flag
+        t = torch.tensor([1.0 if flag else 0.0], device=self.device)
+        dist.all_reduce(t, group=self.group)
+        return bool(t.item() > 0)
+
+    def _save_if_logger(self, heldout: dict | None = None) -> int:
+        """Rank 0 of the drafter group writes the checkpoint (replicas are identical); returns the step."""
+        if self.is_logger:
+            self.last_checkpoint = self.save(heldout)
+        return self.step
+
+    def _evaluate(self) -> dict:
+        """heldout_* metrics of the drafter at this step (dflash.train.heldout), with their wall time."""
+        t0 = time.perf_counter()
+        self.drafter.set_fp8("off")  # measured as exported and served: bf16, whatever train.fp8 is
+        try:
+            held = self.heldout.evaluate(self.drafter, self.source, self.device, self.attn_backend)
+        finally:
+            self.drafter.set_fp8(self.cfg.train.fp8)
+        held["heldout_eval_s"] = round(time.perf_counter() - t0, 3)
+        held["step"] = self.step
+        return held
+
+    def _set_best(self, held: dict) -> None:
+        previous = self.best
+        rundir.set_best(self.out, self.last_checkpoint)
+        self.best = held[BEST_KEY]
+        self.log(f"best: {self.last_checkpoint.name} ({BEST_KEY} {self.best:.3f}"
+                 + (f", was {previous:.3f})" if previous is not None else ")"))
+
+    def _record(self, m: dict, epoch: int, window: dict) -> dict:
+        """The metrics row of this step: loss and metrics averaged over ranks, tokens and timings summed."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        dt = time.perf_counter() - window["t0"]
+        counters = dict(self.source.counters(), tokens=float(window["tokens"]))
+        if self.group is not None:
+            m = _mean_over_ranks(m, self.group, self.device)
+            counters = _sum_over_ranks(counters, self.group, self.device)
+        rec = dict(m, step=self.step, epoch=epoch, tok_per_s=round(counters["tokens"] / dt, 1),
+                   compiled_graphs=compiled_graphs(),
+                   mem_gib=round(torch.cuda.max_memory_allocated(self.device) / 2**30, 2)
+                   if self.device.type == "cuda" else None)
+        if self.device.type == "cuda":
+            rec["nvml_used_gib"] = _nvml_used_gib(self.device, "drafter" if self.group is not None else "colocated")
+        if hasattr(self.source, "rates"):
+            rec.update(self.source.rates(counters, dt, self.world))
+        if self.group is not None and os.environ.get("DFLASH_CHECK_REPLICAS") == "1":
+            rec["replica_max_diff"] = _replica_max_diff(self.drafter, self.group, self.world)
+        return rec
+
+    def _print(self, rec: dict, bar) -> None:
+        line = f"step {rec['step']}/{self.total_steps}"
+        if "loss" in rec:
+            line += (f" loss {rec['loss']:.4f} accept {rec.get('accept_len', 0):.3f} tok/s {rec['tok_per_s']:.0f} "
+                     f"lr {rec['lr']:.2e}")
+        if "heldout_loss" in rec:
+            line += f" | held-out loss {rec['heldout_loss']:.4f} accept {rec['heldout_accept_len']:.3f}"
+            if "heldout_real_accept_len" in rec:
+                line += (f" real {rec['heldout_real_accept_len']:.3f}"
+                         + ("" if rec["heldout_real_lossless"] else " NOT LOSSLESS"))
+        if hasattr(self.source, "rates_line") and "tok_per_s" in rec:
+            line += " " + self.source.rates_line(rec)
+        if bar:
+            bar.set_postfix_str(line.split(" ", 2)[2])
+        else:
+            self.log(line)
+
+    def _bar(self, progress: bool | None):
+        if not self.is_logger:
+            return None
+        if progress is None:
+            progress = sys.stderr.isatty()
+        if not progress:
+            return None
+        from tqdm import tqdm
+
+        return tqdm(total=self.total_steps, initial=self.step, unit="step", dynamic_ncols=True)
+
+    def _finish(self, stop: StopFlag, stopping: bool) -> int:
+        if not self.is_logger:
+            return 0
+        rundir.clear_running(self.out)
+        latest = rundir.list_checkpoints(self.out)
+        path = latest[-1] if latest else None
+        if stopping:  # the marker tells a scheduler this run is unfinished (dflash-train exits EXIT_STOPPED)
+            rundir.write_stopped(self.out, stop.signame or "a peer signal", self.step, path)
+            self.outcome.end("stopped", self.step, f"by {stop.signame or 'a peer signal'}, checkpoint {path.name if path else None}")
+            self.log(f"stopped by {stop.signame or 'a peer signal'} at step {self.step}; checkpoint {path}")
+            self.log(f"resume with: dflash-train --config <this config> --resume latest  (output_dir {self.out})")
+            return 0
+        exported = self._export()
+        rundir.clear_stopped(self.out)
+        self.outcome.end("finished", self.step)
+        self.log(f"done: {self.step} steps; checkpoint {path}; drafter saved to {self.out / 'drafter'} ({exported}); "
+                 f"{compiled_graphs()} compiled graph(s) in this process")
+        if hasattr(self.source, "summary"):
+            self.log(self.source.summary(self.out / "metrics.jsonl"))
+        return 0
+
+    def _export(self) -> str:
+        """Write <output_dir>/drafter, servable as published drafters are (bf16, the target's tokenizer files and
+        ids): checkpoints/best's weights (eval.export = best) or the last step's."""
+        best = rundir.best_checkpoint(self.out) if self.heldout is not None and self.cfg.eval.export == "best" else None
+        model, which = self.drafter, f"step {self.step}, the last"
+        if best is not None:
+            model, which = DFlashDrafter.from_pretrained(best / rundir.DRAFTER_DIR), f"{best.name}, checkpoints/best"
+        model.save_pretrained(self.out / "drafter", dtype=torch.bfloat16, target_dir=target_folder(self.cfg.target.path, self.log))
+        return which
+
+
+def _best_value(out: Path) -> float | None:
+    """The held-out acceptance checkpoints/best was chosen by (a resumed run keeps beating it), or None."""
+    best = rundir.best_checkpoint(out)
+    if best is None:
+        return None
+    meta, _ = rundir.meta_or_problem(best)
+    value = ((meta or {}).get("heldout") or {}).get(BEST_KEY)
+    return float(value) if isinstance(value, (int, float)) else None
+
+
+def compiled_graphs() -> int:
+    """Graphs torch.compile has built in this process so far (a number that grows with every recompile)."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
+
+
+def _nvml_used_gib(device: torch.device, role: str) -> dict:
+    """{"<role>:<GPU uuid>": GiB in use on this process's GPU as NVML counts it (all processes, caching allocator
+    included)}; {} when NVML cannot say. dflash-report plots it against the memory model's prediction."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        uuid = f"GPU-{torch.cuda.get_device_properties(device).uuid}"
+        handle = pynvml.nvmlDeviceGetHandleByUUID(uuid)
+        return {f"{role}:{uuid[:12]}": round(pynvml.nvmlDeviceGetMemoryInfo(handle).used / 2**30, 3)}
+    except Exception:  # NVML missing or a GPU it does not list: the report says there is no NVML data
+        return {}
+
+
+def _mean_over_ranks(m: dict, group, device) -> dict:
+    """Numbers and lists of numbers averaged over the group's ranks (other values kept as they are)."""
+    keys = [k for k, v in m.items() if isinstance(v, (int, float)) and not isinstance(v, bool)]
+    lists = [k for k, v in m.items() if isinstance(v, list)]
+    flat = [float(m[k]) for k in keys] + [float(x) for k in lists for x in m[k]]
+    t = torch.tensor(flat, dtype=torch.float64, device=device)
+    dist.all_reduce(t, group=group)
+    t /= dist.get_world_size(group)
+    vals = t.tolist()
+    out = dict(m)
+    for k in keys:
+        out[k] = vals.pop(0)
+    for k in lists:
+        n = len(m[k])
+        out[k], vals = [round(x, 4) for x in vals[:n]], vals[n:]
+    return out
+
+
+def _sum_over_ranks(counters: dict, group, device) -> dict:
+    keys = sorted(counters)
+    t = torch.tensor([float(counters[k]) for k in keys], dtype=torch.float64, device=device)
+    dist.all_reduce(t, group=group)
+    return dict(zip(keys, t.tolist()))
+
+
+def _replica_max_diff(drafter, group, world: int) -> float:
+    flat = torch.cat([p.detach().flatten() for p in drafter.parameters()])
+    gathered = [torch.empty_like(flat) for _ in range(world)]
+    dist.all_gather(gathered, flat, group=group)
+    return max(float((g - gathered[0]).abs().max()) for g in gathered)
+
+
+def run(cfg: RunConfig, resume_from: Path | None, log=print, progress: bool | None = None,
+        provenance: dict | None = None) -> int:
+    """Co-located training: target and drafter in this process. Returns the exit code."""
+    out = Path(cfg.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(dump_config(cfg))
+    return Trainer.colocated(cfg, resume_from, log, provenance).run(progress)
+
+
+def warm_cache(cfg: RunConfig, cache: Path, log=print) -> int:
+    """Compile the kernels for the configured shapes once, then write the cache manifest preflight reads in `cache`
+    (the profile's compile-cache dir, which dflash-train --warm-cache asks preflight for)."""
+    from dflash.runs.compile_manifest import write_manifest
+
+    if cfg.device != "cuda" or not torch.cuda.is_available():
+        log("warm-cache: nothing to compile on CPU (flex attention is compiled on CUDA only)")
+        return 0
+    trainer = Trainer.colocated(cfg, None, log)
+    t0 = time.perf_counter()
+    stream = trainer.step_batches()
+    _, _, mine = next(stream)
+    stream.close()
+    trainer.train_step(mine[:1])
+    torch.cuda.synchronize()
+    import triton
+
+    props = torch.cuda.get_device_properties(0)
+    write_manifest(cache, {"torch": torch.__version__, "triton": triton.__version__, "gpu_name": props.name,
+                           "compute_capability": f"{props.major}.{props.minor}", "drafter_hash": cfg.drafter_hash()})
+    log(f"warm-cache: compiled in {time.perf_counter() - t0:.1f} s; manifest written to {cache}")
+    return 0

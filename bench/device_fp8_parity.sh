@@ -28,8 +28,8 @@ if [ "${INSTALL:-1}" = 1 ]; then
   export PYTHONPATH=$PWD/.cache/site:$PWD
 fi
 source "$(dirname "$0")/device_waivers.sh"  # W=(--waive ... --reason ...)
-data() { python3 -c 'import sys; from dflash.commands.train import data_main; data_main(sys.argv[1:])' "$@"; }
-evaluate() { python3 -c 'import sys; from dflash.commands.train import eval_main; eval_main(sys.argv[1:])' "$@"; }
+data() { python3 -c 'import sys; from dflash.commands.data import data_main; data_main(sys.argv[1:])' "$@"; }
+evaluate() { python3 -c 'import sys; from dflash.commands.eval import eval_main; eval_main(sys.argv[1:])' "$@"; }
 echo "== data $(date +%T)"
 data prepare --target smollm2 --prompts chitchat --out $P/train --limit "$PROMPTS" --max-new-tokens "$NEW_TOKENS" \
   --batch-size 64 --device "$DEVICE" 2>&1 | grep -v Warning | tail -2

@@ -218,7 +218,7 @@ CASES = [
      "[eval] works in co-located runs only", 2, None),
     ("dflash-train", ["--config"], "Option '--config' requires an argument", 2, None),
     # ---- dflash-data
-    ("dflash-data", [], "missing command; give one of manifest, merge, prepare, stats", 2, None),
+    ("dflash-data", [], "missing command; give one of import, manifest, merge, prepare, regenerate, stats", 2, None),
     ("dflash-data", ["bogus"], "No such command 'bogus'", 2, None),
     ("dflash-data", ["stats", f"{R}/nosuch"], "does not exist", 2, None),
     ("dflash-data", ["stats", G], "is a file", 2, None),

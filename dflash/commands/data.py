@@ -11,6 +11,8 @@ from pathlib import Path
 import click
 
 from dflash.commands.common import CONTEXT
+from dflash.commands.data_import import import_command, stats_lines
+from dflash.commands.data_regenerate import regenerate_command
 from dflash.config import MAX_TOKENS
 from dflash.errors import Group, run_cli
 
@@ -18,6 +20,10 @@ from dflash.errors import Group, run_cli
 @click.group(cls=Group, context_settings=CONTEXT)
 def data_command() -> None:
     """Prepare, merge and inspect Arrow training shards."""
+
+
+data_command.add_command(import_command, "import")
+data_command.add_command(regenerate_command)
 
 
 @data_command.command("stats")
@@ -42,6 +48,8 @@ def data_stats(path, token_budget, max_batch_size, num_buckets) -> None:
         click.echo(f"  {lo:>7}-{hi:<7} {n:>9}  {'#' * int(40 * n / max(1, counts.max()))}")
     sampler = BucketBatchSampler(lengths, token_budget, max_batch_size, num_buckets, 0)
     click.echo(sampler.summary())
+    for line in stats_lines(ds.shards):
+        click.echo(line)
 
 
 @data_command.command("prepare")

@@ -38,10 +38,12 @@ def write_shard(path: str | Path, input_ids: Sequence[Sequence[int]], loss_masks
     write_shard_arrays(path, offsets, ids, mask)
 
 
-def write_shard_arrays(path: str | Path, offsets: np.ndarray, input_ids: np.ndarray, loss_mask: np.ndarray) -> None:
+def write_shard_arrays(path: str | Path, offsets: np.ndarray, input_ids: np.ndarray, loss_mask: np.ndarray,
+                       extra: dict[str, pa.Array] | None = None) -> None:
     """Write one shard atomically from flat arrays: row i is ``input_ids[offsets[i]:offsets[i+1]]``.
 
-    The fast path for large synthetic or converted datasets (no per-row Python).
+    The fast path for large synthetic or converted datasets (no per-row Python). ``extra``: optional
+    per-row columns after the two read ones (readers select columns by name and ignore the others).
     """
     path = Path(path)
     offsets = np.asarray(offsets)
@@ -65,6 +67,7 @@ def write_shard_arrays(path: str | Path, offsets: np.ndarray, input_ids: np.ndar
         {
             "input_ids": pa.ListArray.from_arrays(offsets32, pa.array(input_ids.astype(np.int32, copy=False))),
             "loss_mask": pa.ListArray.from_arrays(offsets32, pa.array(loss_mask.astype(np.int8, copy=False))),
+            **(extra or {}),
         }
     )
     path.parent.mkdir(parents=True, exist_ok=True)

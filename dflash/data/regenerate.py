@@ -1,0 +1,507 @@
+"""Conversations with the target's own replies: each assistant turn regenerated through OpenAI-compatible servers.
+
+    uv run dflash-data regenerate --input conv.jsonl --server http://127.0.0.1:30000 --out regen.jsonl
+
+Input: JSONL, one conversation a line, ShareGPT (`id`, `conversations`: [{from, value}]) or OpenAI
+(`id`, `messages`: [{role, content}]), read as a stream. Output: JSONL in the OpenAI form, `{"id", "messages"}`,
+one line per finished conversation, appended and flushed as soon as it is done (completion order, not input
+order); an assistant turn keeps the server's `reasoning_content` when it returns one. A rerun skips the ids
+already in the output, so a run stopped anywhere (a server killed, Ctrl-C) loses nothing and writes nothing
+twice. What could not be done in this run (a malformed line, a conversation that failed after every retry)
+goes to `skipped.jsonl` beside the output, with the line number and the reason; a rerun tries those again.
+
+Requests go to the least-loaded live server (ties in turn); a failed request is retried with exponential
+backoff on another server when there is one. The client is the standard library only (urllib, threads):
+it runs in the training environment while the server runs in the infer-cu130 profile's.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import random
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections import Counter
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from dflash.errors import DflashError, UsageError
+
+SKIPPED_NAME = "skipped.jsonl"  # beside --out: what this run could not do, with the reason
+CHAT_PATH = "/v1/chat/completions"
+MODELS_PATH = "/v1/models"
+PROBE_TIMEOUT_S = 10.0  # the start-of-run reachability check, per server
+BACKOFF_BASE_S = 0.5  # first retry waits ~0.5 s, then doubles (with jitter) ...
+BACKOFF_MAX_S = 30.0  # ... up to this
+FAILED_FIRST_LIMIT = 8  # this many failed conversations before any succeeds stop the run (wrong --model, wrong URL)
+# ShareGPT speaker names -> OpenAI roles.
+SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
+                  "chatgpt": "assistant", "tool": "tool", "function": "tool", "observation": "tool"}
+ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+class RegenerateError(DflashError):
+    """A regeneration that cannot go on (exit 1); the message is one line with the fix."""
+
+
+class RunStopped(RegenerateError):
+    """The run stopped early (every server down, or only failures so far); what is done is kept, a rerun continues."""
+
+
+class BadRow(ValueError):
+    """One input line that is not a conversation we can regenerate; the message is the reason."""
+
+
+class RowFailed(Exception):
+    """One conversation that failed for good (a 4xx answer, or every retry spent); the message is the reason."""
+
+
+@dataclass(frozen=True)
+class Settings:
+    """How each reply is asked for."""
+
+    model: str | None = None  # the `model` field of each request; None: the server's own
+    temperature: float = 0.0  # 0 = greedy, like `dflash-data prepare`
+    max_tokens: int = 4096  # completion tokens per reply
+    turns: str = "all"  # all: every assistant turn, in order, on the regenerated history; last: only the final one
+    thinking: str = "keep"  # keep: the template's default; off: chat_template_kwargs enable_thinking=false
+    seed: int | None = None  # sent with every request when given
+    retries: int = 5  # further attempts per reply after a failure
+    timeout_s: float = 600.0  # per request
+
+
+@dataclass
+class Reply:
+    message: dict
+    completion_tokens: int
+    truncated: bool  # finish_reason == "length": cut by max_tokens
+
+
+@dataclass
+class Summary:
+    """What one run did; `stopped` is the reason it ended early (every server down), else None."""
+
+    regenerated: int = 0
+    skipped: int = 0
+    already_done: int = 0
+    completion_tokens: int = 0
+    truncated: int = 0
+    seconds: float = 0.0
+    served: dict = field(default_factory=dict)
+    retries: int = 0
+    stopped: str | None = None
+
+
+# ---------------------------------------------------------------- input rows
+
+
+def normalize_url(url: str) -> str:
+    """`http://host:port[/v1][/]` -> `http://host:port`; anything not http(s) is a usage error."""
+    base = url.strip().rstrip("/")
+    if base.endswith("/v1"):
+        base = base[: -len("/v1")]
+    if not base.startswith(("http://", "https://")) or len(base.split("://", 1)[1]) == 0:
+        raise UsageError(f"--server {url!r} is not an http(s) URL; give e.g. --server http://127.0.0.1:30000")
+    return base
+
+
+def _sharegpt(turns) -> list[dict]:
+    if not isinstance(turns, list):
+        raise BadRow("`conversations` is not a list")
+    out = []
+    for i, turn in enumerate(turns):
+        if not isinstance(turn, dict) or not isinstance(turn.get("value"), str):
+            raise BadRow(f"conversations[{i}] has no string `value`")
+        role = SHAREGPT_ROLES.get(str(turn.get("from", "")).lower())
+        if role is None:
+            raise BadRow(f"conversations[{i}] is from {turn.get('from')!r}; expected one of {', '.join(SHAREGPT_ROLES)}")
+        out.append({"role": role, "content": turn["value"]})
+    return out
+
+
+def _openai(messages) -> list[dict]:
+    if not isinstance(messages, list):
+        raise BadRow("`messages` is not a list")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or m.get("role") not in ROLES:
+            raise BadRow(f"messages[{i}] has no role of {', '.join(ROLES)}")
+        if not isinstance(m.get("content"), (str, list)) and not (m["role"] == "assistant" and m.get("tool_calls")):
+            raise BadRow(f"messages[{i}] has no string or list `content`")
+    return messages
+
+
+def _messages(row: dict) -> list[dict]:
+    if "messages" in row:
+        messages = _openai(row["messages"])
+    elif "conversations" in row:
+        messages = _sharegpt(row["conversations"])
+    else:
+        raise BadRow("no `messages` (OpenAI) or `conversations` (ShareGPT) list")
+    if not any(m["role"] == "assistant" for m in messages):
+        raise BadRow("no assistant turn to regenerate")
+    return messages
+
+
+def parse_row(text: str, lineno: int) -> tuple[str, list[dict]]:
+    """One input line -> (id, OpenAI messages); BadRow with the reason (and `.rid` when known) otherwise.
+
+    A row without an id gets `line-<lineno>`: stable across reruns of the same input file.
+    """
+    try:
+        row = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise BadRow(f"not JSON ({e.msg} at column {e.colno})") from None
+    if not isinstance(row, dict):
+        raise BadRow("not a JSON object")
+    rid = row.get("id", f"line-{lineno}")
+    if not isinstance(rid, (str, int)) or isinstance(rid, bool):
+        raise BadRow("`id` is not a string or an integer")
+    try:
+        return str(rid), _messages(row)
+    except BadRow as e:
+        e.rid = str(rid)
+        raise
+
+
+def read_rows(path: Path):
+    """Stream (lineno, id, messages, reason) for every non-blank line; a bad line has messages None and a reason."""
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            if not raw.strip():
+                continue
+            try:
+                rid, messages = parse_row(raw.decode("utf-8"), lineno)
+            except UnicodeDecodeError:
+                yield lineno, None, None, "not UTF-8"
+            except BadRow as e:
+                yield lineno, getattr(e, "rid", None), None, str(e)
+            else:
+                yield lineno, rid, messages, None
+
+
+def count_rows(path: Path) -> int:
+    """Non-blank lines (the progress bar's total), read as a stream; a JSON array file is a usage error."""
+    n = 0
+    with open(path, "rb") as f:
+        for raw in f:
+            if raw.strip():
+                if n == 0 and raw.lstrip().startswith(b"["):
+                    raise UsageError(f"{path} is a JSON array; regenerate reads JSONL (one conversation a line): "
+                                     f"convert it with `jq -c '.[]' {path} > {Path(path).stem}.jsonl`")
+                n += 1
+    return n
+
+
+# ---------------------------------------------------------------- output
+
+
+def skipped_path(out: Path) -> Path:
+    return Path(out).with_name(SKIPPED_NAME)
+
+
+def check_paths(input_path: Path, out: Path) -> None:
+    """Refuse an --out that would overwrite the input (or make skipped.jsonl do it) or that is a folder."""
+    input_path, out = Path(input_path), Path(out)
+    if out.is_dir():
+        raise UsageError(f"--out {out} is a folder; give a .jsonl file path")
+    if out.name == SKIPPED_NAME:
+        raise UsageError(f"--out {out}: {SKIPPED_NAME} is where failures go; give another file name")
+    for path, what in ((out, "--out"), (skipped_path(out), f"{SKIPPED_NAME} beside --out")):
+        if path.resolve() == input_path.resolve() or (path.exists() and os.path.samefile(path, input_path)):
+            raise UsageError(f"{what} {path} is the input file; give another --out (regenerate never overwrites its input)")
+
+
+def finished_ids(out: Path) -> set[str]:
+    """Ids already in the output; a torn last line (a run killed mid-write) is cut off the file."""
+    out = Path(out)
+    if not out.exists():
+        return set()
+    ids, good = set(), 0
+    with open(out, "rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            if not raw.endswith(b"\n"):
+                break
+            try:
+                ids.add(str(json.loads(raw)["id"]))
+            except (ValueError, KeyError, TypeError):
+                raise RegenerateError(f"{out} line {lineno} is not a regenerated conversation; give another --out "
+                                      "or move that file aside") from None
+            good += len(raw)
+    if good < out.stat().st_size:
+        os.truncate(out, good)
+    return ids
+
+
+# ---------------------------------------------------------------- servers
+
+
+class ServerPool:
+    """The servers and their requests in flight: each request goes to the least-loaded live server, ties in turn.
+
+    A server whose last request failed to connect is down until a later request succeeds; down servers are used
+    only while every server is down. `stop()` makes every later request raise RunStopped at once.
+    """
+
+    def __init__(self, urls: list[str]):
+        self.urls = list(dict.fromkeys(urls))
+        self._lock = threading.Lock()
+        self._busy = dict.fromkeys(self.urls, 0)
+        self._failing = dict.fromkeys(self.urls, False)
+        self._turn = 0
+        self.served: Counter = Counter()
+        self.retries = 0  # requests sent again after a failure
+        self.stopped: str | None = None
+
+    def acquire(self, avoid: str | None = None) -> str:
+        """The server for the next request (not `avoid` when another one is live)."""
+        with self._lock:
+            live = [u for u in self.urls if not self._failing[u]] or list(self.urls)
+            if len(live) > 1 and avoid in live:
+                live.remove(avoid)
+            self._turn += 1
+            order = {u: (i - self._turn) % len(self.urls) for i, u in enumerate(self.urls)}
+            url = min(live, key=lambda u: (self._busy[u], order[u]))
+            self._busy[url] += 1
+            return url
+
+    def release(self, url: str, connected: bool, answered: bool = False) -> None:
+        with self._lock:
+            self._busy[url] -= 1
+            self._failing[url] = not connected
+            self.served[url] += answered
+
+    def count_retry(self) -> None:
+        with self._lock:
+            self.retries += 1
+
+    def all_down(self) -> bool:
+        with self._lock:
+            return all(self._failing.values())
+
+    def stop(self, reason: str) -> None:
+        self.stopped = self.stopped or reason
+
+
+def _http_json(url: str, body: dict | None, timeout: float):
+    data = None if body is None else json.dumps(body).encode()
+    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=timeout) as response:
+        return json.loads(response.read())
+
+
+def _answer_text(e: urllib.error.HTTPError) -> str:
+    """The first 200 characters of an error answer's body, on one line ('' when it cannot be read)."""
+    try:
+        return " ".join(e.read().decode("utf-8", "replace").split())[:200]
+    except (OSError, http.client.HTTPException):
+        return ""
+
+
+def _reason(e: BaseException) -> str:
+    inner = getattr(e, "reason", None)
+    text = str(inner if inner is not None else e) or type(e).__name__
+    return " ".join(text.split())[:200]
+
+
+def probe(urls: list[str], timeout: float = PROBE_TIMEOUT_S) -> list[str]:
+    """Check every server answers HTTP (UsageError otherwise); the model ids the first one lists ([] if none)."""
+    models: list[str] | None = None
+    for url in urls:
+        try:
+            listed = _http_json(url + MODELS_PATH, None, timeout)
+            ids = [m["id"] for m in listed.get("data", []) if isinstance(m, dict) and "id" in m]
+        except urllib.error.HTTPError:  # it answers; it just lists no models
+            ids = []
+        except (OSError, http.client.HTTPException) as e:
+            raise UsageError(f"server {url} is unreachable ({_reason(e)}); start it (README: Regenerate) or "
+                             "fix --server") from None
+        except (ValueError, AttributeError, TypeError):
+            ids = []
+        models = ids if models is None else models
+    return models or []
+
+
+def request_body(messages: list[dict], settings: Settings) -> dict:
+    body = {"messages": messages, "max_tokens": settings.max_tokens, "temperature": settings.temperature,
+            "stream": False}
+    if settings.model:
+        body["model"] = settings.model
+    if settings.seed is not None:
+        body["seed"] = settings.seed
+    if settings.thinking == "off":
+        body["chat_template_kwargs"] = {"enable_thinking": False}
+    return body
+
+
+def parse_reply(data) -> Reply:
+    """A chat.completion answer -> the assistant message to keep; ValueError for an answer without one."""
+    try:
+        choice = data["choices"][0]
+        message = choice["message"]
+    except (KeyError, IndexError, TypeError):
+        raise ValueError("an answer without choices[0].message") from None
+    content, tool_calls = message.get("content"), message.get("tool_calls")
+    if not isinstance(content, str) and not tool_calls:
+        raise ValueError("an answer whose message has no content")
+    out = {"role": "assistant", "content": content if isinstance(content, str) else ""}
+    reasoning = message.get("reasoning_content") or message.get("reasoning")
+    if reasoning:
+        out["reasoning_content"] = reasoning
+    if tool_calls:
+        out["tool_calls"] = tool_calls
+    usage = data.get("usage") or {}
+    return Reply(out, int(usage.get("completion_tokens") or 0), choice.get("finish_reason") == "length")
+
+
+def backoff_s(attempt: int) -> float:
+    """Seconds before retry `attempt` (1, 2, ...): doubling from BACKOFF_BASE_S, capped, with jitter."""
+    return min(BACKOFF_MAX_S, BACKOFF_BASE_S * 2 ** (attempt - 1)) * random.uniform(0.5, 1.0)
+
+
+def complete(pool: ServerPool, messages: list[dict], settings: Settings, sleep=time.sleep) -> Reply:
+    """One reply to `messages`, retried with backoff over the pool's servers.
+
+    RowFailed: a 4xx answer (the request itself is wrong) or every attempt spent while some server lives.
+    RunStopped: every attempt spent and every server down, or the pool stopped.
+    """
+    body, last, avoid = request_body(messages, settings), "no attempt", None
+    for attempt in range(settings.retries + 1):
+        if pool.stopped:
+            raise RunStopped(pool.stopped)
+        if attempt:
+            pool.count_retry()
+            sleep(backoff_s(attempt))
+        url = pool.acquire(avoid)
+        try:
+            reply = parse_reply(_http_json(url + CHAT_PATH, body, settings.timeout_s))
+        except urllib.error.HTTPError as e:
+            pool.release(url, connected=True)
+            last, avoid = f"{url} answered HTTP {e.code}: {_answer_text(e)}", url
+            if 400 <= e.code < 500 and e.code not in (408, 429):  # the request itself is wrong: no retry helps
+                raise RowFailed(last) from None
+        except (OSError, http.client.HTTPException) as e:  # refused, reset, timed out (URLError is an OSError)
+            pool.release(url, connected=False)
+            last, avoid = f"{url}: {_reason(e)}", url
+        except ValueError as e:
+            pool.release(url, connected=True)
+            last, avoid = f"{url}: {e}", url
+        else:
+            pool.release(url, connected=True, answered=True)
+            return reply
+    if pool.all_down():
+        raise RunStopped(f"every server is down (last: {last}); restart one")
+    raise RowFailed(f"failed after {settings.retries + 1} attempts: {last}")
+
+
+def regenerate(pool: ServerPool, messages: list[dict], settings: Settings) -> tuple[list[dict], list[Reply]]:
+    """The conversation with its assistant turns (all, or the last) replaced by the servers' replies, in order."""
+    targets = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+    targets = set(targets[-1:] if settings.turns == "last" else targets)
+    out, replies = [], []
+    for i, message in enumerate(messages):
+        if i in targets:
+            replies.append(complete(pool, out, settings))
+            message = replies[-1].message
+        out.append(message)
+    return out, replies
+
+
+# ---------------------------------------------------------------- the run
+
+
+class _Run:
+    """One regeneration run: reads the input as a stream, keeps at most 2 x concurrency conversations in flight,
+    writes each result as it finishes (main thread only)."""
+
+    def __init__(self, out, skipped, pool: ServerPool, settings: Settings, bar):
+        self.out, self.skipped, self.pool, self.settings, self.bar = out, skipped, pool, settings, bar
+        self.summary = Summary()
+        self.pending: dict[Future, tuple[int, str]] = {}
+        self.failed = 0  # conversations that failed for good in this run
+        self.start = time.monotonic()
+
+    def skip(self, lineno: int, rid: str | None, reason: str) -> None:
+        self.skipped.write(json.dumps({"line": lineno, "id": rid, "reason": reason}, ensure_ascii=False) + "\n")
+        self.skipped.flush()
+        self.summary.skipped += 1
+        self.bar.update(1)
+
+    def finish(self, future: Future) -> None:
+        lineno, rid = self.pending.pop(future)
+        try:
+            messages, replies = future.result()
+        except RowFailed as e:
+            self.failed += 1
+            if self.failed >= FAILED_FIRST_LIMIT and not self.summary.regenerated:
+                self.pool.stop(f"the first {self.failed} conversations all failed (last: {e}); check --model and --server")
+            return self.skip(lineno, rid, str(e))
+        except RunStopped as e:
+            self.pool.stop(str(e))
+            return
+        self.out.write(json.dumps({"id": rid, "messages": messages}, ensure_ascii=False) + "\n")
+        self.out.flush()
+        s = self.summary
+        s.regenerated += 1
+        s.completion_tokens += sum(r.completion_tokens for r in replies)
+        s.truncated += sum(r.truncated for r in replies)
+        self.bar.update(1)
+        self.bar.set_postfix_str(f"{s.completion_tokens / max(time.monotonic() - self.start, 1e-9):.0f} tok/s", refresh=False)
+
+    def drain(self, keep: int) -> None:
+        while len(self.pending) > keep:
+            finished, _ = wait(list(self.pending), return_when=FIRST_COMPLETED)
+            for future in finished:
+                self.finish(future)
+
+    def feed(self, executor: ThreadPoolExecutor, rows, done: set[str], concurrency: int) -> None:
+        seen: dict[str, int] = {}
+        for lineno, rid, messages, reason in rows:
+            if self.pool.stopped:
+                break
+            if reason is not None:
+                self.skip(lineno, rid, reason)
+            elif rid in seen:
+                self.skip(lineno, rid, f"duplicate id (also at line {seen[rid]})")
+            elif rid in done:
+                seen[rid] = lineno
+                self.summary.already_done += 1
+                self.bar.update(1)
+            else:
+                seen[rid] = lineno
+                self.drain(2 * concurrency - 1)
+                self.pending[executor.submit(regenerate, self.pool, messages, self.settings)] = (lineno, rid)
+        self.drain(0)
+
+
+def run(input_path: Path, out: Path, urls: list[str], settings: Settings, concurrency: int = 64,
+        progress: bool | None = None) -> Summary:
+    """Regenerate every conversation of `input_path` not yet in `out`; see the module docstring."""
+    from tqdm import tqdm
+
+    input_path, out = Path(input_path), Path(out)
+    check_paths(input_path, out)
+    total = count_rows(input_path)
+    done = finished_ids(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    pool = ServerPool(urls)
+    with (open(out, "a", encoding="utf-8") as out_f, open(skipped_path(out), "w", encoding="utf-8") as skip_f,
+          tqdm(total=total, unit="conv", desc="regenerate", disable=None if progress is None else not progress,
+               dynamic_ncols=True) as bar):
+        job = _Run(out_f, skip_f, pool, settings, bar)
+        executor = ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="regenerate")
+        try:
+            job.feed(executor, read_rows(input_path), done, concurrency)
+        except KeyboardInterrupt:
+            pool.stop("interrupted")  # requests in flight end at their next attempt; what is written stays
+            raise
+        finally:
+            executor.shutdown(wait=False, cancel_futures=True)
+    summary = job.summary
+    summary.seconds = time.monotonic() - job.start
+    summary.served, summary.retries, summary.stopped = dict(pool.served), pool.retries, pool.stopped
+    return summary

@@ -1,0 +1,195 @@
+"""`dflash-data import` as users run it: exit codes and exact lines, skipped rows, resume, and the output read
+by stats, merge, preflight's `dataset` check and the trainer unchanged.
+
+The target is the tiny random Qwen3 with the word-level tokenizer (its template: ``<user> ... <assistant> ...``,
+no end-of-turn token), so tokenizing costs nothing and a few training steps run in seconds.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pyarrow as pa
+import pytest
+
+from dflash.commands.data import data_main
+from dflash.data.identity import read_manifest
+from dflash.data.shards import ShardDataset
+from dflash.data.synthetic import word_text
+from trainkit import chat_target, tiny_config
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory) -> Path:
+    return chat_target(tmp_path_factory.mktemp("target"), "qwen3")
+
+
+def conversation(i: int, turns: int = 2) -> list[dict]:
+    out = []
+    for t in range(turns):
+        out += [{"role": "user", "content": word_text(3, i + t)}, {"role": "assistant", "content": word_text(4, i + 9)}]
+    return out
+
+
+def write_rows(path: Path, n: int, extra: list[str] = ()) -> Path:
+    lines = [json.dumps({"id": f"c{i}", "messages": conversation(i, 1 + i % 3)}) for i in range(n)]
+    path.write_text("\n".join([*lines, *extra]) + "\n")
+    return path
+
+
+def dflash_data(capsys, *args: str) -> tuple[int, list[str], list[str]]:
+    """(exit code, stdout lines, stderr lines) of the real console entry point, in this process."""
+    with pytest.raises(SystemExit) as e:
+        data_main([str(a) for a in args])
+    out, err = capsys.readouterr()
+    return e.value.code, out.splitlines(), err.splitlines()
+
+
+def test_import_writes_shards_masks_skipped_rows_and_stats(tmp_path, target, capsys):
+    src = write_rows(tmp_path / "chats.jsonl", 30, ['{"messages": [', '{"messages": [{"role": "user", "content": "w1"}]}',
+                                                    '{"messages": [{"role": "robot", "content": "w1"}]}'])
+    share = tmp_path / "share.json"
+    share.write_text(json.dumps([{"conversations": [{"from": "human", "value": "w1 w2"}, {"from": "gpt", "value": "w3"}]}]))
+    out = tmp_path / "out"
+    code, lines, err = dflash_data(capsys, "import", src, share, "--target", target, "--out", out, "--shard-size", 12,
+                                   "--workers", 1, "--no-progress")
+    assert code == 0, err
+    assert lines[0] == f"import: 2 file(s) (messages, sharegpt) -> {out}, 12 rows per shard; template of {target}"
+    assert lines[1:4] == ["  shard-00000.arrow: rows 0-11, 12 samples, 216 tokens",
+                          "  shard-00001.arrow: rows 12-23, 12 samples, 216 tokens",
+                          "  shard-00002.arrow: rows 24-33, 7 samples, 113 tokens"]
+    assert lines[5] == f"  2 malformed; 1 without an assistant token; reasons in {out / 'skipped.jsonl'}"
+    skipped = [json.loads(line) for line in (out / "skipped.jsonl").read_text().splitlines()]
+    assert [(s["line"], s["kind"], s["reason"]) for s in skipped] == [
+        (31, "malformed", "not valid JSON (Expecting value at column 15)"),
+        (32, "no_assistant", "no assistant message"),
+        (33, "malformed", "message 0: unknown role 'robot' (use system, user, assistant, tool)")]
+    ds = ShardDataset(out)
+    ids, mask = ds.get(1)  # c1: two turns; the mask is exactly the two replies (4 words each)
+    from dflash.data.synthetic import word_tokenizer
+
+    tok = word_tokenizer()
+    assert tok.decode(ids[mask == 1].tolist()) == " ".join([word_text(4, 10)] * 2)
+    assert tok.decode(ids[mask == 0].tolist()) == f"<user> {word_text(3, 1)} <assistant> <user> {word_text(3, 2)} <assistant>"
+    table = pa.ipc.open_file(pa.memory_map(str(out / "shard-00002.arrow"))).read_all()
+    assert table.column("id").to_pylist()[-1] == "share.json:1" and table.column("turns").to_pylist()[:2] == [1, 2]
+    manifest, _ = read_manifest(out)
+    assert [s["name"] for s in manifest["sources"]] == ["chats.jsonl", "share.json"]
+    assert manifest["target"]["vocab_size"] == 64 and set(manifest["shards"]) == {f"shard-0000{i}.arrow" for i in range(3)}
+
+    code, lines, _ = dflash_data(capsys, "stats", out)
+    assert code == 0 and lines[-3:] == ["masked (learned) tokens: 44.2% (241 of 545)",
+                                        "assistant tokens per row: mean 8, median 8, max 12",
+                                        "assistant turns per row: mean 2.0, median 2, max 3"]
+    # the same numbers after a merge (shards copied whole: their turns column too)
+    code, _, err = dflash_data(capsys, "merge", out, "--out", tmp_path / "merged")
+    assert code == 0, err
+    assert dflash_data(capsys, "stats", tmp_path / "merged")[1][-3:] == lines[-3:]
+
+    # a rerun with the same settings has nothing left; other settings are refused with one line
+    code, lines, _ = dflash_data(capsys, "import", src, share, "--target", target, "--out", out, "--shard-size", 12,
+                                 "--workers", 1, "--no-progress")
+    assert code == 0 and "3 shard(s) already done (resuming)" in lines[0]
+    assert len((out / "skipped.jsonl").read_text().splitlines()) == 3  # nothing twice
+    code, _, err = dflash_data(capsys, "import", src, share, "--target", target, "--out", out, "--shard-size", 12,
+                               "--last-turn-only")
+    assert code == 2 and err == [f"dflash-data: error: {out}: imported with other settings (last_turn_only); rerun "
+                                 "with the same sources and options to resume, or use another --out"]
+
+
+def test_max_length_truncates_or_drops_and_counts(tmp_path, target, capsys):
+    src = write_rows(tmp_path / "c.jsonl", 9)
+    common = ["import", src, "--target", target, "--workers", 1, "--no-progress", "--max-length", 12]
+    code, lines, _ = dflash_data(capsys, *common, "--out", tmp_path / "t")
+    assert code == 0 and lines[-1] == "  6 truncated to --max-length (kept)"
+    assert ShardDataset(tmp_path / "t").lengths.max() == 12
+    code, lines, _ = dflash_data(capsys, *common, "--out", tmp_path / "d", "--overlong", "drop")
+    assert code == 0 and lines[-1] == f"  6 longer than --max-length (dropped); reasons in {tmp_path / 'd/skipped.jsonl'}"
+    assert ShardDataset(tmp_path / "d").num_samples == 3
+
+
+def test_a_file_that_is_not_json_is_one_line_exit_2(tmp_path, target, capsys):
+    bad = tmp_path / "notes.txt"
+    bad.write_text("hello\nworld\n")
+    code, out, err = dflash_data(capsys, "import", bad, "--target", target, "--out", tmp_path / "o")
+    assert code == 2 and out == []
+    assert err == [f"dflash-data: error: {bad}: neither JSON/JSONL nor Parquet (it starts with b'hello\\nworld\\n'); "
+                   "give conversation files as .jsonl, .json (an array) or .parquet"]
+    assert not (tmp_path / "o").exists()
+
+
+def test_parquet_with_messages_column(tmp_path, target, capsys):
+    import pyarrow.parquet as pq
+
+    rows = [{"id": f"p{i}", "messages": conversation(i)} for i in range(5)]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "m.parquet")
+    code, _, err = dflash_data(capsys, "import", tmp_path / "m.parquet", "--target", target, "--out", tmp_path / "o",
+                               "--workers", 1, "--no-progress", "--last-turn-only")
+    assert code == 0, err
+    ids, mask = ShardDataset(tmp_path / "o").get(0)
+    assert int(mask.sum()) == 4 and mask[-4:].all()  # the last reply only
+
+
+def _import_cmd(src: Path, target: Path, out: Path, *extra: str) -> list[str]:
+    """The real console entry point in its own process."""
+    return [sys.executable, "-c", "from dflash.commands.data import data_main; data_main()", "import", str(src), "--target",
+            str(target), "--out", str(out), "--shard-size", "40", "--no-progress", *extra]
+
+
+@pytest.mark.slow
+def test_a_killed_import_resumes_with_nothing_lost_or_twice(tmp_path, target, capsys):
+    src = write_rows(tmp_path / "c.jsonl", 4000, ["not json"] * 3)
+    ref = tmp_path / "ref"
+    assert dflash_data(capsys, "import", src, "--target", target, "--out", ref, "--shard-size", 40, "--workers", 1,
+                       "--no-progress")[0] == 0
+    out = tmp_path / "out"
+    proc = subprocess.Popen(_import_cmd(src, target, out, "--workers", "2"), cwd=REPO, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and proc.poll() is None:
+        manifest, _ = read_manifest(out) if out.is_dir() else (None, None)
+        if manifest and len(manifest.get("import", {}).get("done", {})) >= 3:
+            break
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    done = len(read_manifest(out)[0]["import"]["done"])
+    assert 3 <= done < 101, "the import finished before it could be killed"
+    run = subprocess.run(_import_cmd(src, target, out), cwd=REPO, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    assert f"{done} shard(s) already done (resuming)" in run.stdout
+    for name in read_manifest(ref)[0]["shards"]:
+        assert (out / name).read_bytes() == (ref / name).read_bytes(), name
+    assert (out / "skipped.jsonl").read_text() == (ref / "skipped.jsonl").read_text()
+    assert read_manifest(out)[0]["import"]["totals"] == read_manifest(ref)[0]["import"]["totals"]
+
+
+@pytest.mark.slow
+def test_preflight_dataset_check_and_training_accept_imported_data(tmp_path, target, capsys):
+    from dflash.train.trainer import run
+    from preflight import checks, facts
+
+    src = write_rows(tmp_path / "c.jsonl", 64)
+    assert dflash_data(capsys, "import", src, "--target", target, "--out", tmp_path / "imported", "--workers", 2,
+                       "--no-progress")[0] == 0
+    cfg, _ = tiny_config(tmp_path, max_steps=3, save_every=3)
+    cfg = cfg.model_copy(update={"target": cfg.target.model_copy(update={"path": str(target)}),
+                                 "data": cfg.data.model_copy(update={"path": str(tmp_path / "imported")})})
+    shape, error = facts.target_shape(cfg)
+    ctx = SimpleNamespace(config=cfg, config_path="run.toml", dataset=facts.dataset(cfg, deep=True),
+                          target_shape=shape, target_error=error)
+    result = checks.check_dataset(ctx)
+    assert result.status == "pass", result.summary
+    assert "sizes and sha256 match manifest.json; built for this target" in result.summary
+    assert run(cfg, None, log=lambda *_: None, progress=False) == 0
+    assert np.isfinite(json.loads((Path(cfg.output_dir) / "metrics.jsonl").read_text().splitlines()[-1])["loss"])

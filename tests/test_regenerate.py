@@ -1,0 +1,308 @@
+"""dflash-data regenerate: conversations in, the target's own replies out, against a real OpenAI-compatible server.
+
+The slow tests start `transformers serve` (the dev group's fastapi/uvicorn/openai) with the embedded SmolLM2
+target on a free loopback port, once per module, and run the real `dflash-data regenerate` command against it;
+one of them starts a second server and kills it mid-run. The fast tests judge the pure parts and a closed port.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from dflash.data import regenerate as rg
+from dflash.errors import UsageError
+
+REPO = Path(__file__).resolve().parent.parent
+BIN = Path(sys.executable).parent
+ORIGINAL = "ORIGINAL REPLY"  # every assistant turn of the inputs; a regenerated one never says it
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _write_jsonl(path: Path, rows: list) -> Path:
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+    return path
+
+
+def _regenerate(*args, timeout: float = 120) -> subprocess.CompletedProcess:
+    cmd = [str(BIN / "dflash-data"), "regenerate", "--no-progress", *map(str, args)]
+    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout)
+
+
+def _rows(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def _chat(i: int, turns: int = 1) -> dict:
+    """Conversation `conv-i`: each assistant turn says ORIGINAL and its number (a tiny model may copy an earlier one)."""
+    messages = []
+    for t in range(turns):
+        messages += [{"role": "user", "content": f"Give me fact number {i + t} about the sea."},
+                     {"role": "assistant", "content": f"{ORIGINAL} {t}"}]
+    return {"id": f"conv-{i}", "messages": messages}
+
+
+# ---------------------------------------------------------------- a real server
+
+
+class Server:
+    """`transformers serve MODEL` on a free loopback port, in its own process."""
+
+    def __init__(self, model: Path, tmp: Path):
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = tmp / f"serve-{self.port}.log"
+        (tmp / "hf-cache").mkdir(exist_ok=True)  # /v1/models scans the hub cache: an empty one lists no model
+        env = {**os.environ, "HF_HUB_CACHE": str(tmp / "hf-cache"), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+        cmd = [str(BIN / "transformers"), "serve", str(model), "--host", "127.0.0.1", "--port", str(self.port),
+               "--device", "cpu", "--dtype", "float32"]
+        with open(self.log, "wb") as log:
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+
+    def wait_ready(self, timeout: float = 120.0) -> Server:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                pytest.fail(f"transformers serve exited {self.proc.returncode}: {self.log.read_text()[-2000:]}")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        return self
+            except OSError:
+                time.sleep(0.3)
+        self.stop()
+        pytest.fail(f"transformers serve not ready after {timeout:.0f} s: {self.log.read_text()[-2000:]}")
+
+    def stop(self) -> None:
+        self.proc.kill()
+        self.proc.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def smollm2_path():
+    from dflash.models.smollm2_convert import resolve_target
+
+    return resolve_target("smollm2")
+
+
+@pytest.fixture(scope="module")
+def server(smollm2_path, tmp_path_factory):
+    srv = Server(smollm2_path, tmp_path_factory.mktemp("serve")).wait_ready()
+    yield srv
+    srv.stop()
+
+
+@pytest.mark.slow
+def test_every_assistant_turn_regenerated_and_a_rerun_does_nothing_twice(server, tmp_path):
+    conv = _write_jsonl(tmp_path / "conv.jsonl", [
+        {"id": "share", "conversations": [{"from": "system", "value": "You answer in one sentence."},
+                                          {"from": "human", "value": "What is the capital of France?"},
+                                          {"from": "gpt", "value": ORIGINAL},
+                                          {"from": "human", "value": "And of Italy?"},
+                                          {"from": "gpt", "value": ORIGINAL}]},
+        _chat(1),
+        "{not json",
+        {"conversations": [{"from": "human", "value": "Say hello."}, {"from": "gpt", "value": ORIGINAL}]},
+        {"id": "no-reply", "messages": [{"role": "user", "content": "Hi"}]},
+        _chat(1),
+    ])
+    out = tmp_path / "regen.jsonl"
+    p = _regenerate("--input", conv, "--server", server.url + "/v1", "--out", out, "--max-tokens", 6, "--concurrency", 2)
+    assert p.returncode == 0, p.stderr
+    assert "regenerated 3 conversations" in p.stdout and "0 already done, 3 skipped" in p.stdout
+    assert "lists no model; requests name none" in p.stderr
+    rows = {r["id"]: r["messages"] for r in _rows(out)}
+    assert sorted(rows) == ["conv-1", "line-4", "share"]
+    assert [m["role"] for m in rows["share"]] == ["system", "user", "assistant", "user", "assistant"]
+    assert rows["share"][:2] == [{"role": "system", "content": "You answer in one sentence."},
+                                 {"role": "user", "content": "What is the capital of France?"}]
+    replies = [m["content"] for msgs in rows.values() for m in msgs if m["role"] == "assistant"]
+    assert len(replies) == 4 and all(r and not r.startswith(ORIGINAL) for r in replies)
+    skipped = _rows(out.with_name("skipped.jsonl"))
+    assert [(s["line"], s["id"]) for s in skipped] == [(3, None), (5, "no-reply"), (6, "conv-1")]
+    assert skipped[0]["reason"].startswith("not JSON") and skipped[1]["reason"] == "no assistant turn to regenerate"
+    assert skipped[2]["reason"] == "duplicate id (also at line 2)"
+
+    before = out.read_bytes()
+    again = _regenerate("--input", conv, "--server", server.url, "--out", out, "--max-tokens", 6)
+    assert again.returncode == 0, again.stderr
+    assert "regenerated 0 conversations" in again.stdout and "3 already done, 3 skipped" in again.stdout
+    assert out.read_bytes() == before and _rows(out.with_name("skipped.jsonl")) == skipped
+
+
+@pytest.mark.slow
+def test_turns_last_keeps_the_earlier_replies(server, smollm2_path, tmp_path):
+    conv = _write_jsonl(tmp_path / "conv.jsonl", [_chat(0, turns=2)])
+    out = tmp_path / "regen.jsonl"
+    p = _regenerate("--input", conv, "--server", server.url, "--out", out, "--max-tokens", 6, "--turns", "last",
+                    "--thinking", "off", "--seed", 7, "--temperature", 0.7, "--model", smollm2_path)
+    assert p.returncode == 0, p.stderr
+    [row] = _rows(out)
+    given = _chat(0, turns=2)["messages"]
+    assert row["messages"][:3] == given[:3] and row["messages"][3]["role"] == "assistant"
+    assert row["messages"][3]["content"] not in ("", given[3]["content"])
+
+
+@pytest.mark.slow
+def test_a_server_killed_mid_run_loses_nothing(server, smollm2_path, tmp_path):
+    doomed = Server(smollm2_path, tmp_path).wait_ready()
+    conv = _write_jsonl(tmp_path / "conv.jsonl", [_chat(i) for i in range(8)])
+    out = tmp_path / "regen.jsonl"
+    cmd = [str(BIN / "dflash-data"), "regenerate", "--no-progress", "--input", str(conv), "--server", doomed.url,
+           "--server", server.url, "--out", str(out), "--max-tokens", "8", "--concurrency", "4"]
+    run = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not (out.exists() and out.read_text().count("\n") >= 1) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert run.poll() is None, "the run finished before the server could be killed"
+        doomed.stop()
+        stdout, stderr = run.communicate(timeout=120)
+    finally:
+        run.kill()
+        doomed.stop()
+    assert run.returncode == 0, stderr
+    ids = [r["id"] for r in _rows(out)]
+    assert sorted(ids) == sorted(f"conv-{i}" for i in range(8)), stdout  # nothing lost, nothing twice
+    assert not out.with_name("skipped.jsonl").read_text()
+
+    dead = _regenerate("--input", conv, "--server", server.url, "--server", doomed.url, "--out", out)
+    assert dead.returncode == 2 and dead.stderr.startswith(f"dflash-data: error: server {doomed.url} is unreachable")
+    again = _regenerate("--input", conv, "--server", server.url, "--out", out)
+    assert again.returncode == 0 and "regenerated 0 conversations" in again.stdout and "8 already done" in again.stdout
+    assert [r["id"] for r in _rows(out)] == ids
+
+
+@pytest.mark.slow
+def test_a_run_whose_first_conversations_all_fail_stops(server, tmp_path):
+    """A wrong --model: the server refuses every request (HTTP 4xx); the run stops instead of skipping the whole file."""
+    conv = _write_jsonl(tmp_path / "conv.jsonl", [_chat(i) for i in range(rg.FAILED_FIRST_LIMIT + 4)])
+    out = tmp_path / "regen.jsonl"
+    p = _regenerate("--input", conv, "--server", server.url, "--out", out, "--model", "no-such-model", "--concurrency", 1)
+    assert p.returncode == 1
+    assert p.stderr.splitlines()[-1].startswith(f"dflash-data: error: stopped: the first {rg.FAILED_FIRST_LIMIT} "
+                                                f"conversations all failed (last: {server.url} answered HTTP 4")
+    assert "check --model and --server" in p.stderr and not out.read_text()
+    skipped = _rows(out.with_name("skipped.jsonl"))
+    assert rg.FAILED_FIRST_LIMIT <= len(skipped) <= rg.FAILED_FIRST_LIMIT + 2  # and those already in flight
+    assert all("answered HTTP 400" in s["reason"] for s in skipped)
+
+
+# ---------------------------------------------------------------- no server
+
+
+def test_an_unreachable_server_is_one_line_exit_2(tmp_path):
+    conv = _write_jsonl(tmp_path / "conv.jsonl", [_chat(0)])
+    url = f"http://127.0.0.1:{_free_port()}"
+    p = _regenerate("--input", conv, "--server", url, "--out", tmp_path / "out.jsonl")
+    assert p.returncode == 2
+    assert p.stderr.splitlines() == [f"dflash-data: error: server {url} is unreachable ([Errno 111] Connection refused); "
+                                     "start it (README: Regenerate) or fix --server"]
+    assert not (tmp_path / "out.jsonl").exists()
+
+
+def test_the_input_is_never_the_output(tmp_path):
+    conv = _write_jsonl(tmp_path / "conv.jsonl", [_chat(0)])
+    p = _regenerate("--input", conv, "--server", "http://127.0.0.1:9", "--out", tmp_path / "." / "conv.jsonl")
+    assert p.returncode == 2 and "is the input file; give another --out" in p.stderr
+    with pytest.raises(UsageError, match="skipped.jsonl beside --out"):
+        rg.check_paths(_write_jsonl(tmp_path / "skipped.jsonl", []), tmp_path / "out.jsonl")
+    with pytest.raises(UsageError, match="is a folder"):
+        rg.check_paths(conv, tmp_path)
+    assert conv.read_text() == json.dumps(_chat(0)) + "\n"
+
+
+def test_every_server_down_mid_run_stops_and_keeps_what_is_done(tmp_path):
+    """A closed port stands for servers that died after the start check: the run stops at once, skips nothing."""
+    conv = _write_jsonl(tmp_path / "conv.jsonl", [_chat(i) for i in range(5)])
+    out = _write_jsonl(tmp_path / "out.jsonl", [{"id": "conv-0", "messages": []}])
+    settings = rg.Settings(retries=1, timeout_s=5)
+    summary = rg.run(conv, out, [f"http://127.0.0.1:{_free_port()}"], settings, concurrency=2, progress=False)
+    assert summary.stopped.startswith("every server is down (last: http://127.0.0.1:") and summary.stopped.endswith("restart one")
+    assert (summary.regenerated, summary.already_done, summary.skipped) == (0, 1, 0)
+    assert len(_rows(out)) == 1 and not out.with_name("skipped.jsonl").read_text()
+
+
+def test_both_formats_become_openai_messages():
+    share = {"id": 7, "conversations": [{"from": "system", "value": "s"}, {"from": "human", "value": "q"},
+                                        {"from": "gpt", "value": "a"}, {"from": "observation", "value": "t"}]}
+    assert rg.parse_row(json.dumps(share), 1) == ("7", [{"role": "system", "content": "s"}, {"role": "user", "content": "q"},
+                                                        {"role": "assistant", "content": "a"}, {"role": "tool", "content": "t"}])
+    openai = {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a", "reasoning_content": "r"}]}
+    assert rg.parse_row(json.dumps(openai), 9) == ("line-9", openai["messages"])
+
+
+@pytest.mark.parametrize("line, reason", [
+    ("[1, 2]", "not a JSON object"),
+    ('{"id": "x", "text": "hi"}', "no `messages` (OpenAI) or `conversations` (ShareGPT) list"),
+    ('{"conversations": [{"from": "bot", "value": "a"}]}', "conversations[0] is from 'bot'; expected one of"),
+    ('{"messages": [{"role": "user"}]}', "messages[0] has no string or list `content`"),
+    ('{"id": [1], "messages": []}', "`id` is not a string or an integer"),
+])
+def test_a_malformed_row_names_its_reason(line, reason):
+    with pytest.raises(rg.BadRow) as e:
+        rg.parse_row(line, 1)
+    assert str(e.value).startswith(reason)
+
+
+def test_a_json_array_file_is_a_usage_error(tmp_path):
+    path = tmp_path / "conv.json"
+    path.write_text(json.dumps([_chat(0)]))
+    with pytest.raises(UsageError, match=r"is a JSON array; regenerate reads JSONL .* `jq -c"):
+        rg.count_rows(path)
+
+
+def test_a_torn_last_output_line_is_cut_off(tmp_path):
+    out = tmp_path / "out.jsonl"
+    out.write_text('{"id": "a", "messages": []}\n{"id": "b", "mess')
+    assert rg.finished_ids(out) == {"a"}
+    assert out.read_text() == '{"id": "a", "messages": []}\n'
+    out.write_text("garbage\n")
+    with pytest.raises(rg.RegenerateError, match="line 1 is not a regenerated conversation"):
+        rg.finished_ids(out)
+
+
+def test_requests_go_to_the_least_loaded_live_server():
+    pool = rg.ServerPool(["http://a", "http://b", "http://c"])
+    first = [pool.acquire() for _ in range(3)]
+    assert sorted(first) == ["http://a", "http://b", "http://c"]  # one each before any gets a second
+    pool.release("http://b", connected=True, answered=True)
+    assert pool.acquire() == "http://b"  # b is the only idle one
+    pool.release("http://a", connected=False)  # a stopped answering: skipped while others live
+    assert "http://a" not in {pool.acquire() for _ in range(4)}
+    assert pool.acquire(avoid="http://c") == "http://b"
+    assert not pool.all_down()
+
+
+def test_request_and_reply_fields():
+    body = rg.request_body([{"role": "user", "content": "q"}], rg.Settings(model="m", seed=3, thinking="off", max_tokens=9))
+    assert body == {"messages": [{"role": "user", "content": "q"}], "max_tokens": 9, "temperature": 0.0, "stream": False,
+                    "model": "m", "seed": 3, "chat_template_kwargs": {"enable_thinking": False}}
+    reply = rg.parse_reply({"choices": [{"finish_reason": "length", "message": {"content": "a", "reasoning_content": "r"}}],
+                            "usage": {"completion_tokens": 9}})
+    assert reply == rg.Reply({"role": "assistant", "content": "a", "reasoning_content": "r"}, 9, True)
+    with pytest.raises(ValueError, match="without choices"):
+        rg.parse_reply({"error": "x"})
+    assert rg.normalize_url(" http://h:1/v1/ ") == "http://h:1"
+    with pytest.raises(UsageError, match="not an http"):
+        rg.normalize_url("h:1")
+
+
+def test_the_client_loads_without_torch():
+    code = ("import sys, dflash.data.regenerate, dflash.commands.data_regenerate; "
+            "print([m for m in ('torch', 'transformers') if m in sys.modules])")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"

@@ -53,6 +53,24 @@ def kernels(model) -> dict:
     return out
 
 
+def forward_flops(model, layer_ids: list[int], want_last: bool, rows: int, seq: int) -> float:
+    """Matmul FLOPs of the target's feature forward over rows x seq tokens: 2 x the linear weights of the layers it
+    runs (up to the deepest feature layer, or all with want_last) per token, plus causal attention's two products in
+    the full-attention layers (the linear-attention layers' recurrence is not counted)."""
+    import torch
+
+    from dflash.models.target import decoder_of
+
+    layers = decoder_of(model).layers
+    run = layers if want_last else layers[: max(layer_ids) + 1]
+    weights = sum(m.weight.numel() for layer in run for m in layer.modules() if isinstance(m, torch.nn.Linear))
+    config = model.config
+    hd = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    full = sum(1 for layer in run if getattr(layer, "self_attn", None) is not None)
+    attention = full * 2 * (2 * seq * seq / 2 * config.num_attention_heads * hd)  # causal QK^T and PV
+    return 2 * weights * rows * seq + attention * rows
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--config", required=True, help="run config TOML (target.path, target.dtype, data.token_budget)")
@@ -66,6 +84,9 @@ def main(argv=None) -> int:
                    help="transformers' PyTorch Gated DeltaNet even where fla is installed (the fallback's rate)")
     p.add_argument("--padding-mask", action="store_true",
                    help="pass the batch's attention mask to the target, as dflash did before it stopped (what it cost)")
+    p.add_argument("--compile", choices=("off", "on", "both"), default="both",
+                   help="the target's decoder layers eager, compiled (dflash.models.target.compile_target), or both "
+                        "in turn on the same model (default)")
     p.add_argument("--out", type=Path, help="write the result as JSON here")
     args = p.parse_args(argv)
     for name in ("rows", "steps"):
@@ -79,7 +100,7 @@ def main(argv=None) -> int:
     import torch
 
     from dflash.config import load_config
-    from dflash.models.target import load_target, target_features, use_torch_linear_attention
+    from dflash.models.target import compile_target, load_target, target_features, use_torch_linear_attention
     from dflash.train.loss import target_step
     from dflash.train.step import feature_layer_ids
 
@@ -110,31 +131,55 @@ def main(argv=None) -> int:
     batch = {"input_ids": ids.to(device), "attention_mask": attention.to(device) if args.rows > 1 else None}
     want_last = cfg.train.kl_weight > 0
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    times = []
-    with NvmlPeak(nvml) as peak, torch.no_grad():
-        for i in range(args.warmup + args.steps):
-            sync()
-            t = time.perf_counter()
-            if args.padding_mask:
-                target_features(model, batch["input_ids"], batch["attention_mask"], layer_ids, want_last)
-            else:
-                target_step(model, batch, layer_ids, want_last)
-            sync()
-            if i >= args.warmup:
-                times.append(time.perf_counter() - t)
     tokens = args.rows * seq
+
+    def measure(compiled: bool) -> dict:
+        if compiled:
+            compile_target(model)
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        times = []
+        with NvmlPeak(nvml) as peak, torch.no_grad():
+            for _ in range(args.warmup + args.steps):
+                sync()
+                t = time.perf_counter()
+                if args.padding_mask:
+                    target_features(model, batch["input_ids"], batch["attention_mask"], layer_ids, want_last)
+                else:
+                    target_step(model, batch, layer_ids, want_last)
+                sync()
+                times.append(time.perf_counter() - t)
+        steady = times[args.warmup:]
+        return {"compiled": compiled, "first_step_s": round(times[0], 2), "step_s": [round(t, 4) for t in steady],
+                "tok_per_s": round(tokens / (sum(steady) / len(steady)), 1),
+                "max_allocated_bytes": int(torch.cuda.max_memory_allocated()) if device.type == "cuda" else None,
+                "nvml_peak_bytes": peak.peak}
+
+    bound = kernels(model)  # before compile_target wraps the delta rule
+    modes = {"off": [False], "on": [True], "both": [False, True]}[args.compile]
+    runs, features = [], []
+    for compiled in modes:
+        runs.append(measure(compiled))
+        with torch.no_grad():
+            features.append([t.float() for t in target_step(model, batch, layer_ids, want_last) if t is not None])
+    if len(features) == 2:  # compiled against eager on this batch: ||compiled - eager|| / ||eager|| per output
+        errors = [((c - e).norm() / e.norm()).item() for c, e in zip(features[1], features[0])]
+        runs[1]["relative_error_vs_eager"] = [float(f"{x:.3g}") for x in errors]
+        print(f"compiled vs eager features: relative error {errors} (bf16 rounding is ~1e-2 or less)")
+    del features
     result = {
         "target": path, "dtype": cfg.target.dtype, "tokens_per_batch": tokens, "rows": args.rows, "padding_mask": args.padding_mask,
-        "layer_ids": layer_ids,
-        "want_last": want_last, "kernels": kernels(model), "load_s": round(load_s, 2),
-        "step_s": [round(t, 4) for t in times], "tok_per_s": round(tokens / (sum(times) / len(times)), 1),
-        "max_allocated_bytes": int(torch.cuda.max_memory_allocated()) if device.type == "cuda" else None,
-        "nvml_peak_bytes": peak.peak, "environment": environment(torch, args.device),
+        "layer_ids": layer_ids, "want_last": want_last, "kernels": bound, "load_s": round(load_s, 2),
+        "tflops_per_step": round(forward_flops(model, layer_ids, want_last, args.rows, seq) / 1e12, 1),
+        "runs": runs, "environment": environment(torch, args.device),
     }
     print(f"kernels: {result['kernels']}")
     mask = " with the padding mask" if args.padding_mask else ""
-    print(f"{tokens} tokens/batch in {args.rows} rows{mask} x {args.steps}: {result['tok_per_s']:.0f} tok/s; "
-          f"torch peak {gib(result['max_allocated_bytes'])}, NVML peak {gib(result['nvml_peak_bytes'])}")
+    for r in runs:
+        tflops = result["tflops_per_step"] * r["tok_per_s"] / tokens
+        print(f"{'compiled' if r['compiled'] else 'eager'}: {tokens} tokens/batch in {args.rows} rows{mask} x {args.steps}: "
+              f"{r['tok_per_s']:.0f} tok/s ({tflops:.0f} TFLOP/s), first step {r['first_step_s']:.1f} s; "
+              f"torch peak {gib(r['max_allocated_bytes'])}, NVML peak {gib(r['nvml_peak_bytes'])}")
     if args.out:
         write_json(args.out, result)
     return 0

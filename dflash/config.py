@@ -68,6 +68,10 @@ class TargetConfig(_Strict):
     random_init: bool = Field(
         False, description="build the target from config.json with random weights (benchmarks, tests)"
     )
+    compile: bool = Field(
+        True, description="torch.compile each target decoder layer on CUDA (one graph per layer type, any batch shape; "
+        "the linear-attention kernels stay opaque)"
+    )
 
     _path = field_validator("path")(_no_nul)
 

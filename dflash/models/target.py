@@ -11,9 +11,10 @@ from __future__ import annotations
 import functools
 import importlib.util
 import inspect
+import sys
 from collections.abc import Callable
 from pathlib import Path
-from types import CellType, FunctionType, MethodType
+from types import CellType, FunctionType, MethodType, ModuleType
 
 import torch
 from torch import nn
@@ -89,8 +90,8 @@ def freeze(model: nn.Module) -> nn.Module:
 # package when the modeling module is imported (fla: chunk_gated_delta_rule, fused_recurrent_gated_delta_rule;
 # causal_conv1d: causal_conv1d_fn, causal_conv1d_update) and binds the name to it for every device, else to
 # the PyTorch reference it wraps (reachable as the wrapper's __wrapped__).
-KERNEL_FUNCTIONS = ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule", "causal_conv1d_fn",
-                    "causal_conv1d_update")
+DELTA_RULES = ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule")
+KERNEL_FUNCTIONS = (*DELTA_RULES, "causal_conv1d_fn", "causal_conv1d_update")
 
 
 def linear_attention_path(device_type: str, fla_installed: bool) -> str:
@@ -151,7 +152,7 @@ def _rebuilt(function: FunctionType, names: dict[str, Callable]) -> FunctionType
     transformers' force_accelerate_hooks) looks `names` up in a copy of its globals with those names replaced."""
     inner = getattr(function, "__wrapped__", None)
     if inner is None:
-        globals_ = {**function.__globals__, **names}
+        globals_ = _module_globals(function.__globals__, names)
         copy = FunctionType(function.__code__, globals_, function.__name__, function.__defaults__, function.__closure__)
     else:
         new_inner = _rebuilt(inner, names)
@@ -167,6 +168,144 @@ def _rebuilt(function: FunctionType, names: dict[str, Callable]) -> FunctionType
     else:
         copy.__wrapped__ = new_inner
     return copy
+
+
+# ---------------------------------------------------------------------------------------------
+# Regional compilation of the target's decoder layers
+
+COMPILE_BACKEND = "inductor"  # tests swap in a cheaper backend
+
+
+def compile_target(model: nn.Module, backend: str | None = None) -> nn.Module:
+    """Run every decoder layer of `model` through torch.compile: one graph per layer class and type, any batch shape.
+
+    Eager transformers spends a fifth of a dense target's forward in elementwise kernels (RMSNorm, RoPE, SiLU * up,
+    residual adds); compiled, each layer's are fused around its matmuls. Each layer's forward becomes the compiled
+    form of its class's forward taking the layer as an argument (dynamo lifts the weights to inputs, so one graph
+    serves every layer of a class), with the batch and sequence sizes marked dynamic (no recompile per bucket
+    shape). Forward hooks stay outside the compiled code, so target_features still stops after its deepest layer.
+    The gated delta rule (DELTA_RULES: fla's Triton kernels, or transformers' PyTorch loop over sequence chunks,
+    which would unroll per length) runs uncompiled between two graphs. Compilation itself happens at the first forward, in the calling thread.
+    """
+    if getattr(model, "dflash_compiled", False):
+        return model
+    for layer in decoder_of(model).layers:
+        for module in layer.modules():
+            if linear_attention_kernels(module):
+                module.forward = MethodType(_kernels_uncompiled(_function_of(module.forward)), module)
+        layer.forward = MethodType(_compiled_layer_forward(_function_of(layer.forward), backend or COMPILE_BACKEND), layer)
+    model.dflash_compiled = True
+    return model
+
+
+def _function_of(method) -> FunctionType:
+    return getattr(method, "__func__", method)
+
+
+@functools.cache
+def _kernels_uncompiled(forward: FunctionType) -> FunctionType:
+    """`forward` (a linear-attention layer's) calling its delta-rule kernels as opaque custom ops (no graph break), and
+    its other kernels as the implementation transformers' hub wrapper dispatches to (traced directly)."""
+    kernels = _kernels_called(forward)
+    return _rebuilt(forward, {name: _opaque_delta_rule(fn) if name in DELTA_RULES else _dispatched(fn)
+                              for name, fn in kernels.items()})
+
+
+def _dispatched(kernel: Callable) -> Callable:
+    """The function a hub-kernel wrapper (transformers' use_kernel_func_from_hub_with_fallback) calls; else `kernel`."""
+    code = getattr(kernel, "__code__", None)
+    cells = dict(zip(code.co_freevars, (c.cell_contents for c in kernel.__closure__ or ()))) if code else {}
+    implementation = cells.get("implementation")
+    if not callable(implementation):
+        return kernel
+    params = frozenset(inspect.signature(implementation).parameters)
+
+    def call(*args, **kwargs):  # the wrapper's own rule: pass on only the keywords the implementation takes
+        return implementation(*args, **{k: v for k, v in kwargs.items() if k in params})
+
+    return call
+
+
+@functools.cache
+def _opaque_delta_rule(kernel: Callable) -> Callable:
+    """`kernel` (a gated delta rule) as a torch custom op for the stateless forward the target runs, so dynamo keeps
+    one graph around it (fla's Triton kernels and the PyTorch chunk loop stay opaque: the loop would unroll per
+    length). Calls with a recurrent state (decoding) go to the kernel itself."""
+    name = f"dflash::delta_rule_{len(_DELTA_RULE_OPS)}"
+
+    @torch.library.custom_op(name, mutates_args=())
+    def op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+           use_qk_l2norm_in_kernel: bool) -> torch.Tensor:
+        return kernel(query, key, value, g=g, beta=beta, initial_state=None, output_final_state=False,
+                      use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)[0].contiguous()
+
+    @op.register_fake
+    def _(query, key, value, g, beta, use_qk_l2norm_in_kernel):
+        return torch.empty_like(value, dtype=query.dtype)  # [B, S, value heads, value dim], like the kernels
+
+    def delta_rule(query, key, value, g, beta, initial_state=None, output_final_state=False,
+                   use_qk_l2norm_in_kernel=False, cu_seqlens=None, **kwargs):
+        if initial_state is not None or output_final_state or cu_seqlens is not None or kwargs:
+            return kernel(query, key, value, g=g, beta=beta, initial_state=initial_state,
+                          output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                          cu_seqlens=cu_seqlens, **kwargs)
+        return op(query, key, value, g, beta, use_qk_l2norm_in_kernel), None
+
+    _DELTA_RULE_OPS.append(op)
+    return delta_rule
+
+
+_DELTA_RULE_OPS: list = []
+
+
+@functools.cache
+def _compiled_layer_forward(forward: FunctionType, backend: str) -> Callable:
+    compiled = torch.compile(forward, backend=backend)
+
+    @functools.wraps(forward)
+    def layer_forward(self, hidden_states, *args, **kwargs):
+        _mark_batch_dims(hidden_states, hidden_states.shape[:2], (args, kwargs))
+        return compiled(self, hidden_states, *args, **kwargs)
+
+    return layer_forward
+
+
+def _mark_batch_dims(hidden_BSH: torch.Tensor, batch_dims: torch.Size, rest) -> None:
+    """Mark the batch and sequence dims dynamic in the layer's input and in every tensor argument carrying them
+    (RoPE's cos/sin, position ids): one graph for every bucket shape. Sizes 0 and 1 stay specialised (dynamo's rule)."""
+    torch._dynamo.maybe_mark_dynamic(hidden_BSH, 0)
+    torch._dynamo.maybe_mark_dynamic(hidden_BSH, 1)
+    B, S = batch_dims
+    stack = [rest]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, (tuple, list)):
+            stack.extend(item)
+        elif isinstance(item, dict):
+            stack.extend(item.values())
+        elif isinstance(item, torch.Tensor) and item.dim() >= 2:
+            if item.shape[0] == B and B > 1:
+                torch._dynamo.maybe_mark_dynamic(item, 0)
+            if item.shape[1] == S and S > 1:
+                torch._dynamo.maybe_mark_dynamic(item, 1)
+
+
+def _module_globals(globals_: dict, names: dict[str, Callable]) -> dict:
+    """A copy of a module's globals with `names` replaced, as the dict of a real module registered under its own name.
+
+    torch.compile guards a global a traced function reads through the module its globals' __name__ names: with a
+    bare copy of transformers' module dict those guards would read the original module's functions, not these."""
+    name = f"{globals_['__name__']}.dflash_rebound_{len(_REBOUND_MODULES)}"
+    module = ModuleType(name)
+    module.__dict__.update(globals_)
+    module.__dict__.update(names)
+    module.__name__ = name
+    sys.modules[name] = module
+    _REBOUND_MODULES.append(module)
+    return module.__dict__
+
+
+_REBOUND_MODULES: list[ModuleType] = []
 
 
 def decoder_of(model: nn.Module) -> nn.Module:

@@ -19,7 +19,7 @@ import torch
 
 from dflash.config import RunConfig, default_target_layer_ids
 from dflash.data.plan import cosine_lr
-from dflash.models.target import load_target, target_embed_and_head, torch_dtype
+from dflash.models.target import compile_target, load_target, target_embed_and_head, torch_dtype
 from dflash.train.loss import drafter_step_math, target_step
 
 ADAMW_BETAS = (0.9, 0.95)
@@ -162,6 +162,8 @@ class LocalTarget:
         self.cfg, self.device = cfg, device
         self.model = load_target(target_folder(cfg.target.path, log), torch_dtype(cfg.target.dtype), device,
                                  cfg.target.random_init)
+        if cfg.target.compile and device.type == "cuda":
+            compile_target(self.model)
         self.target_config = self.model.config
         self.layer_ids = feature_layer_ids(cfg, self.target_config.num_hidden_layers)
         self.want_last = cfg.train.kl_weight > 0

@@ -1,0 +1,110 @@
+"""The target's decoder layers under torch.compile: the same features as eager, one graph per layer type, any shape."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dflash.data.synthetic import hybrid_target_config, target_config, write_target
+from dflash.models.target import compile_target, load_target, target_features
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    """{kind: folder} of a tiny random dense (Qwen3) and hybrid (Qwen3.5: Gated DeltaNet + full attention) target."""
+    root = tmp_path_factory.mktemp("targets")
+    fields = {"num_hidden_layers": 8, "vocab_size": 256, "initializer_range": 0.1}
+    return {"dense": write_target(root / "dense", target_config(**fields)),
+            "hybrid": write_target(root / "hybrid", hybrid_target_config(**fields))}
+
+
+class GraphCounter:
+    """A torch.compile backend running the graphs eagerly (aot_eager) and counting how many dynamo hands it."""
+
+    def __init__(self):
+        self.graphs = 0
+
+    def __call__(self, gm, example_inputs):
+        from torch._dynamo.backends.common import aot_autograd
+        from torch._functorch.aot_autograd import make_boxed_func
+
+        self.graphs += 1
+        return aot_autograd(fw_compiler=lambda g, _: make_boxed_func(g.forward))(gm, example_inputs)
+
+
+def _features(model, ids, layer_ids, want_last):
+    return target_features(model, ids, None, layer_ids, want_last)
+
+
+@pytest.mark.parametrize("kind", ["dense", "hybrid"])
+def test_compiled_layers_give_the_eager_features_for_every_shape(folders, kind):
+    torch._dynamo.reset()
+    eager = load_target(folders[kind], "float32", "cpu")
+    compiled = compile_target(load_target(folders[kind], "float32", "cpu"), backend=(counter := GraphCounter()))
+    g = torch.Generator().manual_seed(0)
+    shapes = [(2, 24), (3, 40), (4, 17), (1, 33)]  # bucket shapes differ from batch to batch
+    for B, S in shapes:
+        ids = torch.randint(0, 256, (B, S), generator=g)
+        for layer_ids, want_last in (([1, 3, 5], False), ([1, 3, 7], True)):
+            ctx, last = _features(compiled, ids, layer_ids, want_last)
+            ref_ctx, ref_last = _features(eager, ids, layer_ids, want_last)
+            assert torch.allclose(ctx, ref_ctx, atol=1e-4, rtol=1e-4), (B, S, (ctx - ref_ctx).abs().max().item())
+            if want_last:
+                assert torch.allclose(last, ref_last, atol=1e-4, rtol=1e-4), (B, S, (last - ref_last).abs().max().item())
+    # One graph per layer type for every batch of two rows or more, one more for a batch of one (dynamo specialises
+    # size 1); the hybrid's delta rule is an opaque op inside its graph, not a graph break.
+    layer_types = 2 if kind == "hybrid" else 1
+    assert counter.graphs == 2 * layer_types, counter.graphs
+
+
+def test_compiling_twice_keeps_one_wrapper(folders):
+    model = compile_target(load_target(folders["dense"], "float32", "cpu"), backend="eager")
+    forwards = [layer.forward.__func__ for layer in model.model.layers]
+    compile_target(model, backend="eager")
+    assert [layer.forward.__func__ for layer in model.model.layers] == forwards
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (inductor's Triton kernels, fla's delta rule)")
+@pytest.mark.parametrize("kind", ["dense", "hybrid"])
+def test_compiled_target_on_cuda_matches_eager(folders, kind):
+    """bf16 on the GPU, with the profile's kernels (fla's delta rule where installed): compiled features within bf16
+    rounding of eager for three bucket shapes, and no graph beyond the first batch's."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    eager = load_target(folders[kind], "bfloat16", "cuda")
+    compiled = compile_target(load_target(folders[kind], "bfloat16", "cuda"))
+    g = torch.Generator().manual_seed(2)
+    graphs = []
+    for B, S in ((4, 256), (2, 384), (3, 200)):
+        ids = torch.randint(0, 256, (B, S), generator=g).cuda()
+        ctx, last = _features(compiled, ids, [1, 3, 7], True)
+        ref_ctx, ref_last = _features(eager, ids, [1, 3, 7], True)
+        for got, ref in ((ctx, ref_ctx), (last, ref_last)):
+            err = ((got.float() - ref.float()).norm() / ref.float().norm()).item()
+            assert err < 2e-2, f"{kind} {B}x{S}: relative error {err:.2e}"
+        graphs.append(counters["stats"]["unique_graphs"])
+    assert graphs[0] == graphs[-1], f"{kind}: recompiled for a new bucket shape: graphs after each batch {graphs}"
+
+
+def test_the_hub_kernel_path_compiles_and_matches(folders):
+    """The layout a CUDA target has (transformers' hub-kernel wrappers bound in the linear-attention forward, not
+    dflash's PyTorch rebinding): its globals are guarded through their own module, features equal eager."""
+    import inspect
+    from types import MethodType
+
+    from transformers import AutoModelForCausalLM
+
+    from dflash.models.target import DELTA_RULES, _rebuilt, linear_attention_kernels
+
+    torch._dynamo.reset()
+    model = AutoModelForCausalLM.from_pretrained(folders["hybrid"], dtype=torch.float32).eval()
+    for module in model.modules():
+        if kernels := linear_attention_kernels(module):  # the delta rule's reference (fla needs a GPU), wrappers else
+            refs = {name: inspect.unwrap(fn) for name, fn in kernels.items() if name in DELTA_RULES}
+            module.forward = MethodType(_rebuilt(type(module).forward, refs), module)
+    ids = torch.randint(0, 256, (2, 20), generator=torch.Generator().manual_seed(3))
+    ref_ctx, ref_last = _features(model, ids, [1, 3], True)
+    ctx, last = _features(compile_target(model, backend=GraphCounter()), ids, [1, 3], True)
+    assert torch.allclose(ctx, ref_ctx, atol=1e-4) and torch.allclose(last, ref_last, atol=1e-4)

@@ -108,3 +108,17 @@ def test_the_hub_kernel_path_compiles_and_matches(folders):
     ref_ctx, ref_last = _features(model, ids, [1, 3], True)
     ctx, last = _features(compile_target(model, backend=GraphCounter()), ids, [1, 3], True)
     assert torch.allclose(ctx, ref_ctx, atol=1e-4) and torch.allclose(last, ref_last, atol=1e-4)
+
+
+def test_a_compiler_failure_falls_back_to_eager_with_one_warning(folders):
+    def broken(gm, example_inputs):
+        raise RuntimeError("a backend that cannot compile")
+
+    torch._dynamo.reset()
+    eager = load_target(folders["dense"], "float32", "cpu")
+    model = compile_target(load_target(folders["dense"], "float32", "cpu"), backend=broken)
+    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(4))
+    with pytest.warns(UserWarning, match="torch.compile failed on Qwen3DecoderLayer") as caught:
+        ctx, _ = _features(model, ids, [1, 3], False)
+    assert len([w for w in caught if "torch.compile failed" in str(w.message)]) == 1
+    assert torch.equal(ctx, _features(eager, ids, [1, 3], False)[0])

@@ -12,6 +12,7 @@ import functools
 import importlib.util
 import inspect
 import sys
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from types import CellType, FunctionType, MethodType, ModuleType
@@ -261,11 +262,19 @@ _DELTA_RULE_OPS: list = []
 @functools.cache
 def _compiled_layer_forward(forward: FunctionType, backend: str) -> Callable:
     compiled = torch.compile(forward, backend=backend)
+    failed: list[str] = []  # once compilation fails, every layer of this class runs eager (said once)
 
     @functools.wraps(forward)
     def layer_forward(self, hidden_states, *args, **kwargs):
-        _mark_batch_dims(hidden_states, hidden_states.shape[:2], (args, kwargs))
-        return compiled(self, hidden_states, *args, **kwargs)
+        if not failed:
+            _mark_batch_dims(hidden_states, hidden_states.shape[:2], (args, kwargs))
+            try:
+                return compiled(self, hidden_states, *args, **kwargs)
+            except torch._dynamo.exc.TorchDynamoException as e:  # a compiler bug, never the layer's own error
+                failed.append(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+                warnings.warn(f"target: torch.compile failed on {type(self).__name__} ({failed[0][:300]}); its layers "
+                              "run eager (set target.compile = false to skip compiling)", stacklevel=2)
+        return forward(self, hidden_states, *args, **kwargs)
 
     return layer_forward
 

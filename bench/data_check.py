@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from dflash.data.identity import shard_files, value_stats
 from dflash.data.synthetic import write_random_dataset
 from dflash.filehash import sha256_file, sha256_files  # noqa: E402
-from preflight.facts import scan_shard  # noqa: E402
+from preflight.facts.dataset import scan_shard  # noqa: E402
 
 VOCAB = 248_320  # Qwen3.6-27B's vocabulary
 INCIDENT_TOKENS = 2.41e9  # the merged dataset of the incident

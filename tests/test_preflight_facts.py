@@ -14,8 +14,9 @@ import pyarrow.ipc as ipc
 import pytest
 
 from dflash.config import config_from_dict
+from dflash.data.identity import DatasetError
 from preflight import pyenv
-from preflight.facts.dataset import dataset
+from preflight.facts.dataset import dataset, scan_shard
 from preflight.facts.environment import parse_torch_version_py, record_verified, torch_build, verify_records
 from preflight.facts.gather import gather
 from preflight.facts.paths import parse_ldconfig, path_entries, scan_lib_dir
@@ -332,6 +333,36 @@ def _shard(path: Path, lengths: list[int], mask_lengths: list[int] | None = None
         w.write_table(table)
 
 
+def _broken_shards(folder: Path) -> list[Path]:
+    """One shard per way the reader refuses one: garbage, a missing column, a wrong type, a null row, compressed."""
+    folder.mkdir()
+    (folder / "garbage.arrow").write_bytes(b"ARROW1 truncated garbage")
+    _shard(folder / "nomask.arrow", [10], columns=("input_ids", "labels"))
+    tables = {"string.arrow": pa.table({"input_ids": ["1 2"], "loss_mask": pa.array([[1]])}),
+              "null.arrow": pa.table({"input_ids": pa.array([[1, 2], None], type=pa.list_(pa.int32())),
+                                      "loss_mask": pa.array([[1, 1], None], type=pa.list_(pa.int8()))}),
+              "zstd.arrow": pa.table({"input_ids": pa.array([list(range(300))] * 2000, type=pa.list_(pa.int32())),
+                                      "loss_mask": pa.array([[1] * 300] * 2000, type=pa.list_(pa.int8()))})}
+    for name, table in tables.items():
+        options = ipc.IpcWriteOptions(compression="zstd" if name == "zstd.arrow" else None)
+        with pa.OSFile(str(folder / name), "wb") as sink, ipc.new_file(sink, table.schema, options=options) as w:
+            w.write_table(table)
+    return sorted(folder.iterdir())
+
+
+def test_preflight_refuses_a_shard_exactly_when_and_as_the_trainer_does(tmp_path):
+    """One reader (dflash.data.shards.open_shard) behind both: the trainer's error names the shard, the problem
+    preflight reports and the fix."""
+    from dflash.data.shards import ShardDataset
+
+    for path in _broken_shards(tmp_path / "broken"):
+        scanned = scan_shard(path, limit=1024, first_row=0)
+        with pytest.raises(DatasetError) as refused:
+            ShardDataset(path)
+        assert scanned.error is not None, path.name
+        assert str(refused.value).startswith(f"{path}: {scanned.error}; "), (path.name, scanned.error)
+
+
 def _cfg(tmp_path: Path, **data):
     return config_from_dict({"output_dir": str(tmp_path / "run"), "data": {"path": str(tmp_path / "data"), **data}})
 
@@ -386,7 +417,7 @@ def test_dataset_corrupt_shards_are_named(tmp_path):
     shards = {s.name: s for s in dataset(_cfg(tmp_path)).shards}
     assert shards["a.arrow"].error is None
     assert shards["b.arrow"].error.startswith("not a readable Arrow IPC file")
-    assert shards["c.arrow"].error == "no column loss_mask (columns: input_ids, labels)"
+    assert shards["c.arrow"].error == "missing column 'loss_mask' (has: input_ids, labels)"  # the trainer's own words
     assert shards["d.arrow"].mask_mismatch == (1, 12, 11)
     assert dataset(_cfg(tmp_path / "nowhere")).error.endswith("does not exist")
 

@@ -41,7 +41,7 @@ from dflash.data.identity import MANIFEST_NAME, SHARD_GLOB, DatasetError, ValueS
 from dflash.data.identity import read_manifest as _read_manifest
 from dflash.data.identity import write_manifest as write_manifest
 from dflash.data.prompts import chat_prompt_ids, load_prompts, source_fingerprint
-from dflash.data.shards import ShardDataset, write_shard
+from dflash.data.shards import ShardDataset, open_shard, write_shard
 from dflash.errors import DflashError
 from dflash.filehash import CHUNK
 
@@ -480,13 +480,13 @@ def merge(inputs: list[Path], out: Path, overwrite: bool = False, log=print) -> 
 
 
 def shard_values(path: Path) -> ValueStats:
-    """Token id / loss_mask ranges and learnable positions of one shard (memory-mapped, vectorised)."""
-    import pyarrow as pa
-    import pyarrow.ipc as ipc
-
-    with pa.memory_map(str(path)) as source:
-        table = ipc.open_file(source).read_all()
-        return value_stats(table.column("input_ids"), table.column("loss_mask"))
+    """Token id / loss_mask ranges and learnable positions of one shard (memory-mapped, vectorised). Raises
+    ShardError when the reader (open_shard) refuses it."""
+    opened = open_shard(path)
+    try:
+        return value_stats(opened.column("input_ids"), opened.column("loss_mask"))
+    finally:
+        opened.close()
 
 
 def record_manifest(path: Path, target: str, log=print) -> dict:

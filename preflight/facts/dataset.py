@@ -55,42 +55,27 @@ class Dataset:
         return dataset_fingerprint((s.name, s.size_bytes, s.rows) for s in self.shards)
 
 
-def _list_lengths(column):
-    import numpy as np
-    import pyarrow.compute as pc
-
-    return np.asarray(pc.fill_null(pc.list_value_length(column), 0).to_numpy(zero_copy_only=False), dtype=np.int64)
-
-
 def scan_shard(path: Path, limit: int, first_row: int, keep: int = 3) -> Shard:
-    """Rows, lengths, samples over `limit`, and the value ranges (dflash.data.identity.value_stats) of one shard."""
+    """Rows, lengths, samples over `limit`, and the value ranges (dflash.data.identity.value_stats) of one shard,
+    read through the trainer's own reader (dflash.data.shards.open_shard): what it refuses is this shard's error."""
     import numpy as np
-    import pyarrow as pa
-    import pyarrow.ipc as ipc
 
-    from dflash.data.identity import COLUMNS, value_stats
+    from dflash.data.identity import value_stats
+    from dflash.data.shards import ShardError, open_shard
 
     shard = Shard(path.name, first_row=first_row, size_bytes=path.stat().st_size)
     try:
-        with pa.memory_map(str(path)) as source:
-            table = ipc.open_file(source).read_all()
-            names = table.schema.names
-            missing = [c for c in COLUMNS if c not in names]
-            if missing:
-                shard.error = f"no column {' or '.join(missing)} (columns: {', '.join(names) or 'none'})"
-                return shard
-            for col in COLUMNS:
-                t = table.schema.field(col).type
-                if not (pa.types.is_list(t) or pa.types.is_large_list(t)) or not pa.types.is_integer(t.value_type):
-                    shard.error = f"column {col} is {t}, expected a list of integers"
-                    return shard
-            ids = _list_lengths(table.column("input_ids"))
-            mask = _list_lengths(table.column("loss_mask"))
-            if np.array_equal(ids, mask):
-                shard.values = value_stats(table.column("input_ids"), table.column("loss_mask"))
-    except (pa.ArrowException, OSError, ValueError) as e:
-        shard.error = f"not a readable Arrow IPC file: {str(e).splitlines()[0][:160]}"
+        opened = open_shard(path)
+    except ShardError as e:
+        shard.error = e.problem
         return shard
+    try:
+        ids = opened.lengths
+        shard.mask_mismatch = opened.mask_mismatch()
+        if shard.mask_mismatch is None:
+            shard.values = value_stats(opened.column("input_ids"), opened.column("loss_mask"))
+    finally:
+        opened.close()
     shard.rows = int(ids.size)
     shard.tokens = int(ids.sum())
     shard.lengths = ids
@@ -102,10 +87,6 @@ def scan_shard(path: Path, limit: int, first_row: int, keep: int = 3) -> Shard:
         if over.size:
             worst = over[np.argsort(-ids[over], kind="stable")[:keep]]
             shard.over = [(int(r), int(ids[r])) for r in worst]
-        bad = np.nonzero(ids != mask)[0]
-        if bad.size:
-            r = int(bad[0])
-            shard.mask_mismatch = (r, int(ids[r]), int(mask[r]))
     return shard
 
 

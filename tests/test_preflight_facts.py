@@ -447,7 +447,7 @@ def test_compile_manifest_written_by_the_trainer_is_read_by_preflight(tmp_path, 
     assert cc.exists and cc.error is None and cc.manifest == written
     (Path(cc.path) / MANIFEST_NAME).write_text("[1, 2]")
     cc = compile_cache(load_profile("train-cu128"), {})
-    assert cc.manifest is None and cc.error == f"{MANIFEST_NAME} unreadable: not a JSON object"
+    assert cc.manifest is None and cc.error == f"{MANIFEST_NAME} unreadable (not a JSON object)"  # dflash.data.identity.read_manifest
 
 
 def test_gather_builds_a_full_context(tmp_path, monkeypatch):

@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
 
-from dflash.runs.compile_manifest import ManifestError, read_manifest
+from dflash.data.identity import read_manifest
+from dflash.runs.compile_manifest import MANIFEST_NAME
 from preflight.facts.environment import PROJECT_DIST
 from preflight.facts.run import dir_size
 from preflight.profiles import REPO_ROOT, Profile
@@ -162,8 +163,5 @@ def compile_cache(profile: Profile, env: dict[str, str]) -> CompileCache:
     if not cc.exists:
         return cc
     cc.size_bytes = dir_size(path)
-    try:
-        cc.manifest = read_manifest(path)
-    except ManifestError as e:
-        cc.error = str(e)
+    cc.manifest, cc.error = read_manifest(path, MANIFEST_NAME)
     return cc

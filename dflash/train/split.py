@@ -125,7 +125,7 @@ def launch(cfg: RunConfig, resume_from: Path | None, gate_id: str, log=print) ->
     """Spawn one process per GPU and watch them (dflash-train, after its gate passed with `gate_id`)."""
     out = Path(cfg.output_dir)
     out.mkdir(parents=True, exist_ok=True)
-    cfg_path = out / "config.json"
+    cfg_path = out / rundir.CONFIG_NAME
     cfg_path.write_text(dump_config(cfg))
     roles = ranks_for(cfg)
     port = _free_port()

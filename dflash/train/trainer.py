@@ -321,7 +321,7 @@ class Trainer:
         stop.install()
         bar = self._bar(progress)
         last_save = self.step
-        metrics_file = (self.out / "metrics.jsonl").open("a") if self.is_logger else None
+        metrics_file = (self.out / rundir.METRICS_NAME).open("a") if self.is_logger else None
         self.outcome = Outcome(self.out, self.step) if self.is_logger else None  # outcome.json, for dflash-diff
         stream = self.step_batches()
         held = None
@@ -490,9 +490,9 @@ class Trainer:
         exported = self._export()
         rundir.clear_stopped(self.out)
         self.outcome.end("finished", self.step)
-        self.log(f"done: {self.step} steps; checkpoint {path}; drafter saved to {self.out / 'drafter'} ({exported}); "
+        self.log(f"done: {self.step} steps; checkpoint {path}; drafter saved to {self.out / rundir.DRAFTER_DIR} ({exported}); "
                  f"{compiled_graphs()} compiled graph(s) in this process")
-        summary = self.source.summary(self.out / "metrics.jsonl")
+        summary = self.source.summary(self.out / rundir.METRICS_NAME)
         if summary:
             self.log(summary)
         return 0
@@ -504,7 +504,7 @@ class Trainer:
         model, which = self.drafter, f"step {self.step}, the last"
         if best is not None:
             model, which = DFlashDrafter.from_pretrained(best / rundir.DRAFTER_DIR), f"{best.name}, checkpoints/best"
-        model.save_pretrained(self.out / "drafter", dtype=torch.bfloat16, target_dir=target_folder(self.cfg.target.path, self.log))
+        model.save_pretrained(self.out / rundir.DRAFTER_DIR, dtype=torch.bfloat16, target_dir=target_folder(self.cfg.target.path, self.log))
         return which
 
 
@@ -576,7 +576,7 @@ def run(cfg: RunConfig, resume_from: Path | None, log=print, progress: bool | No
     """Co-located training: target and drafter in this process. Returns the exit code."""
     out = Path(cfg.output_dir)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "config.json").write_text(dump_config(cfg))
+    (out / rundir.CONFIG_NAME).write_text(dump_config(cfg))
     return Trainer.colocated(cfg, resume_from, log, provenance).run(progress)
 
 

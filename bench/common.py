@@ -27,18 +27,19 @@ TINY_TARGET = target_config(
 )
 
 
-def parse_sets(pairs: list[str]) -> dict:
-    """--set key=value pairs into dotted overrides; values parse as JSON when they can (numbers, bools, lists)."""
-    out = {}
-    for pair in pairs:
-        if "=" not in pair:
-            raise SystemExit(f"--set {pair!r}: expected key=value, e.g. --set train.max_anchors=1024")
-        key, raw = pair.split("=", 1)
-        try:
-            out[key.strip()] = json.loads(raw)
-        except json.JSONDecodeError:
-            out[key.strip()] = raw
-    return out
+def parse_sets(pairs: list[str], config: str | Path, prog: str) -> dict:
+    """--set pairs read exactly as dflash-train reads them: its parser (``dflash.config.parse_overrides``, TOML
+    values) and its validation against the run config, so an unknown key or a bad value stops the script before
+    it measures anything, with dflash-train's one-line message and exit code (2). Returns the dotted overrides."""
+    from dflash.config import ConfigError, load_config, parse_overrides
+
+    try:
+        overrides = parse_overrides(pairs)
+        load_config(config, overrides)
+    except ConfigError as e:
+        print(f"{prog}: error: {e.one_line()}", file=sys.stderr)
+        raise SystemExit(e.exit_code) from None
+    return overrides
 
 
 # --------------------------------------------------------------------------- NVML

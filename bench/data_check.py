@@ -9,10 +9,11 @@ Measures, on synthetic shards (``dflash.data.synthetic.write_random_dataset``: l
 the incident's merged mean of 2,202 tokens, ids below the Qwen3.6 vocabulary of 248,320, the
 first quarter of each sample its prompt), written once under --out (git-ignored) and reused:
 
-- ``dataset`` check, default path: ``preflight.facts.scan_shard`` over every shard, the exact code
-  preflight runs (list lengths, samples over the budget, token id and loss_mask ranges and the
-  learnable positions, vectorised by ``dflash.data.identity.value_stats``); cold (page cache dropped with
-  posix_fadvise DONTNEED) and warm; and ``value_stats`` alone on the opened tables;
+- ``dataset`` check, default path: ``preflight.facts.dataset.scan_shard`` over every shard, the exact code
+  preflight runs through the trainer's own reader ``dflash.data.shards.open_shard`` (list lengths, samples over
+  the budget, token id and loss_mask ranges and the learnable positions, vectorised by
+  ``dflash.data.identity.value_stats``); cold (page cache dropped with posix_fadvise DONTNEED) and warm; and
+  ``value_stats`` alone on the opened tables;
 - ``--verify-data``: sha256 of every shard (``dflash.filehash.sha256_files``, one thread per file),
   cold and warm, and one file on one thread (what bounds a checkpoint's largest file, optimizer.pt);
 - what those speeds mean for the incident's run (2.41 B tokens; the Qwen3.6-27B-class preset's
@@ -34,9 +35,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dflash.data.identity import shard_files, value_stats
+from dflash.data.shards import open_shard
 from dflash.data.synthetic import write_random_dataset
 from dflash.filehash import sha256_file, sha256_files  # noqa: E402
-from preflight.facts import scan_shard  # noqa: E402
+from preflight.facts.dataset import scan_shard  # noqa: E402
 
 VOCAB = 248_320  # Qwen3.6-27B's vocabulary
 INCIDENT_TOKENS = 2.41e9  # the merged dataset of the incident
@@ -71,16 +73,13 @@ def scan(paths, limit: int):
 
 def values_only(paths) -> float:
     """value_stats alone over tables already mapped (no length or budget work): seconds."""
-    import pyarrow as pa
-    import pyarrow.ipc as ipc
-
     total = 0.0
     for p in paths:
-        with pa.memory_map(str(p)) as source:
-            table = ipc.open_file(source).read_all()
-            t0 = time.perf_counter()
-            value_stats(table.column("input_ids"), table.column("loss_mask"))
-            total += time.perf_counter() - t0
+        opened = open_shard(p)
+        t0 = time.perf_counter()
+        value_stats(opened.column("input_ids"), opened.column("loss_mask"))
+        total += time.perf_counter() - t0
+        opened.close()
     return total
 
 

@@ -89,6 +89,7 @@ def main(argv=None) -> int:
                         "in turn on the same model (default)")
     p.add_argument("--out", type=Path, help="write the result as JSON here")
     args = p.parse_args(argv)
+    overrides = parse_sets(args.set, args.config, "target_rate")
     for name in ("rows", "steps"):
         if getattr(args, name) < 1:
             print(f"target_rate: --{name} must be >= 1, got {getattr(args, name)}", file=sys.stderr)
@@ -104,7 +105,7 @@ def main(argv=None) -> int:
     from dflash.train.loss import target_step
     from dflash.train.step import feature_layer_ids
 
-    cfg = load_config(args.config, parse_sets(args.set))
+    cfg = load_config(args.config, overrides)
     device = torch.device(args.device)
     path = cfg.target.path
     if args.tiny:

@@ -88,11 +88,13 @@ def parse_args(argv=None):
                     help="after timing, profile 2 steps (torch.profiler) and print the N ops with most GPU time")
     ap.add_argument("--compile-times", action="store_true",
                     help="after the first step, print where torch.compile spent its time (dynamo's per-phase table)")
-    return ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    args.overrides = parse_sets(args.set, args.config, "train_step")
+    return args
 
 
 def configurations(args, scratch: Path) -> list[tuple[str, dict]]:
-    user = parse_sets(args.set)
+    user = args.overrides
     base = {"device": args.device, "train.max_steps": 10**9, "train.log_every": 10**6}
     if args.tiny:
         base.update(TINY)

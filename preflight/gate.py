@@ -27,8 +27,10 @@ from pathlib import Path
 from dflash.config import RunConfig, config_sha256
 from dflash.errors import UsageError
 from dflash.runs.rundir import PREFLIGHT_NAME
-from preflight.checks import CHECK_IDS, run_checks
-from preflight.facts import Context, gather, git_commit
+from preflight.checks.registry import CHECK_IDS, run_checks
+from preflight.facts.context import Context
+from preflight.facts.gather import gather
+from preflight.facts.source import git_commit
 from preflight.nvml import GpuInfo, NvmlGpuInfo
 from preflight.profiles import REPO_ROOT, ProfileError, compile_cache_dir, lock_path, profile_env
 from preflight.report import Report, apply_waivers

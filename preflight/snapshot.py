@@ -15,7 +15,7 @@ import os
 from dataclasses import asdict
 
 from dflash.runs.records import FORMAT, now_utc
-from preflight.facts import Context
+from preflight.facts.context import Context
 
 # Environment variables that change what a run loads, how it allocates or how it talks to its peers.
 ENV_NAMES = ("PYTORCH_CUDA_ALLOC_CONF", "CUDA_VISIBLE_DEVICES", "LD_LIBRARY_PATH", "LD_PRELOAD", "PYTHONPATH",
@@ -66,7 +66,7 @@ def here(snap: dict, gpu_info=None) -> dict:
     sets them before torch loads. Reads only (the run dir, the dataset, the environment). Raises ConfigError.
     """
     from dflash.config import config_from_dict
-    from preflight.facts import gather
+    from preflight.facts.gather import gather
     from preflight.nvml import NvmlGpuInfo
     from preflight.profiles import ProfileError, compile_cache_dir, profile_env
 
@@ -122,7 +122,7 @@ def _environment(ctx: Context) -> dict:
 
 
 def _gpus(ctx: Context) -> dict:
-    from preflight.checks import assigned_gpus
+    from preflight.checks.gpus import assigned_gpus
     from preflight.nvml import resolve_gpu, visible_gpus
 
     g = ctx.gpus

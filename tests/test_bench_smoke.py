@@ -101,3 +101,14 @@ def test_fp8_mlp_bench_runs_the_block_both_ways_on_cpu(tmp_path):
         assert 0 < r[f"rel_error_{what}"] < 0.1, (what, r)
     bad = _run(["bench/fp8_mlp.py", "--device", "tpu"], tmp_path)
     assert bad.returncode == 2 and "Traceback" not in bad.stderr and bad.stderr.count("\n") == 1, bad.stderr
+
+
+@pytest.mark.parametrize("pair", ["nosuch.key=1", "train={lr=1}", "=1", "train.lr.x=1"])
+def test_bench_set_refuses_what_dflash_train_refuses_in_its_words(tmp_path, pair):
+    """The bench scripts read --set through dflash-train's parser and validation: the same line, the same exit."""
+    config = "configs/demo-cpu.toml"
+    train = _run(["-m", "dflash.commands.train", "--config", config, "--fresh", "--set", pair], tmp_path)
+    bench = _run(["bench/train_step.py", "--device", "cpu", "--config", config, "--set", pair], tmp_path)
+    said = train.stderr.strip().splitlines()[-1].partition("error: ")[2]
+    assert said and train.returncode == 2, train.stderr[-2000:]
+    assert (bench.returncode, bench.stderr.strip().splitlines()[-1]) == (2, f"train_step: error: {said}")

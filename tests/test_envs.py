@@ -164,8 +164,8 @@ def site_listing() -> dict[str, int]:
 
 
 def env_drift_verdict() -> tuple[str, str]:
-    from preflight.checks import check_env_drift
-    from preflight.facts import gather
+    from preflight.checks.environment import check_env_drift
+    from preflight.facts.gather import gather
 
     r = check_env_drift(gather("train-cu128"))
     return r.status, re.sub(r", [0-9.]+ s\)$", ")", r.summary)  # the verdict without the time it took

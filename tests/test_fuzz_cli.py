@@ -419,8 +419,8 @@ def test_lock_and_profile_files_that_are_not_utf8_are_findings_not_tracebacks(wo
     """A lock or profile manifest with stray bytes: `dflash-lock check` lists the problem (exit 1), and preflight's
     `profile` check fails instead of crashing the gather."""
     from dflash.commands.lock import main
-    from preflight.checks import check_profile
-    from preflight.facts import gather
+    from preflight.checks.environment import check_profile
+    from preflight.facts.gather import gather
 
     for envs, says in [("envs-not-utf8", "train-cu128: "), ("envs-profile-not-utf8", "train-cu128.toml: not UTF-8 text")]:
         with pytest.raises(SystemExit) as e:

@@ -177,7 +177,9 @@ def test_a_killed_import_resumes_with_nothing_lost_or_twice(tmp_path, target, ca
 @pytest.mark.slow
 def test_preflight_dataset_check_and_training_accept_imported_data(tmp_path, target, capsys):
     from dflash.train.trainer import run
-    from preflight import checks, facts
+    from preflight.checks.dataset import check_dataset
+    from preflight.facts.dataset import dataset
+    from preflight.facts.run import target_shape
 
     src = write_rows(tmp_path / "c.jsonl", 64)
     assert dflash_data(capsys, "import", src, "--target", target, "--out", tmp_path / "imported", "--workers", 2,
@@ -185,10 +187,10 @@ def test_preflight_dataset_check_and_training_accept_imported_data(tmp_path, tar
     cfg, _ = tiny_config(tmp_path, max_steps=3, save_every=3)
     cfg = cfg.model_copy(update={"target": cfg.target.model_copy(update={"path": str(target)}),
                                  "data": cfg.data.model_copy(update={"path": str(tmp_path / "imported")})})
-    shape, error = facts.target_shape(cfg)
-    ctx = SimpleNamespace(config=cfg, config_path="run.toml", dataset=facts.dataset(cfg, deep=True),
+    shape, error = target_shape(cfg)
+    ctx = SimpleNamespace(config=cfg, config_path="run.toml", dataset=dataset(cfg, deep=True),
                           target_shape=shape, target_error=error)
-    result = checks.check_dataset(ctx)
+    result = check_dataset(ctx)
     assert result.status == "pass", result.summary
     assert "sizes and sha256 match manifest.json; built for this target" in result.summary
     assert run(cfg, None, log=lambda *_: None, progress=False) == 0

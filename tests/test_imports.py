@@ -22,12 +22,12 @@ PACKAGES = ("dflash", "preflight")
 COMMANDS = "dflash.commands"
 # floor of each package: imports go to a lower floor (or stay inside the package)
 LAYERS = {"dflash.errors": 0, "dflash.filehash": 0, "dflash.config": 1, "dflash.models": 2, "dflash.memory": 3,
-          "dflash.data": 4, "dflash.runs": 5, "dflash.eval": 5, "dflash.train": 6, "preflight": 6,
-          "dflash.commands": 7, "dflash": 8}
+          "dflash.data": 4, "dflash.runs": 5, "dflash.eval": 6, "dflash.train": 7, "preflight": 7,
+          "dflash.commands": 8, "dflash": 9}
 TORCH_FREE = ("dflash.config", "dflash.errors", "dflash.filehash", "dflash.runs.rundir", "dflash.runs.compile_manifest",
               "dflash.runs.records", "dflash.data.identity", "dflash.data.shards", "dflash.data.buckets",
               "dflash.data.plan", "dflash.memory.shape", "dflash.memory.parts", "dflash.memory.fit", "preflight.diff",
-              "preflight.gate", "preflight.checks", "preflight.facts", "dflash.eval.results")
+              "preflight.gate", "preflight.checks.registry", "preflight.facts.gather", "dflash.eval.results")
 HEAVY = ("torch", "transformers", "triton")
 
 

@@ -16,7 +16,7 @@ from dflash.commands.preflight import main
 from dflash.config import config_from_dict
 from dflash.data.identity import shard_records, target_fingerprint, write_manifest
 from dflash.runs.rundir import CHECKPOINT_FILES, META_NAME
-from preflight.checks import CHECK_IDS, NEEDS_CONFIG
+from preflight.checks.registry import CHECK_IDS, NEEDS_CONFIG
 from preflight.gate import run_preflight
 from preflight.nvml import FakeGpuInfo
 from preflight.report import Report

@@ -155,7 +155,7 @@ def test_real_nvml_when_present():
 
 def test_recorded_h200_report_matches_the_schema():
     """The real-NVML run recorded on an H200 (torch swapped to the CUDA 13.0 build) still parses as a Report."""
-    from preflight.checks import CHECK_IDS
+    from preflight.checks.registry import CHECK_IDS
     from preflight.report import Report
 
     report = Report.model_validate_json((DATA / "preflight_h200_run.json").read_text())

@@ -11,7 +11,9 @@ from dflash.data.identity import shard_files
 from dflash.data.shards import write_shard
 from dflash.runs import rundir
 from dflash.train.trainer import run
-from preflight import checks, facts
+from preflight.checks.run import check_run_dir
+from preflight.facts.context import Context
+from preflight.facts.run import run_dir
 from trainkit import tiny_config
 
 # (the change, does it move the cosine schedule?) with the run's steps fixed by the data (train.max_steps unset)
@@ -57,9 +59,9 @@ def _with(raw: dict, change: dict):
 
 def _verdicts(cfg) -> tuple[bool, bool]:
     """(preflight warns that the schedule changes, the trainer refuses the resume)."""
-    ctx = facts.Context(profile_name="train-cu128", config=cfg, resume_intent="resume",
-                        run_dir=facts.run_dir(cfg.output_dir, config=cfg))
-    result = checks.check_run_dir(ctx)
+    ctx = Context(profile_name="train-cu128", config=cfg, resume_intent="resume",
+                  run_dir=run_dir(cfg.output_dir, config=cfg))
+    result = check_run_dir(ctx)
     warns = "the lr schedule changes" in result.summary
     try:
         rundir.prepare_output_dir(cfg, "latest", False, log=lambda *_: None, apply=False)

@@ -20,10 +20,12 @@ from pathlib import Path
 
 import pytest
 
+import preflight.facts.gather as gathering
 from dflash.data.synthetic import write_random_dataset
 from dflash.runs import records as snapshot
 from dflash.runs.compile_manifest import write_manifest
-from preflight import facts, gate
+from preflight import gate
+from preflight.facts.environment import TorchBuild
 from trainkit import tiny_config, write_toml
 from trainkit import train_main_here as train
 
@@ -66,8 +68,8 @@ def runs(tmp_path_factory):
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("HOME", str(root / "home"))  # the profile's compile cache lives under it
         src = source_checkout(root / "src")
-        real_source = facts.model_source
-        mp.setattr(facts, "model_source", lambda root=None: real_source(src))
+        real_source = gathering.model_source
+        mp.setattr(gathering, "model_source", lambda root=None: real_source(src))
         cache = gate.compile_cache_dir("train-cu128")
         warm_cache(cache)
         _, raw = tiny_config(root, max_steps=4, save_every=2, max_anchors=1024)
@@ -92,7 +94,7 @@ def runs(tmp_path_factory):
             (site / "sglang-0.5.23.dist-info").mkdir(parents=True)
             (site / "sglang-0.5.23.dist-info" / "METADATA").write_text("Metadata-Version: 2.1\nName: sglang\nVersion: 0.5.23\n")
             incident.syspath_prepend(str(site))
-            incident.setattr(facts, "torch_build", lambda: facts.TorchBuild("2.11.0+cu130", "13.0", "test seam"))
+            incident.setattr(gathering, "torch_build", lambda: TorchBuild("2.11.0+cu130", "13.0", "test seam"))
             code = train(configs["B"], "--resume", "latest", *WAIVE, "--waive", "torch-build", "--reason", "incident",
                          "--waive", "env-drift", "--reason", "incident")
             assert code == 0
@@ -218,7 +220,7 @@ def test_allocator_recompute_and_gpu_changes_carry_their_effect(runs):
 def test_a_split_runs_snapshot_lists_its_gpus_by_role_with_their_predicted_peaks(tmp_path):
     """The GPU side of a snapshot from the recorded 8x H200 NVML fake (preflight's own fixture)."""
     from dflash.config import config_from_dict
-    from preflight.facts import gather
+    from preflight.facts.gather import gather
     from preflight.nvml import FakeGpuInfo
     from preflight.snapshot import take
 

@@ -151,3 +151,28 @@ def test_a_checkpoint_of_a_non_fused_adamw_resumes_fused(tmp_path):
     assert run(cfg, saved, log=lines.append, progress=False) == 0
     assert any(line.startswith(f"resumed from {saved}") for line in lines)
     assert rundir.list_checkpoints(Path(cfg.output_dir))[-1].name == "step_00000004"
+
+
+def _protocol_members(protocol) -> tuple[set[str], set[str]]:
+    """(methods, attributes) a Protocol declares."""
+    methods = {n for n, v in vars(protocol).items() if callable(v) and not n.startswith("_")}
+    return methods, set(protocol.__annotations__)
+
+
+@pytest.mark.parametrize("name", ["dflash.train.step.LocalTarget", "dflash.train.step.CachedTarget",
+                                  "dflash.train.split.RemoteTargets"])
+def test_every_feature_source_has_every_member_of_the_protocol(name):
+    """The trainer calls every FeatureSource member unconditionally (no hasattr probing), so every source has them
+    all: the methods on the class, the attributes assigned in its constructor."""
+    import importlib
+    import inspect
+
+    from dflash.train.step import FeatureSource
+
+    module, _, cls_name = name.rpartition(".")
+    cls = getattr(importlib.import_module(module), cls_name)
+    methods, attributes = _protocol_members(FeatureSource)
+    assert {"rates", "rates_line", "cache_bytes", "summary"} <= methods
+    assert sorted(m for m in methods if getattr(cls, m, None) is None or getattr(cls, m) is getattr(FeatureSource, m)) == []
+    assigned = "".join(inspect.getsource(c.__init__) for c in cls.__mro__ if "__init__" in vars(c) and c is not object)
+    assert sorted(a for a in attributes if f"self.{a} =" not in assigned) == []

@@ -69,12 +69,11 @@ def _per_row(flat: np.ndarray, offsets: np.ndarray) -> np.ndarray:
 def mask_rows(shard: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(tokens, masked tokens, assistant turns) per row of one shard. Turns come from the optional ``turns``
     column (written by import), else they are the masked spans (runs of 1s) of the row."""
-    import pyarrow as pa
+    from dflash.data.shards import open_shard
 
-    with pa.memory_map(str(shard)) as source:
-        table = pa.ipc.open_file(source).read_all()
+    opened = open_shard(shard)
     lengths, masked, spans = [], [], []
-    for chunk in table.column("loss_mask").chunks:
+    for chunk in (b.loss_mask for b in opened.batches):
         offsets = (chunk.offsets.to_numpy() - chunk.offsets[0].as_py()).astype(np.int64)
         m = chunk.flatten().to_numpy(zero_copy_only=False).astype(bool)
         prev = np.concatenate([[False], m[:-1]])
@@ -83,8 +82,9 @@ def mask_rows(shard: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         masked.append(_per_row(m, offsets))
         spans.append(_per_row(m & ~prev, offsets))
     turns = _cat(spans)
-    if "turns" in table.schema.names:
-        turns = table.column("turns").to_numpy().astype(np.int64)
+    if "turns" in opened.schema.names:
+        turns = opened.column("turns").to_numpy().astype(np.int64)
+    opened.close()
     return _cat(lengths), _cat(masked), turns
 
 

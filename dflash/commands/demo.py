@@ -55,6 +55,7 @@ def run_pipeline(target_spec: str, prompts: str, n_prompts: int, max_new_tokens:
     from dflash.models.drafter import DFlashDrafter
     from dflash.models.smollm2 import cache_root
     from dflash.models.smollm2_convert import resolve_target
+    from dflash.runs import rundir
     from dflash.runs.rundir import make_room, prepare_output_dir
     from dflash.train.trainer import run
     from preflight import gate
@@ -95,7 +96,7 @@ def run_pipeline(target_spec: str, prompts: str, n_prompts: int, max_new_tokens:
 
     _stage(4, f"train: {cfg.drafter.num_layers}-layer drafter, block {cfg.drafter.block_size}, "
               f"{cfg.train.epochs} epochs -> {cfg.output_dir}", t0)
-    final = Path(cfg.output_dir) / "drafter"  # an older demo's drafter was moved aside with its checkpoints
+    final = Path(cfg.output_dir) / rundir.DRAFTER_DIR  # an older demo's drafter was moved aside with its checkpoints
     code = run(cfg, None, log=log, provenance=gate.provenance(cfg.profile))
     if code or not final.is_dir():
         log("demo: training stopped before the end; nothing to evaluate")

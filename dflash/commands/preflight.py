@@ -16,7 +16,7 @@ import sys
 import click
 
 from dflash.errors import run_cli
-from preflight.checks import CHECK_IDS, NEEDS_CONFIG
+from preflight.checks.registry import CHECK_IDS, NEEDS_CONFIG
 
 EXIT_OK, EXIT_FAIL = 0, 1  # a usage error (click.UsageError) exits 2 through run_cli
 

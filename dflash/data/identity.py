@@ -131,17 +131,20 @@ def compare_targets(recorded: dict, current: dict) -> tuple[list[str], list[str]
 # The manifest
 
 
-def read_manifest(folder: str | Path) -> tuple[dict | None, str | None]:
-    """(manifest.json of a dataset folder, None); (None, None) when there is none; (None, why) when unreadable."""
-    path = Path(folder) / MANIFEST_NAME
+def read_manifest(folder: str | Path, name: str = MANIFEST_NAME) -> tuple[dict | None, str | None]:
+    """(the JSON object in `folder`/`name`, None); (None, None) when there is none; (None, why) when unreadable.
+
+    The one reader of the manifests beside what they describe: a dataset's manifest.json and the compile cache's
+    (``dflash.runs.compile_manifest.MANIFEST_NAME``); each caller words the refusal for its own command."""
+    path = Path(folder) / name
     try:
         manifest = json.loads(path.read_text())
     except FileNotFoundError:
         return None, None
     except (OSError, UnicodeDecodeError, ValueError) as e:
-        return None, f"{MANIFEST_NAME} unreadable ({_one_line(e)})"
+        return None, f"{name} unreadable ({_one_line(e)})"
     if not isinstance(manifest, dict):
-        return None, f"{MANIFEST_NAME} unreadable (not a JSON object)"
+        return None, f"{name} unreadable (not a JSON object)"
     return manifest, None
 
 

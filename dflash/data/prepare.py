@@ -37,11 +37,20 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dflash.config import ConfigError
-from dflash.data.identity import MANIFEST_NAME, SHARD_GLOB, DatasetError, ValueStats, compare_targets, shard_records, target_fingerprint, value_stats
-from dflash.data.identity import read_manifest as _read_manifest
+from dflash.data.identity import (
+    MANIFEST_NAME,
+    SHARD_GLOB,
+    DatasetError,
+    ValueStats,
+    compare_targets,
+    read_manifest,
+    shard_records,
+    target_fingerprint,
+    value_stats,
+)
 from dflash.data.identity import write_manifest as write_manifest
 from dflash.data.prompts import chat_prompt_ids, load_prompts, source_fingerprint
-from dflash.data.shards import ShardDataset, write_shard
+from dflash.data.shards import ShardDataset, open_shard, write_shard
 from dflash.errors import DflashError
 from dflash.filehash import CHUNK
 
@@ -71,15 +80,7 @@ class PrepareSettings:
 
 
 # ---------------------------------------------------------------------------------------------
-# Manifest
-
-
-def read_manifest(out: Path) -> dict | None:
-    """The dataset manifest of `out` (None when there is none). Raises PrepareError when it is unreadable."""
-    manifest, problem = _read_manifest(out)
-    if problem:
-        raise PrepareError(f"{out / MANIFEST}: {problem}; move the folder aside or use another --out")
-    return manifest
+# Manifest: the target it was built for
 
 
 def _fingerprint(target: str) -> dict:
@@ -273,7 +274,9 @@ def prepare(s: PrepareSettings, log=print, progress: bool | None = None) -> dict
     out = Path(s.out)
     if out.exists() and not out.is_dir():
         raise PrepareError(f"--out {out}: is a file; give a folder (new, or one prepared with the same settings)")
-    existing = read_manifest(out)
+    existing, problem = read_manifest(out)
+    if problem:
+        raise PrepareError(f"{out / MANIFEST}: {problem}; move the folder aside or use another --out")
 
     from tqdm import tqdm
     from transformers import AutoTokenizer
@@ -418,7 +421,7 @@ def merge(inputs: list[Path], out: Path, overwrite: bool = False, log=print) -> 
             ds = ShardDataset(src)
         except DatasetError as e:
             raise PrepareError(f"merge: {e}") from None
-        manifest, problem = _read_manifest(src)
+        manifest, problem = read_manifest(src)
         if problem:
             raise PrepareError(f"merge: {src / MANIFEST}: {problem}; restore it or move it aside")
         target = (manifest or {}).get("target")
@@ -480,13 +483,13 @@ def merge(inputs: list[Path], out: Path, overwrite: bool = False, log=print) -> 
 
 
 def shard_values(path: Path) -> ValueStats:
-    """Token id / loss_mask ranges and learnable positions of one shard (memory-mapped, vectorised)."""
-    import pyarrow as pa
-    import pyarrow.ipc as ipc
-
-    with pa.memory_map(str(path)) as source:
-        table = ipc.open_file(source).read_all()
-        return value_stats(table.column("input_ids"), table.column("loss_mask"))
+    """Token id / loss_mask ranges and learnable positions of one shard (memory-mapped, vectorised). Raises
+    ShardError when the reader (open_shard) refuses it."""
+    opened = open_shard(path)
+    try:
+        return value_stats(opened.column("input_ids"), opened.column("loss_mask"))
+    finally:
+        opened.close()
 
 
 def record_manifest(path: Path, target: str, log=print) -> dict:
@@ -502,7 +505,10 @@ def record_manifest(path: Path, target: str, log=print) -> dict:
     except DatasetError as e:
         raise PrepareError(f"manifest: {e}") from None
     fp = _fingerprint(target)
-    manifest = read_manifest(path) or {}
+    manifest, problem = read_manifest(path)
+    if problem:
+        raise PrepareError(f"{path / MANIFEST}: {problem}; move the folder aside or use another --out")
+    manifest = manifest or {}
     recorded_target = manifest.get("target")
     if isinstance(recorded_target, dict):
         bad, _ = compare_targets(recorded_target, fp)

@@ -94,13 +94,108 @@ def _is_int_list(t: pa.DataType) -> bool:
     return (pa.types.is_list(t) or pa.types.is_large_list(t)) and pa.types.is_integer(t.value_type)
 
 
-class _Part:
-    """One record batch of one shard: zero-copy numpy views of both columns' offsets and values."""
+REGENERATE = "regenerate this shard (write_shard writes atomically)"
 
-    __slots__ = ("ids", "mask", "mask_offsets", "offsets")
 
-    def __init__(self, offsets: np.ndarray, ids: np.ndarray, mask_offsets: np.ndarray, mask: np.ndarray):
-        self.offsets, self.ids, self.mask_offsets, self.mask = offsets, ids, mask_offsets, mask
+class ShardError(DatasetError):
+    """A shard ``open_shard`` refuses. ``problem`` says what is wrong without the path (preflight lists it under
+    the shard's name); the message is the path, the problem and the fix."""
+
+    def __init__(self, path: Path, problem: str, fix: str = REGENERATE):
+        super().__init__(f"{path}: {problem}; {fix}")
+        self.problem, self.fix = problem, fix
+
+
+class ShardBatch:
+    """One validated record batch of a shard: both columns, and zero-copy numpy views of their offsets and values."""
+
+    __slots__ = ("ids", "input_ids", "loss_mask", "mask", "mask_offsets", "offsets", "record")
+
+    def __init__(self, record: pa.RecordBatch):
+        self.record = record  # every column, the extra ones (e.g. ``turns``) too
+        self.input_ids, self.loss_mask = record.column("input_ids"), record.column("loss_mask")
+        self.offsets, self.mask_offsets = self.input_ids.offsets.to_numpy(), self.loss_mask.offsets.to_numpy()
+        self.ids = self.input_ids.values.to_numpy(zero_copy_only=True)
+        self.mask = self.loss_mask.values.to_numpy(zero_copy_only=True)
+
+    @property
+    def lengths(self) -> np.ndarray:
+        return np.diff(self.offsets)
+
+    @property
+    def mask_lengths(self) -> np.ndarray:
+        return np.diff(self.mask_offsets)
+
+
+class OpenShard:
+    """A memory-mapped shard whose schema and record batches ``open_shard`` validated."""
+
+    def __init__(self, path: Path, mapped: pa.MemoryMappedFile, schema: pa.Schema, batches: list[ShardBatch]):
+        self.path, self.mapped, self.schema, self.batches = path, mapped, schema, batches
+
+    @property
+    def lengths(self) -> np.ndarray:
+        """Tokens of every sample (int64), in row order."""
+        return np.concatenate([b.lengths for b in self.batches] or [np.zeros(0, np.int64)]).astype(np.int64)
+
+    @property
+    def mask_lengths(self) -> np.ndarray:
+        return np.concatenate([b.mask_lengths for b in self.batches] or [np.zeros(0, np.int64)]).astype(np.int64)
+
+    def column(self, name: str) -> pa.ChunkedArray:
+        """One column over every batch, zero-copy (``input_ids``, ``loss_mask`` or an extra one)."""
+        return pa.chunked_array([b.record.column(name) for b in self.batches], self.schema.field(name).type)
+
+    def mask_mismatch(self) -> tuple[int, int, int] | None:
+        """(row, input_ids length, loss_mask length) of the first sample whose two lengths differ, else None."""
+        ids, mask = self.lengths, self.mask_lengths
+        bad = np.flatnonzero(ids != mask)
+        return (int(bad[0]), int(ids[bad[0]]), int(mask[bad[0]])) if bad.size else None
+
+    def close(self) -> None:
+        self.mapped.close()
+
+
+def open_shard(path: str | Path) -> OpenShard:
+    """The one reader of the shard format (``dflash.data.identity``'s docstring): memory-map `path`, check both
+    columns are lists of integers, validate every record batch (no nulls, sane offsets) and refuse a shard whose
+    reading copies it into RAM (compressed). Raises ShardError. The trainer's dataset and preflight's scan both
+    read through it, so what one accepts the other accepts."""
+    path = Path(path)
+    before = pa.total_allocated_bytes()
+    try:
+        mapped = pa.memory_map(str(path), "r")
+        reader = pa.ipc.open_file(mapped)
+        schema = reader.schema
+    except (pa.ArrowException, OSError) as e:
+        raise ShardError(path, f"not a readable Arrow IPC file ({_one_line(e)})") from None
+    for col in COLUMNS:
+        idx = schema.get_field_index(col)
+        if idx < 0:
+            raise ShardError(path, f"missing column '{col}' (has: {', '.join(schema.names) or 'none'})",
+                             "shards need input_ids: list<int32> and loss_mask: list<int8>")
+        if not _is_int_list(schema.field(col).type):
+            raise ShardError(path, f"column '{col}' is {schema.field(col).type}, expected a list of integers "
+                             "(input_ids: list<int32>, loss_mask: list<int8>)", "rewrite the shard with write_shard")
+    batches = []
+    for b in range(reader.num_record_batches):
+        try:
+            record = reader.get_batch(b)
+            record.validate()
+        except (pa.ArrowException, OSError) as e:
+            raise ShardError(path, f"record batch {b} is corrupt ({_one_line(e)})") from None
+        if record.column("input_ids").null_count or record.column("loss_mask").null_count:
+            raise ShardError(path, "null rows in input_ids or loss_mask", "drop them and rewrite the shard")
+        batch = ShardBatch(record)
+        if (np.any(batch.lengths < 0) or np.any(batch.mask_lengths < 0) or batch.offsets[-1] > len(batch.ids)
+                or batch.mask_offsets[-1] > len(batch.mask)):
+            raise ShardError(path, f"record batch {b} has invalid list offsets")
+        batches.append(batch)
+    copied = pa.total_allocated_bytes() - before
+    if copied > _MAX_READ_ALLOC:
+        raise ShardError(path, f"reading it copies {copied / 2**20:.0f} MiB into RAM (compressed IPC?)",
+                         "rewrite it uncompressed with write_shard so it can be memory-mapped")
+    return OpenShard(path, mapped, schema, batches)
 
 
 class ShardDataset:
@@ -114,7 +209,7 @@ class ShardDataset:
         self.path = Path(path)
         self.shards = self._list_shards(self.path)
         self._maps: list[pa.MemoryMappedFile] = []
-        self._parts: list[_Part] = []
+        self._parts: list[ShardBatch] = []
         part_lengths: list[np.ndarray] = []
         described: list[tuple[str, int, int]] = []
         for shard in self.shards:
@@ -137,66 +232,15 @@ class ShardDataset:
         return shards
 
     def _open_shard(self, shard: Path, part_lengths: list[np.ndarray]) -> int:
-        fix = "regenerate this shard (write_shard writes atomically)"
-        before = pa.total_allocated_bytes()
-        try:
-            mm = pa.memory_map(str(shard), "r")
-            reader = pa.ipc.open_file(mm)
-            schema = reader.schema
-        except (pa.ArrowException, OSError) as e:
-            raise DatasetError(f"{shard}: not a readable Arrow IPC file ({_one_line(e)}); {fix}") from None
-        for col in COLUMNS:
-            idx = schema.get_field_index(col)
-            if idx < 0:
-                raise DatasetError(
-                    f"{shard}: missing column '{col}' (has: {', '.join(schema.names) or 'none'}); "
-                    "shards need input_ids: list<int32> and loss_mask: list<int8>"
-                )
-            if not _is_int_list(schema.field(col).type):
-                raise DatasetError(
-                    f"{shard}: column '{col}' is {schema.field(col).type}, expected a list of integers "
-                    f"(input_ids: list<int32>, loss_mask: list<int8>); rewrite the shard with write_shard"
-                )
-        rows = 0
-        for b in range(reader.num_record_batches):
-            try:
-                batch = reader.get_batch(b)
-                batch.validate()
-            except (pa.ArrowException, OSError) as e:
-                raise DatasetError(f"{shard}: record batch {b} is corrupt ({_one_line(e)}); {fix}") from None
-            ids_col, mask_col = batch.column("input_ids"), batch.column("loss_mask")
-            if ids_col.null_count or mask_col.null_count:
-                raise DatasetError(f"{shard}: null rows in input_ids or loss_mask; drop them and rewrite the shard")
-            offsets = ids_col.offsets.to_numpy()
-            lengths = np.diff(offsets)
-            mask_offsets = mask_col.offsets.to_numpy()
-            if (
-                np.any(lengths < 0)
-                or np.any(np.diff(mask_offsets) < 0)
-                or offsets[-1] > len(ids_col.values)
-                or mask_offsets[-1] > len(mask_col.values)
-            ):
-                raise DatasetError(f"{shard}: record batch {b} has invalid list offsets; {fix}")
-            bad = np.flatnonzero(lengths != np.diff(mask_offsets))
-            if bad.size:
-                r = rows + int(bad[0])
-                raise DatasetError(
-                    f"{shard}: row {r} has {lengths[bad[0]]} input_ids but "
-                    f"{mask_offsets[bad[0] + 1] - mask_offsets[bad[0]]} loss_mask values; they must match"
-                )
-            ids = ids_col.values.to_numpy(zero_copy_only=True)
-            mask = mask_col.values.to_numpy(zero_copy_only=True)
-            self._parts.append(_Part(offsets, ids, mask_offsets, mask))
-            part_lengths.append(lengths)
-            rows += lengths.size
-        copied = pa.total_allocated_bytes() - before
-        if copied > _MAX_READ_ALLOC:
-            raise DatasetError(
-                f"{shard}: reading it copies {copied / 2**20:.0f} MiB into RAM (compressed IPC?); "
-                "rewrite it uncompressed with write_shard so it can be memory-mapped"
-            )
-        self._maps.append(mm)
-        return rows
+        opened = open_shard(shard)
+        mismatch = opened.mask_mismatch()
+        if mismatch is not None:
+            row, ids, mask = mismatch
+            raise DatasetError(f"{shard}: row {row} has {ids} input_ids but {mask} loss_mask values; they must match")
+        self._parts += opened.batches
+        part_lengths += [b.lengths for b in opened.batches]
+        self._maps.append(opened.mapped)
+        return sum(b.lengths.size for b in opened.batches)
 
     def __len__(self) -> int:
         return int(self.lengths.size)

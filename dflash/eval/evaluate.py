@@ -25,18 +25,20 @@ DEVICE = re.compile(r"cpu|cuda(:\d+)?")
 
 
 def find_drafter_folder(path: Path) -> Path:
-    """A drafter folder, a run dir's final drafter/, or its newest checkpoint's drafter/."""
+    """A drafter folder, a run dir's final drafter/, or its newest checkpoint's drafter/ (dflash.runs.rundir's
+    names and its list of finished checkpoints)."""
+    from dflash.runs import rundir
+
     path = Path(path)
-    if (path / "config.json").is_file() and (path / "model.safetensors").is_file():
+    if (path / "config.json").is_file() and (path / rundir.WEIGHTS_NAME).is_file():
         return path
-    if (path / "drafter" / "config.json").is_file():
-        return path / "drafter"
-    steps = sorted((path / "checkpoints").glob("step_*/drafter/config.json")) if (path / "checkpoints").is_dir() else []
-    steps = [s for s in steps if not s.parent.parent.name.endswith(".tmp")]
+    if (path / rundir.DRAFTER_DIR / "config.json").is_file():
+        return path / rundir.DRAFTER_DIR
+    steps = [d / rundir.DRAFTER_DIR for d in rundir.list_checkpoints(path) if (d / rundir.DRAFTER_DIR / "config.json").is_file()]
     if steps:
-        return steps[-1].parent
-    raise EvalError(f"--drafter {path}: not a drafter folder (config.json + model.safetensors) nor a run dir "
-                    "with drafter/ or checkpoints/step_*/drafter")
+        return steps[-1]
+    raise EvalError(f"--drafter {path}: not a drafter folder (config.json + {rundir.WEIGHTS_NAME}) nor a run dir "
+                    f"with {rundir.DRAFTER_DIR}/ or {rundir.CHECKPOINTS_DIR}/{rundir.STEP_PREFIX}*/{rundir.DRAFTER_DIR}")
 
 
 def check_drafter_files(folder: Path) -> None:

@@ -7,7 +7,7 @@ place that knows the file's name and fields (torch-free: preflight imports it).
 
     write_manifest(cache_dir, {"torch": "2.10.0+cu128", "triton": "3.6.0", "gpu_name": "NVIDIA H200",
                                "compute_capability": "9.0", "drafter_hash": cfg.drafter_hash()})
-    manifest = read_manifest(cache_dir)   # None when absent, ManifestError when unreadable
+    manifest, problem = dflash.data.identity.read_manifest(cache_dir, MANIFEST_NAME)  # the one manifest reader
     differences(manifest, now)            # ["torch 2.10.0+cu128 -> 2.11.0+cu130", ...]
 """
 
@@ -18,8 +18,6 @@ import os
 from collections.abc import Mapping
 from pathlib import Path
 
-from dflash.errors import DflashError
-
 MANIFEST_NAME = "dflash-manifest.json"
 # What the compiled kernels depend on; a change in any of them makes the cache cold again.
 FIELDS = (
@@ -29,10 +27,6 @@ FIELDS = (
     "compute_capability",  # major.minor, e.g. 9.0
     "drafter_hash",  # RunConfig.drafter_hash(): the drafter shapes the kernels were compiled for
 )
-
-
-class ManifestError(DflashError):
-    """A manifest that exists but cannot be read; the message is one line."""
 
 
 def manifest_path(cache_dir: str | Path) -> Path:
@@ -49,20 +43,6 @@ def write_manifest(cache_dir: str | Path, facts: Mapping[str, object]) -> Path:
     tmp.write_text(json.dumps({k: facts[k] for k in FIELDS}, indent=2) + "\n")
     os.replace(tmp, path)
     return path
-
-
-def read_manifest(cache_dir: str | Path) -> dict | None:
-    """The manifest of a cache dir; None when there is none (a cold or foreign cache)."""
-    path = manifest_path(cache_dir)
-    if not path.exists():
-        return None
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, ValueError) as e:
-        raise ManifestError(f"{path.name} unreadable: {' '.join(str(e).split())}") from None
-    if not isinstance(data, dict):
-        raise ManifestError(f"{path.name} unreadable: not a JSON object")
-    return data
 
 
 def differences(manifest: Mapping[str, object], now: Mapping[str, object]) -> list[str]:

@@ -100,7 +100,7 @@ def load_run(path: str | Path, label: str | None = None) -> Run:
                 continue
             if isinstance(row, dict):
                 run.rows.append(row)
-    pre = _json(path / "preflight.json")
+    pre = _json(path / rundir.PREFLIGHT_NAME)
     run.preflight = pre if isinstance(pre, dict) else None
     run.stopped = rundir.read_stopped(path)
     run.running = rundir.read_running(path)

@@ -125,7 +125,7 @@ def launch(cfg: RunConfig, resume_from: Path | None, gate_id: str, log=print) ->
     """Spawn one process per GPU and watch them (dflash-train, after its gate passed with `gate_id`)."""
     out = Path(cfg.output_dir)
     out.mkdir(parents=True, exist_ok=True)
-    cfg_path = out / "config.json"
+    cfg_path = out / rundir.CONFIG_NAME
     cfg_path.write_text(dump_config(cfg))
     roles = ranks_for(cfg)
     port = _free_port()
@@ -353,6 +353,7 @@ class RemoteTargets:
 
         self.cfg, self.me, self.device = cfg, me, device
         self.target_config = target_text_config(target_folder(cfg.target.path))
+        self.model = None  # the target runs on the target ranks
         self.n_layers = len(feature_layer_ids(cfg, self.target_config.num_hidden_layers))
         self.want_last = cfg.train.kl_weight > 0
         self.wire = torch_dtype(cfg.target.dtype)
@@ -405,8 +406,7 @@ class RemoteTargets:
             "n_targets": self.me.n_targets, "n_drafters": self.me.n_drafters,
         }
 
-    @staticmethod
-    def rates_line(rec: dict) -> str:
+    def rates_line(self, rec: dict) -> str:
         return (f"(target {rec['target_tok_s_per_gpu']:.0f}/GPU, drafter {rec['drafter_tok_s_per_gpu']:.0f}/GPU) "
                 f"wait: drafters {rec['drafter_wait_frac']:.0%} targets {rec['target_wait_frac']:.0%}")
 
@@ -414,7 +414,10 @@ class RemoteTargets:
         return (f"{self.me.n_targets} target rank(s) over torch.distributed, {self.n_layers} layers"
                 + (" + last hidden" if self.want_last else "") + f" sent as {self.cfg.target.dtype}")
 
-    def summary(self, metrics_path: Path) -> str:
+    def cache_bytes(self, num_tokens: int) -> int | None:
+        return None
+
+    def summary(self, metrics_path: Path) -> str | None:
         """Measured per-role rates of the last rows and the split they suggest."""
         rows = [json.loads(line) for line in metrics_path.read_text().splitlines()]
         rows = [r for r in rows if "target_tok_s_per_gpu" in r][-10:]

@@ -13,6 +13,7 @@ The math of one batch lives in dflash.train.loss; what feeds it features lives h
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Protocol
 
 import torch
@@ -135,9 +136,11 @@ def target_folder(path: str, log=print) -> str:
 
 
 class FeatureSource(Protocol):
-    """What the trainer needs from the target side, whatever the layout."""
+    """What the trainer needs from the target side, whatever the layout: every source has every member, so the
+    trainer never asks which one it holds (a member with nothing to do returns {}, "" or None)."""
 
     target_config: object  # the target's HF config (vocab_size, hidden_size, num_hidden_layers, pad_token_id)
+    model: torch.nn.Module | None  # the target when it runs in this process (held-out eval decodes with it), else None
 
     def frozen_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(embedding [V, H], lm_head [V, H]) of the target, on the trainer's device."""
@@ -151,8 +154,20 @@ class FeatureSource(Protocol):
     def counters(self) -> dict:
         """Timing counters since the last call (summed over ranks by the trainer), for the metrics."""
 
+    def rates(self, counters: dict, dt: float, world: int) -> dict:
+        """Fields a metrics row adds from a log window's summed counters over `dt` seconds ({}: none)."""
+
+    def rates_line(self, rec: dict) -> str:
+        """What the progress line adds from those fields of metrics row `rec` ("": nothing)."""
+
     def describe(self) -> str:
         """One line for the run's plan."""
+
+    def cache_bytes(self, num_tokens: int) -> int | None:
+        """Bytes its feature cache grows to over `num_tokens` tokens (None: it caches nothing)."""
+
+    def summary(self, metrics_path: Path) -> str | None:
+        """Lines for the end of the run, from the run's metrics.jsonl (None: nothing to add)."""
 
 
 class LocalTarget:
@@ -181,8 +196,20 @@ class LocalTarget:
     def counters(self) -> dict:
         return {}
 
+    def rates(self, counters: dict, dt: float, world: int) -> dict:
+        return {}
+
+    def rates_line(self, rec: dict) -> str:
+        return ""
+
     def describe(self) -> str:
         return f"target {self.cfg.target.path} ({self.cfg.target.dtype}) on {self.device}, layers {self.layer_ids}"
+
+    def cache_bytes(self, num_tokens: int) -> int | None:
+        return None
+
+    def summary(self, metrics_path: Path) -> str | None:
+        return None
 
 
 class CachedTarget(LocalTarget):

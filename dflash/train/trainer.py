@@ -179,7 +179,7 @@ class Trainer:
         from dflash.data.plan import heldout_dataset
         from dflash.train.heldout import HeldOut
 
-        assert self.group is None and hasattr(self.source, "model"), "held-out eval needs the target in this process"
+        assert self.group is None and self.source.model is not None, "held-out eval needs the target in this process"
         return HeldOut(self.cfg, heldout_dataset(self.cfg), pad_token_id(self.source.target_config), self.log)
 
     @classmethod
@@ -299,8 +299,8 @@ class Trainer:
             self.log(self.heldout.describe() + (f"; best so far {self.best:.3f}" if self.best is not None else ""))
         self.log(f"schedule: {self.total_steps} steps of {self.batches_per_step} batches, lr {self.cfg.train.lr} "
                  f"cosine, warmup {self.cfg.train.warmup_ratio}")
-        if hasattr(self.source, "cache_bytes"):
-            size = self.source.cache_bytes(int(self.dataset.lengths.sum()))
+        size = self.source.cache_bytes(int(self.dataset.lengths.sum()))
+        if size is not None:
             self.log(f"feature cache: grows to {size / 2**30:.2f} GiB on {self.device}")
 
     # ---- the loop
@@ -321,7 +321,7 @@ class Trainer:
         stop.install()
         bar = self._bar(progress)
         last_save = self.step
-        metrics_file = (self.out / "metrics.jsonl").open("a") if self.is_logger else None
+        metrics_file = (self.out / rundir.METRICS_NAME).open("a") if self.is_logger else None
         self.outcome = Outcome(self.out, self.step) if self.is_logger else None  # outcome.json, for dflash-diff
         stream = self.step_batches()
         held = None
@@ -441,8 +441,7 @@ class Trainer:
                    if self.device.type == "cuda" else None)
         if self.device.type == "cuda":
             rec["nvml_used_gib"] = _nvml_used_gib(self.device, "drafter" if self.group is not None else "colocated")
-        if hasattr(self.source, "rates"):
-            rec.update(self.source.rates(counters, dt, self.world))
+        rec.update(self.source.rates(counters, dt, self.world))
         if self.group is not None and os.environ.get("DFLASH_CHECK_REPLICAS") == "1":
             rec["replica_max_diff"] = _replica_max_diff(self.drafter, self.group, self.world)
         return rec
@@ -457,8 +456,9 @@ class Trainer:
             if "heldout_real_accept_len" in rec:
                 line += (f" real {rec['heldout_real_accept_len']:.3f}"
                          + ("" if rec["heldout_real_lossless"] else " NOT LOSSLESS"))
-        if hasattr(self.source, "rates_line") and "tok_per_s" in rec:
-            line += " " + self.source.rates_line(rec)
+        rates = self.source.rates_line(rec) if "tok_per_s" in rec else ""
+        if rates:
+            line += " " + rates
         if bar:
             bar.set_postfix_str(line.split(" ", 2)[2])
         else:
@@ -490,10 +490,11 @@ class Trainer:
         exported = self._export()
         rundir.clear_stopped(self.out)
         self.outcome.end("finished", self.step)
-        self.log(f"done: {self.step} steps; checkpoint {path}; drafter saved to {self.out / 'drafter'} ({exported}); "
+        self.log(f"done: {self.step} steps; checkpoint {path}; drafter saved to {self.out / rundir.DRAFTER_DIR} ({exported}); "
                  f"{compiled_graphs()} compiled graph(s) in this process")
-        if hasattr(self.source, "summary"):
-            self.log(self.source.summary(self.out / "metrics.jsonl"))
+        summary = self.source.summary(self.out / rundir.METRICS_NAME)
+        if summary:
+            self.log(summary)
         return 0
 
     def _export(self) -> str:
@@ -503,7 +504,7 @@ class Trainer:
         model, which = self.drafter, f"step {self.step}, the last"
         if best is not None:
             model, which = DFlashDrafter.from_pretrained(best / rundir.DRAFTER_DIR), f"{best.name}, checkpoints/best"
-        model.save_pretrained(self.out / "drafter", dtype=torch.bfloat16, target_dir=target_folder(self.cfg.target.path, self.log))
+        model.save_pretrained(self.out / rundir.DRAFTER_DIR, dtype=torch.bfloat16, target_dir=target_folder(self.cfg.target.path, self.log))
         return which
 
 
@@ -575,7 +576,7 @@ def run(cfg: RunConfig, resume_from: Path | None, log=print, progress: bool | No
     """Co-located training: target and drafter in this process. Returns the exit code."""
     out = Path(cfg.output_dir)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "config.json").write_text(dump_config(cfg))
+    (out / rundir.CONFIG_NAME).write_text(dump_config(cfg))
     return Trainer.colocated(cfg, resume_from, log, provenance).run(progress)
 
 

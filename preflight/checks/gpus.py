@@ -1,0 +1,201 @@
+"""The GPU checks: gpu-visibility (each assigned GPU visible, one role each), gpu-memory (free memory against the
+memory model), gpu-processes (no other process on them)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from dflash.config import ConfigError
+from dflash.errors import DflashError
+from dflash.memory.parts import choose_recompute, role_need_bytes
+from preflight.checks.common import MiB, config_arg, gib, listing, no_shape, on_cpu, result
+from preflight.estimate import DEFAULT_CUDA
+from preflight.facts.context import Context
+from preflight.nvml import NO_DRIVER, Gpu, resolve_gpu, visible_gpus
+from preflight.report import CheckResult
+
+
+def assigned_gpus(ctx: Context) -> dict[str, list[str]]:
+    """GPU name in the run config -> its roles. Co-located runs use GPU "0" for both; a torchrun rank its own."""
+    if ctx.own_gpus is not None:
+        return ctx.own_gpus
+    topo = ctx.config.topology
+    if not topo.target_gpus and not topo.drafter_gpus:
+        return {"0": ["target", "drafter"]}
+    out: dict[str, list[str]] = {}
+    for role, names in (("target", topo.target_gpus), ("drafter", topo.drafter_gpus)):
+        for n in names:
+            out.setdefault(n, []).append(role)
+    return out
+
+
+def _gpu_gate(ctx: Context, check_id: str) -> CheckResult | None:
+    if on_cpu(ctx):
+        return result(check_id, "skip", "device = cpu: no GPU needed")
+    if ctx.gpus.snapshot is None:
+        return result(check_id, "fail", ctx.gpus.error or NO_DRIVER,
+                      "install/load the NVIDIA driver (nvidia-smi must work), or set device = \"cpu\" in the run config")
+    return None
+
+
+def _resolved(ctx: Context) -> list[tuple[str, list[str], Gpu | None, str | None]]:
+    snap = ctx.gpus.snapshot
+    visible, _ = visible_gpus(snap.gpus, ctx.gpus.cuda_visible_devices)
+    rows = []
+    for name, roles in assigned_gpus(ctx).items():
+        gpu, why = resolve_gpu(name, visible, snap.gpus)
+        rows.append((name, roles, gpu, why))
+    return rows
+
+
+def check_gpu_visibility(ctx: Context) -> CheckResult:
+    gate = _gpu_gate(ctx, "gpu-visibility")
+    if gate:
+        return gate
+    snap = ctx.gpus.snapshot
+    cvd = ctx.gpus.cuda_visible_devices
+    visible, note = visible_gpus(snap.gpus, cvd)
+    data = dict(driver=snap.driver_version, cuda_driver=snap.cuda_driver_version, cuda_visible_devices=cvd,
+                visible=[{"cuda_index": i, "nvml_index": g.index, "uuid": g.uuid, "name": g.name}
+                         for i, g in enumerate(visible)])
+    seen = f"{len(visible)} of {len(snap.gpus)} GPUs visible" + (f" (CUDA_VISIBLE_DEVICES={cvd})" if cvd is not None else "")
+    cvd_fix = "fix CUDA_VISIBLE_DEVICES (indices or UUIDs from `nvidia-smi -L`), or unset it"
+    if ctx.config is None:
+        if not visible:
+            return result("gpu-visibility", "fail", f"NVML reachable but no GPU visible: {note or seen}", cvd_fix, **data)
+        names = sorted({g.name for g in visible})
+        summary = f"NVML reachable, {seen}: {', '.join(names)}"
+        return result("gpu-visibility", "warn" if note else "pass", summary + (f"; {note}" if note else ""), cvd_fix, **data)
+    problems = []
+    owners: dict[str, list[tuple[str, str]]] = {}
+    rows = _resolved(ctx)
+    for name, roles, gpu, why in rows:
+        if gpu is None:
+            problems.append(f"{'/'.join(roles)} {why}")
+            continue
+        for role in roles:
+            owners.setdefault(gpu.uuid, []).append((name, role))
+    for uuid, names in owners.items():
+        roles = {r for _, r in names}
+        if len(names) > 1 and not (len(names) == 2 and roles == {"target", "drafter"} and names[0][0] == names[1][0]):
+            listed = ", ".join(f"{n} ({r})" for n, r in names)
+            problems.append(f"{listed} are the same GPU {uuid}")
+    data["assigned"] = [{"name": n, "roles": r, "uuid": g.uuid if g else None, "problem": w} for n, r, g, w in rows]
+    if note:
+        data["note"] = note
+    if problems:
+        fix = ("set topology.target_gpus / drafter_gpus to distinct visible GPUs "
+               f"(0..{len(visible) - 1} after CUDA_VISIBLE_DEVICES, or UUIDs), or {cvd_fix}")
+        return result("gpu-visibility", "fail", f"{listing(problems, 3)}; {seen}", fix, **data)
+    return result("gpu-visibility", "pass",
+                  f"all {len(rows)} assigned GPUs visible and each has one role; {seen}", **data)
+
+
+MEMORY_MODEL = "memory model"  # the label gpu-memory's summary and data carry
+
+
+def _need(ctx: Context, roles: list[str], free: int | None = None) -> tuple[int, str]:
+    """Bytes one GPU with these roles needs (both roles: the co-located GPU), from the gathered target shape.
+
+    train.recompute = auto is judged as the trainer will resolve it: the fastest mode that fits `free`.
+    """
+    if ctx.target_shape is None:
+        raise ConfigError(no_shape(ctx))
+    cuda = ctx.profile.cuda if ctx.profile else DEFAULT_CUDA
+    role = "colocated" if len(roles) == 2 else roles[0]
+    if ctx.config.train.recompute == "auto" and free is not None and role != "target":
+        mode, need = choose_recompute(ctx.config, role, cuda, free, shape=ctx.target_shape)
+        return need, f"{MEMORY_MODEL}, recompute auto -> {mode}"
+    return role_need_bytes(ctx.config, role, cuda, shape=ctx.target_shape), MEMORY_MODEL
+
+
+def check_gpu_memory(ctx: Context, need_fn: Callable[[Context, list[str]], tuple[int, str]] | None = None) -> CheckResult:
+    gate = _gpu_gate(ctx, "gpu-memory")
+    if gate:
+        return gate
+    rows, short, lines = [], [], []
+    model = ""
+    for name, roles, gpu, _why in _resolved(ctx):
+        if gpu is None:
+            continue
+        try:
+            need, model = need_fn(ctx, roles) if need_fn else _need(ctx, roles, gpu.memory_free)
+        except DflashError as e:
+            return result("gpu-memory", "fail", f"memory model failed: {e.one_line()}",
+                          f"dflash-estimate --config {config_arg(ctx)}")
+        head = gpu.memory_free - need
+        role = "+".join(roles)
+        rows.append({"name": name, "uuid": gpu.uuid, "roles": roles, "need_bytes": need,
+                     "free_bytes": gpu.memory_free, "headroom_bytes": head})
+        lines.append(f"{role} GPU {name} need {gib(need)} / free {gib(gpu.memory_free)} ({'+' if head >= 0 else ''}{gib(head)})")
+        if head < 0:
+            short.append(f"{role} GPU {name} ({gpu.uuid[:12]}…): need {gib(need)}, free {gib(gpu.memory_free)}, "
+                         f"short {gib(-head)}")
+    if not rows:
+        return result("gpu-memory", "skip", "no assigned GPU is visible (see gpu-visibility)")
+    label = f" [{model}]" if model else ""
+    data = dict(gpus=rows, model=model)
+    if short:
+        return result("gpu-memory", "fail", f"{listing(short, 3)}{label}",
+                      "free the GPUs (see gpu-processes), or lower data.token_budget / train.max_anchors in "
+                      f"{config_arg(ctx)} (`dflash-estimate --config {config_arg(ctx)}` shows what fits)", **data)
+    return result("gpu-memory", "pass", "; ".join(lines) + label, **data)
+
+
+def check_gpu_processes(ctx: Context) -> CheckResult:
+    gate = _gpu_gate(ctx, "gpu-processes")
+    if gate:
+        return gate
+    me = ctx.host.get("pid")
+    found, pids = [], []
+    checked = 0
+    for name, _roles, gpu, _why in _resolved(ctx):
+        if gpu is None:
+            continue
+        checked += 1
+        for proc in gpu.processes:
+            if proc.pid == me:
+                continue
+            mib = f"{proc.used_bytes // MiB:,} MiB" if proc.used_bytes is not None else "? MiB"
+            found.append({"gpu": name, "uuid": gpu.uuid, "pid": proc.pid, "name": proc.name,
+                          "used_mib": proc.used_bytes // MiB if proc.used_bytes is not None else None})
+            pids.append(proc.pid)
+            found[-1]["text"] = f"GPU {name}: pid {proc.pid} {proc.name} ({mib})"
+    if not checked:
+        return result("gpu-processes", "skip", "no assigned GPU is visible (see gpu-visibility)")
+    if found:
+        hidden = any(f["name"] == "?" for f in found)
+        fix = f"stop them (e.g. the inference server): kill {' '.join(str(p) for p in sorted(set(pids)))}"
+        if hidden:
+            fix += "; pids shown as '?' live in another container: stop them there"
+        return result("gpu-processes", "fail",
+                      f"{len(found)} other process(es) hold memory on assigned GPUs: {listing([f['text'] for f in found], 4)}",
+                      fix, processes=[{k: v for k, v in f.items() if k != 'text'} for f in found])
+    return result("gpu-processes", "pass", f"no other process holds memory on the {checked} assigned GPU(s)", processes=[])
+
+
+def drafter_gpus(ctx: Context) -> list[Gpu]:
+    """The GPUs training the drafter (the first visible one for a co-located run), [] without a GPU snapshot."""
+    snap = ctx.gpus.snapshot
+    if snap is None:
+        return []
+    if ctx.config is not None:
+        found = [gpu for _name, roles, gpu, _why in _resolved(ctx) if gpu is not None and "drafter" in roles]
+        if found:
+            return found
+    visible, _ = visible_gpus(snap.gpus, ctx.gpus.cuda_visible_devices)
+    return visible[:1]
+
+
+def drafter_gpu(ctx: Context) -> Gpu | None:
+    gpus = drafter_gpus(ctx)
+    return gpus[0] if gpus else None
+
+
+def capability(text: str) -> tuple[int, int] | None:
+    """ "9.0" -> (9, 0); None when unknown or unreadable (older recorded snapshots say "0.0")."""
+    try:
+        major, minor = (int(x) for x in text.split(".")[:2])
+    except (ValueError, AttributeError):
+        return None
+    return None if (major, minor) == (0, 0) else (major, minor)

@@ -1,0 +1,206 @@
+"""The run checks: config (what the schema cannot judge alone), run-dir (resume or fresh, and what a resume
+loads), disk (room for the checkpoints)."""
+
+from __future__ import annotations
+
+import os
+
+from dflash.config import FP8_MIN_CAPABILITY, default_target_layer_ids
+from dflash.memory.shape import drafter_shape, drafter_state_bytes
+from preflight.checks.common import GiB, MiB, config_arg, gib, no_shape, result
+from preflight.checks.gpus import capability, drafter_gpus
+from preflight.facts.context import Context
+from preflight.report import CheckResult
+
+
+def check_config(ctx: Context) -> CheckResult:
+    """What the config schema cannot judge alone: the target must load, and the values that index into it fit it."""
+    cfg, where = ctx.config, config_arg(ctx)
+    shape = ctx.target_shape
+    if shape is None:
+        return result("config", "fail", f"target.path {cfg.target.path!r} cannot be read: {no_shape(ctx)}",
+                      f"set target.path in {where} to a Hugging Face model folder with config.json, or 'smollm2'",
+                      target=cfg.target.path)
+    layers, vocab = shape.num_layers, shape.vocab
+    data = dict(target=cfg.target.path, num_layers=layers, vocab=vocab)
+    problems, fixes = [], []
+    ids = list(cfg.drafter.target_layer_ids)
+    if ids:
+        outside = [i for i in ids if i >= layers]
+        if outside:
+            problems.append(f"drafter.target_layer_ids {outside} outside 0..{layers - 1} of the {layers}-layer target")
+            fixes.append(f"set drafter.target_layer_ids in {where} to ids in 0..{layers - 1}, or [] to spread them evenly")
+    else:
+        try:
+            ids = default_target_layer_ids(layers, cfg.drafter.num_layers)
+        except ValueError as e:
+            problems.append(f"drafter.target_layer_ids [] ({e})")
+            fixes.append(f"lower drafter.num_layers in {where}, or set drafter.target_layer_ids")
+    mask = cfg.drafter.mask_token_id
+    if mask is not None and mask >= vocab:
+        problems.append(f"drafter.mask_token_id {mask} outside 0..{vocab - 1} (the target's vocab_size is {vocab})")
+        fixes.append(f"set drafter.mask_token_id in {where} below {vocab}, or remove it to take the pad token")
+    heads, kv = drafter_shape(cfg, shape).heads, drafter_shape(cfg, shape).kv_heads
+    if heads % kv:
+        problems.append(f"drafter heads {heads} not a multiple of its kv heads {kv} (unset fields take the target's)")
+        fixes.append(f"set drafter.num_attention_heads and drafter.num_key_value_heads in {where} (heads a multiple of kv)")
+    if cfg.train.fp8 != "off":
+        _fp8_problems(ctx, drafter_shape(cfg, shape), where, problems, fixes)
+    data.update(target_layer_ids=ids, mask_token_id=mask)
+    if problems:
+        return result("config", "fail", "; ".join(problems), "; ".join(fixes), problems=problems, **data)
+    return result("config", "pass", f"target {cfg.target.path}: {layers} layers, vocab {vocab:,}; the drafter reads layers "
+                  f"{ids}, mask token {'from the target' if mask is None else mask}", **data)
+
+
+def _fp8_problems(ctx: Context, d, where: str, problems: list[str], fixes: list[str]) -> None:
+    """train.fp8 needs fp8 tensor cores on the drafter's GPU and MLP sizes the fp8 matmuls take (dflash.models.fp8)."""
+    fp8 = ctx.config.train.fp8
+    if d.hidden % 16 or d.intermediate % 16:
+        problems.append(f"train.fp8 = {fp8!r} needs the drafter's hidden and intermediate sizes divisible by 16, "
+                        f"got {d.hidden} and {d.intermediate}")
+        fixes.append(f"set train.fp8 = \"off\" in {where}")
+    old = [g for g in drafter_gpus(ctx) if (capability(g.compute_capability) or FP8_MIN_CAPABILITY) < FP8_MIN_CAPABILITY]
+    for gpu in old[:1]:
+        problems.append(f"train.fp8 = {fp8!r} needs compute capability {'.'.join(map(str, FP8_MIN_CAPABILITY))}+, the "
+                        f"drafter's GPU {gpu.name} has {gpu.compute_capability}")
+        fixes.append(f"set train.fp8 = \"off\" in {where}, or train on an Ada/Hopper-class GPU")
+
+
+def _default_layer_ids(ctx: Context, n: int) -> list[int] | None:
+    """The target layers an empty drafter.target_layer_ids resolves to, or None when unknown."""
+    if ctx.config is None or ctx.target_shape is None:
+        return None
+    return default_target_layer_ids(ctx.target_shape.num_layers, n)
+
+
+def _incompatible(ctx: Context, saved: dict) -> list[str]:
+    cfg = ctx.config
+    now = cfg.model_dump()
+    out = []
+    for section, key in (("drafter", "block_size"), ("drafter", "num_layers"), ("target", "path")):
+        old = (saved.get(section) or {}).get(key)
+        if old != now[section][key]:
+            out.append(f"{section}.{key} {old!r} -> {now[section][key]!r}")
+    old_ids = (saved.get("drafter") or {}).get("target_layer_ids")
+    new_ids = cfg.drafter.target_layer_ids
+    if old_ids != new_ids:
+        n = cfg.drafter.num_layers
+        resolved_old = old_ids or _default_layer_ids(ctx, n)
+        resolved_new = new_ids or _default_layer_ids(ctx, n)
+        if resolved_old is not None and resolved_new is not None and resolved_old != resolved_new:
+            out.append(f"drafter.target_layer_ids {old_ids!r} -> {new_ids!r}")
+    return out
+
+
+def check_run_dir(ctx: Context) -> CheckResult:
+    rd = ctx.run_dir
+    intent = ctx.resume_intent
+    how = "sizes and sha256" if rd.deep else "sizes"
+    data = dict(path=rd.path, exists=rd.exists, writable=rd.writable, intent=intent,
+                checkpoints=[c.step for c in rd.checkpoints], verified_by=how)
+    if not rd.writable:
+        return result("run-dir", "fail", f"output dir {rd.path} cannot be written: {rd.problem}",
+                      f"set output_dir in {config_arg(ctx)} to a writable folder with free space", **data)
+    newest = rd.newest
+    if newest is None:
+        if intent == "resume":
+            return result("run-dir", "fail", f"--resume given but {rd.path} holds no finished checkpoint",
+                          "drop --resume (a fresh run starts at step 0)", **data)
+        return result("run-dir", "pass", f"{rd.path} is writable and holds no checkpoint: a fresh run", **data)
+    name = os.path.basename(newest.path)
+    data["newest"] = {"step": newest.step, "path": newest.path}
+    if intent is None:
+        return result("run-dir", "fail",
+                      f"{rd.path} holds {len(rd.checkpoints)} checkpoint(s), newest {name} (step {newest.step}); "
+                      "say whether to resume it or start over", "add --resume to continue it, or --fresh to start over "
+                      "(--fresh moves the old checkpoints aside)", **data)
+    if intent == "fresh":
+        return result("run-dir", "pass", f"--fresh: {len(rd.checkpoints)} existing checkpoint(s) (newest {name}, "
+                      f"step {newest.step}) will be moved aside, not resumed", **data)
+    # --resume latest takes the newest checkpoint that verifies (dflash.runs.rundir.resolve_resume)
+    usable = [c for c in rd.checkpoints if c.meta is not None and not c.error]
+    chosen = usable[-1] if usable else None
+    skipped = [c for c in rd.checkpoints if chosen is None or c.step > chosen.step]
+    data["skipped"] = [{"step": c.step, "problem": c.error or "meta.json unreadable"} for c in skipped]
+    said = "; ".join(f"{os.path.basename(c.path)}: {c.error or 'meta.json unreadable'}" for c in skipped)
+    if chosen is None:
+        only = skipped[0]
+        what = f"newest checkpoint {name} cannot be resumed: {only.error or 'meta.json unreadable'}" \
+            if len(skipped) == 1 else f"none of the {len(skipped)} checkpoints verifies ({how}): {said}"
+        return result("run-dir", "fail", f"--resume: {what}", "use --fresh, or give --resume an earlier checkpoint "
+                      "folder (moved aside ones are under checkpoints.abandoned-*)", **data)
+    cname = os.path.basename(chosen.path)
+    data["resume"] = {"step": chosen.step, "path": chosen.path}
+    bad = _incompatible(ctx, chosen.meta.get("config") or {})
+    if bad:
+        return result("run-dir", "fail", f"--resume: {cname} (step {chosen.step}) is incompatible with this config: "
+                      f"{', '.join(bad)}", f"use --fresh, or restore those settings in {config_arg(ctx)}", **data)
+    notes, fixes = [], []
+    if skipped:
+        notes.append(f"--resume latest skips {said}")
+        fixes.append("move the damaged checkpoint(s) aside, or pass --fresh")
+    if rd.schedule_change:  # the trainer's own rule (dflash.data.plan.schedule_change), so both say the same
+        data["schedule_change"] = rd.schedule_change
+        notes.append(f"the lr schedule changes ({rd.schedule_change}): dflash-train refuses this resume without "
+                     "--allow-schedule-change")
+        fixes.append(f"restore those settings in {config_arg(ctx)}, or pass --allow-schedule-change")
+    old = chosen.meta.get("dataset") or {}
+    ds = ctx.dataset
+    changes = []
+    if ds is not None and ds.error is None and not any(s.error for s in ds.shards):
+        data["dataset"] = {"old_samples": old.get("samples"), "new_samples": ds.samples,
+                           "old_path": old.get("path"), "new_path": ds.path}
+        if old.get("samples") != ds.samples:
+            was = f"{old['samples']:,}" if isinstance(old.get("samples"), int) else "?"
+            changes.append(f"{was} -> {ds.samples:,} samples")
+        elif old.get("fingerprint") and old.get("fingerprint") != ds.fingerprint:
+            changes.append(f"same {ds.samples:,} samples but other shards (fingerprint {old['fingerprint']} -> {ds.fingerprint})")
+        if old.get("path") and old.get("path") != ds.path:
+            changes.append(f"path {old['path']} -> {ds.path}")
+    if changes:
+        notes.append(f"dataset changed since: {'; '.join(changes)} (the epoch restarts from its first batch)")
+        fixes.append("use --fresh if the new data should start a new run")
+    if notes:
+        return result("run-dir", "warn", f"--resume from {cname} (step {chosen.step}); " + "; ".join(notes),
+                      "; ".join(fixes), **data)
+    return result("run-dir", "pass", f"--resume from {cname} (step {chosen.step}, {how} verified): config and lr "
+                  "schedule unchanged, dataset unchanged", **data)
+
+
+def checkpoint_bytes(ctx: Context) -> tuple[int | None, str]:
+    """Bytes of one checkpoint: the newest one on disk, else the drafter's training state from the memory model."""
+    newest = ctx.run_dir.newest if ctx.run_dir else None
+    if newest is not None and newest.size_bytes:
+        return newest.size_bytes, f"size of {os.path.basename(newest.path)}"
+    if ctx.target_shape is None:
+        return None, no_shape(ctx)
+    return drafter_state_bytes(ctx.config, ctx.target_shape), "estimate: drafter params x 12 B (fp32 weights, AdamW m and v)"
+
+
+def _size(n: int | float) -> str:
+    """GiB, or MiB below one GiB (a tiny run's checkpoints and a full disk both read as 0.0 GiB otherwise)."""
+    return gib(n) if n >= GiB else f"{n / MiB:.1f} MiB"
+
+
+def check_disk(ctx: Context) -> CheckResult:
+    dk = ctx.disk
+    cfg = ctx.config
+    if dk.error or dk.free_bytes is None:
+        return result("disk", "fail", f"cannot measure free space at {dk.path}: {dk.error}",
+                      f"set output_dir in {config_arg(ctx)} to an existing, readable filesystem", path=dk.path)
+    one, how = checkpoint_bytes(ctx)
+    data = dict(path=dk.path, free_bytes=dk.free_bytes, checkpoint_bytes=one, basis=how, keep_last=cfg.train.keep_last)
+    if one is None:
+        return result("disk", "warn", f"{_size(dk.free_bytes)} free at {dk.path}; checkpoint size unknown ({how})",
+                      f"check target.path in {config_arg(ctx)}", **data)
+    existing = len(ctx.run_dir.checkpoints) if ctx.run_dir and ctx.resume_intent == "resume" else 0
+    count = max(1, cfg.train.keep_last + 1 - existing)  # keep_last kept + one being written
+    need = count * one
+    data.update(need_bytes=need, checkpoints_to_write=count)
+    summary = (f"{_size(dk.free_bytes)} free at {dk.path}; {count} more checkpoint(s) of {_size(one)} "
+               f"({how}) need {_size(need)}")
+    if dk.free_bytes < need:
+        return result("disk", "fail", summary, f"free {_size(need - dk.free_bytes)} at {dk.path}, lower train.keep_last, "
+                      f"or move output_dir to a larger disk", **data)
+    return result("disk", "pass", summary, **data)

@@ -1,0 +1,182 @@
+"""The installed environment, read without importing it: the torch build (from ``torch/version.py``)
+and every GPU-stack and target-code distribution's files against the hashes its RECORD lists."""
+
+from __future__ import annotations
+
+import base64
+import csv
+import hashlib
+import os
+import re
+import time
+from dataclasses import dataclass, field
+from importlib import metadata
+from pathlib import Path
+
+from packaging.utils import canonicalize_name
+
+PROJECT_DIST = "dflash"  # the project itself: never drift
+
+
+# Installed distributions whose files are checked against their RECORD hashes: besides the GPU stack
+# (lockfile.is_gpu_stack: torch, triton, nvidia-*, ...), the packages whose code runs the target and drafter.
+RECORD_VERIFIED = ("transformers", "tokenizers", "safetensors")
+
+
+# Native libraries are compared with RECORD by size only: hashing them reads gigabytes (the CUDA wheels) at
+# every launch, while an edit, the incident's class of change, lands in Python sources, which are hashed.
+NATIVE_FILE = re.compile(r"\.(?:so(?:\.\d+)*|a|o|bc|cubin|fatbin)$")
+
+
+@dataclass
+class TorchBuild:
+    version: str  # with local label, e.g. "2.10.0+cu128"
+    cuda: str | None  # CUDA the build targets, None for a CPU build
+    source: str  # the file it was read from
+
+
+@dataclass
+class EnvIdentity:
+    prefix: str  # this interpreter's environment (sys.prefix): the one the environment checks judge
+    profile_env: str  # where the profile's environment lives (`dflash-env path`)
+    default: bool  # that is uv's project environment (.venv), the one `uv run` builds and uses
+
+    @property
+    def matches(self) -> bool:
+        return os.path.realpath(self.prefix) == os.path.realpath(self.profile_env)
+
+
+@dataclass
+class RecordCheck:
+    """One installed distribution's files against the sha256 hashes and sizes its RECORD lists."""
+
+    name: str
+    version: str
+    hashed: int = 0  # files whose hash was compared
+    sized: int = 0  # native libraries compared by size
+    modified: list[str] = field(default_factory=list)  # content differs from RECORD
+    missing: list[str] = field(default_factory=list)  # listed in RECORD, gone from disk
+    error: str | None = None  # why nothing could be verified (no RECORD, no hashes in it)
+    record_sha256: str | None = None  # of the RECORD file itself: one digest of the whole installed build
+
+
+@dataclass
+class Records:
+    checks: list[RecordCheck] = field(default_factory=list)
+    seconds: float = 0.0  # wall time of the verification
+
+
+_VERSION_LINE = re.compile(r"^__version__\s*=\s*['\"]([^'\"]+)['\"]", re.M)
+
+
+_CUDA_LINE = re.compile(r"^cuda(?:\s*:\s*[^=]+)?\s*=\s*(None|['\"]([^'\"]*)['\"])", re.M)
+
+
+def parse_torch_version_py(text: str) -> tuple[str, str | None] | None:
+    """(version, cuda) from torch/version.py's text, or None when it does not say."""
+    v = _VERSION_LINE.search(text)
+    if not v:
+        return None
+    c = _CUDA_LINE.search(text)
+    return v.group(1), (c.group(2) if c and c.group(2) else None)
+
+
+def torch_build() -> TorchBuild | None:
+    """The installed torch build, read from its files without importing it."""
+    try:
+        dist = metadata.distribution("torch")
+    except metadata.PackageNotFoundError:
+        return None
+    path = Path(dist.locate_file("torch/version.py"))
+    try:
+        parsed = parse_torch_version_py(path.read_text())
+    except OSError:
+        parsed = None
+    if parsed is None:  # no version module: the metadata version has the local label, not the CUDA version
+        local = dist.version.partition("+")[2]
+        m = re.fullmatch(r"cu(\d+)(\d)", local)
+        return TorchBuild(dist.version, f"{m.group(1)}.{m.group(2)}" if m else None, "metadata")
+    return TorchBuild(parsed[0], parsed[1], str(path))
+
+
+def record_verified(name: str) -> bool:
+    """Whether env-drift checks this distribution's files against its RECORD (GPU stack and target code)."""
+    from preflight.lockfile import is_gpu_stack
+
+    return is_gpu_stack(name) or canonicalize_name(name) in RECORD_VERIFIED
+
+
+@dataclass
+class _RecordEntry:
+    path: str  # absolute
+    rel: str  # as RECORD lists it
+    algo: str
+    digest: str  # urlsafe base64, no padding
+    size: int | None
+    native: bool
+
+
+def _record_entries(name: str) -> tuple[RecordCheck, list[_RecordEntry]]:
+    """The RECORD entries of installed distribution `name` to verify (csv read directly: torch lists ~12K files)."""
+    try:
+        dist = metadata.distribution(name)
+    except metadata.PackageNotFoundError:
+        return RecordCheck(name, "?", error="not installed"), []
+    check = RecordCheck(name, dist.version)
+    text = dist.read_text("RECORD")
+    if text is None:
+        check.error = "no RECORD: installed by a tool that keeps none, nothing to verify against"
+        return check, []
+    check.record_sha256 = hashlib.sha256(text.encode()).hexdigest()
+    base = str(dist.locate_file(""))
+    out = []
+    for row in csv.reader(text.splitlines()):
+        if len(row) < 2 or "=" not in row[1] or row[0].endswith(".pyc"):  # RECORD lists itself without a hash
+            continue
+        algo, _, digest = row[1].partition("=")
+        size = int(row[2]) if len(row) > 2 and row[2].isdigit() else None
+        out.append(_RecordEntry(os.path.normpath(os.path.join(base, row[0])), row[0], algo, digest, size,
+                                bool(NATIVE_FILE.search(row[0]))))
+    if not out:
+        check.error = "RECORD lists no hashes"
+    return check, out
+
+
+def _verify_entry(e: _RecordEntry) -> str | None:
+    """None when the file matches its RECORD entry, else "modified" or "missing"."""
+    try:
+        if e.native:
+            return None if e.size is None or os.stat(e.path).st_size == e.size else "modified"
+        with open(e.path, "rb") as f:
+            digest = hashlib.file_digest(f, e.algo).digest()
+    except FileNotFoundError:
+        return "missing"
+    except (OSError, ValueError):
+        return "modified"  # unreadable, or a hash algorithm this Python lacks
+    return None if base64.urlsafe_b64encode(digest).rstrip(b"=").decode() == e.digest else "modified"
+
+
+def verify_records(names: list[str], workers: int | None = None) -> Records:
+    """Check the installed files of distributions `names` against their RECORD: sha256 for every file but
+    .pyc caches and native libraries (those by size), read in parallel batches (hashlib releases the GIL)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    t0 = time.perf_counter()
+    checks, jobs = [], []
+    for name in sorted(names):
+        check, entries = _record_entries(name)
+        checks.append(check)
+        jobs += [(check, e) for e in entries]
+    batches = [jobs[i:i + 512] for i in range(0, len(jobs), 512)]
+    with ThreadPoolExecutor(workers or min(8, os.cpu_count() or 1)) as pool:
+        for batch, verdicts in zip(batches, pool.map(lambda b: [_verify_entry(e) for _, e in b], batches)):
+            for (check, e), verdict in zip(batch, verdicts):
+                if e.native:
+                    check.sized += 1
+                else:
+                    check.hashed += 1
+                if verdict == "missing":
+                    check.missing.append(e.rel)
+                elif verdict == "modified":
+                    check.modified.append(e.rel)
+    return Records(checks, time.perf_counter() - t0)

@@ -1,0 +1,109 @@
+"""The run's own places: its output dir and finished checkpoints (judged by dflash.runs.rundir's rules), the disk
+under it, and the target's shape the memory model needs."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from dflash.config import ConfigError, RunConfig
+from dflash.memory.shape import TargetShape, load_target_shape
+from dflash.runs import rundir
+
+
+@dataclass
+class Checkpoint:
+    step: int
+    path: str
+    meta: dict | None = None
+    error: str | None = None  # why a resume would refuse it (dflash.runs.rundir.checkpoint_problem)
+    size_bytes: int = 0
+
+
+@dataclass
+class RunDir:
+    path: str
+    exists: bool
+    writable: bool
+    problem: str | None = None  # why it is not usable (dflash.runs.rundir.write_problem)
+    checkpoints: list[Checkpoint] = field(default_factory=list)  # finished saves, oldest first
+    deep: bool = False  # sha256 compared too (--verify-data), not only sizes
+    # how resuming the newest usable checkpoint changes the lr schedule (dflash.data.plan.schedule_change), or None
+    schedule_change: str | None = None
+
+    @property
+    def newest(self) -> Checkpoint | None:
+        return self.checkpoints[-1] if self.checkpoints else None
+
+
+@dataclass
+class Disk:
+    path: str
+    free_bytes: int | None = None
+    error: str | None = None
+
+
+def dir_size(path: Path, max_entries: int = 50_000) -> int:
+    total, seen, stack = 0, 0, [path]
+    while stack and seen < max_entries:
+        try:
+            with os.scandir(stack.pop()) as it:
+                for e in it:
+                    seen += 1
+                    if e.is_dir(follow_symlinks=False):
+                        stack.append(Path(e.path))
+                    elif e.is_file(follow_symlinks=False):
+                        total += e.stat(follow_symlinks=False).st_size
+        except OSError:
+            continue
+    return total
+
+
+def run_dir(output_dir: str, deep: bool = False, config: RunConfig | None = None) -> RunDir:
+    """The run dir and its finished checkpoints, judged by dflash.runs.rundir's rules (the ones `--resume` applies).
+
+    Every checkpoint's files are checked against the sizes meta.json recorded; with ``deep`` (--verify-data)
+    also their sha256, newest first until one verifies (the one `--resume latest` would load). With the run's
+    config, also how resuming that checkpoint changes the lr schedule: the trainer's own rule, asked here.
+    """
+    path = Path(output_dir)
+    problem = rundir.write_problem(path)
+    rd = RunDir(str(path), path.is_dir(), problem is None, problem, deep=deep)
+    for d in rundir.list_checkpoints(path):
+        ck = Checkpoint(rundir.checkpoint_step(d), str(d))
+        ck.meta, ck.error = rundir.meta_or_problem(d)
+        if ck.error is None:
+            ck.error = rundir.checkpoint_problem(d, meta=ck.meta)
+        rd.checkpoints.append(ck)
+    if deep:
+        for ck in reversed(rd.checkpoints):
+            if ck.error is None:
+                ck.error = rundir.checkpoint_problem(ck.path, deep=True, meta=ck.meta)
+                if ck.error is None:
+                    break
+    if rd.checkpoints:
+        rd.checkpoints[-1].size_bytes = dir_size(Path(rd.checkpoints[-1].path))
+    usable = [c for c in rd.checkpoints if c.meta is not None and not c.error]
+    if config is not None and usable:
+        rd.schedule_change = rundir.resume_schedule_change(usable[-1].path, config)
+    return rd
+
+
+def disk(output_dir: str) -> Disk:
+    probe = Path(output_dir)
+    while not probe.exists() and probe.parent != probe:
+        probe = probe.parent
+    try:
+        return Disk(str(probe), shutil.disk_usage(probe).free)
+    except OSError as e:
+        return Disk(str(probe), error=str(e))
+
+
+def target_shape(cfg: RunConfig) -> tuple[TargetShape | None, str | None]:
+    """(shape, None) or (None, why): read once here, through the memory model's one reader, so checks do no I/O."""
+    try:
+        return load_target_shape(cfg.target.path), None
+    except ConfigError as e:
+        return None, e.one_line()

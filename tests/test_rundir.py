@@ -10,13 +10,16 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
 
 from dflash.runs import rundir
-from trainkit import tiny_config, train_cmd, write_toml
+from trainkit import WAIVE_SOURCE, tiny_config, train_cmd, train_main_here, write_toml
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -107,3 +110,67 @@ def test_stop_marker_round_trip(tmp_path):
     rundir.clear_stopped(tmp_path)
     assert rundir.read_stopped(tmp_path) is None
     rundir.clear_stopped(tmp_path)  # nothing there: fine
+
+
+def _wait_for_checkpoint(proc: subprocess.Popen, run_dir: Path) -> None:
+    deadline = time.time() + 120
+    while time.time() < deadline and not rundir.list_checkpoints(run_dir):
+        assert proc.poll() is None, proc.stdout.read()
+        time.sleep(0.05)
+
+
+def test_a_second_trainer_on_a_busy_run_dir_is_refused_and_moves_nothing(tmp_path):
+    """Two dflash-train on one output_dir: the second, with --resume latest or --fresh, is refused in one line (exit 2)
+    naming the live one, before its gate moves anything; the first run goes on and ends with all its steps."""
+    cfg, raw = tiny_config(tmp_path, max_steps=100000, save_every=5, keep_last=1000)
+    config = write_toml(raw, tmp_path / "run.toml")
+    run_dir = Path(cfg.output_dir)
+    first = subprocess.Popen(train_cmd(config, "--fresh"), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                             text=True)
+    try:
+        _wait_for_checkpoint(first, run_dir)
+        owner = json.loads((run_dir / rundir.LOCK_NAME).read_text())
+        assert owner["pid"] == first.pid
+        seconds = [subprocess.Popen(train_cmd(config, *intent), cwd=REPO, stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE, text=True) for intent in (["--resume", "latest"], ["--fresh"])]
+        for second in seconds:
+            out, err = second.communicate(timeout=120)
+            assert second.returncode == 2, out + err
+            assert err.splitlines() == [f"dflash-train: error: {run_dir} is in use by another trainer (pid {first.pid} "
+                                        f"on {owner['host']} since {owner['time']}); wait for it to finish or stop it, "
+                                        "or set another output_dir"], err
+        assert first.poll() is None
+    finally:
+        first.send_signal(signal.SIGTERM)
+        log, _ = first.communicate(timeout=120)
+    assert first.returncode == 75, log[-3000:]
+    rows = [json.loads(line)["step"] for line in (run_dir / rundir.METRICS_NAME).read_text().splitlines()]
+    assert rows == list(range(1, rows[-1] + 1))  # every step once, nothing moved to metrics.abandoned-*
+    saved = [rundir.checkpoint_step(c) for c in rundir.list_checkpoints(run_dir)]
+    assert saved == sorted({*range(5, rows[-1] + 1, 5), rows[-1]})  # each save still there (keep_last 1000)
+    assert all(rundir.checkpoint_problem(c, deep=True) is None for c in rundir.list_checkpoints(run_dir))
+    assert sorted(p.name for p in run_dir.iterdir() if "abandoned" in p.name or p.name.startswith("replaced")) == []
+    assert (run_dir / rundir.LOCK_NAME).read_text() == ""  # released by the first run as it returned
+
+
+def test_a_lock_left_by_a_killed_trainer_is_taken_over_and_said(tmp_path, capsys):
+    cfg, raw = tiny_config(tmp_path, max_steps=2, save_every=1)
+    config = write_toml(raw, tmp_path / "run.toml")
+    run_dir = Path(cfg.output_dir)
+    run_dir.mkdir()
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()  # a pid that no longer runs; the kernel dropped its flock when it died
+    (run_dir / rundir.LOCK_NAME).write_text(json.dumps({"pid": dead.pid, "host": "gpu-box", "time": "yesterday"}))
+    assert train_main_here(config, "--fresh", *WAIVE_SOURCE) == 0
+    out = capsys.readouterr().out
+    assert (f"{run_dir / rundir.LOCK_NAME}: took over the lock of pid {dead.pid} on gpu-box (since yesterday), "
+            "which no longer holds it (killed or crashed)") in out.splitlines()
+    assert (run_dir / rundir.LOCK_NAME).read_text() == ""
+
+
+def test_the_lock_is_exclusive_and_released(tmp_path):
+    with rundir.lock_run_dir(tmp_path / "run"):
+        with pytest.raises(rundir.RunDirBusyError, match=f"pid {os.getpid()} on "):
+            rundir.lock_run_dir(tmp_path / "run")
+    with rundir.lock_run_dir(tmp_path / "run", log=pytest.fail):  # released cleanly: nothing to take over
+        pass

@@ -19,6 +19,8 @@
         heldout.json                the held-out sample ids ([eval] holdout) the run never trains on
         running.json                pid and host of the process training now (removed when it returns;
                                     left behind by a crash or a kill, with the error when there was one)
+        .lock                       the run dir's exclusive lock (`lock_run_dir`): flock'ed by the one trainer
+                                    using the dir, with its pid, host and start time; emptied when it returns
         report/                     dflash-report's HTML and PNGs
         tensorboard/                --report-to tensorboard's event files
         checkpoints.abandoned-*/, replaced-*/, metrics.abandoned-*.jsonl   moved aside, never deleted
@@ -62,6 +64,7 @@ CHECKPOINTS_DIR = "checkpoints"
 BEST_NAME = "best"  # inside CHECKPOINTS_DIR: a relative symlink to a step_* folder
 HELDOUT_NAME = "heldout.json"
 RUNNING_NAME = "running.json"
+LOCK_NAME = ".lock"  # flock'ed by the trainer using the run dir (`lock_run_dir`)
 REPORT_DIR = "report"
 TENSORBOARD_DIR = "tensorboard"  # --report-to tensorboard's event files
 STEP_PREFIX = "step_"
@@ -80,6 +83,10 @@ FILES_KEY = "files"  # meta.json: {path inside the checkpoint: {"bytes": size, "
 
 class RunDirError(UsageError):
     """--resume/--fresh that do not fit the run dir; the message is one line naming the fix (exit 2)."""
+
+
+class RunDirBusyError(UsageError):
+    """Another live trainer holds the run dir's lock; the message is one line naming it (exit 2)."""
 
 
 class CheckpointError(DflashError):
@@ -479,6 +486,84 @@ def set_best(output_dir: str | Path, checkpoint: str | Path) -> Path:
 
 
 # ---------------------------------------------------------------- a run in progress
+
+
+class RunLock:
+    """The run dir's exclusive lock, held by this process (`lock_run_dir`): an flock on ``<output_dir>/.lock``.
+
+    The kernel releases it when the process dies, however it dies; `release` (or leaving a ``with`` block) also
+    empties the file, so a file still naming a process after its lock was free is a kill's or a crash's leftover.
+    """
+
+    def __init__(self, path: Path, fd: int):
+        self.path, self.fd = path, fd
+
+    def fileno(self) -> int:
+        return self.fd
+
+    def release(self) -> None:
+        if self.fd < 0:
+            return
+        import fcntl
+
+        try:
+            os.ftruncate(self.fd, 0)
+        except OSError:  # a full or read-only disk: the flock still goes with the close
+            pass
+        fcntl.flock(self.fd, fcntl.LOCK_UN)
+        os.close(self.fd)
+        self.fd = -1
+
+    def __enter__(self) -> RunLock:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+def _lock_owner(text: str) -> dict:
+    try:
+        owner = json.loads(text)
+    except ValueError:
+        return {}
+    return owner if isinstance(owner, dict) else {}
+
+
+def lock_run_dir(output_dir: str | Path, log=print) -> RunLock:
+    """Take the run dir's exclusive lock before anything in it is judged or moved; hold it while training.
+
+    Raises RunDirBusyError (one line naming the live process: pid, host, since when) when another process holds
+    it. A lock file left by a process that died (the kernel freed its flock) is taken over, and `log` says so.
+    Creates output_dir. Under torchrun only the process that prepares the run dir (rank 0) takes it.
+    """
+    import fcntl
+    import socket
+
+    out = Path(output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / LOCK_NAME
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            owner = _lock_owner(os.pread(fd, 4096, 0).decode(errors="replace"))
+            who = (f"pid {owner.get('pid')} on {owner.get('host')} since {owner.get('time')}" if owner.get("pid")
+                   else "a process that is still starting")
+            raise RunDirBusyError(f"{out} is in use by another trainer ({who}); wait for it to finish or stop it, "
+                                  "or set another output_dir") from None
+        stale = _lock_owner(os.pread(fd, 4096, 0).decode(errors="replace"))
+        if stale.get("pid"):
+            log(f"{path}: took over the lock of pid {stale.get('pid')} on {stale.get('host')} (since "
+                f"{stale.get('time')}), which no longer holds it (killed or crashed)")
+        owner = {"pid": os.getpid(), "host": socket.gethostname(), "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, (json.dumps(owner) + "\n").encode(), 0)
+    except BaseException:
+        os.close(fd)
+        raise
+    return RunLock(path, fd)
+
 
 
 def write_running(output_dir: str | Path, **extra) -> Path:

@@ -49,7 +49,7 @@ def _hold_lock(cfg: RunConfig) -> None:
     from dflash.runs.rundir import lock_run_dir
 
     lock = lock_run_dir(cfg.output_dir, log=print)
-    atexit.register(lock.release)  # emptied on a clean exit; a kill leaves the pid, which the next run reports
+    atexit.register(lock.release)  # removed on a clean exit; a kill leaves it with the pid, which the next run reports
 
 
 def collective_gate(cfg: RunConfig, me: Rank, local_rank: int, gate: dict) -> Path | None | bool:

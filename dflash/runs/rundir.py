@@ -492,7 +492,7 @@ class RunLock:
     """The run dir's exclusive lock, held by this process (`lock_run_dir`): an flock on ``<output_dir>/.lock``.
 
     The kernel releases it when the process dies, however it dies; `release` (or leaving a ``with`` block) also
-    empties the file, so a file still naming a process after its lock was free is a kill's or a crash's leftover.
+    removes the file, so a lock file whose flock is free is a killed or crashed trainer's leftover.
     """
 
     def __init__(self, path: Path, fd: int):
@@ -507,8 +507,9 @@ class RunLock:
         import fcntl
 
         try:
-            os.ftruncate(self.fd, 0)
-        except OSError:  # a full or read-only disk: the flock still goes with the close
+            if os.stat(self.path).st_ino == os.fstat(self.fd).st_ino:
+                self.path.unlink()  # before the unlock: whoever locks the old file next sees it is gone and retries
+        except OSError:  # gone already, or a read-only disk: the flock still goes with the close
             pass
         fcntl.flock(self.fd, fcntl.LOCK_UN)
         os.close(self.fd)
@@ -521,9 +522,9 @@ class RunLock:
         self.release()
 
 
-def _lock_owner(text: str) -> dict:
+def _lock_owner(fd: int) -> dict:
     try:
-        owner = json.loads(text)
+        owner = json.loads(os.pread(fd, 4096, 0).decode(errors="replace"))
     except ValueError:
         return {}
     return owner if isinstance(owner, dict) else {}
@@ -542,28 +543,35 @@ def lock_run_dir(output_dir: str | Path, log=print) -> RunLock:
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
     path = out / LOCK_NAME
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            owner = _lock_owner(os.pread(fd, 4096, 0).decode(errors="replace"))
-            who = (f"pid {owner.get('pid')} on {owner.get('host')} since {owner.get('time')}" if owner.get("pid")
-                   else "a process that is still starting")
-            raise RunDirBusyError(f"{out} is in use by another trainer ({who}); wait for it to finish or stop it, "
-                                  "or set another output_dir") from None
-        stale = _lock_owner(os.pread(fd, 4096, 0).decode(errors="replace"))
-        if stale.get("pid"):
-            log(f"{path}: took over the lock of pid {stale.get('pid')} on {stale.get('host')} (since "
-                f"{stale.get('time')}), which no longer holds it (killed or crashed)")
-        owner = {"pid": os.getpid(), "host": socket.gethostname(), "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, (json.dumps(owner) + "\n").encode(), 0)
-    except BaseException:
-        os.close(fd)
-        raise
-    return RunLock(path, fd)
-
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                owner = _lock_owner(fd)
+                who = (f"pid {owner.get('pid')} on {owner.get('host')} since {owner.get('time')}" if owner.get("pid")
+                       else "a process that is still starting")
+                raise RunDirBusyError(f"{out} is in use by another trainer ({who}); wait for it to finish or stop it, "
+                                      "or set another output_dir") from None
+            try:
+                current = os.stat(path).st_ino
+            except FileNotFoundError:
+                current = None
+            if current != os.fstat(fd).st_ino:  # released and removed by its holder while we opened it: again
+                os.close(fd)
+                continue
+            stale = _lock_owner(fd)
+            if stale.get("pid"):
+                log(f"{path}: took over the lock of pid {stale.get('pid')} on {stale.get('host')} (since "
+                    f"{stale.get('time')}), which no longer holds it (killed or crashed)")
+            owner = {"pid": os.getpid(), "host": socket.gethostname(), "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, (json.dumps(owner) + "\n").encode(), 0)
+        except BaseException:
+            os.close(fd)
+            raise
+        return RunLock(path, fd)
 
 
 def write_running(output_dir: str | Path, **extra) -> Path:

@@ -41,6 +41,7 @@ from dflash.runs.rundir import (
     CheckpointError,
     best_checkpoint,
     checkpoint_path,
+    checkpoint_step,
     is_legacy,
     legacy_message,
     list_checkpoints,
@@ -119,8 +120,7 @@ def save_checkpoint(output_dir: str | Path, step: int, drafter, optimizer, train
     root = final.parent
     root.mkdir(parents=True, exist_ok=True)
     tmp = root / f"{final.name}{TMP_SUFFIX}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
+    _remove(tmp)
     tmp.mkdir()
     drafter.save_pretrained(tmp / DRAFTER_DIR)
     torch.save(optimizer.state_dict(), tmp / OPTIMIZER_NAME)
@@ -136,15 +136,23 @@ def save_checkpoint(output_dir: str | Path, step: int, drafter, optimizer, train
     }
     (tmp / META_NAME).write_text(json.dumps(meta, indent=2))  # last: a folder with meta.json is finished
     _fsync_tree(tmp)  # the bytes are on disk before the rename makes the checkpoint visible
-    if final.exists():
-        shutil.rmtree(final)
+    _remove(final)
     tmp.rename(final)
     _fsync_dir(root)
     best = best_checkpoint(output_dir)
-    for old in list_checkpoints(output_dir)[:-keep_last]:
+    # real folders only (list_checkpoints never lists a symlink), up to the one just written
+    for old in [c for c in list_checkpoints(output_dir) if checkpoint_step(c) <= step][:-keep_last]:
         if old != final and old != best:  # never the one just written, never checkpoints/best's
             shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def _remove(path: Path) -> None:
+    """Clear a checkpoint name for a save: a symlink (to another run's checkpoint, say) loses only the link."""
+    if path.is_symlink() or path.is_file():
+        path.unlink()
+    elif path.exists():
+        shutil.rmtree(path)
 
 
 def _fsync_tree(folder: Path) -> None:

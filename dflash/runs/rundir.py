@@ -15,12 +15,15 @@
             trainer_state.safetensors   the trainer state's tensors (RNG states)
         checkpoints/step_<8 digits>.tmp/      a save in progress (never listed)
         checkpoints/best            symlink to the step_* folder with the best held-out acceptance (replaced
-                                    atomically; keep_last never prunes its target)
+                                    atomically; keep_last never prunes its target); one leading out of
+                                    checkpoints/ is never followed
+        (only real step_* folders count: a symlink named step_* is never listed, resumed or pruned through,
+        and a folder whose meta.json names another step than its name does not verify)
         heldout.json                the held-out sample ids ([eval] holdout) the run never trains on
         running.json                pid and host of the process training now (removed when it returns;
                                     left behind by a crash or a kill, with the error when there was one)
         .lock                       the run dir's exclusive lock (`lock_run_dir`): flock'ed by the one trainer
-                                    using the dir, with its pid, host and start time; emptied when it returns
+                                    using the dir, with its pid, host and start time; removed when it returns
         report/                     dflash-report's HTML and PNGs
         tensorboard/                --report-to tensorboard's event files
         checkpoints.abandoned-*/, replaced-*/, metrics.abandoned-*.jsonl   moved aside, never deleted
@@ -120,13 +123,24 @@ def checkpoint_step(path: str | Path) -> int | None:
 def list_checkpoints(output_dir: str | Path) -> list[Path]:
     """Finished checkpoints, oldest first: ``step_<8 digits>`` folders holding meta.json (written last).
 
-    Saves in progress (``*.tmp``) and any other folder are ignored.
+    Only real folders directly inside ``checkpoints/`` count: a symlink there (to another run's checkpoint, say) is
+    never listed, so it is never resumed, counted by keep_last, or deleted through. Saves in progress (``*.tmp``)
+    and any other folder are ignored.
     """
     root = checkpoints_dir(output_dir)
     if not root.is_dir():
         return []
-    done = [p for p in root.iterdir() if checkpoint_step(p) is not None and p.is_dir() and (p / META_NAME).exists()]
+    done = [p for p in root.iterdir() if checkpoint_step(p) is not None and not p.is_symlink() and p.is_dir()
+            and (p / META_NAME).exists()]
     return sorted(done, key=checkpoint_step)
+
+
+def linked_checkpoints(output_dir: str | Path) -> list[Path]:
+    """``step_*`` names in ``checkpoints/`` that are symlinks: never this run's checkpoints (`list_checkpoints`)."""
+    root = checkpoints_dir(output_dir)
+    if not root.is_dir():
+        return []
+    return sorted((p for p in root.iterdir() if checkpoint_step(p) is not None and p.is_symlink()), key=checkpoint_step)
 
 
 def resolve_resume(output_dir: str | Path, resume: str, deep: bool = True, log=print) -> Path:
@@ -141,6 +155,10 @@ def resolve_resume(output_dir: str | Path, resume: str, deep: bool = True, log=p
             raise RunDirError(f"--resume {resume}: not a checkpoint folder (no {META_NAME}); use --resume latest")
         return verify_checkpoint(path, deep)
     found = list_checkpoints(output_dir)
+    links = linked_checkpoints(output_dir)
+    if links:
+        log(f"--resume latest: ignored {', '.join(p.name for p in links)} in {checkpoints_dir(output_dir)}: "
+            "symlinks, not checkpoints this run wrote (only real folders there are resumed)")
     if not found:
         raise RunDirError(f"--resume latest: no checkpoint in {checkpoints_dir(output_dir)}; use --fresh")
     skipped: list[str] = []
@@ -232,6 +250,9 @@ def checkpoint_problem(path: str | Path, deep: bool = False, meta: dict | None =
         meta, problem = meta_or_problem(path)
         if problem:
             return problem
+    named = checkpoint_step(path)
+    if named is not None and meta.get("step") != named:  # a folder copied or renamed from another checkpoint
+        return f"{META_NAME} says step {meta.get('step')}, the folder name says step {named} (copied or renamed)"
     files = meta.get(FILES_KEY)
     if not isinstance(files, dict):
         return None
@@ -449,17 +470,27 @@ def _aside(out: Path, stem: str) -> Path:
 # ---------------------------------------------------------------- the best checkpoint
 
 
-def best_checkpoint(output_dir: str | Path) -> Path | None:
-    """The finished checkpoint `checkpoints/best` points to, or None (no pointer, or its target is gone)."""
-    link = checkpoints_dir(output_dir) / BEST_NAME
+def best_or_problem(output_dir: str | Path) -> tuple[Path | None, str | None]:
+    """(the finished checkpoint `checkpoints/best` points to, None), or (None, why it points nowhere usable); (None,
+    None) without a pointer. It must name a real ``step_*`` folder directly inside this run's ``checkpoints/``:
+    a pointer leading anywhere else (another run's checkpoint, a symlink chain) is never followed."""
+    root = checkpoints_dir(output_dir)
+    link = root / BEST_NAME
     try:
         target = os.readlink(link)
     except OSError:
-        return None
-    path = link.parent / target
+        return None, None
+    path = root / Path(target).name
+    if os.path.realpath(link) != os.path.realpath(path) or path.is_symlink():
+        return None, f"{link} points outside {root} (to {target})"
     if checkpoint_step(path) is None or not (path / META_NAME).is_file():
-        return None
-    return path
+        return None, f"{link} points to {target}, not a finished checkpoint"
+    return path, None
+
+
+def best_checkpoint(output_dir: str | Path) -> Path | None:
+    """The finished checkpoint `checkpoints/best` points to inside this run dir, or None (`best_or_problem`)."""
+    return best_or_problem(output_dir)[0]
 
 
 def set_best(output_dir: str | Path, checkpoint: str | Path) -> Path:

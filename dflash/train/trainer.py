@@ -499,12 +499,24 @@ class Trainer:
     def _export(self) -> str:
         """Write <output_dir>/drafter, servable as published drafters are (bf16, the target's tokenizer files and
         ids): checkpoints/best's weights (eval.export = best) or the last step's."""
-        best = rundir.best_checkpoint(self.out) if self.heldout is not None and self.cfg.eval.export == "best" else None
+        best = self._verified_best() if self.heldout is not None and self.cfg.eval.export == "best" else None
         model, which = self.drafter, f"step {self.step}, the last"
         if best is not None:
             model, which = DFlashDrafter.from_pretrained(best / rundir.DRAFTER_DIR), f"{best.name}, checkpoints/best"
         model.save_pretrained(self.out / "drafter", dtype=torch.bfloat16, target_dir=target_folder(self.cfg.target.path, self.log))
         return which
+
+    def _verified_best(self) -> Path | None:
+        """checkpoints/best when it is a checkpoint of this run dir that verifies (sizes and sha256 against its
+        meta.json), else None and one line saying why the last step is exported instead."""
+        best, problem = rundir.best_or_problem(self.out)
+        if best is not None:
+            problem = rundir.checkpoint_problem(best, deep=True)
+            problem = problem and f"{best}: {problem}"
+        if problem:
+            self.log(f"export: not using checkpoints/best: {problem}; exporting the last step ({self.step}) instead")
+            return None
+        return best
 
 
 def _best_value(out: Path) -> float | None:

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from dflash.runs import rundir
-from trainkit import WAIVE_SOURCE, tiny_config, train_cmd, train_main_here, write_toml
+from trainkit import WAIVE_SOURCE, metrics, tiny_config, train_cmd, train_main_here, write_toml
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -174,3 +174,78 @@ def test_the_lock_is_exclusive_and_released(tmp_path):
             rundir.lock_run_dir(tmp_path / "run")
     with rundir.lock_run_dir(tmp_path / "run", log=pytest.fail):  # released cleanly: nothing to take over
         pass
+
+
+def _limit_file_size(limit: int):
+    """For a child: writes past `limit` bytes in one file fail with EFBIG (Python ignores SIGXFSZ) — real I/O."""
+    import resource
+
+    return lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (limit, resource.RLIM_INFINITY))
+
+
+def test_a_save_the_disk_refuses_is_one_line_and_the_previous_checkpoint_resumes(tmp_path):
+    """The save at step 10 fails for real mid-write (torch.save of optimizer.pt meets a file size limit after the
+    drafter's weights were written): one line naming the path and the fix, exit 1, no step_00000010.tmp left
+    behind, and step 5 verifies and resumes to the end."""
+    cfg, raw = tiny_config(tmp_path, max_steps=5, save_every=5)
+    config = write_toml(raw, tmp_path / "run.toml")
+    run_dir = Path(cfg.output_dir)
+    assert subprocess.run(train_cmd(config, "--fresh"), cwd=REPO, capture_output=True).returncode == 0
+    more = ("--resume", "latest", "--max-steps", "10", "--allow-schedule-change")
+    # 250 kB: the drafter's weights (166 kB) fit, the optimizer state (342 kB) does not
+    proc = subprocess.run(train_cmd(config, *more), cwd=REPO, capture_output=True, text=True,
+                          preexec_fn=_limit_file_size(250_000))
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stderr and "During handling" not in proc.stderr, proc.stderr
+    assert proc.stderr.strip().splitlines()[-1] == (
+        f"dflash-train: error: {rundir.checkpoints_dir(run_dir) / 'step_00000010.tmp'}: File too large (EFBIG); a file "
+        "size limit was reached (ulimit -f, or the file system's maximum): raise it or move output_dir; then the last "
+        "checkpoint step_00000005 is intact: resume with --resume latest"), proc.stderr
+    assert sorted(p.name for p in rundir.checkpoints_dir(run_dir).iterdir()) == ["step_00000005"]
+    assert rundir.checkpoint_problem(rundir.checkpoint_path(run_dir, 5), deep=True) is None
+    again = subprocess.run(train_cmd(config, *more), cwd=REPO, capture_output=True, text=True)
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert f"resumed from {rundir.checkpoint_path(run_dir, 5)} at step 5" in again.stdout
+    assert [r["step"] for r in metrics(run_dir)] == list(range(1, 11))
+
+
+def test_a_full_disk_mid_run_is_one_line_even_when_the_clean_up_writes_fail_too(tmp_path, monkeypatch, capsys):
+    """ENOSPC halfway through the step-10 save (a real partial file, then the error), and the disk stays full: the
+    clean-up's running.json write fails as well. One line (no second traceback), the .tmp gone, step 5 resumes."""
+    import errno
+
+    from dflash.runs import checkpoint as ckpt
+
+    cfg, raw = tiny_config(tmp_path, max_steps=20, save_every=5, keep_last=2)
+    config = write_toml(raw, tmp_path / "run.toml")
+    run_dir = Path(cfg.output_dir)
+    real_state, real_running = ckpt.save_trainer_state, rundir.write_running
+
+    def full(path):
+        return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+
+    def save_state(folder, state):
+        if state["step"] < 10:
+            return real_state(folder, state)
+        with open(Path(folder) / rundir.STATE_TENSORS, "wb") as f:
+            f.write(b"\0" * 4096)  # what fitted before the disk filled
+        raise full(Path(folder) / rundir.STATE_TENSORS)
+
+    def write_running(output_dir, **extra):
+        if extra.get("error"):
+            raise full(Path(output_dir) / rundir.RUNNING_NAME)
+        return real_running(output_dir, **extra)
+
+    monkeypatch.setattr(ckpt, "save_trainer_state", save_state)
+    monkeypatch.setattr(rundir, "write_running", write_running)
+    assert train_main_here(config, "--fresh", *WAIVE_SOURCE) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    tmp = rundir.checkpoints_dir(run_dir) / "step_00000010.tmp"
+    assert err[-1] == (f"dflash-train: error: {tmp / rundir.STATE_TENSORS}: No space left on device (ENOSPC); free "
+                       "space on that file system (df -h) or move output_dir to a larger disk; then the last checkpoint "
+                       "step_00000005 is intact: resume with --resume latest"), err
+    assert not tmp.exists() and [c.name for c in rundir.list_checkpoints(run_dir)] == ["step_00000005"]
+    monkeypatch.undo()
+    assert train_main_here(config, "--resume", "latest", *WAIVE_SOURCE) == 0
+    assert f"resumed from {rundir.checkpoint_path(run_dir, 5)} at step 5" in capsys.readouterr().out
+    assert [c.name for c in rundir.list_checkpoints(run_dir)] == ["step_00000015", "step_00000020"]

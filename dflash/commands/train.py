@@ -141,7 +141,8 @@ def train_command(config_path, demo, resume, fresh, sets, max_steps, output_dir,
         if cfg.topology.target_gpus:
             from dflash.train.split import launch
 
-            code = launch(cfg, resume_from, gate.report.run["gate_id"], lock=lock)
+            with rundir.io_errors_in_one_line(cfg.output_dir):
+                code = launch(cfg, resume_from, gate.report.run["gate_id"], lock=lock)
         else:
             from dflash.train.trainer import run
             from preflight.gate import provenance

@@ -42,6 +42,7 @@ ones it skipped and why.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -72,6 +73,10 @@ REPORT_DIR = "report"
 TENSORBOARD_DIR = "tensorboard"  # --report-to tensorboard's event files
 STEP_PREFIX = "step_"
 TMP_SUFFIX = ".tmp"
+# What make_room moves aside (never deletes), each with a time stamp: <stem>-YYYYmmdd-HHMMSS[.n]
+ABANDONED_STEM = "checkpoints.abandoned"  # checkpoints newer than the one a resume took
+REPLACED_STEM = "replaced"  # what a --fresh start replaced
+METRICS_ABANDONED_STEM = "metrics.abandoned"  # metrics rows after the resumed step (a .jsonl file)
 
 # Inside one checkpoint folder.
 META_NAME = "meta.json"
@@ -90,6 +95,10 @@ class RunDirError(UsageError):
 
 class RunDirBusyError(UsageError):
     """Another live trainer holds the run dir's lock; the message is one line naming it (exit 2)."""
+
+
+class RunIOError(DflashError):
+    """The run dir's disk failed a write mid-run (full, read-only, I/O error); one line naming the path and the fix."""
 
 
 class CheckpointError(DflashError):
@@ -316,6 +325,113 @@ def write_problem(output_dir: str | Path) -> str | None:
     return None
 
 
+def leftovers(output_dir: str | Path) -> list[tuple[Path, int, str]]:
+    """What in the run dir could be deleted to free space, largest first: (path, bytes, what it is). Unfinished saves
+    (``checkpoints/*.tmp``, left by a crash mid-save) and what a resume or --fresh moved aside (never deleted by us)."""
+    out = Path(output_dir)
+    found = [(p, "an unfinished save") for p in sorted(checkpoints_dir(out).glob(f"{STEP_PREFIX}*{TMP_SUFFIX}"))]
+    for stem, what in ((ABANDONED_STEM, "moved aside by a resume"), (REPLACED_STEM, "moved aside by --fresh"),
+                       (METRICS_ABANDONED_STEM, "metrics rows moved aside by a resume")):
+        found += [(p, what) for p in sorted(out.glob(f"{stem}-*"))]
+    sized = [(p, _bytes_under(p), what) for p, what in found if not p.is_symlink()]
+    return sorted(sized, key=lambda t: -t[1])
+
+
+def leftovers_text(output_dir: str | Path, limit: int = 3) -> str:
+    """`leftovers` in a few words, largest first (``""`` when there are none): what a full disk's fix names."""
+    found = leftovers(output_dir)
+    if not found:
+        return ""
+    out = Path(output_dir)
+    listed = ", ".join(f"{p.relative_to(out)} {size_text(n)} ({what})" for p, n, what in found[:limit])
+    more = f" and {len(found) - limit} more" if len(found) > limit else ""
+    return f"{size_text(sum(n for _, n, _ in found))} reclaimable in {out}: {listed}{more}"
+
+
+def size_text(n: int | float) -> str:
+    """GiB, or MiB below one GiB (a tiny run's checkpoints read as 0.0 GiB otherwise)."""
+    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+def _bytes_under(path: Path) -> int:
+    if path.is_file():
+        return path.stat().st_size
+    total = 0
+    for root, _dirs, files in os.walk(path):
+        for name in files:
+            try:
+                total += os.lstat(os.path.join(root, name)).st_size
+            except OSError:
+                pass
+    return total
+
+
+# The errors a run's writes meet when its disk fails it, and what to do about each.
+IO_FIXES = {
+    "ENOSPC": "free space on that file system (df -h) or move output_dir to a larger disk",
+    "EDQUOT": "your disk quota there is used up: free some of it or move output_dir",
+    "EFBIG": "a file size limit was reached (ulimit -f, or the file system's maximum): raise it or move output_dir",
+    "EROFS": "the file system turned read-only (often after disk errors): check the disk (dmesg) and remount it",
+    "EIO": "the disk reported an I/O error: check it (dmesg, smartctl) before writing there again",
+    "EACCES": "check who may write there (ls -ld) or set output_dir to a folder you own",
+    "EPERM": "check who may write there (ls -ld) or set output_dir to a folder you own",
+}
+
+
+def io_cause(err: BaseException) -> OSError | None:
+    """The OSError behind a failed write: `err` itself, one in its chain (torch.save wraps it in a RuntimeError), or
+    the ``(os error N)`` safetensors names in its message; None when it was not the disk."""
+    import errno as errnos
+    import re
+
+    seen = err
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.errno is not None:
+            return seen
+        found = re.search(r"\(os error (\d+)\)", str(seen))
+        if found and int(found.group(1)) in errnos.errorcode:
+            n = int(found.group(1))
+            return OSError(n, os.strerror(n))
+        seen = seen.__cause__ or seen.__context__
+    return None
+
+
+def io_failure(err: OSError, output_dir: str | Path, where: str | Path | None = None) -> str | None:
+    """One line for an OSError of the disk mid-run: the path, the error, the fix, the checkpoint to resume from;
+    None for an OSError that is not one of IO_FIXES' (the caller lets it through)."""
+    import errno as errnos
+
+    name = errnos.errorcode.get(err.errno or 0, "")
+    if name not in IO_FIXES:
+        return None
+    path = err.filename or where or output_dir
+    try:
+        kept = list_checkpoints(output_dir)
+    except OSError:
+        kept = []
+    resume = (f"the last checkpoint {kept[-1].name} is intact: resume with --resume latest" if kept
+              else "no checkpoint was written yet: start again with --fresh")
+    fix = IO_FIXES[name]
+    if name in ("ENOSPC", "EDQUOT"):
+        try:
+            spare = leftovers_text(output_dir)
+        except OSError:
+            spare = ""
+        fix += f" ({spare}, yours to delete)" if spare else ""
+    return f"{path}: {err.strerror or os.strerror(err.errno)} ({name}); {fix}; then {resume}"
+
+
+@contextlib.contextmanager
+def io_errors_in_one_line(output_dir: str | Path):
+    """Turn a disk's failure inside the block (a full, read-only or failing disk) into one RunIOError line."""
+    try:
+        yield
+    except OSError as e:
+        line = io_failure(e, output_dir)
+        if line is None:
+            raise
+        raise RunIOError(line) from None
+
 
 # ---------------------------------------------------------------- a run stopped by a signal
 
@@ -417,7 +533,7 @@ def make_room(cfg: RunConfig, resume_from: Path | None, fresh: bool, log=print) 
         step = _step_of(resume_from)
         newer = [c for c in list_checkpoints(out) if checkpoint_step(c) > step]
         if newer and resume_from.parent == checkpoints_dir(out):
-            aside = _aside(out, "checkpoints.abandoned")
+            aside = _aside(out, ABANDONED_STEM)
             aside.mkdir()
             for c in newer:
                 c.rename(aside / c.name)
@@ -428,7 +544,7 @@ def make_room(cfg: RunConfig, resume_from: Path | None, fresh: bool, log=print) 
         leftovers = [p for p in (checkpoints_dir(out), out / METRICS_NAME, out / DRAFTER_DIR, out / HELDOUT_NAME,
                                  out / REPORT_DIR, out / TENSORBOARD_DIR) if p.exists()]
         if leftovers:
-            aside = _aside(out, "replaced")
+            aside = _aside(out, REPLACED_STEM)
             aside.mkdir()
             for p in leftovers:
                 p.rename(aside / p.name)
@@ -450,7 +566,7 @@ def trim_metrics(out: Path, step: int, log=print) -> None:
         (later if row_step > step else keep).append(line)
     if not later:
         return
-    aside = Path(out) / f"{_aside(Path(out), 'metrics.abandoned').name}.jsonl"
+    aside = Path(out) / f"{_aside(Path(out), METRICS_ABANDONED_STEM).name}.jsonl"
     aside.write_text("".join(later))
     tmp = path.with_suffix(".jsonl.tmp")
     tmp.write_text("".join(keep))

@@ -442,7 +442,8 @@ def _drafter_main(cfg: RunConfig, me: Rank, resume_from: Path | None, drafter_gr
     source = RemoteTargets(cfg, me, share_group, device)
     trainer = Trainer(cfg, source, resume_from, group=drafter_group, log=lambda *a, **k: print(*a, **k, flush=True),
                       provenance=provenance)
-    code = trainer.run(progress=False)
+    with rundir.io_errors_in_one_line(cfg.output_dir):  # rank 0's saves on a full or failing disk: one line
+        code = trainer.run(progress=False)
     dist.barrier(group=drafter_group)
     sys.stdout.flush()
     os._exit(code)  # targets may still block in sends nobody will receive; the launcher reaps them

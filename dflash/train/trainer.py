@@ -370,21 +370,26 @@ class Trainer:
             if self.step != last_save or not rundir.list_checkpoints(self.out):
                 last_save = self._save_if_logger(held if held is not None and held.get("step") == self.step else None)
         except BaseException as e:
-            if self.outcome:
-                how = "interrupted" if isinstance(e, KeyboardInterrupt) else "crashed"
-                self.outcome.end(how, self.step, f"{type(e).__name__}: {' '.join(str(e).split())[:300]}")
-            if self.is_logger:  # dflash-report tells a failed run from a killed one by this
-                rundir.write_running(self.out, step=self.step, total_steps=self.total_steps,
-                                     error=" ".join(str(e).split())[:300] or type(e).__name__)
+            # a full or failing disk fails these writes too: the error being raised is the one to tell, not theirs
+            with contextlib.suppress(OSError):
+                if self.outcome:
+                    how = "interrupted" if isinstance(e, KeyboardInterrupt) else "crashed"
+                    self.outcome.end(how, self.step, f"{type(e).__name__}: {' '.join(str(e).split())[:300]}")
+            with contextlib.suppress(OSError):
+                if self.is_logger:  # dflash-report tells a failed run from a killed one by this
+                    rundir.write_running(self.out, step=self.step, total_steps=self.total_steps,
+                                         error=" ".join(str(e).split())[:300] or type(e).__name__)
             raise
         finally:
-            trackers.close()
+            with contextlib.suppress(OSError):
+                trackers.close()
             stream.close()
             stop.restore()
             if bar:
                 bar.close()
             if metrics_file:
-                metrics_file.close()
+                with contextlib.suppress(OSError):
+                    metrics_file.close()
         return self._finish(stop, stopping)
 
     def _next(self, stream):
@@ -586,9 +591,10 @@ def run(cfg: RunConfig, resume_from: Path | None, log=print, progress: bool | No
         provenance: dict | None = None) -> int:
     """Co-located training: target and drafter in this process. Returns the exit code."""
     out = Path(cfg.output_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "config.json").write_text(dump_config(cfg))
-    return Trainer.colocated(cfg, resume_from, log, provenance).run(progress)
+    with rundir.io_errors_in_one_line(out):  # a disk that fills or fails mid-run: one line, the path and the fix
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "config.json").write_text(dump_config(cfg))
+        return Trainer.colocated(cfg, resume_from, log, provenance).run(progress)
 
 
 def warm_cache(cfg: RunConfig, cache: Path, log=print) -> int:

@@ -21,6 +21,7 @@ from dflash.errors import DflashError
 from dflash.memory.parts import choose_recompute, role_need_bytes
 from dflash.memory.shape import drafter_shape, drafter_state_bytes
 from dflash.runs.compile_manifest import MANIFEST_NAME, differences
+from dflash.runs.rundir import describe_leftovers
 from preflight.envs import run_command, sync_command
 from preflight.estimate import DEFAULT_CUDA
 from preflight.facts import MODEL_SOURCE_PACKAGE, PROJECT_DIST, Context
@@ -958,9 +959,13 @@ def check_disk(ctx: Context) -> CheckResult:
     data.update(need_bytes=need, checkpoints_to_write=count)
     summary = (f"{_size(dk.free_bytes)} free at {dk.path}; {count} more checkpoint(s) of {_size(one)} "
                f"({how}) need {_size(need)}")
+    if dk.leftovers:
+        data["reclaimable_bytes"] = sum(n for _, n, _ in dk.leftovers)
     if dk.free_bytes < need:
-        return _r("disk", "fail", summary, f"free {_size(need - dk.free_bytes)} at {dk.path}, lower train.keep_last, "
-                  f"or move output_dir to a larger disk", **data)
+        spare = describe_leftovers(dk.leftovers, dk.output_dir or cfg.output_dir)
+        return _r("disk", "fail", summary, f"free {_size(need - dk.free_bytes)} at {dk.path}"
+                  + (f" ({spare}, yours to delete)" if spare else "")
+                  + ", lower train.keep_last, or move output_dir to a larger disk", **data)
     return _r("disk", "pass", summary, **data)
 
 

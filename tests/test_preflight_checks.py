@@ -753,6 +753,34 @@ def test_disk_fails_when_checkpoints_do_not_fit(tmp_path):
     assert checks.check_disk(ctx).status == "pass"
 
 
+def test_disk_fix_names_what_the_run_dir_could_free(tmp_path):
+    """A full disk's fix names the unfinished saves and moved-aside folders of the run dir, with their sizes."""
+    from dflash.runs import rundir
+    from preflight import facts
+
+    out = Path(make_ctx(tmp_path).config.output_dir)
+    tmp = rundir.checkpoints_dir(out) / "step_00000010.tmp"  # a save a crash or a full disk cut short
+    tmp.mkdir(parents=True)
+    (tmp / "optimizer.pt").write_bytes(b"\0" * 3 * MiB)
+    (out / "replaced-20260101-000000" / "checkpoints").mkdir(parents=True)
+    (out / "replaced-20260101-000000" / "checkpoints" / "w").write_bytes(b"\0" * 5 * MiB)
+    (out / "metrics.abandoned-20260101-000000.jsonl").write_bytes(b"\0" * MiB)
+    (out / "replaced-20260102-000000").symlink_to(tmp_path)  # a link is never counted (nor followed)
+    found = facts.disk(str(out))
+    assert found.leftovers == [("replaced-20260101-000000", 5 * MiB, "moved aside by --fresh"),
+                               ("checkpoints/step_00000010.tmp", 3 * MiB, "an unfinished save"),
+                               ("metrics.abandoned-20260101-000000.jsonl", MiB, "metrics rows moved aside by a resume")]
+    ctx = make_ctx(tmp_path)
+    ctx.disk = Disk(found.path, free_bytes=10 * MiB, output_dir=str(out), leftovers=found.leftovers)
+    r = checks.check_disk(ctx)
+    assert r.status == "fail" and r.data["reclaimable_bytes"] == 9 * MiB
+    short = checks._size(r.data["need_bytes"] - 10 * MiB)
+    assert r.fix == (f"free {short} at {found.path} (9.0 MiB reclaimable in {out}: replaced-20260101-000000 5.0 MiB "
+                     "(moved aside by --fresh), checkpoints/step_00000010.tmp 3.0 MiB (an unfinished save), "
+                     "metrics.abandoned-20260101-000000.jsonl 1.0 MiB (metrics rows moved aside by a resume), yours to "
+                     "delete), lower train.keep_last, or move output_dir to a larger disk")
+
+
 # ---------------------------------------------------------------- env-vars
 
 

@@ -325,27 +325,28 @@ def write_problem(output_dir: str | Path) -> str | None:
     return None
 
 
-def leftovers(output_dir: str | Path) -> list[tuple[Path, int, str]]:
-    """What in the run dir could be deleted to free space, largest first: (path, bytes, what it is). Unfinished saves
-    (``checkpoints/*.tmp``, left by a crash mid-save) and what a resume or --fresh moved aside (never deleted by us)."""
+def leftovers(output_dir: str | Path) -> list[tuple[str, int, str]]:
+    """What in the run dir could be deleted to free space, largest first: (name relative to the run dir, bytes, what
+    it is). Unfinished saves (``checkpoints/*.tmp``, left by a crash mid-save) and what a resume or --fresh moved
+    aside (never deleted by us)."""
     out = Path(output_dir)
     found = [(p, "an unfinished save") for p in sorted(checkpoints_dir(out).glob(f"{STEP_PREFIX}*{TMP_SUFFIX}"))]
     for stem, what in ((ABANDONED_STEM, "moved aside by a resume"), (REPLACED_STEM, "moved aside by --fresh"),
                        (METRICS_ABANDONED_STEM, "metrics rows moved aside by a resume")):
         found += [(p, what) for p in sorted(out.glob(f"{stem}-*"))]
-    sized = [(p, _bytes_under(p), what) for p, what in found if not p.is_symlink()]
+    sized = [(p.relative_to(out).as_posix(), _bytes_under(p), what) for p, what in found if not p.is_symlink()]
     return sorted(sized, key=lambda t: -t[1])
 
 
-def leftovers_text(output_dir: str | Path, limit: int = 3) -> str:
-    """`leftovers` in a few words, largest first (``""`` when there are none): what a full disk's fix names."""
-    found = leftovers(output_dir)
+def describe_leftovers(found: list[tuple[str, int, str]], where: str | Path, limit: int = 3) -> str:
+    """`leftovers` (names relative to the run dir) in a few words, largest first; ``""`` when there are none. What
+    a full disk's fix names, here and in preflight's disk check."""
     if not found:
         return ""
-    out = Path(output_dir)
-    listed = ", ".join(f"{p.relative_to(out)} {size_text(n)} ({what})" for p, n, what in found[:limit])
+    found = sorted(found, key=lambda t: -t[1])
+    listed = ", ".join(f"{name} {size_text(n)} ({what})" for name, n, what in found[:limit])
     more = f" and {len(found) - limit} more" if len(found) > limit else ""
-    return f"{size_text(sum(n for _, n, _ in found))} reclaimable in {out}: {listed}{more}"
+    return f"{size_text(sum(n for _, n, _ in found))} reclaimable in {where}: {listed}{more}"
 
 
 def size_text(n: int | float) -> str:
@@ -414,7 +415,7 @@ def io_failure(err: OSError, output_dir: str | Path, where: str | Path | None = 
     fix = IO_FIXES[name]
     if name in ("ENOSPC", "EDQUOT"):
         try:
-            spare = leftovers_text(output_dir)
+            spare = describe_leftovers(leftovers(output_dir), output_dir)
         except OSError:
             spare = ""
         fix += f" ({spare}, yours to delete)" if spare else ""

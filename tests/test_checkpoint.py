@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import pickle
 import re
 import shutil
@@ -319,6 +320,73 @@ def test_the_resume_fresh_rule(tmp_path):
     assert rundir.list_checkpoints(out) == [first] and "1 newer checkpoint(s) moved to" in log[0]
     assert rundir.prepare_output_dir(cfg, None, True, log.append) is None
     assert rundir.list_checkpoints(out) == [] and log[-1].startswith("--fresh: previous checkpoints moved to")
+
+
+def test_a_symlinked_step_folder_is_never_resumed_counted_or_deleted_through(finished_run, tmp_path):
+    """A `step_*` symlink to another run's checkpoint, newer than this run's: `--resume latest` ignores it and says so,
+    resumes this run's newest, saves over a link of the same name without touching its target, and keep_last never
+    deletes through one (the red team's run took the link, pruned the real checkpoint and died in rmtree)."""
+    _, raw, out = finished_run
+    run_dir, other = tmp_path / "run", tmp_path / "other"
+    shutil.copytree(out, run_dir)
+    shutil.copytree(out, other)
+    foreign = rundir.checkpoint_path(other, 1)
+    for step in (3, 9):
+        rundir.checkpoint_path(run_dir, step).symlink_to(foreign, target_is_directory=True)
+    proc = _train(write_toml(raw, tmp_path / "run.toml"), run_dir, "--resume", "latest", "--max-steps", "4",
+                  "--allow-schedule-change")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert (f"--resume latest: ignored step_00000003, step_00000009 in {run_dir / 'checkpoints'}: symlinks, not "
+            "checkpoints this run wrote (only real folders there are resumed)") in proc.stdout.splitlines()
+    assert f"resumed from {rundir.checkpoint_path(run_dir, 2)} at step 2" in proc.stdout
+    assert [c.name for c in rundir.list_checkpoints(run_dir)] == ["step_00000003", "step_00000004"]  # keep_last 2
+    assert not rundir.checkpoint_path(run_dir, 3).is_symlink()  # step 3 saved in place of the link
+    assert rundir.read_meta(rundir.checkpoint_path(run_dir, 3))["step"] == 3
+    assert os.readlink(rundir.checkpoint_path(run_dir, 9)) == str(foreign)  # left as it was
+    assert [c.name for c in rundir.list_checkpoints(other)] == ["step_00000001", "step_00000002"]
+    assert rundir.checkpoint_problem(foreign, deep=True) is None  # the other run's checkpoint untouched
+
+
+def test_a_checkpoint_whose_meta_names_another_step_does_not_verify(finished_run, tmp_path):
+    """A real folder `step_00000009` holding a copy of step 1: a resume would start at step 1 under step 9's name,
+    and keep_last would then prune the real ones. It does not verify: `latest` skips it (and moves it aside, nothing
+    deleted), and by path it is refused in one line naming both steps."""
+    _, raw, out = finished_run
+    run_dir = tmp_path / "run"
+    shutil.copytree(out, run_dir)
+    copied = rundir.checkpoint_path(run_dir, 9)
+    shutil.copytree(rundir.checkpoint_path(run_dir, 1), copied)
+    why = "meta.json says step 1, the folder name says step 9 (copied or renamed)"
+    assert rundir.checkpoint_problem(copied) == why
+    with pytest.raises(rundir.CheckpointError, match=re.escape(f"{copied}: {why}; resume the previous one with "
+                                                               f"--resume {rundir.checkpoint_path(run_dir, 2)}")):
+        rundir.resolve_resume(run_dir, str(copied))
+    log = []
+    assert rundir.resolve_resume(run_dir, "latest", log=log.append) == rundir.checkpoint_path(run_dir, 2)
+    assert log == [f"--resume latest: skipped step_00000009 ({why}); resuming step_00000002 (step 2)"]
+
+
+def test_best_never_leads_out_of_the_run_dir(finished_run, tmp_path):
+    _, _, out = finished_run
+    run_dir, other = tmp_path / "run", tmp_path / "other"
+    shutil.copytree(out, run_dir)
+    shutil.copytree(out, other)
+    best = rundir.checkpoints_dir(run_dir) / rundir.BEST_NAME
+    own = rundir.checkpoint_path(run_dir, 2)
+    for target, problem in [(os.path.relpath(rundir.checkpoint_path(other, 1), best.parent), "points outside"),
+                            (str(rundir.checkpoint_path(other, 2)), "points outside"),  # same name, other run
+                            ("step_00000005", "points outside"),  # a step_* symlink leading elsewhere
+                            ("step_00000007", "not a finished checkpoint"),
+                            (str(own), None), ("step_00000002", None)]:
+        if target == "step_00000005" and not rundir.checkpoint_path(run_dir, 5).is_symlink():
+            rundir.checkpoint_path(run_dir, 5).symlink_to(rundir.checkpoint_path(other, 1))
+        best.unlink(missing_ok=True)
+        best.symlink_to(target)
+        path, why = rundir.best_or_problem(run_dir)
+        if problem is None:
+            assert (path, why) == (own, None), target
+        else:
+            assert path is None and rundir.best_checkpoint(run_dir) is None and problem in why, (target, why)
 
 
 def test_no_full_unpickling_anywhere():

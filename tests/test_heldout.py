@@ -28,7 +28,7 @@ from dflash.train.heldout import BATCH_INDEX_OFFSET, prompt_of
 from dflash.train.loss import block_inputs, read_metrics, sample_anchors, slot_weights, train_step_math
 from dflash.train.step import anchor_generator
 from dflash.train.trainer import Trainer, run
-from trainkit import tiny_config
+from trainkit import WAIVE_SOURCE, tiny_config, train_main_here, write_toml
 
 REPO = Path(__file__).resolve().parent.parent
 EVAL = {"holdout": 8, "every": 4, "real_prompts": 2, "max_new_tokens": 8}
@@ -165,6 +165,39 @@ def test_best_survives_kill_9_during_its_update(tmp_path):
     rundir.set_best(out, "step_00000002")  # a stale half-update of the killed process is cleaned up
     assert [p.name for p in (out / "checkpoints").iterdir() if p.name.startswith(".")] == []
     assert rundir.best_checkpoint(out).name == "step_00000002"
+
+
+def test_the_export_never_ships_a_best_that_leads_out_of_the_run_dir(evaluated, tmp_path, capsys):
+    """checkpoints/best pointing at another run's checkpoint (which verifies on its own): the final export says so in
+    one line and ships this run's last step, not the foreign weights."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    cfg, raw = evaluated
+    run_dir, other = tmp_path / "run", tmp_path / "other"
+    shutil.copytree(cfg.output_dir, run_dir, symlinks=True)
+    shutil.copytree(cfg.output_dir, other, symlinks=True)
+    shutil.rmtree(run_dir / "drafter")  # the export to come
+    foreign = rundir.checkpoint_path(other, 12)
+    weights = foreign / "drafter" / "model.safetensors"
+    save_file({k: v + 1.0 for k, v in load_file(str(weights)).items()}, str(weights), metadata={"format": "pt"})
+    meta = rundir.read_meta(foreign)
+    meta[rundir.FILES_KEY] = rundir.record_files(foreign)
+    (foreign / rundir.META_NAME).write_text(json.dumps(meta))
+    assert rundir.checkpoint_problem(foreign, deep=True) is None  # a sound checkpoint, just not this run's
+    best = rundir.checkpoints_dir(run_dir) / rundir.BEST_NAME
+    best.unlink()
+    best.symlink_to(os.path.relpath(foreign, best.parent))
+    config = write_toml(raw, tmp_path / "run.toml")
+    assert train_main_here(config, "--resume", "latest", "--output-dir", str(run_dir), *WAIVE_SOURCE) == 0
+    out = capsys.readouterr().out
+    assert (f"export: not using checkpoints/best: {best} points outside {best.parent} (to {os.readlink(best)}); "
+            "exporting the last step (12) instead") in out.splitlines(), out
+    exported = load_file(str(run_dir / "drafter" / "model.safetensors"))
+    own = load_file(str(rundir.checkpoint_path(run_dir, 12) / "drafter" / "model.safetensors"))
+    assert exported.keys() == own.keys()
+    assert all(torch.equal(exported[k], own[k].to(torch.bfloat16)) for k in own)
 
 
 def test_report_to_tensorboard_writes_readable_event_files(evaluated):

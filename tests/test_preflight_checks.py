@@ -16,7 +16,7 @@ from preflight.checks.env_vars import check_env_vars
 from preflight.checks.environment import check_cuda_libs, check_env_drift, check_profile, check_torch_build
 from preflight.checks.gpus import check_gpu_memory, check_gpu_processes, check_gpu_visibility
 from preflight.checks.registry import CHECK_IDS, CHECKS, NEEDS_CONFIG, NEEDS_PROFILE, run_checks
-from preflight.checks.run import check_config, check_disk, check_run_dir
+from preflight.checks.run import _size, check_config, check_disk, check_run_dir
 from preflight.checks.source import check_compile_cache, check_model_source
 from preflight.facts.context import Context
 from preflight.facts.dataset import Dataset, Shard
@@ -24,6 +24,7 @@ from preflight.facts.environment import EnvIdentity, RecordCheck, Records, Torch
 from preflight.facts.gpus import GpuFacts
 from preflight.facts.paths import LibDir, PathEntry
 from preflight.facts.run import Checkpoint, Disk, RunDir, target_shape
+from preflight.facts.run import disk as disk_facts
 from preflight.facts.source import CompileCache, ModelSource
 from preflight.nvml import NO_DRIVER, snapshot_from_dict
 from preflight.profiles import load_profile
@@ -745,6 +746,34 @@ def test_disk_fails_when_checkpoints_do_not_fit(tmp_path):
     assert r.status == "fail" and r.data["need_bytes"] == 8 * GiB and "size of step_00000690" in r.summary
     ctx.resume_intent = "resume"  # the kept one already counts
     assert check_disk(ctx).status == "pass"
+
+
+def test_disk_fix_names_what_the_run_dir_could_free(tmp_path):
+    """A full disk's fix names the unfinished saves and moved-aside folders of the run dir, with their sizes."""
+    from dflash.runs import rundir
+    from preflight import facts
+
+    out = Path(make_ctx(tmp_path).config.output_dir)
+    tmp = rundir.checkpoints_dir(out) / "step_00000010.tmp"  # a save a crash or a full disk cut short
+    tmp.mkdir(parents=True)
+    (tmp / "optimizer.pt").write_bytes(b"\0" * 3 * MiB)
+    (out / "replaced-20260101-000000" / "checkpoints").mkdir(parents=True)
+    (out / "replaced-20260101-000000" / "checkpoints" / "w").write_bytes(b"\0" * 5 * MiB)
+    (out / "metrics.abandoned-20260101-000000.jsonl").write_bytes(b"\0" * MiB)
+    (out / "replaced-20260102-000000").symlink_to(tmp_path)  # a link is never counted (nor followed)
+    found = disk_facts(str(out))
+    assert found.leftovers == [("replaced-20260101-000000", 5 * MiB, "moved aside by --fresh"),
+                               ("checkpoints/step_00000010.tmp", 3 * MiB, "an unfinished save"),
+                               ("metrics.abandoned-20260101-000000.jsonl", MiB, "metrics rows moved aside by a resume")]
+    ctx = make_ctx(tmp_path)
+    ctx.disk = Disk(found.path, free_bytes=10 * MiB, output_dir=str(out), leftovers=found.leftovers)
+    r = check_disk(ctx)
+    assert r.status == "fail" and r.data["reclaimable_bytes"] == 9 * MiB
+    short = _size(r.data["need_bytes"] - 10 * MiB)
+    assert r.fix == (f"free {short} at {found.path} (9.0 MiB reclaimable in {out}: replaced-20260101-000000 5.0 MiB "
+                     "(moved aside by --fresh), checkpoints/step_00000010.tmp 3.0 MiB (an unfinished save), "
+                     "metrics.abandoned-20260101-000000.jsonl 1.0 MiB (metrics rows moved aside by a resume), yours to "
+                     "delete), lower train.keep_last, or move output_dir to a larger disk")
 
 
 # ---------------------------------------------------------------- env-vars

@@ -10,13 +10,16 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
 
 from dflash.runs import rundir
-from trainkit import tiny_config, train_cmd, write_toml
+from trainkit import WAIVE_SOURCE, metrics, tiny_config, train_cmd, train_main_here, write_toml
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -107,3 +110,142 @@ def test_stop_marker_round_trip(tmp_path):
     rundir.clear_stopped(tmp_path)
     assert rundir.read_stopped(tmp_path) is None
     rundir.clear_stopped(tmp_path)  # nothing there: fine
+
+
+def _wait_for_checkpoint(proc: subprocess.Popen, run_dir: Path) -> None:
+    deadline = time.time() + 120
+    while time.time() < deadline and not rundir.list_checkpoints(run_dir):
+        assert proc.poll() is None, proc.stdout.read()
+        time.sleep(0.05)
+
+
+def test_a_second_trainer_on_a_busy_run_dir_is_refused_and_moves_nothing(tmp_path):
+    """Two dflash-train on one output_dir: the second, with --resume latest or --fresh, is refused in one line (exit 2)
+    naming the live one, before its gate moves anything; the first run goes on and ends with all its steps."""
+    cfg, raw = tiny_config(tmp_path, max_steps=100000, save_every=5, keep_last=1000)
+    config = write_toml(raw, tmp_path / "run.toml")
+    run_dir = Path(cfg.output_dir)
+    first = subprocess.Popen(train_cmd(config, "--fresh"), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                             text=True)
+    try:
+        _wait_for_checkpoint(first, run_dir)
+        owner = json.loads((run_dir / rundir.LOCK_NAME).read_text())
+        assert owner["pid"] == first.pid
+        seconds = [subprocess.Popen(train_cmd(config, *intent), cwd=REPO, stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE, text=True) for intent in (["--resume", "latest"], ["--fresh"])]
+        for second in seconds:
+            out, err = second.communicate(timeout=120)
+            assert second.returncode == 2, out + err
+            assert err.splitlines() == [f"dflash-train: error: {run_dir} is in use by another trainer (pid {first.pid} "
+                                        f"on {owner['host']} since {owner['time']}); wait for it to finish or stop it, "
+                                        "or set another output_dir"], err
+        assert first.poll() is None
+    finally:
+        first.send_signal(signal.SIGTERM)
+        log, _ = first.communicate(timeout=120)
+    assert first.returncode == 75, log[-3000:]
+    rows = [json.loads(line)["step"] for line in (run_dir / rundir.METRICS_NAME).read_text().splitlines()]
+    assert rows == list(range(1, rows[-1] + 1))  # every step once, nothing moved to metrics.abandoned-*
+    saved = [rundir.checkpoint_step(c) for c in rundir.list_checkpoints(run_dir)]
+    assert saved == sorted({*range(5, rows[-1] + 1, 5), rows[-1]})  # each save still there (keep_last 1000)
+    assert all(rundir.checkpoint_problem(c, deep=True) is None for c in rundir.list_checkpoints(run_dir))
+    assert sorted(p.name for p in run_dir.iterdir() if "abandoned" in p.name or p.name.startswith("replaced")) == []
+    assert not (run_dir / rundir.LOCK_NAME).exists()  # released by the first run as it returned
+
+
+def test_a_lock_left_by_a_killed_trainer_is_taken_over_and_said(tmp_path, capsys):
+    cfg, raw = tiny_config(tmp_path, max_steps=2, save_every=1)
+    config = write_toml(raw, tmp_path / "run.toml")
+    run_dir = Path(cfg.output_dir)
+    run_dir.mkdir()
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()  # a pid that no longer runs; the kernel dropped its flock when it died
+    (run_dir / rundir.LOCK_NAME).write_text(json.dumps({"pid": dead.pid, "host": "gpu-box", "time": "yesterday"}))
+    assert train_main_here(config, "--fresh", *WAIVE_SOURCE) == 0
+    out = capsys.readouterr().out
+    assert (f"{run_dir / rundir.LOCK_NAME}: took over the lock of pid {dead.pid} on gpu-box (since yesterday), "
+            "which no longer holds it (killed or crashed)") in out.splitlines()
+    assert not (run_dir / rundir.LOCK_NAME).exists()
+
+
+def test_the_lock_is_exclusive_and_released(tmp_path):
+    with rundir.lock_run_dir(tmp_path / "run"):
+        with pytest.raises(rundir.RunDirBusyError, match=f"pid {os.getpid()} on "):
+            rundir.lock_run_dir(tmp_path / "run")
+    with rundir.lock_run_dir(tmp_path / "run", log=pytest.fail):  # released cleanly: nothing to take over
+        pass
+
+
+def _limit_file_size(limit: int):
+    """For a child: writes past `limit` bytes in one file fail with EFBIG (Python ignores SIGXFSZ) — real I/O."""
+    import resource
+
+    return lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (limit, resource.RLIM_INFINITY))
+
+
+def test_a_save_the_disk_refuses_is_one_line_and_the_previous_checkpoint_resumes(tmp_path):
+    """The save at step 10 fails for real mid-write (torch.save of optimizer.pt meets a file size limit after the
+    drafter's weights were written): one line naming the path and the fix, exit 1, no step_00000010.tmp left
+    behind, and step 5 verifies and resumes to the end."""
+    cfg, raw = tiny_config(tmp_path, max_steps=5, save_every=5)
+    config = write_toml(raw, tmp_path / "run.toml")
+    run_dir = Path(cfg.output_dir)
+    assert subprocess.run(train_cmd(config, "--fresh"), cwd=REPO, capture_output=True).returncode == 0
+    more = ("--resume", "latest", "--max-steps", "10", "--allow-schedule-change")
+    # 250 kB: the drafter's weights (166 kB) fit, the optimizer state (342 kB) does not
+    proc = subprocess.run(train_cmd(config, *more), cwd=REPO, capture_output=True, text=True,
+                          preexec_fn=_limit_file_size(250_000))
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stderr and "During handling" not in proc.stderr, proc.stderr
+    assert proc.stderr.strip().splitlines()[-1] == (
+        f"dflash-train: error: {rundir.checkpoints_dir(run_dir) / 'step_00000010.tmp'}: File too large (EFBIG); a file "
+        "size limit was reached (ulimit -f, or the file system's maximum): raise it or move output_dir; then the last "
+        "checkpoint step_00000005 is intact: resume with --resume latest"), proc.stderr
+    assert sorted(p.name for p in rundir.checkpoints_dir(run_dir).iterdir()) == ["step_00000005"]
+    assert rundir.checkpoint_problem(rundir.checkpoint_path(run_dir, 5), deep=True) is None
+    again = subprocess.run(train_cmd(config, *more), cwd=REPO, capture_output=True, text=True)
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert f"resumed from {rundir.checkpoint_path(run_dir, 5)} at step 5" in again.stdout
+    assert [r["step"] for r in metrics(run_dir)] == list(range(1, 11))
+
+
+def test_a_full_disk_mid_run_is_one_line_even_when_the_clean_up_writes_fail_too(tmp_path, monkeypatch, capsys):
+    """ENOSPC halfway through the step-10 save (a real partial file, then the error), and the disk stays full: the
+    clean-up's running.json write fails as well. One line (no second traceback), the .tmp gone, step 5 resumes."""
+    import errno
+
+    from dflash.runs import checkpoint as ckpt
+
+    cfg, raw = tiny_config(tmp_path, max_steps=20, save_every=5, keep_last=2)
+    config = write_toml(raw, tmp_path / "run.toml")
+    run_dir = Path(cfg.output_dir)
+    real_state, real_running = ckpt.save_trainer_state, rundir.write_running
+
+    def full(path):
+        return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+
+    def save_state(folder, state):
+        if state["step"] < 10:
+            return real_state(folder, state)
+        with open(Path(folder) / rundir.STATE_TENSORS, "wb") as f:
+            f.write(b"\0" * 4096)  # what fitted before the disk filled
+        raise full(Path(folder) / rundir.STATE_TENSORS)
+
+    def write_running(output_dir, **extra):
+        if extra.get("error"):
+            raise full(Path(output_dir) / rundir.RUNNING_NAME)
+        return real_running(output_dir, **extra)
+
+    monkeypatch.setattr(ckpt, "save_trainer_state", save_state)
+    monkeypatch.setattr(rundir, "write_running", write_running)
+    assert train_main_here(config, "--fresh", *WAIVE_SOURCE) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    tmp = rundir.checkpoints_dir(run_dir) / "step_00000010.tmp"
+    assert err[-1] == (f"dflash-train: error: {tmp / rundir.STATE_TENSORS}: No space left on device (ENOSPC); free "
+                       "space on that file system (df -h) or move output_dir to a larger disk; then the last checkpoint "
+                       "step_00000005 is intact: resume with --resume latest"), err
+    assert not tmp.exists() and [c.name for c in rundir.list_checkpoints(run_dir)] == ["step_00000005"]
+    monkeypatch.undo()
+    assert train_main_here(config, "--resume", "latest", *WAIVE_SOURCE) == 0
+    assert f"resumed from {rundir.checkpoint_path(run_dir, 5)} at step 5" in capsys.readouterr().out
+    assert [c.name for c in rundir.list_checkpoints(run_dir)] == ["step_00000015", "step_00000020"]

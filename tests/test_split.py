@@ -160,6 +160,9 @@ def test_sigterm_to_every_process_stops_cleanly_with_a_checkpoint(tmp_path):
     serving a while), save, and the run exits 75 (stopped, resumable) with nobody left behind."""
     unset = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}  # the session sets it (conftest)
     proc, run_dir, ranks = start_split_run(tmp_path, save_every=1000, rows=3, env=unset)
+    second = subprocess.run(train_cmd(run_dir.parent / "split.toml", "--resume", "latest"), cwd=REPO,
+                            capture_output=True, text=True, timeout=120)
+    assert second.returncode == 2 and f"is in use by another trainer (pid {proc.pid} on" in second.stderr, second.stderr
     threads = cpu_threads_per_rank(len(ranks))
     for r in ranks:  # the launcher shared this machine's cores out among the CPU ranks
         environ = Path(f"/proc/{r['pid']}/environ").read_bytes().decode(errors="replace").split("\0")
@@ -217,6 +220,23 @@ def test_torchrun_refuses_a_run_dir_holding_checkpoints_without_resume_or_fresh(
     assert "[rank0]: Traceback" not in out.stderr and "[rank1]: Traceback" not in out.stderr, out.stderr[-3000:]
     assert sorted(p.name for p in (Path(cfg.output_dir) / "checkpoints").iterdir()) == before
     assert len(metrics(Path(cfg.output_dir))) == 2  # the other run's rows only: no step was taken
+
+
+@pytest.mark.slow
+def test_torchrun_refuses_a_run_dir_another_trainer_holds(tmp_path):
+    """Rank 0 takes the run dir's lock before the resume/fresh rule; held elsewhere, every rank refuses, none waits."""
+    cfg, raw = tiny_config(tmp_path, max_steps=2, save_every=1)
+    run(cfg, None, log=lambda *_: None, progress=False)
+    before = sorted(p.name for p in (Path(cfg.output_dir) / "checkpoints").iterdir())
+    config = write_toml(split_raw(raw, targets=("1",), drafters=("0",)), tmp_path / "split.toml")
+    with rundir.lock_run_dir(cfg.output_dir):  # this test process is "the other trainer"
+        out = subprocess.run(torchrun_cmd(config, "--fresh"), cwd=REPO, capture_output=True, text=True, timeout=240)
+    assert out.returncode != 0
+    assert (f"dflash.commands.torchrun: error: {cfg.output_dir} is in use by another trainer (pid {os.getpid()} on"
+            in out.stderr), out.stderr[-3000:]
+    assert "[rank0]: Traceback" not in out.stderr and "[rank1]: Traceback" not in out.stderr, out.stderr[-3000:]
+    assert sorted(p.name for p in (Path(cfg.output_dir) / "checkpoints").iterdir()) == before  # --fresh moved nothing
+    assert len(metrics(Path(cfg.output_dir))) == 2
 
 
 @pytest.mark.slow

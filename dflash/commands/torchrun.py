@@ -41,6 +41,17 @@ def require_fresh_gate(cfg: RunConfig) -> None:
                           "--config RUN.toml, or under torchrun with python -m dflash.commands.torchrun --config RUN.toml")
 
 
+def _hold_lock(cfg: RunConfig) -> None:
+    """Rank 0 takes the run dir's lock (dflash.runs.rundir.lock_run_dir) for the rest of its life; the other ranks
+    never ask for it, so none waits on it. RunDirBusyError when another trainer holds it."""
+    import atexit
+
+    from dflash.runs.rundir import lock_run_dir
+
+    lock = lock_run_dir(cfg.output_dir, log=print)
+    atexit.register(lock.release)  # removed on a clean exit; a kill leaves it with the pid, which the next run reports
+
+
 def collective_gate(cfg: RunConfig, me: Rank, local_rank: int, gate: dict) -> Path | None | bool:
     """The preflight gate under torchrun: rank 0 applies the resume/fresh rule and decides, every rank checks
     its own GPU and environment, all refuse together. Returns the checkpoint to resume from (or None),
@@ -53,6 +64,7 @@ def collective_gate(cfg: RunConfig, me: Rank, local_rank: int, gate: dict) -> Pa
         try:
             from dflash.runs.rundir import prepare_output_dir
 
+            _hold_lock(cfg)  # one trainer per run dir: rank 0 locks it before the resume/fresh rule looks at it
             resume = prepare_output_dir(cfg, gate.get("resume"), gate.get("fresh", False), log=print,
                                         allow_schedule_change=gate.get("allow_schedule_change", False), apply=False)
             from dflash.data.plan import schedule

@@ -120,32 +120,39 @@ def train_command(config_path, demo, resume, fresh, sets, max_steps, output_dir,
     # A run dir that cannot be written is left as it is and reported by the gate (run-dir / disk), one line each.
     unusable = rundir.write_problem(cfg.output_dir)
     resume_from = None
-    if unusable is None:
-        try:
-            resume_from = rundir.prepare_output_dir(cfg, resume, fresh, log=click.echo,
-                                                    allow_schedule_change=allow_schedule_change, apply=False)
-            Path(cfg.output_dir).mkdir(parents=True, exist_ok=True)
-        except OSError as e:  # the disk filled or the dir turned read-only between the look and the write
-            unusable = f"{e.filename or cfg.output_dir}: {e.strerror or e}"
-    gate = _gate(cfg, waivers, intent, verify_data, config_path)
-    if not gate.ok:
-        sys.exit(1)  # refused: nothing in the run dir was moved (--fresh moves old checkpoints only after this)
-    if unusable:  # the gate's run-dir check was waived
-        raise rundir.RunDirError(f"output dir {cfg.output_dir}: {unusable}; set output_dir to a writable folder "
-                                 "with free space")
-    rundir.make_room(cfg, resume_from, fresh, log=click.echo)
-    rundir.clear_stopped(cfg.output_dir)
-    if cfg.topology.target_gpus:
-        from dflash.train.split import launch
+    lock = None
+    try:
+        if unusable is None:
+            try:
+                # one trainer per run dir: taken before the resume/fresh rule looks at it, held until this returns
+                lock = rundir.lock_run_dir(cfg.output_dir, log=click.echo)
+                resume_from = rundir.prepare_output_dir(cfg, resume, fresh, log=click.echo,
+                                                        allow_schedule_change=allow_schedule_change, apply=False)
+            except OSError as e:  # the disk filled or the dir turned read-only between the look and the write
+                unusable = f"{e.filename or cfg.output_dir}: {e.strerror or e}"
+        gate = _gate(cfg, waivers, intent, verify_data, config_path)
+        if not gate.ok:
+            sys.exit(1)  # refused: nothing in the run dir was moved (--fresh moves old checkpoints only after this)
+        if unusable:  # the gate's run-dir check was waived
+            raise rundir.RunDirError(f"output dir {cfg.output_dir}: {unusable}; set output_dir to a writable folder "
+                                     "with free space")
+        rundir.make_room(cfg, resume_from, fresh, log=click.echo)
+        rundir.clear_stopped(cfg.output_dir)
+        if cfg.topology.target_gpus:
+            from dflash.train.split import launch
 
-        code = launch(cfg, resume_from, gate.report.run["gate_id"])
-    else:
-        from dflash.train.trainer import run
-        from preflight.gate import provenance
+            with rundir.io_errors_in_one_line(cfg.output_dir):
+                code = launch(cfg, resume_from, gate.report.run["gate_id"], lock=lock)
+        else:
+            from dflash.train.trainer import run
+            from preflight.gate import provenance
 
-        code = run(cfg, resume_from, progress=False if no_progress else None, provenance=provenance(cfg.profile))
-    if code == 0 and rundir.read_stopped(cfg.output_dir):
-        code = rundir.EXIT_STOPPED  # stopped by a signal after a checkpoint: unfinished, resumable
+            code = run(cfg, resume_from, progress=False if no_progress else None, provenance=provenance(cfg.profile))
+        if code == 0 and rundir.read_stopped(cfg.output_dir):
+            code = rundir.EXIT_STOPPED  # stopped by a signal after a checkpoint: unfinished, resumable
+    finally:
+        if lock is not None:
+            lock.release()
     sys.exit(code)
 
 

@@ -41,6 +41,8 @@ from dflash.runs.rundir import (
     CheckpointError,
     best_checkpoint,
     checkpoint_path,
+    checkpoint_step,
+    io_cause,
     is_legacy,
     legacy_message,
     list_checkpoints,
@@ -119,32 +121,47 @@ def save_checkpoint(output_dir: str | Path, step: int, drafter, optimizer, train
     root = final.parent
     root.mkdir(parents=True, exist_ok=True)
     tmp = root / f"{final.name}{TMP_SUFFIX}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
+    _remove(tmp)
     tmp.mkdir()
-    drafter.save_pretrained(tmp / DRAFTER_DIR)
-    torch.save(optimizer.state_dict(), tmp / OPTIMIZER_NAME)
-    save_trainer_state(tmp, trainer_state)
-    meta = {
-        "format": FORMAT,
-        "step": step,
-        "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "config": cfg.model_dump(),
-        "dataset": dataset_meta,
-        **(provenance or {}),
-        FILES_KEY: record_files(tmp),  # size + sha256 of every file: a resume verifies them (dflash.runs.rundir)
-    }
-    (tmp / META_NAME).write_text(json.dumps(meta, indent=2))  # last: a folder with meta.json is finished
-    _fsync_tree(tmp)  # the bytes are on disk before the rename makes the checkpoint visible
-    if final.exists():
-        shutil.rmtree(final)
-    tmp.rename(final)
+    try:
+        drafter.save_pretrained(tmp / DRAFTER_DIR)
+        with open(tmp / OPTIMIZER_NAME, "wb") as f:  # a file of ours: a failed write keeps its OSError (errno)
+            torch.save(optimizer.state_dict(), f)
+        save_trainer_state(tmp, trainer_state)
+        meta = {
+            "format": FORMAT,
+            "step": step,
+            "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "config": cfg.model_dump(),
+            "dataset": dataset_meta,
+            **(provenance or {}),
+            FILES_KEY: record_files(tmp),  # size + sha256 of every file: a resume verifies them (dflash.runs.rundir)
+        }
+        (tmp / META_NAME).write_text(json.dumps(meta, indent=2))  # last: a folder with meta.json is finished
+        _fsync_tree(tmp)  # the bytes are on disk before the rename makes the checkpoint visible
+        _remove(final)
+        tmp.rename(final)
+    except BaseException as e:  # a full disk, a kill's KeyboardInterrupt...: no partial step_N.tmp stays behind
+        shutil.rmtree(tmp, ignore_errors=True)
+        cause = io_cause(e) if isinstance(e, Exception) else None
+        if cause is not None and cause is not e:  # torch and safetensors wrap the disk's error: raise that
+            raise OSError(cause.errno, cause.strerror, cause.filename or str(tmp)) from e
+        raise
     _fsync_dir(root)
     best = best_checkpoint(output_dir)
-    for old in list_checkpoints(output_dir)[:-keep_last]:
+    # real folders only (list_checkpoints never lists a symlink), up to the one just written
+    for old in [c for c in list_checkpoints(output_dir) if checkpoint_step(c) <= step][:-keep_last]:
         if old != final and old != best:  # never the one just written, never checkpoints/best's
             shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def _remove(path: Path) -> None:
+    """Clear a checkpoint name for a save: a symlink (to another run's checkpoint, say) loses only the link."""
+    if path.is_symlink() or path.is_file():
+        path.unlink()
+    elif path.exists():
+        shutil.rmtree(path)
 
 
 def _fsync_tree(folder: Path) -> None:

@@ -15,10 +15,15 @@
             trainer_state.safetensors   the trainer state's tensors (RNG states)
         checkpoints/step_<8 digits>.tmp/      a save in progress (never listed)
         checkpoints/best            symlink to the step_* folder with the best held-out acceptance (replaced
-                                    atomically; keep_last never prunes its target)
+                                    atomically; keep_last never prunes its target); one leading out of
+                                    checkpoints/ is never followed
+        (only real step_* folders count: a symlink named step_* is never listed, resumed or pruned through,
+        and a folder whose meta.json names another step than its name does not verify)
         heldout.json                the held-out sample ids ([eval] holdout) the run never trains on
         running.json                pid and host of the process training now (removed when it returns;
                                     left behind by a crash or a kill, with the error when there was one)
+        .lock                       the run dir's exclusive lock (`lock_run_dir`): flock'ed by the one trainer
+                                    using the dir, with its pid, host and start time; removed when it returns
         report/                     dflash-report's HTML and PNGs
         tensorboard/                --report-to tensorboard's event files
         checkpoints.abandoned-*/, replaced-*/, metrics.abandoned-*.jsonl   moved aside, never deleted
@@ -37,6 +42,7 @@ ones it skipped and why.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -62,10 +68,15 @@ CHECKPOINTS_DIR = "checkpoints"
 BEST_NAME = "best"  # inside CHECKPOINTS_DIR: a relative symlink to a step_* folder
 HELDOUT_NAME = "heldout.json"
 RUNNING_NAME = "running.json"
+LOCK_NAME = ".lock"  # flock'ed by the trainer using the run dir (`lock_run_dir`)
 REPORT_DIR = "report"
 TENSORBOARD_DIR = "tensorboard"  # --report-to tensorboard's event files
 STEP_PREFIX = "step_"
 TMP_SUFFIX = ".tmp"
+# What make_room moves aside (never deletes), each with a time stamp: <stem>-YYYYmmdd-HHMMSS[.n]
+ABANDONED_STEM = "checkpoints.abandoned"  # checkpoints newer than the one a resume took
+REPLACED_STEM = "replaced"  # what a --fresh start replaced
+METRICS_ABANDONED_STEM = "metrics.abandoned"  # metrics rows after the resumed step (a .jsonl file)
 
 # Inside one checkpoint folder.
 META_NAME = "meta.json"
@@ -80,6 +91,14 @@ FILES_KEY = "files"  # meta.json: {path inside the checkpoint: {"bytes": size, "
 
 class RunDirError(UsageError):
     """--resume/--fresh that do not fit the run dir; the message is one line naming the fix (exit 2)."""
+
+
+class RunDirBusyError(UsageError):
+    """Another live trainer holds the run dir's lock; the message is one line naming it (exit 2)."""
+
+
+class RunIOError(DflashError):
+    """The run dir's disk failed a write mid-run (full, read-only, I/O error); one line naming the path and the fix."""
 
 
 class CheckpointError(DflashError):
@@ -113,13 +132,24 @@ def checkpoint_step(path: str | Path) -> int | None:
 def list_checkpoints(output_dir: str | Path) -> list[Path]:
     """Finished checkpoints, oldest first: ``step_<8 digits>`` folders holding meta.json (written last).
 
-    Saves in progress (``*.tmp``) and any other folder are ignored.
+    Only real folders directly inside ``checkpoints/`` count: a symlink there (to another run's checkpoint, say) is
+    never listed, so it is never resumed, counted by keep_last, or deleted through. Saves in progress (``*.tmp``)
+    and any other folder are ignored.
     """
     root = checkpoints_dir(output_dir)
     if not root.is_dir():
         return []
-    done = [p for p in root.iterdir() if checkpoint_step(p) is not None and p.is_dir() and (p / META_NAME).exists()]
+    done = [p for p in root.iterdir() if checkpoint_step(p) is not None and not p.is_symlink() and p.is_dir()
+            and (p / META_NAME).exists()]
     return sorted(done, key=checkpoint_step)
+
+
+def linked_checkpoints(output_dir: str | Path) -> list[Path]:
+    """``step_*`` names in ``checkpoints/`` that are symlinks: never this run's checkpoints (`list_checkpoints`)."""
+    root = checkpoints_dir(output_dir)
+    if not root.is_dir():
+        return []
+    return sorted((p for p in root.iterdir() if checkpoint_step(p) is not None and p.is_symlink()), key=checkpoint_step)
 
 
 def resolve_resume(output_dir: str | Path, resume: str, deep: bool = True, log=print) -> Path:
@@ -134,6 +164,10 @@ def resolve_resume(output_dir: str | Path, resume: str, deep: bool = True, log=p
             raise RunDirError(f"--resume {resume}: not a checkpoint folder (no {META_NAME}); use --resume latest")
         return verify_checkpoint(path, deep)
     found = list_checkpoints(output_dir)
+    links = linked_checkpoints(output_dir)
+    if links:
+        log(f"--resume latest: ignored {', '.join(p.name for p in links)} in {checkpoints_dir(output_dir)}: "
+            "symlinks, not checkpoints this run wrote (only real folders there are resumed)")
     if not found:
         raise RunDirError(f"--resume latest: no checkpoint in {checkpoints_dir(output_dir)}; use --fresh")
     skipped: list[str] = []
@@ -225,6 +259,9 @@ def checkpoint_problem(path: str | Path, deep: bool = False, meta: dict | None =
         meta, problem = meta_or_problem(path)
         if problem:
             return problem
+    named = checkpoint_step(path)
+    if named is not None and meta.get("step") != named:  # a folder copied or renamed from another checkpoint
+        return f"{META_NAME} says step {meta.get('step')}, the folder name says step {named} (copied or renamed)"
     files = meta.get(FILES_KEY)
     if not isinstance(files, dict):
         return None
@@ -287,6 +324,114 @@ def write_problem(output_dir: str | Path) -> str | None:
             return f"no space left on the file system of {folder} ({free:,} bytes free)"
     return None
 
+
+def leftovers(output_dir: str | Path) -> list[tuple[str, int, str]]:
+    """What in the run dir could be deleted to free space, largest first: (name relative to the run dir, bytes, what
+    it is). Unfinished saves (``checkpoints/*.tmp``, left by a crash mid-save) and what a resume or --fresh moved
+    aside (never deleted by us)."""
+    out = Path(output_dir)
+    found = [(p, "an unfinished save") for p in sorted(checkpoints_dir(out).glob(f"{STEP_PREFIX}*{TMP_SUFFIX}"))]
+    for stem, what in ((ABANDONED_STEM, "moved aside by a resume"), (REPLACED_STEM, "moved aside by --fresh"),
+                       (METRICS_ABANDONED_STEM, "metrics rows moved aside by a resume")):
+        found += [(p, what) for p in sorted(out.glob(f"{stem}-*"))]
+    sized = [(p.relative_to(out).as_posix(), _bytes_under(p), what) for p, what in found if not p.is_symlink()]
+    return sorted(sized, key=lambda t: -t[1])
+
+
+def describe_leftovers(found: list[tuple[str, int, str]], where: str | Path, limit: int = 3) -> str:
+    """`leftovers` (names relative to the run dir) in a few words, largest first; ``""`` when there are none. What
+    a full disk's fix names, here and in preflight's disk check."""
+    if not found:
+        return ""
+    found = sorted(found, key=lambda t: -t[1])
+    listed = ", ".join(f"{name} {size_text(n)} ({what})" for name, n, what in found[:limit])
+    more = f" and {len(found) - limit} more" if len(found) > limit else ""
+    return f"{size_text(sum(n for _, n, _ in found))} reclaimable in {where}: {listed}{more}"
+
+
+def size_text(n: int | float) -> str:
+    """GiB, or MiB below one GiB (a tiny run's checkpoints read as 0.0 GiB otherwise)."""
+    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+def _bytes_under(path: Path) -> int:
+    if path.is_file():
+        return path.stat().st_size
+    total = 0
+    for root, _dirs, files in os.walk(path):
+        for name in files:
+            try:
+                total += os.lstat(os.path.join(root, name)).st_size
+            except OSError:
+                pass
+    return total
+
+
+# The errors a run's writes meet when its disk fails it, and what to do about each.
+IO_FIXES = {
+    "ENOSPC": "free space on that file system (df -h) or move output_dir to a larger disk",
+    "EDQUOT": "your disk quota there is used up: free some of it or move output_dir",
+    "EFBIG": "a file size limit was reached (ulimit -f, or the file system's maximum): raise it or move output_dir",
+    "EROFS": "the file system turned read-only (often after disk errors): check the disk (dmesg) and remount it",
+    "EIO": "the disk reported an I/O error: check it (dmesg, smartctl) before writing there again",
+    "EACCES": "check who may write there (ls -ld) or set output_dir to a folder you own",
+    "EPERM": "check who may write there (ls -ld) or set output_dir to a folder you own",
+}
+
+
+def io_cause(err: BaseException) -> OSError | None:
+    """The OSError behind a failed write: `err` itself, one in its chain (torch.save wraps it in a RuntimeError), or
+    the ``(os error N)`` safetensors names in its message; None when it was not the disk."""
+    import errno as errnos
+    import re
+
+    seen = err
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.errno is not None:
+            return seen
+        found = re.search(r"\(os error (\d+)\)", str(seen))
+        if found and int(found.group(1)) in errnos.errorcode:
+            n = int(found.group(1))
+            return OSError(n, os.strerror(n))
+        seen = seen.__cause__ or seen.__context__
+    return None
+
+
+def io_failure(err: OSError, output_dir: str | Path, where: str | Path | None = None) -> str | None:
+    """One line for an OSError of the disk mid-run: the path, the error, the fix, the checkpoint to resume from;
+    None for an OSError that is not one of IO_FIXES' (the caller lets it through)."""
+    import errno as errnos
+
+    name = errnos.errorcode.get(err.errno or 0, "")
+    if name not in IO_FIXES:
+        return None
+    path = err.filename or where or output_dir
+    try:
+        kept = list_checkpoints(output_dir)
+    except OSError:
+        kept = []
+    resume = (f"the last checkpoint {kept[-1].name} is intact: resume with --resume latest" if kept
+              else "no checkpoint was written yet: start again with --fresh")
+    fix = IO_FIXES[name]
+    if name in ("ENOSPC", "EDQUOT"):
+        try:
+            spare = describe_leftovers(leftovers(output_dir), output_dir)
+        except OSError:
+            spare = ""
+        fix += f" ({spare}, yours to delete)" if spare else ""
+    return f"{path}: {err.strerror or os.strerror(err.errno)} ({name}); {fix}; then {resume}"
+
+
+@contextlib.contextmanager
+def io_errors_in_one_line(output_dir: str | Path):
+    """Turn a disk's failure inside the block (a full, read-only or failing disk) into one RunIOError line."""
+    try:
+        yield
+    except OSError as e:
+        line = io_failure(e, output_dir)
+        if line is None:
+            raise
+        raise RunIOError(line) from None
 
 
 # ---------------------------------------------------------------- a run stopped by a signal
@@ -389,7 +534,7 @@ def make_room(cfg: RunConfig, resume_from: Path | None, fresh: bool, log=print) 
         step = _step_of(resume_from)
         newer = [c for c in list_checkpoints(out) if checkpoint_step(c) > step]
         if newer and resume_from.parent == checkpoints_dir(out):
-            aside = _aside(out, "checkpoints.abandoned")
+            aside = _aside(out, ABANDONED_STEM)
             aside.mkdir()
             for c in newer:
                 c.rename(aside / c.name)
@@ -400,7 +545,7 @@ def make_room(cfg: RunConfig, resume_from: Path | None, fresh: bool, log=print) 
         leftovers = [p for p in (checkpoints_dir(out), out / METRICS_NAME, out / DRAFTER_DIR, out / HELDOUT_NAME,
                                  out / REPORT_DIR, out / TENSORBOARD_DIR) if p.exists()]
         if leftovers:
-            aside = _aside(out, "replaced")
+            aside = _aside(out, REPLACED_STEM)
             aside.mkdir()
             for p in leftovers:
                 p.rename(aside / p.name)
@@ -422,7 +567,7 @@ def trim_metrics(out: Path, step: int, log=print) -> None:
         (later if row_step > step else keep).append(line)
     if not later:
         return
-    aside = Path(out) / f"{_aside(Path(out), 'metrics.abandoned').name}.jsonl"
+    aside = Path(out) / f"{_aside(Path(out), METRICS_ABANDONED_STEM).name}.jsonl"
     aside.write_text("".join(later))
     tmp = path.with_suffix(".jsonl.tmp")
     tmp.write_text("".join(keep))
@@ -442,17 +587,27 @@ def _aside(out: Path, stem: str) -> Path:
 # ---------------------------------------------------------------- the best checkpoint
 
 
-def best_checkpoint(output_dir: str | Path) -> Path | None:
-    """The finished checkpoint `checkpoints/best` points to, or None (no pointer, or its target is gone)."""
-    link = checkpoints_dir(output_dir) / BEST_NAME
+def best_or_problem(output_dir: str | Path) -> tuple[Path | None, str | None]:
+    """(the finished checkpoint `checkpoints/best` points to, None), or (None, why it points nowhere usable); (None,
+    None) without a pointer. It must name a real ``step_*`` folder directly inside this run's ``checkpoints/``:
+    a pointer leading anywhere else (another run's checkpoint, a symlink chain) is never followed."""
+    root = checkpoints_dir(output_dir)
+    link = root / BEST_NAME
     try:
         target = os.readlink(link)
     except OSError:
-        return None
-    path = link.parent / target
+        return None, None
+    path = root / Path(target).name
+    if os.path.realpath(link) != os.path.realpath(path) or path.is_symlink():
+        return None, f"{link} points outside {root} (to {target})"
     if checkpoint_step(path) is None or not (path / META_NAME).is_file():
-        return None
-    return path
+        return None, f"{link} points to {target}, not a finished checkpoint"
+    return path, None
+
+
+def best_checkpoint(output_dir: str | Path) -> Path | None:
+    """The finished checkpoint `checkpoints/best` points to inside this run dir, or None (`best_or_problem`)."""
+    return best_or_problem(output_dir)[0]
 
 
 def set_best(output_dir: str | Path, checkpoint: str | Path) -> Path:
@@ -479,6 +634,92 @@ def set_best(output_dir: str | Path, checkpoint: str | Path) -> Path:
 
 
 # ---------------------------------------------------------------- a run in progress
+
+
+class RunLock:
+    """The run dir's exclusive lock, held by this process (`lock_run_dir`): an flock on ``<output_dir>/.lock``.
+
+    The kernel releases it when the process dies, however it dies; `release` (or leaving a ``with`` block) also
+    removes the file, so a lock file whose flock is free is a killed or crashed trainer's leftover.
+    """
+
+    def __init__(self, path: Path, fd: int):
+        self.path, self.fd = path, fd
+
+    def fileno(self) -> int:
+        return self.fd
+
+    def release(self) -> None:
+        if self.fd < 0:
+            return
+        import fcntl
+
+        try:
+            if os.stat(self.path).st_ino == os.fstat(self.fd).st_ino:
+                self.path.unlink()  # before the unlock: whoever locks the old file next sees it is gone and retries
+        except OSError:  # gone already, or a read-only disk: the flock still goes with the close
+            pass
+        fcntl.flock(self.fd, fcntl.LOCK_UN)
+        os.close(self.fd)
+        self.fd = -1
+
+    def __enter__(self) -> RunLock:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+def _lock_owner(fd: int) -> dict:
+    try:
+        owner = json.loads(os.pread(fd, 4096, 0).decode(errors="replace"))
+    except ValueError:
+        return {}
+    return owner if isinstance(owner, dict) else {}
+
+
+def lock_run_dir(output_dir: str | Path, log=print) -> RunLock:
+    """Take the run dir's exclusive lock before anything in it is judged or moved; hold it while training.
+
+    Raises RunDirBusyError (one line naming the live process: pid, host, since when) when another process holds
+    it. A lock file left by a process that died (the kernel freed its flock) is taken over, and `log` says so.
+    Creates output_dir. Under torchrun only the process that prepares the run dir (rank 0) takes it.
+    """
+    import fcntl
+    import socket
+
+    out = Path(output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / LOCK_NAME
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                owner = _lock_owner(fd)
+                who = (f"pid {owner.get('pid')} on {owner.get('host')} since {owner.get('time')}" if owner.get("pid")
+                       else "a process that is still starting")
+                raise RunDirBusyError(f"{out} is in use by another trainer ({who}); wait for it to finish or stop it, "
+                                      "or set another output_dir") from None
+            try:
+                current = os.stat(path).st_ino
+            except FileNotFoundError:
+                current = None
+            if current != os.fstat(fd).st_ino:  # released and removed by its holder while we opened it: again
+                os.close(fd)
+                continue
+            stale = _lock_owner(fd)
+            if stale.get("pid"):
+                log(f"{path}: took over the lock of pid {stale.get('pid')} on {stale.get('host')} (since "
+                    f"{stale.get('time')}), which no longer holds it (killed or crashed)")
+            owner = {"pid": os.getpid(), "host": socket.gethostname(), "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, (json.dumps(owner) + "\n").encode(), 0)
+        except BaseException:
+            os.close(fd)
+            raise
+        return RunLock(path, fd)
 
 
 def write_running(output_dir: str | Path, **extra) -> Path:

@@ -121,8 +121,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(cfg: RunConfig, resume_from: Path | None, gate_id: str, log=print) -> int:
-    """Spawn one process per GPU and watch them (dflash-train, after its gate passed with `gate_id`)."""
+def launch(cfg: RunConfig, resume_from: Path | None, gate_id: str, log=print, lock=None) -> int:
+    """Spawn one process per GPU and watch them (dflash-train, after its gate passed with `gate_id`).
+
+    `lock`: the run dir's lock this launcher holds (dflash.runs.rundir.lock_run_dir); every rank inherits it, so the
+    run dir stays locked while any of them lives, even if the launcher is killed."""
     out = Path(cfg.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     cfg_path = out / rundir.CONFIG_NAME
@@ -136,7 +139,7 @@ def launch(cfg: RunConfig, resume_from: Path | None, gate_id: str, log=print) ->
     old_handlers = {s: signal.signal(s, lambda signum, _f: stop.update(sig=signum))
                     for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     try:
-        _spawn(cfg, roles, gpus, port, cfg_path, resume_from, procs, gate_id)
+        _spawn(cfg, roles, gpus, port, cfg_path, resume_from, procs, gate_id, lock)
     except BaseException:
         _terminate(procs)
         raise
@@ -151,7 +154,7 @@ def launch(cfg: RunConfig, resume_from: Path | None, gate_id: str, log=print) ->
     return _watch(cfg, roles, procs, log, pending_signal=stop["sig"])
 
 
-def _spawn(cfg, roles, gpus, port, cfg_path, resume_from, procs, gate_id) -> None:
+def _spawn(cfg, roles, gpus, port, cfg_path, resume_from, procs, gate_id, lock) -> None:
     for role, gpu in zip(roles, gpus):
         env = dict(os.environ, RANK=str(role.rank), WORLD_SIZE=str(role.world), LOCAL_RANK=str(role.rank),
                    LOCAL_WORLD_SIZE=str(role.world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -164,7 +167,8 @@ def _spawn(cfg, roles, gpus, port, cfg_path, resume_from, procs, gate_id) -> Non
         if resume_from is not None:
             cmd += ["--resume", str(resume_from)]
         # own session: a terminal's Ctrl-C reaches only the launcher, which stops the drafters cleanly
-        procs.append(subprocess.Popen(cmd, env=env, start_new_session=True))
+        procs.append(subprocess.Popen(cmd, env=env, start_new_session=True,
+                                      pass_fds=(lock.fileno(),) if lock is not None else ()))
 
 
 def _describe_exit(code: int) -> str:
@@ -441,7 +445,8 @@ def _drafter_main(cfg: RunConfig, me: Rank, resume_from: Path | None, drafter_gr
     source = RemoteTargets(cfg, me, share_group, device)
     trainer = Trainer(cfg, source, resume_from, group=drafter_group, log=lambda *a, **k: print(*a, **k, flush=True),
                       provenance=provenance)
-    code = trainer.run(progress=False)
+    with rundir.io_errors_in_one_line(cfg.output_dir):  # rank 0's saves on a full or failing disk: one line
+        code = trainer.run(progress=False)
     dist.barrier(group=drafter_group)
     sys.stdout.flush()
     os._exit(code)  # targets may still block in sends nobody will receive; the launcher reaps them

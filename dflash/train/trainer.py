@@ -370,21 +370,26 @@ class Trainer:
             if self.step != last_save or not rundir.list_checkpoints(self.out):
                 last_save = self._save_if_logger(held if held is not None and held.get("step") == self.step else None)
         except BaseException as e:
-            if self.outcome:
-                how = "interrupted" if isinstance(e, KeyboardInterrupt) else "crashed"
-                self.outcome.end(how, self.step, f"{type(e).__name__}: {' '.join(str(e).split())[:300]}")
-            if self.is_logger:  # dflash-report tells a failed run from a killed one by this
-                rundir.write_running(self.out, step=self.step, total_steps=self.total_steps,
-                                     error=" ".join(str(e).split())[:300] or type(e).__name__)
+            # a full or failing disk fails these writes too: the error being raised is the one to tell, not theirs
+            with contextlib.suppress(OSError):
+                if self.outcome:
+                    how = "interrupted" if isinstance(e, KeyboardInterrupt) else "crashed"
+                    self.outcome.end(how, self.step, f"{type(e).__name__}: {' '.join(str(e).split())[:300]}")
+            with contextlib.suppress(OSError):
+                if self.is_logger:  # dflash-report tells a failed run from a killed one by this
+                    rundir.write_running(self.out, step=self.step, total_steps=self.total_steps,
+                                         error=" ".join(str(e).split())[:300] or type(e).__name__)
             raise
         finally:
-            trackers.close()
+            with contextlib.suppress(OSError):
+                trackers.close()
             stream.close()
             stop.restore()
             if bar:
                 bar.close()
             if metrics_file:
-                metrics_file.close()
+                with contextlib.suppress(OSError):
+                    metrics_file.close()
         return self._finish(stop, stopping)
 
     def _next(self, stream):
@@ -500,12 +505,24 @@ class Trainer:
     def _export(self) -> str:
         """Write <output_dir>/drafter, servable as published drafters are (bf16, the target's tokenizer files and
         ids): checkpoints/best's weights (eval.export = best) or the last step's."""
-        best = rundir.best_checkpoint(self.out) if self.heldout is not None and self.cfg.eval.export == "best" else None
+        best = self._verified_best() if self.heldout is not None and self.cfg.eval.export == "best" else None
         model, which = self.drafter, f"step {self.step}, the last"
         if best is not None:
             model, which = DFlashDrafter.from_pretrained(best / rundir.DRAFTER_DIR), f"{best.name}, checkpoints/best"
         model.save_pretrained(self.out / rundir.DRAFTER_DIR, dtype=torch.bfloat16, target_dir=target_folder(self.cfg.target.path, self.log))
         return which
+
+    def _verified_best(self) -> Path | None:
+        """checkpoints/best when it is a checkpoint of this run dir that verifies (sizes and sha256 against its
+        meta.json), else None and one line saying why the last step is exported instead."""
+        best, problem = rundir.best_or_problem(self.out)
+        if best is not None:
+            problem = rundir.checkpoint_problem(best, deep=True)
+            problem = problem and f"{best}: {problem}"
+        if problem:
+            self.log(f"export: not using checkpoints/best: {problem}; exporting the last step ({self.step}) instead")
+            return None
+        return best
 
 
 def _best_value(out: Path) -> float | None:
@@ -575,9 +592,10 @@ def run(cfg: RunConfig, resume_from: Path | None, log=print, progress: bool | No
         provenance: dict | None = None) -> int:
     """Co-located training: target and drafter in this process. Returns the exit code."""
     out = Path(cfg.output_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / rundir.CONFIG_NAME).write_text(dump_config(cfg))
-    return Trainer.colocated(cfg, resume_from, log, provenance).run(progress)
+    with rundir.io_errors_in_one_line(out):  # a disk that fills or fails mid-run: one line, the path and the fix
+        out.mkdir(parents=True, exist_ok=True)
+        (out / rundir.CONFIG_NAME).write_text(dump_config(cfg))
+        return Trainer.colocated(cfg, resume_from, log, provenance).run(progress)
 
 
 def warm_cache(cfg: RunConfig, cache: Path, log=print) -> int:

@@ -7,6 +7,7 @@ import os
 
 from dflash.config import FP8_MIN_CAPABILITY, default_target_layer_ids
 from dflash.memory.shape import drafter_shape, drafter_state_bytes
+from dflash.runs.rundir import describe_leftovers
 from preflight.checks.common import GiB, MiB, config_arg, gib, no_shape, result
 from preflight.checks.gpus import capability, drafter_gpus
 from preflight.facts.context import Context
@@ -200,7 +201,11 @@ def check_disk(ctx: Context) -> CheckResult:
     data.update(need_bytes=need, checkpoints_to_write=count)
     summary = (f"{_size(dk.free_bytes)} free at {dk.path}; {count} more checkpoint(s) of {_size(one)} "
                f"({how}) need {_size(need)}")
+    if dk.leftovers:
+        data["reclaimable_bytes"] = sum(n for _, n, _ in dk.leftovers)
     if dk.free_bytes < need:
-        return result("disk", "fail", summary, f"free {_size(need - dk.free_bytes)} at {dk.path}, lower train.keep_last, "
-                      f"or move output_dir to a larger disk", **data)
+        spare = describe_leftovers(dk.leftovers, dk.output_dir or cfg.output_dir)
+        return result("disk", "fail", summary, f"free {_size(need - dk.free_bytes)} at {dk.path}"
+                      + (f" ({spare}, yours to delete)" if spare else "")
+                      + ", lower train.keep_last, or move output_dir to a larger disk", **data)
     return result("disk", "pass", summary, **data)

@@ -43,6 +43,9 @@ class Disk:
     path: str
     free_bytes: int | None = None
     error: str | None = None
+    output_dir: str = ""
+    # what in the run dir could be deleted to free space: (name in it, bytes, what it is) (dflash.runs.rundir.leftovers)
+    leftovers: list[tuple[str, int, str]] = field(default_factory=list)
 
 
 def dir_size(path: Path, max_entries: int = 50_000) -> int:
@@ -96,9 +99,13 @@ def disk(output_dir: str) -> Disk:
     while not probe.exists() and probe.parent != probe:
         probe = probe.parent
     try:
-        return Disk(str(probe), shutil.disk_usage(probe).free)
+        found = rundir.leftovers(output_dir) if Path(output_dir).is_dir() else []
+    except OSError:
+        found = []
+    try:
+        return Disk(str(probe), shutil.disk_usage(probe).free, output_dir=str(output_dir), leftovers=found)
     except OSError as e:
-        return Disk(str(probe), error=str(e))
+        return Disk(str(probe), error=str(e), output_dir=str(output_dir), leftovers=found)
 
 
 def target_shape(cfg: RunConfig) -> tuple[TargetShape | None, str | None]:

@@ -10,6 +10,7 @@ to show that a usage error is decided before torch is imported.
 from __future__ import annotations
 
 import hashlib
+import html
 import json
 import os
 import subprocess
@@ -439,3 +440,79 @@ def test_lock_and_profile_files_that_are_not_utf8_are_findings_not_tracebacks(wo
         assert e.value.code == 1 and says in out and "Traceback" not in out + err, out + err
         r = check_profile(gather("train-cu128", envs_dir=world / "bad" / envs))
         assert r.status == "fail", r.summary
+
+
+# ---------------------------------------------------------------- dflash-report on crafted run files
+
+BAD_ROWS = [  # (a metrics line put between two good rows, the reason the report gives for skipping it)
+    ('{"step": "abc", "loss": 1.0}', 'step "abc" is not an integer in 0..2^53'),
+    ('{"step": null, "loss": 1.0}', "step null is not an integer"),
+    ('{"step": 1e999, "loss": 1.0}', "step inf is not an integer"),
+    ('{"step": -3, "loss": 1.0}', "step -3 is not an integer"),
+    ('{"step": ' + "9" * 50 + ', "loss": 1.0}', "step " + "9" * 37 + "... is not an integer"),
+    ('{"step": 1, "nvml_used_gib": [1, 2]}', "nvml_used_gib [1, 2] is not {GPU: GiB}"),
+    ('{"step": 1, "nvml_used_gib": {"GPU0": "x"}}', 'nvml_used_gib {"GPU0": "x"} is not {GPU: GiB}'),
+    ('{"step": 1, "acc_slot": [0.5, null]}', "acc_slot [0.5, null] is not a list of finite numbers"),
+    ("[1, 2]", "a list, not a JSON object"),
+    ("[" * 100_000 + "]" * 100_000, "not JSON (nested too deeply"),
+    ('{"step": ' + "7" * 5000 + "}", "not JSON (Exceeds the limit"),
+]
+
+
+def report_run(world: Path, where: Path, metrics: list[str] | None = None, **files: str) -> Path:
+    """A copy of the world's run dir (config, preflight report, metrics) with some files replaced."""
+    where.mkdir(parents=True)
+    for name in ("config.json", "metrics.jsonl"):
+        (where / name).write_bytes((world / "run" / name).read_bytes())
+    if metrics is not None:
+        (where / "metrics.jsonl").write_text("".join(line + "\n" for line in metrics))
+    for name, text in files.items():
+        (where / name.replace("_", ".")).write_text(text)
+    return where
+
+
+def run_report(capsys, *dirs: Path) -> tuple[int, list[str], str]:
+    from dflash.commands.report import report_main
+
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        report_main([str(d) for d in dirs])
+    out, err = capsys.readouterr()
+    return e.value.code, out.splitlines(), err
+
+
+@pytest.mark.parametrize("line, reason", BAD_ROWS, ids=[b[1][:40] for b in BAD_ROWS])
+def test_report_skips_and_counts_bad_metrics_rows(world, tmp_path, capsys, line, reason):
+    good = (world / "run" / "metrics.jsonl").read_text().splitlines()
+    run = report_run(world, tmp_path / "r", [good[0], line, *good[1:]])
+    code, out, err = run_report(capsys, run)
+    assert code == 0 and "Traceback" not in err, err
+    assert out[0].startswith(f"note: skipped 1 bad metrics row(s) in {run / 'metrics.jsonl'} (first: line 2, {reason}"), out[0]
+    page = Path(out[-1].removeprefix("report: "))
+    assert page.is_file() and f"{len(good)}" in page.read_text() and "skipped 1 bad metrics row(s)" in page.read_text()
+
+
+def test_report_draws_a_run_own_text_as_is(world, tmp_path, capsys):
+    """Dollar signs in a run's name, a GPU name or a value are text, not mathtext; odd non-finite values and odd
+    config/preflight/running files are drawn around, not raised."""
+    import socket
+
+    rows = [json.loads(line) for line in (world / "run" / "metrics.jsonl").read_text().splitlines()]
+    for i, row in enumerate(rows):
+        row["nvml_used_gib"] = {"$\\alpha^$ GPU 0": 1.0 + i, "GPU_$1": float("inf")}
+        row["loss"] = float("nan") if i == 0 else row["loss"]
+        row["tok_per_s"] = float("inf")
+    odd = report_run(world, tmp_path / "lr_$LR_$BS", [json.dumps(r) for r in rows],
+                     config_json=json.dumps({"topology": "x", "target": [1], "drafter": 5, "device": "$x_$"}),
+                     preflight_json=json.dumps({"host": [1], "checks": "x"}),
+                     running_json=json.dumps({"pid": 10**30, "host": socket.gethostname()}))
+    with open(odd / "metrics.jsonl", "a") as f:
+        f.write('{"step": 9, "lo')  # cut by a kill
+    base = report_run(world, tmp_path / "base")
+    code, out, err = run_report(capsys, odd, base)
+    assert code == 0 and err == "", err
+    page = Path(out[-1].removeprefix("report: "))
+    text = page.read_text()
+    assert page.is_file() and html.escape("lr_$LR_$BS vs base") in text and "1 torn line(s) skipped" in text
+    code, out, err = run_report(capsys, odd)
+    assert code == 0 and err == "", err

@@ -107,3 +107,16 @@ def test_stop_marker_round_trip(tmp_path):
     rundir.clear_stopped(tmp_path)
     assert rundir.read_stopped(tmp_path) is None
     rundir.clear_stopped(tmp_path)  # nothing there: fine
+
+
+def test_trim_metrics_keeps_rows_it_cannot_read_where_they_were(tmp_path):
+    """A resume moves the rows logged after its step aside; odd rows (a step that is text, null, inf, a list, a
+    number too long to convert, nesting too deep) and a torn last line stay, byte for byte, instead of crashing it."""
+    odd = ['{"step": "abc"}', '{"step": null}', '{"step": 1e999}', "[1]", '{"step": ' + "7" * 5000 + "}",
+           "[" * 100_000 + "]" * 100_000, '{"step": 1, "x": "a\u2028b"}']
+    lines = ['{"step": 1}', *odd, '{"step": 3}', '{"step": 4}']
+    (tmp_path / rundir.METRICS_NAME).write_text("".join(f"{line}\n" for line in lines) + '{"step": 5, "lo')
+    said = []
+    rundir.trim_metrics(tmp_path, 2, log=said.append)
+    assert (tmp_path / rundir.METRICS_NAME).read_text() == "".join(f"{line}\n" for line in lines[:-2]) + '{"step": 5, "lo'
+    assert said == [f"--resume: 2 metrics row(s) after step 2 moved to {next(tmp_path.glob('metrics.abandoned-*')).name}"]

@@ -516,3 +516,138 @@ def test_report_draws_a_run_own_text_as_is(world, tmp_path, capsys):
     assert page.is_file() and html.escape("lr_$LR_$BS vs base") in text and "1 torn line(s) skipped" in text
     code, out, err = run_report(capsys, odd)
     assert code == 0 and err == "", err
+
+
+# ---------------------------------------------------------------- dflash-diff on snapshots mutated one field at a time
+
+REMOVED = object()
+MUTATIONS = [REMOVED, None, "a string", -1, [], {}, 1e308, 10**30, float("nan")]
+# fields a snapshot of this format always has: without them a file is one line and exit 2, never "absent"
+REQUIRED = {("format",), ("run",), ("environment",), ("config",)}
+DEVICE_REQUIRED = ("uuid", "name", "total_bytes", "free_bytes")
+
+
+@pytest.fixture(scope="module")
+def run_records(tmp_path_factory):
+    """A split run's snapshot (the recorded 8x H200 NVML fake: devices with roles, the memory model per role) as the
+    gate writes it, and the outcome the trainer keeps: the real layout, every section filled."""
+    from dflash.config import config_from_dict
+    from dflash.runs import records
+    from preflight.facts import gather
+    from preflight.nvml import FakeGpuInfo
+    from preflight.snapshot import stamp, take
+
+    root = tmp_path_factory.mktemp("records")
+    _, raw = tiny_config(root)
+    cfg = config_from_dict(dict(raw, device="cuda", topology={"target_gpus": ["0"], "drafter_gpus": ["1"]}))
+    ctx = gather("train-cu128", cfg, "resume", FakeGpuInfo.from_json(REPO / "tests/data/nvml_fake_8gpu.json"))
+    snap = stamp(take(ctx), {"gate_id": "g" * 32, "config_sha256": "c" * 64, "time_utc": "2026-12-01T10:00:00Z"})
+    snap["run"]["resume"] = {"step": 2, "checkpoint": "step_00000002"}
+    snap["code"] = {"mode": "git", "commit": "a" * 40, "error": None,
+                    "dirty": {"dflash/models/drafter.py": {"state": "modified", "sha256": "e" * 64}}}
+    snap["compile_cache"].update(exists=True, size_bytes=300_000, manifest={"torch": "2.10.0+cu128", "triton": "3.6.0",
+                                                                            "gpu_name": "NVIDIA H200"})
+    snap["preflight"] = {"ok": True, "failed": [], "warned": ["disk"], "waived": {"model-source": "tests"}}
+    assert snap["gpus"]["devices"] and snap["memory"]["roles"] and snap["data"]["length"] and snap["target"]["shape"]
+    out = root / "A"
+    records.write_snapshot(out, snap)
+    o = records.Outcome(out, 2)
+    o.first_step(1.5, 3)
+    for step in (3, 4):
+        o.row({"step": step, "loss": 2.0, "accept_len": 1.5, "tok_per_s": 100.0 * step, "target_tok_s_per_gpu": 50.0,
+               "drafter_wait_frac": 0.25, "compiled_graphs": 3 + step, "mem_gib": 1.0})
+    o.data["peak"]["gpus"] = {d["uuid"]: 10**10 for d in snap["gpus"]["devices"][:2]}
+    o.end("crashed", 4, "CUDA out of memory")
+    o.data["ended"].update(rank=1, role="drafter", gpu="1")
+    o.write()
+    outcome = json.loads((out / records.OUTCOME_NAME).read_text())
+    return root, json.loads((out / records.SNAPSHOT_NAME).read_text()), outcome
+
+
+LONG = {"distributions", "records", "path", "devices", "env"}  # of these maps and lists, the first two entries
+
+
+def field_paths(node, prefix=()):
+    """Every field at every depth (of the long maps and lists, their first two entries)."""
+    if prefix:
+        yield prefix
+    items = list(node.items()) if isinstance(node, dict) else list(enumerate(node)) if isinstance(node, list) else []
+    for key, value in items[:2] if prefix[-1:] and prefix[-1] in LONG else items:
+        yield from field_paths(value, (*prefix, key))
+
+
+def mutated(doc: dict, path: tuple, value) -> dict:
+    doc = json.loads(json.dumps(doc))
+    parent = doc
+    for key in path[:-1]:
+        parent = parent[key]
+    if value is REMOVED:
+        del parent[path[-1]]
+    else:
+        parent[path[-1]] = value
+    return doc
+
+
+def test_diff_of_a_snapshot_or_outcome_mutated_one_field_at_a_time_is_never_a_traceback(run_records, capsys):
+    """Each field of a real snapshot and outcome, at every depth: removed, null, a string, -1, [], {}, 1e308, 10^30,
+    NaN. dflash-diff exits 0 or 1 with its report, or 2 with one line naming the file and the field; a field
+    removed (what a snapshot one format version older lacks) reads as absent unless the format requires it."""
+    from dflash.commands.diff import main
+    from dflash.runs import records
+
+    root, snap, outcome = run_records
+    a, b = root / "A", root / "B"
+    b.mkdir(exist_ok=True)
+    cases = [("snapshot", p, v) for p in field_paths(snap) for v in MUTATIONS]
+    cases += [("outcome", p, v) for p in field_paths(outcome) for v in MUTATIONS]
+    assert len(cases) > 1500, len(cases)
+    failures, refused = [], 0
+    for which, path, value in cases:
+        s = mutated(snap, path, value) if which == "snapshot" else snap
+        o = mutated(outcome, path, value) if which == "outcome" else outcome
+        (b / records.SNAPSHOT_NAME).write_text(json.dumps(s))
+        (b / records.OUTCOME_NAME).write_text(json.dumps(o))
+        capsys.readouterr()
+        try:
+            main([str(a), str(b)])
+            code = None
+        except SystemExit as e:
+            code = e.code
+        except Exception as e:  # noqa: BLE001 - what this test hunts
+            failures.append(f"{which} {'.'.join(map(str, path))} = {value!r}: {type(e).__name__}: {e}")
+            continue
+        out, err = capsys.readouterr()
+        lines = err.strip().splitlines()
+        name = records.SNAPSHOT_NAME if which == "snapshot" else records.OUTCOME_NAME
+        required = path in REQUIRED or (path[:2] == ("gpus", "devices") and path[-1] in DEVICE_REQUIRED)
+        if code in (0, 1) and not err and out:
+            if value is REMOVED and which == "snapshot" and required and path != ("format",):
+                failures.append(f"{which} {'.'.join(map(str, path))} removed: exit {code}, expected a refusal")
+            continue
+        if code == 2 and len(lines) == 1 and lines[0].startswith("dflash-diff: error: ") and name in lines[0] \
+                and str(path[-1]) in lines[0] and not (value is REMOVED and not required):
+            refused += 1
+            continue
+        failures.append(f"{which} {'.'.join(map(str, path))} = {value!r}: exit {code}, stderr {err.strip()[:300]!r}")
+    assert not failures, f"{len(failures)} of {len(cases)} cases:\n" + "\n".join(failures[:40])
+    assert refused > 100, refused  # the schema does refuse values of the wrong kind
+
+
+def test_diff_of_a_snapshot_one_format_version_older_shows_absent_fields(run_records, capsys):
+    """A snapshot written before a section or key existed: the diff runs, the missing parts shown as absent."""
+    from dflash.commands.diff import main
+    from dflash.runs import records
+
+    root, snap, _ = run_records
+    old = json.loads(json.dumps(snap))
+    for section in ("gpus", "code", "compile_cache", "data", "target", "memory", "preflight"):
+        del old[section]
+    del old["environment"]["records"], old["run"]["resume"]
+    (root / "old").mkdir()
+    (root / "old" / records.SNAPSHOT_NAME).write_text(json.dumps(old))
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        main([str(root / "old"), str(root / "A")])
+    out, err = capsys.readouterr()
+    assert e.value.code == 1 and err == "", err
+    assert "compile cache  absent -> warm (300 kB; torch 2.10.0+cu128" in out, out

@@ -94,9 +94,10 @@ def _move_previous(out: Path) -> Path | None:
     if not old.exists():
         return None
     try:
-        run = json.loads(old.read_text()).get("run") or {}
-    except (OSError, ValueError, AttributeError):
-        run = {}
+        run = decode_json(old.read_bytes()).get("run")
+    except (OSError, JsonLineError, AttributeError):
+        run = None
+    run = run if isinstance(run, dict) else {}  # a damaged snapshot still moves aside, under "unknown"
     stamp = str(run.get("time_utc") or "unknown").replace(":", "").replace("-", "")
     base = out / PREVIOUS_DIR / f"{stamp}-{str(run.get('gate_id') or 'nogate')[:8]}"
     folder, n = base, 1

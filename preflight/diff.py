@@ -97,7 +97,8 @@ def _model(snap: dict) -> _Model | None:
         return None
     try:
         cfg = config_from_dict(snap["config"], source="snapshot config")
-        return _Model(cfg, TargetShape(**shape), str(mem["cuda"]), bool(mem.get("expandable_segments", True)),
+        known = {k: v for k, v in shape.items() if v is not None}  # an older snapshot's shape: its fields' defaults
+        return _Model(cfg, TargetShape(**known), str(mem["cuda"]), bool(mem.get("expandable_segments", True)),
                       {r: v.get("recompute") for r, v in (mem.get("roles") or {}).items()})
     except (DflashError, TypeError, ValueError):
         return None  # a snapshot of another version's config or shape: no prediction
@@ -116,7 +117,7 @@ def _peaks(m: _Model, cfg=None, cuda: str | None = None, expandable: bool | None
             parts = role_parts(with_recompute(cfg, mode), m.shape, role, cuda or m.cuda,
                                expandable=m.expandable if expandable is None else expandable)
             out[role] = sum(p.bytes for p in parts)
-    except (DflashError, ValueError):
+    except (DflashError, ValueError, TypeError, ArithmeticError):  # a shape no real target has (0 heads, 2^63 layers)
         return None
     return out
 
@@ -386,8 +387,10 @@ def _data(a: dict, b: dict) -> list[Difference]:
     parts = []
     if la != lb and la and lb:
         if la.get("mean"):
-            parts.append(f"sample length mean {la['mean']:,.0f} -> {lb['mean']:,.0f} tokens ({(lb['mean'] / la['mean'] - 1):+.0%})")
-        parts += [f"{k} {la.get(k):,} -> {lb.get(k):,}" for k in ("p50", "p90", "p99", "max") if la.get(k) != lb.get(k)]
+            change = f" ({(lb['mean'] / la['mean'] - 1):+.0%})" if la.get("mean") and lb.get("mean") is not None else ""
+            parts.append(f"sample length mean {_count(la.get('mean'))} -> {_count(lb.get('mean'))} tokens{change}")
+        parts += [f"{k} {_count(la.get(k))} -> {_count(lb.get(k))}" for k in ("p50", "p90", "p99", "max")
+                  if la.get(k) != lb.get(k)]
     parts += [f"{k} {x.get(k):,} -> {y.get(k):,}" for k in ("samples", "tokens")
               if x.get(k) != y.get(k) and x.get(k) is not None and y.get(k) is not None]
     if not parts and x.get("fingerprint") != y.get("fingerprint"):
@@ -408,6 +411,10 @@ def _data(a: dict, b: dict) -> list[Difference]:
         out.append(Difference("data", "target", ta.get("fingerprint"), tb.get("fingerprint"),
                               "target model files changed (same shape)"))
     return out
+
+
+def _count(v) -> str:
+    return "absent" if v is None else f"{v:,.0f}"
 
 
 def _shape(s: dict | None) -> str:

@@ -206,6 +206,29 @@ def test_files_stream_with_line_numbers(tmp_path):
         list(iter_source(tmp_path / "x.csv"))
 
 
+def test_hostile_lines_are_row_errors_and_lines_end_at_newline_only(tmp_path):
+    """A row nested 100,000 deep or holding a 5,000-digit integer is one malformed row (JSONL) or ends a JSON array
+    with one error row, never a traceback; U+2028, U+0085 and a lone CR inside a JSONL row do not split it."""
+    odd = {"id": "odd", "messages": [{"role": "user", "content": "a\u2028b\u0085c"}]}
+    jl = tmp_path / "h.jsonl"
+    jl.write_bytes(b'{"id": ' + b"7" * 5000 + b"}\r\n" + b"[" * 100_000 + b"]" * 100_000 + b"\r\n"
+                   + json.dumps(odd, ensure_ascii=False).encode() + b"\r{}\n")
+    rows = list(iter_source(jl))
+    assert [r.line for r in rows] == [1, 2, 3]
+    for row, reason in zip(rows[:2], ["Exceeds the limit", "nested too deeply"]):
+        with pytest.raises(RowError, match=reason):
+            decode_row(row)
+    with pytest.raises(RowError, match="Extra data"):  # a CR is no line end: this line holds two values
+        decode_row(rows[2])
+    jl.write_bytes(json.dumps(odd, ensure_ascii=False).encode() + b"\r\n")
+    assert [decode_row(r) for r in iter_source(jl)] == [odd]
+    for n, body in enumerate([b"[" * 100_000, b'{"id": ' + b"7" * 5000 + b"}"]):
+        arr = tmp_path / f"h{n}.json"
+        arr.write_bytes(b'[{"id": 1},\n' + body + b"]")
+        got = list(iter_source(arr))
+        assert got[0].value == {"id": 1} and got[1].line == 2 and "not valid JSON" in got[1].error and len(got) == 2
+
+
 def test_parquet_rows(tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq

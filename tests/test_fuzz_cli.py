@@ -10,6 +10,7 @@ to show that a usage error is decided before torch is imported.
 from __future__ import annotations
 
 import hashlib
+import html
 import json
 import os
 import subprocess
@@ -73,6 +74,8 @@ def world(tmp_path_factory):
         "prompts-not-utf8.txt": b"hello \xff\xfe world\n",
         "prompts-empty.txt": b"\n\n",
         "prompts-bad.jsonl": b'{"prompt": "hi"}\n{not json\n',
+        "prompts-deep.jsonl": b'{"prompt": "hi"}\n' + b"[" * 100_000 + b"]" * 100_000 + b"\n",
+        "prompts-bigint.jsonl": b'{"prompt": "hi"}\r\n{"prompt": "hi", "n": ' + b"7" * 5000 + b"}\r\n",
         "nvml-garbage.json": b"\x00\x01 not json",
         "gpu-config.toml": with_line(raw, "", 'device = "cuda"').encode(),
         "snap-garbage/snapshot.json": b"\x00\x01 not json",
@@ -234,6 +237,10 @@ CASES = [
     ("dflash-data", ["prepare", "--prompts", f"{B}/prompts-empty.txt", "--out", f"{R}/new"], "holds no prompts", 2, None),
     ("dflash-data", ["prepare", "--prompts", f"{B}/prompts-bad.jsonl", "--out", f"{R}/new"], "prompts-bad.jsonl:2: not valid JSON", 2, None),
     ("dflash-data", ["prepare", "--prompts", f"{B}/prompts-bad.jsonl", "--limit", "0", "--out", f"{R}/new"], "--limit", 2, None),
+    ("dflash-data", ["prepare", "--prompts", f"{B}/prompts-deep.jsonl", "--out", f"{R}/new"],
+     "prompts-deep.jsonl:2: not valid JSON (nested too deeply", 2, None),
+    ("dflash-data", ["prepare", "--prompts", f"{B}/prompts-bigint.jsonl", "--out", f"{R}/new"],
+     "prompts-bigint.jsonl:2: not valid JSON (Exceeds the limit (4300 digits)", 2, None),
     ("dflash-data", ["prepare", "--target", f"{R}/nosuch", "--prompts", G, "--out", f"{R}/new"], "no config.json there", 2, None),
     ("dflash-data", ["prepare", "--target", f"{B}/target-broken", "--prompts", G, "--out", f"{R}/new"], "not valid JSON", 2, None),
     ("dflash-data", ["prepare", "--target", f"{B}/target-not-utf8", "--prompts", G, "--out", f"{R}/new"], "not UTF-8 JSON", 2, None),
@@ -260,6 +267,10 @@ CASES = [
     ("dflash-eval", ["--drafter", f"{R}/run", "--limit", "0"], "--limit", 2, None),
     ("dflash-eval", ["--drafter", f"{R}/run", "--prompts", f"{R}/nosuch.txt"], "no such prompt file", 2, None),
     ("dflash-eval", ["--drafter", f"{R}/run", "--prompts", f"{B}/prompts-not-utf8.txt"], "cannot read it as UTF-8", 2, None),
+    ("dflash-eval", ["--drafter", f"{R}/run", "--prompts", f"{B}/prompts-deep.jsonl"], "prompts-deep.jsonl:2: not valid JSON", 2,
+     None),
+    ("dflash-eval", ["--drafter", f"{R}/run", "--prompts", f"{B}/prompts-bigint.jsonl"], "prompts-bigint.jsonl:2: not valid", 2,
+     None),
     ("dflash-eval", ["--drafter", f"{R}/run", "--target", f"{R}/nosuch", "--prompts", G], "no config.json there", 2, None),
     ("dflash-eval", ["--drafter", f"{R}/run", "--json", f"{R}/nosuch/report.json", "--prompts", G], "does not exist", 2, None),
     ("dflash-eval", ["--drafter", f"{R}/run", "--json", R], "is a directory", 2, None),
@@ -429,3 +440,214 @@ def test_lock_and_profile_files_that_are_not_utf8_are_findings_not_tracebacks(wo
         assert e.value.code == 1 and says in out and "Traceback" not in out + err, out + err
         r = check_profile(gather("train-cu128", envs_dir=world / "bad" / envs))
         assert r.status == "fail", r.summary
+
+
+# ---------------------------------------------------------------- dflash-report on crafted run files
+
+BAD_ROWS = [  # (a metrics line put between two good rows, the reason the report gives for skipping it)
+    ('{"step": "abc", "loss": 1.0}', 'step "abc" is not an integer in 0..2^53'),
+    ('{"step": null, "loss": 1.0}', "step null is not an integer"),
+    ('{"step": 1e999, "loss": 1.0}', "step inf is not an integer"),
+    ('{"step": -3, "loss": 1.0}', "step -3 is not an integer"),
+    ('{"step": ' + "9" * 50 + ', "loss": 1.0}', "step " + "9" * 37 + "... is not an integer"),
+    ('{"step": 1, "nvml_used_gib": [1, 2]}', "nvml_used_gib [1, 2] is not {GPU: GiB}"),
+    ('{"step": 1, "nvml_used_gib": {"GPU0": "x"}}', 'nvml_used_gib {"GPU0": "x"} is not {GPU: GiB}'),
+    ('{"step": 1, "acc_slot": [0.5, null]}', "acc_slot [0.5, null] is not a list of finite numbers"),
+    ("[1, 2]", "a list, not a JSON object"),
+    ("[" * 100_000 + "]" * 100_000, "not JSON (nested too deeply"),
+    ('{"step": ' + "7" * 5000 + "}", "not JSON (Exceeds the limit"),
+]
+
+
+def report_run(world: Path, where: Path, metrics: list[str] | None = None, **files: str) -> Path:
+    """A copy of the world's run dir (config, preflight report, metrics) with some files replaced."""
+    where.mkdir(parents=True)
+    for name in ("config.json", "metrics.jsonl"):
+        (where / name).write_bytes((world / "run" / name).read_bytes())
+    if metrics is not None:
+        (where / "metrics.jsonl").write_text("".join(line + "\n" for line in metrics))
+    for name, text in files.items():
+        (where / name.replace("_", ".")).write_text(text)
+    return where
+
+
+def run_report(capsys, *dirs: Path) -> tuple[int, list[str], str]:
+    from dflash.commands.report import report_main
+
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        report_main([str(d) for d in dirs])
+    out, err = capsys.readouterr()
+    return e.value.code, out.splitlines(), err
+
+
+@pytest.mark.parametrize("line, reason", BAD_ROWS, ids=[b[1][:40] for b in BAD_ROWS])
+def test_report_skips_and_counts_bad_metrics_rows(world, tmp_path, capsys, line, reason):
+    good = (world / "run" / "metrics.jsonl").read_text().splitlines()
+    run = report_run(world, tmp_path / "r", [good[0], line, *good[1:]])
+    code, out, err = run_report(capsys, run)
+    assert code == 0 and "Traceback" not in err, err
+    assert out[0].startswith(f"note: skipped 1 bad metrics row(s) in {run / 'metrics.jsonl'} (first: line 2, {reason}"), out[0]
+    page = Path(out[-1].removeprefix("report: "))
+    assert page.is_file() and f"{len(good)}" in page.read_text() and "skipped 1 bad metrics row(s)" in page.read_text()
+
+
+def test_report_draws_a_run_own_text_as_is(world, tmp_path, capsys):
+    """Dollar signs in a run's name, a GPU name or a value are text, not mathtext; odd non-finite values and odd
+    config/preflight/running files are drawn around, not raised."""
+    import socket
+
+    rows = [json.loads(line) for line in (world / "run" / "metrics.jsonl").read_text().splitlines()]
+    for i, row in enumerate(rows):
+        row["nvml_used_gib"] = {"$\\alpha^$ GPU 0": 1.0 + i, "GPU_$1": float("inf")}
+        row["loss"] = float("nan") if i == 0 else row["loss"]
+        row["tok_per_s"] = float("inf")
+    odd = report_run(world, tmp_path / "lr_$LR_$BS", [json.dumps(r) for r in rows],
+                     config_json=json.dumps({"topology": "x", "target": [1], "drafter": 5, "device": "$x_$"}),
+                     preflight_json=json.dumps({"host": [1], "checks": "x"}),
+                     running_json=json.dumps({"pid": 10**30, "host": socket.gethostname()}))
+    with open(odd / "metrics.jsonl", "a") as f:
+        f.write('{"step": 9, "lo')  # cut by a kill
+    base = report_run(world, tmp_path / "base")
+    code, out, err = run_report(capsys, odd, base)
+    assert code == 0 and err == "", err
+    page = Path(out[-1].removeprefix("report: "))
+    text = page.read_text()
+    assert page.is_file() and html.escape("lr_$LR_$BS vs base") in text and "1 torn line(s) skipped" in text
+    code, out, err = run_report(capsys, odd)
+    assert code == 0 and err == "", err
+
+
+# ---------------------------------------------------------------- dflash-diff on snapshots mutated one field at a time
+
+REMOVED = object()
+MUTATIONS = [REMOVED, None, "a string", -1, [], {}, 1e308, 10**30, float("nan")]
+# fields a snapshot of this format always has: without them a file is one line and exit 2, never "absent"
+REQUIRED = {("format",), ("run",), ("environment",), ("config",)}
+DEVICE_REQUIRED = ("uuid", "name", "total_bytes", "free_bytes")
+
+
+@pytest.fixture(scope="module")
+def run_records(tmp_path_factory):
+    """A split run's snapshot (the recorded 8x H200 NVML fake: devices with roles, the memory model per role) as the
+    gate writes it, and the outcome the trainer keeps: the real layout, every section filled."""
+    from dflash.config import config_from_dict
+    from dflash.runs import records
+    from preflight.facts import gather
+    from preflight.nvml import FakeGpuInfo
+    from preflight.snapshot import stamp, take
+
+    root = tmp_path_factory.mktemp("records")
+    _, raw = tiny_config(root)
+    cfg = config_from_dict(dict(raw, device="cuda", topology={"target_gpus": ["0"], "drafter_gpus": ["1"]}))
+    ctx = gather("train-cu128", cfg, "resume", FakeGpuInfo.from_json(REPO / "tests/data/nvml_fake_8gpu.json"))
+    snap = stamp(take(ctx), {"gate_id": "g" * 32, "config_sha256": "c" * 64, "time_utc": "2026-12-01T10:00:00Z"})
+    snap["run"]["resume"] = {"step": 2, "checkpoint": "step_00000002"}
+    snap["code"] = {"mode": "git", "commit": "a" * 40, "error": None,
+                    "dirty": {"dflash/models/drafter.py": {"state": "modified", "sha256": "e" * 64}}}
+    snap["compile_cache"].update(exists=True, size_bytes=300_000, manifest={"torch": "2.10.0+cu128", "triton": "3.6.0",
+                                                                            "gpu_name": "NVIDIA H200"})
+    snap["preflight"] = {"ok": True, "failed": [], "warned": ["disk"], "waived": {"model-source": "tests"}}
+    assert snap["gpus"]["devices"] and snap["memory"]["roles"] and snap["data"]["length"] and snap["target"]["shape"]
+    out = root / "A"
+    records.write_snapshot(out, snap)
+    o = records.Outcome(out, 2)
+    o.first_step(1.5, 3)
+    for step in (3, 4):
+        o.row({"step": step, "loss": 2.0, "accept_len": 1.5, "tok_per_s": 100.0 * step, "target_tok_s_per_gpu": 50.0,
+               "drafter_wait_frac": 0.25, "compiled_graphs": 3 + step, "mem_gib": 1.0})
+    o.data["peak"]["gpus"] = {d["uuid"]: 10**10 for d in snap["gpus"]["devices"][:2]}
+    o.end("crashed", 4, "CUDA out of memory")
+    o.data["ended"].update(rank=1, role="drafter", gpu="1")
+    o.write()
+    outcome = json.loads((out / records.OUTCOME_NAME).read_text())
+    return root, json.loads((out / records.SNAPSHOT_NAME).read_text()), outcome
+
+
+LONG = {"distributions", "records", "path", "devices", "env"}  # of these maps and lists, the first two entries
+
+
+def field_paths(node, prefix=()):
+    """Every field at every depth (of the long maps and lists, their first two entries)."""
+    if prefix:
+        yield prefix
+    items = list(node.items()) if isinstance(node, dict) else list(enumerate(node)) if isinstance(node, list) else []
+    for key, value in items[:2] if prefix[-1:] and prefix[-1] in LONG else items:
+        yield from field_paths(value, (*prefix, key))
+
+
+def mutated(doc: dict, path: tuple, value) -> dict:
+    doc = json.loads(json.dumps(doc))
+    parent = doc
+    for key in path[:-1]:
+        parent = parent[key]
+    if value is REMOVED:
+        del parent[path[-1]]
+    else:
+        parent[path[-1]] = value
+    return doc
+
+
+def test_diff_of_a_snapshot_or_outcome_mutated_one_field_at_a_time_is_never_a_traceback(run_records, capsys):
+    """Each field of a real snapshot and outcome, at every depth: removed, null, a string, -1, [], {}, 1e308, 10^30,
+    NaN. dflash-diff exits 0 or 1 with its report, or 2 with one line naming the file and the field; a field
+    removed (what a snapshot one format version older lacks) reads as absent unless the format requires it."""
+    from dflash.commands.diff import main
+    from dflash.runs import records
+
+    root, snap, outcome = run_records
+    a, b = root / "A", root / "B"
+    b.mkdir(exist_ok=True)
+    cases = [("snapshot", p, v) for p in field_paths(snap) for v in MUTATIONS]
+    cases += [("outcome", p, v) for p in field_paths(outcome) for v in MUTATIONS]
+    assert len(cases) > 1500, len(cases)
+    failures, refused = [], 0
+    for n, (which, path, value) in enumerate(cases):
+        s = mutated(snap, path, value) if which == "snapshot" else snap
+        o = mutated(outcome, path, value) if which == "outcome" else outcome
+        (b / records.SNAPSHOT_NAME).write_text(json.dumps(s))
+        (b / records.OUTCOME_NAME).write_text(json.dumps(o))
+        capsys.readouterr()
+        try:
+            main([str(a), str(b)] if n % 2 else [str(b), str(a)])  # the mutated run as A, then as B
+            code = None
+        except SystemExit as e:
+            code = e.code
+        except Exception as e:  # noqa: BLE001 - what this test hunts
+            failures.append(f"{which} {'.'.join(map(str, path))} = {value!r}: {type(e).__name__}: {e}")
+            continue
+        out, err = capsys.readouterr()
+        lines = err.strip().splitlines()
+        name = records.SNAPSHOT_NAME if which == "snapshot" else records.OUTCOME_NAME
+        required = path in REQUIRED or (path[:2] == ("gpus", "devices") and path[-1] in DEVICE_REQUIRED)
+        if code in (0, 1) and not err and out:
+            if value is REMOVED and which == "snapshot" and required and path != ("format",):
+                failures.append(f"{which} {'.'.join(map(str, path))} removed: exit {code}, expected a refusal")
+            continue
+        if code == 2 and len(lines) == 1 and lines[0].startswith("dflash-diff: error: ") and name in lines[0] \
+                and str(path[-1]) in lines[0] and not (value is REMOVED and not required):
+            refused += 1
+            continue
+        failures.append(f"{which} {'.'.join(map(str, path))} = {value!r}: exit {code}, stderr {err.strip()[:300]!r}")
+    assert not failures, f"{len(failures)} of {len(cases)} cases:\n" + "\n".join(failures[:40])
+    assert refused > 100, refused  # the schema does refuse values of the wrong kind
+
+
+def test_diff_of_a_snapshot_one_format_version_older_shows_absent_fields(run_records, capsys):
+    """A snapshot written before a section or key existed: the diff runs, the missing parts shown as absent."""
+    from dflash.commands.diff import main
+    from dflash.runs import records
+
+    root, snap, _ = run_records
+    old = json.loads(json.dumps(snap))
+    for section in ("gpus", "code", "compile_cache", "data", "target", "memory", "preflight"):
+        del old[section]
+    del old["environment"]["records"], old["run"]["resume"]
+    (root / "old").mkdir()
+    (root / "old" / records.SNAPSHOT_NAME).write_text(json.dumps(old))
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        main([str(root / "old"), str(root / "A")])
+    out, err = capsys.readouterr()
+    assert e.value.code == 1 and err == "", err
+    assert "compile cache  absent -> warm (300 kB; torch 2.10.0+cu128" in out, out

@@ -751,7 +751,6 @@ def test_disk_fails_when_checkpoints_do_not_fit(tmp_path):
 def test_disk_fix_names_what_the_run_dir_could_free(tmp_path):
     """A full disk's fix names the unfinished saves and moved-aside folders of the run dir, with their sizes."""
     from dflash.runs import rundir
-    from preflight import facts
 
     out = Path(make_ctx(tmp_path).config.output_dir)
     tmp = rundir.checkpoints_dir(out) / "step_00000010.tmp"  # a save a crash or a full disk cut short

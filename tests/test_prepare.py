@@ -124,8 +124,54 @@ def test_prompt_longer_than_context_is_a_clear_error(target, tmp_path):
     long.write_text(json.dumps({"prompt": word_text(3)}) + "\n" + json.dumps({"prompt": word_text(80)}) + "\n")
     res = _prepare(target, long, tmp_path / "d")
     assert res.exit_code == 2
-    assert "Error: prompt 1 is 82 tokens with the chat template, the target's context is 64" in res.output
+    assert "Error: prompt 1 is more than 64 tokens with the chat template, the target's context is 64" in res.output
     assert len(res.output.strip().splitlines()) == 1
+
+
+def test_prompt_lines_end_at_newline_only(tmp_path):
+    """U+2028, U+0085, a form feed or a lone CR inside a prompt never split it (str.splitlines() would); a CRLF
+    line end is one line end, in .txt and .jsonl alike."""
+    odd = "one\u2028two\u0085three\x0cfour\rfive"
+    txt = tmp_path / "p.txt"
+    txt.write_bytes(f"{odd}\r\nsecond\n".encode())
+    assert load_prompts(str(txt)) == [odd, "second"]
+    jsonl = tmp_path / "p.jsonl"
+    rows = [json.dumps({"prompt": odd.replace("\r", " ")}, ensure_ascii=False), json.dumps(odd.replace("\r", " "),
+                                                                                          ensure_ascii=False)]
+    jsonl.write_bytes(("\r\n".join(rows) + "\r\n").encode())
+    assert load_prompts(str(jsonl)) == [odd.replace("\r", " ")] * 2
+
+
+RSS_PROBE = """
+import resource, sys
+from transformers import AutoTokenizer
+from dflash.data.prompts import PromptError, load_prompts, prompts_within
+tok = AutoTokenizer.from_pretrained(sys.argv[1])
+prompts_within(tok, ["warm up the tokenizer"], 64)
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+try:
+    prompts_within(tok, load_prompts(sys.argv[2]), 64)
+except PromptError as e:
+    print(e)
+print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) // 1024)
+"""
+
+
+def test_a_huge_prompt_costs_what_a_context_length_prompt_costs(target, tmp_path):
+    """A 20 MB one-line prompt against a 64-token context: cut before it is tokenized (peak RSS growth in MiB,
+    reading the file included, measured in a fresh interpreter)."""
+    import subprocess
+    import sys
+
+    huge = tmp_path / "huge.txt"
+    huge.write_text("short prompt\n" + (word_text(8) + " ") * (20_000_000 // (len(word_text(8)) + 1)) + "\n")
+    res = subprocess.run([sys.executable, "-c", RSS_PROBE, str(target), str(huge)], capture_output=True, text=True,
+                         timeout=300)
+    assert res.returncode == 0, res.stderr
+    said, grew = res.stdout.strip().splitlines()
+    assert said == "prompt 1 is more than 64 tokens with the chat template, the target's context is 64 " \
+                   "(max_position_embeddings); shorten or drop it"
+    assert int(grew) < 300, f"peak RSS grew {grew} MiB"
 
 
 def test_sglang_engine_outside_its_profile(target, prompt_file, tmp_path, monkeypatch):

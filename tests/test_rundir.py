@@ -249,3 +249,16 @@ def test_a_full_disk_mid_run_is_one_line_even_when_the_clean_up_writes_fail_too(
     assert train_main_here(config, "--resume", "latest", *WAIVE_SOURCE) == 0
     assert f"resumed from {rundir.checkpoint_path(run_dir, 5)} at step 5" in capsys.readouterr().out
     assert [c.name for c in rundir.list_checkpoints(run_dir)] == ["step_00000015", "step_00000020"]
+
+
+def test_trim_metrics_keeps_rows_it_cannot_read_where_they_were(tmp_path):
+    """A resume moves the rows logged after its step aside; odd rows (a step that is text, null, inf, a list, a
+    number too long to convert, nesting too deep) and a torn last line stay, byte for byte, instead of crashing it."""
+    odd = ['{"step": "abc"}', '{"step": null}', '{"step": 1e999}', "[1]", '{"step": ' + "7" * 5000 + "}",
+           "[" * 100_000 + "]" * 100_000, '{"step": 1, "x": "a\u2028b"}']
+    lines = ['{"step": 1}', *odd, '{"step": 3}', '{"step": 4}']
+    (tmp_path / rundir.METRICS_NAME).write_text("".join(f"{line}\n" for line in lines) + '{"step": 5, "lo')
+    said = []
+    rundir.trim_metrics(tmp_path, 2, log=said.append)
+    assert (tmp_path / rundir.METRICS_NAME).read_text() == "".join(f"{line}\n" for line in lines[:-2]) + '{"step": 5, "lo'
+    assert said == [f"--resume: 2 metrics row(s) after step 2 moved to {next(tmp_path.glob('metrics.abandoned-*')).name}"]

@@ -305,3 +305,14 @@ def test_the_outcome_keeps_each_run_gpus_peak_from_nvml(tmp_path, monkeypatch):
     assert data["peak"]["gpus"] == {"GPU-a": 50, "GPU-b": 8} and data["peak"]["torch_allocated_bytes"] == 2**30
     assert data["steady"] == {"tok_per_s": 200.0} and data["compiled_graphs"] == {"first_step": 3, "last": 5}
     assert data["ended"]["how"] == "finished" and data["to_first_step_s"] is not None
+
+
+@pytest.mark.parametrize("old", [b'{"run": [1]}', b"[1, 2]", b"[" * 100_000, b'{"run": {"time_utc": 5, "gate_id": []}}'])
+def test_a_damaged_snapshot_in_the_run_dir_still_moves_aside(tmp_path, old):
+    """The gate's write of a new run's snapshot moves whatever was there aside, whatever it holds."""
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / snapshot.SNAPSHOT_NAME).write_bytes(old)
+    snapshot.write_snapshot(out, {"format": snapshot.FORMAT, "run": {"gate_id": "b" * 32}, "environment": {}, "config": {}})
+    [kept] = list((out / snapshot.PREVIOUS_DIR).iterdir())
+    assert (kept / snapshot.SNAPSHOT_NAME).read_bytes() == old

@@ -24,7 +24,7 @@ def report_command(run_dirs, out) -> None:
     """
     from dflash.runs.html_report import write_report
 
-    page = write_report(list(run_dirs), out)
+    page = write_report(list(run_dirs), out, log=click.echo)
     click.echo(f"report: {page}")
 
 

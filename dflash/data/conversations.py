@@ -49,6 +49,7 @@ from pathlib import Path
 
 import numpy as np
 
+from dflash.data.jsonl import JsonLineError, binary_lines, decode_json
 from dflash.errors import DflashError
 
 FORMATS = ("auto", "sharegpt", "messages")
@@ -117,10 +118,10 @@ def iter_source(path: Path) -> Iterator[SourceRow]:
     elif kind == "json":
         yield from _iter_json_array(path)
     else:
-        with open(path, encoding="utf-8", errors="replace") as f:
-            for lineno, line in enumerate(f, 1):
-                if line.strip():
-                    yield SourceRow(lineno, raw=line)
+        with open(path, "rb") as f:
+            for lineno, raw in binary_lines(f):  # lines end at "\n" only
+                if raw.strip():
+                    yield SourceRow(lineno, raw=raw.decode("utf-8", errors="replace"))
 
 
 def _iter_json_array(path: Path) -> Iterator[SourceRow]:
@@ -156,6 +157,10 @@ def _iter_json_array(path: Path) -> Iterator[SourceRow]:
                     continue
                 yield SourceRow(line + buf.count("\n", pos, e.pos),
                                 error=f"not valid JSON ({e.msg}); the rest of the file is not read")
+                return
+            except (RecursionError, ValueError) as e:  # nested too deeply, an integer of too many digits
+                why = "nested too deeply" if isinstance(e, RecursionError) else str(e).split(";")[0][:120]
+                yield SourceRow(line, error=f"not valid JSON ({why}); the rest of the file is not read")
                 return
             yield SourceRow(line, value=value)
             line += buf.count("\n", pos, end)
@@ -203,9 +208,9 @@ def decode_row(row: SourceRow) -> dict:
     value = row.value
     if row.raw is not None:
         try:
-            value = json.loads(row.raw.rstrip("\r\n"))
-        except json.JSONDecodeError as e:
-            raise RowError(f"not valid JSON ({e.msg} at column {e.colno})") from None
+            value = decode_json(row.raw)
+        except JsonLineError as e:
+            raise RowError(f"not valid JSON ({e})") from None
     if not isinstance(value, dict):
         raise RowError(f"a row must be a JSON object, got {type(value).__name__}")
     return value
@@ -224,8 +229,8 @@ def row_messages(value: dict, fmt: str) -> tuple[str | None, list[dict], list | 
     tools = value.get("tools")
     if isinstance(tools, str):
         try:
-            tools = json.loads(tools)
-        except json.JSONDecodeError:
+            tools = decode_json(tools)
+        except JsonLineError:
             raise RowError("'tools' is a string that is not JSON") from None
     return (None if rid is None else str(rid)), messages, (tools or None)
 
@@ -291,8 +296,8 @@ def _tool_calls(calls: object, i: int) -> list[dict]:
         args = fn.get("arguments", {})
         if isinstance(args, str):
             try:
-                args = json.loads(args)  # templates write arguments themselves (tojson)
-            except json.JSONDecodeError:
+                args = decode_json(args)  # templates write arguments themselves (tojson)
+            except JsonLineError:
                 pass
         out.append({**call, "type": call.get("type", "function"), "function": {**fn, "arguments": args}})
     return out

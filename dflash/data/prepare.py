@@ -49,7 +49,7 @@ from dflash.data.identity import (
     value_stats,
 )
 from dflash.data.identity import write_manifest as write_manifest
-from dflash.data.prompts import chat_prompt_ids, load_prompts, source_fingerprint
+from dflash.data.prompts import load_prompts, prompts_within, source_fingerprint
 from dflash.data.shards import ShardDataset, open_shard, write_shard
 from dflash.errors import DflashError
 from dflash.filehash import CHUNK
@@ -231,18 +231,6 @@ def context_length(model_path: Path) -> int | None:
     return cfg.get("max_position_embeddings")
 
 
-def tokenize_prompts(prompts: list[str], tokenizer, context: int | None, max_new_tokens: int) -> list[list[int]]:
-    """Chat-templated ids per prompt; a prompt that leaves no room for a completion is an error."""
-    out = []
-    for i, text in enumerate(prompts):
-        ids = chat_prompt_ids(tokenizer, text)
-        if context is not None and len(ids) >= context:
-            raise PrepareError(f"prompt {i} is {len(ids)} tokens with the chat template, the target's context is "
-                               f"{context} (max_position_embeddings); shorten or drop it")
-        out.append(ids)
-    return out
-
-
 def prepare(s: PrepareSettings, log=print, progress: bool | None = None) -> dict:
     """Generate, tokenize and write the missing shards of `s.out`; returns the final manifest.
 
@@ -293,7 +281,7 @@ def prepare(s: PrepareSettings, log=print, progress: bool | None = None) -> dict
     manifest = _check_resumable(out, existing, _settings_key(s, fingerprint, tokenizer))
     _check_target(out, manifest, _fingerprint(s.target))
     context = context_length(model_path)
-    prompt_ids = tokenize_prompts(prompts, tokenizer, context, s.max_new_tokens)
+    prompt_ids = prompts_within(tokenizer, prompts, context)  # PromptError: a prompt with no room for a reply
 
     plan = plan_shards(len(prompts), s.shard_size)
     todo = [p for p in plan if not _done(out, manifest, *p)]

@@ -2,7 +2,7 @@
 
     load_prompts("chitchat")     # train split of the chitchat-dataset package (real human chats)
     load_prompts("held-out")     # its held-out split: conversations never seen in training
-    load_prompts("my.txt")       # one prompt per non-empty line
+    load_prompts("my.txt")       # one prompt per non-empty line (lines end at "\\n" only)
     load_prompts("my.jsonl")     # one JSON object per line with a "prompt" field (or a JSON string)
 
 The chitchat split is by conversation: a conversation is held out when the first byte of the
@@ -19,6 +19,7 @@ import importlib.metadata
 import json
 from pathlib import Path
 
+from dflash.data.jsonl import JsonLineError, decode_json, text_lines
 from dflash.errors import DflashError
 
 CHITCHAT = "chitchat"
@@ -26,6 +27,7 @@ HELD_OUT = "held-out"
 CHITCHAT_DISTRIBUTION = "chitchat-dataset"
 HELD_OUT_BYTE = 13  # 13/256 ~ 5% of conversations are held out
 MIN_CHARS, MAX_CHARS = 20, 400  # turns outside this length (characters) make poor prompts
+CHARS_PER_TOKEN = 64  # generous bound on the characters one token covers: a prompt is cut to this per token of a limit
 
 
 class PromptError(DflashError):
@@ -67,20 +69,22 @@ def chitchat_prompts(held_out: bool) -> list[str]:
 
 
 def file_prompts(path: Path) -> list[str]:
+    """Prompts of a .txt (one per line) or .jsonl file; lines end at "\\n" only (dflash.data.jsonl)."""
     try:
-        text = path.read_text(encoding="utf-8")
+        text = path.read_bytes().decode("utf-8")
     except FileNotFoundError:
         raise PromptError(f"{path}: no such prompt file (give a .txt/.jsonl file, 'chitchat' or 'held-out')") from None
     except (OSError, UnicodeDecodeError) as e:
         raise PromptError(f"{path}: cannot read it as UTF-8 text ({e})") from None
-    lines = [(i + 1, line.strip()) for i, line in enumerate(text.splitlines()) if line.strip()]
+    lines = [(lineno, line.strip()) for lineno, line in text_lines(text) if line.strip()]
+    del text
     if path.suffix == ".jsonl":
         prompts = []
         for lineno, line in lines:
             try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise PromptError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
+                row = decode_json(line)
+            except JsonLineError as e:
+                raise PromptError(f"{path}:{lineno}: not valid JSON ({e})") from None
             prompt = row.get("prompt") if isinstance(row, dict) else row
             if not isinstance(prompt, str):
                 raise PromptError(f"{path}:{lineno}: expected a JSON string or an object with a \"prompt\" string")
@@ -104,16 +108,42 @@ def load_prompts(spec: str, limit: int | None = None) -> list[str]:
     return prompts[:limit] if limit is not None else prompts
 
 
-def chat_prompt_ids(tokenizer, prompt: str) -> list[int]:
+def chat_prompt_ids(tokenizer, prompt: str, max_tokens: int | None = None) -> list[int]:
     """Token ids of one user turn in the tokenizer's chat template, ending with the assistant header.
 
-    A tokenizer without a chat template (tiny test tokenizers) gets the plain encoded text.
+    With `max_tokens`: at most max_tokens + 1 ids (more than max_tokens: the prompt does not fit), and
+    the text is cut to CHARS_PER_TOKEN characters per token first, so a huge prompt costs what a
+    max_tokens one does. A tokenizer without a chat template (tiny test tokenizers) gets the plain text.
     """
+    if max_tokens is None:
+        return _template_ids(tokenizer, prompt)
+    bound = (max_tokens + 1) * CHARS_PER_TOKEN
+    if len(prompt) > bound:
+        ids = _template_ids(tokenizer, prompt[:bound])
+        if len(ids) > max_tokens:
+            return ids[: max_tokens + 1]
+    return _template_ids(tokenizer, prompt)[: max_tokens + 1]  # short, or tokens longer than the bound
+
+
+def _template_ids(tokenizer, prompt: str) -> list[int]:
     if getattr(tokenizer, "chat_template", None):
         out = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
                                             tokenize=True, return_dict=True)
         return list(out["input_ids"])
     return list(tokenizer(prompt)["input_ids"])
+
+
+def prompts_within(tokenizer, prompts: list[str], context: int | None) -> list[list[int]]:
+    """Chat-templated ids per prompt; PromptError for a prompt that leaves no room for a reply in `context` tokens."""
+    out = []
+    for i, text in enumerate(prompts):
+        ids = chat_prompt_ids(tokenizer, text, context)
+        if context is not None and len(ids) >= context:
+            size = f"{len(ids)}" if len(ids) <= context else f"more than {context}"
+            raise PromptError(f"prompt {i} is {size} tokens with the chat template, the target's context is "
+                              f"{context} (max_position_embeddings); shorten or drop it")
+        out.append(ids)
+    return out
 
 
 def source_fingerprint(prompts: list[str]) -> str:

@@ -30,6 +30,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from dflash.data.jsonl import JsonLineError, binary_lines, decode_json
 from dflash.errors import DflashError, UsageError
 
 SKIPPED_NAME = "skipped.jsonl"  # beside --out: what this run could not do, with the reason
@@ -153,9 +154,9 @@ def parse_row(text: str, lineno: int) -> tuple[str, list[dict]]:
     A row without an id gets `line-<lineno>`: stable across reruns of the same input file.
     """
     try:
-        row = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise BadRow(f"not JSON ({e.msg} at column {e.colno})") from None
+        row = decode_json(text)
+    except JsonLineError as e:
+        raise BadRow(f"not JSON ({e})") from None
     if not isinstance(row, dict):
         raise BadRow("not a JSON object")
     rid = row.get("id", f"line-{lineno}")
@@ -171,7 +172,7 @@ def parse_row(text: str, lineno: int) -> tuple[str, list[dict]]:
 def read_rows(path: Path):
     """Stream (lineno, id, messages, reason) for every non-blank line; a bad line has messages None and a reason."""
     with open(path, "rb") as f:
-        for lineno, raw in enumerate(f, 1):
+        for lineno, raw in binary_lines(f):  # lines end at "\n" only
             if not raw.strip():
                 continue
             try:
@@ -228,7 +229,7 @@ def finished_ids(out: Path) -> set[str]:
                 break
             try:
                 ids.add(str(json.loads(raw)["id"]))
-            except (ValueError, KeyError, TypeError):
+            except (ValueError, KeyError, TypeError, RecursionError):
                 raise RegenerateError(f"{out} line {lineno} is not a regenerated conversation; give another --out "
                                       "or move that file aside") from None
             good += len(raw)

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from dflash.data.prepare import eos_ids_of
-from dflash.data.prompts import chat_prompt_ids
+from dflash.data.prompts import prompts_within
 from dflash.eval.results import EvalError, EvalReport
 from dflash.models.attention import build_layer_masks
 from dflash.models.drafter import DFlashDrafter
@@ -178,7 +178,7 @@ def evaluate_drafters(target, tokenizer, drafters: dict[str, DFlashDrafter], pro
     from tqdm import tqdm
 
     eos_ids = eos_ids_of(target, tokenizer)
-    prompt_ids = [chat_prompt_ids(tokenizer, p) for p in prompts]
+    prompt_ids = prompts_within(tokenizer, prompts, getattr(target.config, "max_position_embeddings", None))
     device = next(target.parameters()).device
     progress = sys.stderr.isatty() if progress is None else progress
     base = Decoder(target, None, eos_ids)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import base64
 import html
 import json
+import math
 import os
 import socket
 import time
@@ -54,13 +55,15 @@ class Run:
     best: str | None = None
     final: bool = False
     torn_lines: int = 0
+    skipped: str | None = None  # "skipped N bad metrics rows in FILE (first: line L, reason)"
 
     def series(self, key: str) -> tuple[list[int], list[float]]:
+        """(steps, values) of the rows where `key` is a finite number (every row has an integer step: read_metrics)."""
         xs, ys = [], []
         for r in self.rows:
             v = r.get(key)
-            if isinstance(v, (int, float)) and not isinstance(v, bool) and "step" in r:
-                xs.append(int(r["step"]))
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
+                xs.append(r["step"])
                 ys.append(float(v))
         return xs, ys
 
@@ -71,11 +74,8 @@ class Run:
         return None
 
 
-def _json(path: Path):
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
+def _dict(v) -> dict:
+    return v if isinstance(v, dict) else {}
 
 
 def load_run(path: str | Path, label: str | None = None) -> Run:
@@ -89,23 +89,13 @@ def load_run(path: str | Path, label: str | None = None) -> Run:
         raise ReportError(f"{path}: not a run dir (no {rundir.CONFIG_NAME} nor {rundir.METRICS_NAME}); give an "
                           "output_dir of dflash-train")
     run = Run(path, label or path.resolve().name)
-    config = _json(path / rundir.CONFIG_NAME)
-    run.config = config if isinstance(config, dict) else {}
-    if metrics.is_file():
-        for line in metrics.read_text(errors="replace").splitlines():
-            try:
-                row = json.loads(line)
-            except ValueError:
-                run.torn_lines += 1  # a line cut by a kill
-                continue
-            if isinstance(row, dict):
-                run.rows.append(row)
-    pre = _json(path / rundir.PREFLIGHT_NAME)
-    run.preflight = pre if isinstance(pre, dict) else None
+    run.config = rundir.read_json_object(path / rundir.CONFIG_NAME) or {}
+    read = rundir.read_metrics(path)
+    run.rows, run.torn_lines, run.skipped = read.rows, read.torn, read.note(metrics)
+    run.preflight = rundir.read_json_object(path / rundir.PREFLIGHT_NAME)
     run.stopped = rundir.read_stopped(path)
     run.running = rundir.read_running(path)
-    held = _json(path / rundir.HELDOUT_NAME)
-    run.heldout = held if isinstance(held, dict) else None
+    run.heldout = rundir.read_json_object(path / rundir.HELDOUT_NAME)
     run.checkpoints = [p.name for p in rundir.list_checkpoints(path)]
     best = rundir.best_checkpoint(path)
     run.best = best.name if best else None
@@ -114,9 +104,11 @@ def load_run(path: str | Path, label: str | None = None) -> Run:
 
 
 def _pid_alive(pid) -> bool:
+    if not isinstance(pid, int) or isinstance(pid, bool) or not 0 < pid < 1 << 31:
+        return False
     try:
-        os.kill(int(pid), 0)
-    except (OSError, ValueError, TypeError):
+        os.kill(pid, 0)
+    except OSError:
         return False
     return True
 
@@ -250,9 +242,9 @@ def plot_memory(ax, runs):
     drawn = False
     notes = []
     for i, run in enumerate(runs):
-        gpus = sorted({k for r in run.rows for k in (r.get("nvml_used_gib") or {})})
+        gpus = sorted({str(k) for r in run.rows for k in (r.get("nvml_used_gib") or {})})
         for j, gpu in enumerate(gpus):
-            xs = [int(r["step"]) for r in run.rows if gpu in (r.get("nvml_used_gib") or {})]
+            xs = [r["step"] for r in run.rows if gpu in (r.get("nvml_used_gib") or {})]
             ys = [r["nvml_used_gib"][gpu] for r in run.rows if gpu in (r.get("nvml_used_gib") or {})]
             ax.plot(xs, ys, label=f"{'' if len(runs) == 1 else run.label + ': '}NVML {gpu}", color=f"C{i * 4 + j}")
             drawn = True
@@ -292,18 +284,24 @@ DRAW = {"loss": plot_loss, "accept_len": plot_accept, "acc_slot": plot_acc_slot,
         "wait": plot_wait, "memory": plot_memory, "lr": plot_lr}
 
 
+# A run's own text (its folder name, GPU names, config values) is drawn as is: never parsed as mathtext
+# ($...$) nor handed to LaTeX, so a run named lr_$LR_$BS draws its name instead of failing.
+PLAIN_TEXT = {"text.parse_math": False, "text.usetex": False}
+
+
 def draw_plots(runs: list[Run], out: Path) -> dict[str, Path]:
     plt = _plt()
     files = {}
-    for stem, title in PLOTS:
-        fig, ax = plt.subplots(figsize=(7.5, 4.2), dpi=100)
-        DRAW[stem](ax, runs)
-        fig.suptitle(title, fontsize=11)
-        fig.tight_layout()
-        path = out / f"{stem}.png"
-        fig.savefig(path)
-        plt.close(fig)
-        files[stem] = path
+    with plt.rc_context(PLAIN_TEXT):
+        for stem, title in PLOTS:
+            fig, ax = plt.subplots(figsize=(7.5, 4.2), dpi=100)
+            DRAW[stem](ax, runs)
+            fig.suptitle(title, fontsize=11)
+            fig.tight_layout()
+            path = out / f"{stem}.png"
+            fig.savefig(path)
+            plt.close(fig)
+            files[stem] = path
     return files
 
 
@@ -314,24 +312,25 @@ def essentials(run: Run) -> list[tuple[str, str]]:
     """The run's snapshot essentials: what ran, where, with which build, and how it ended."""
     cfg = run.config
     pre = run.preflight or {}
-    host = pre.get("host") or {}
-    checks = {c.get("id"): c for c in pre.get("checks") or [] if isinstance(c, dict)}
-    topo = cfg.get("topology") or {}
-    layout = (f"split: target GPUs {','.join(topo.get('target_gpus') or [])}, drafter GPUs "
-              f"{','.join(topo.get('drafter_gpus') or [])}" if topo.get("target_gpus") else f"co-located on {cfg.get('device', '?')}")
+    host = _dict(pre.get("host"))
+    checks = {str(c.get("id")): c for c in _list(pre.get("checks")) if isinstance(c, dict)}
+    topo = _dict(cfg.get("topology"))
+    layout = (f"split: target GPUs {_joined(topo.get('target_gpus'))}, drafter GPUs "
+              f"{_joined(topo.get('drafter_gpus'))}" if topo.get("target_gpus") else f"co-located on {cfg.get('device', '?')}")
     gpus = checks.get("gpu-visibility", {}).get("summary") or (f"{host.get('gpus')} GPU(s)" if host else "unknown")
     steps = run.rows[-1].get("step") if run.rows else None
     rows = [
         ("run dir", str(run.path)),
         ("how it ended", ending(run)),
-        ("steps logged", f"{steps}" + (f" ({run.torn_lines} torn line(s) skipped)" if run.torn_lines else "")),
+        ("steps logged", f"{steps}" + (f" ({run.torn_lines} torn line(s) skipped)" if run.torn_lines else "")
+         + (f"; {run.skipped}" if run.skipped else "")),
         ("profile", str(cfg.get("profile") or pre.get("profile") or "?")),
         ("torch build", checks.get("torch-build", {}).get("summary") or "unknown (no preflight.json)"),
         ("GPUs", f"{gpus}; driver {host.get('nvidia_driver') or 'none'}"),
         ("layout", layout),
-        ("target", str((cfg.get("target") or {}).get("path", "?"))),
-        ("drafter", ", ".join(f"{k} {v}" for k, v in (cfg.get("drafter") or {}).items())),
-        ("data", str((cfg.get("data") or {}).get("path", "?"))),
+        ("target", str(_dict(cfg.get("target")).get("path", "?"))),
+        ("drafter", ", ".join(f"{k} {v}" for k, v in _dict(cfg.get("drafter")).items())),
+        ("data", str(_dict(cfg.get("data")).get("path", "?"))),
         ("held-out", (f"{run.heldout.get('samples')} samples of {run.heldout.get('source')}" if run.heldout
                       else "none ([eval] not configured)")),
         ("checkpoints", ", ".join(run.checkpoints) or "none"),
@@ -343,9 +342,17 @@ def essentials(run: Run) -> list[tuple[str, str]]:
         v = run.last(key)
         if isinstance(v, (int, float)):
             rows.append((f"last {key}", f"{v:.4f}"))
-    if "heldout_real_lossless" in last and not last["heldout_real_lossless"]:
+    if last.get("heldout_real_lossless") is False:
         rows.append(("LOSSLESS CHECK", "FAILED: speculative decoding differed from target-only greedy"))
     return rows
+
+
+def _list(v) -> list:
+    return v if isinstance(v, list) else []
+
+
+def _joined(v) -> str:
+    return ",".join(str(x) for x in _list(v)) if isinstance(v, list) else str(v)
 
 
 def _img(path: Path) -> str:
@@ -384,6 +391,9 @@ def write_report(run_dirs: list[str | Path], out: str | Path | None = None, log=
     if len(paths) == 2 and labels[0] == labels[1]:
         labels = [str(p) for p in paths]
     runs = [load_run(p, label) for p, label in zip(paths, labels)]
+    for run in runs:
+        if run.skipped:
+            log(f"note: {run.skipped}")
     out = Path(out) if out is not None else paths[0] / rundir.REPORT_DIR
     try:
         out.mkdir(parents=True, exist_ok=True)

@@ -41,12 +41,14 @@ from __future__ import annotations
 
 import calendar
 import json
+import math
 import os
 import statistics
 import time
 from collections import deque
 from pathlib import Path
 
+from dflash.data.jsonl import JsonLineError, decode_json
 from dflash.errors import UsageError
 
 SNAPSHOT_NAME = "snapshot.json"
@@ -92,9 +94,10 @@ def _move_previous(out: Path) -> Path | None:
     if not old.exists():
         return None
     try:
-        run = json.loads(old.read_text()).get("run") or {}
-    except (OSError, ValueError, AttributeError):
-        run = {}
+        run = decode_json(old.read_bytes()).get("run")
+    except (OSError, JsonLineError, AttributeError):
+        run = None
+    run = run if isinstance(run, dict) else {}  # a damaged snapshot still moves aside, under "unknown"
     stamp = str(run.get("time_utc") or "unknown").replace(":", "").replace("-", "")
     base = out / PREVIOUS_DIR / f"{stamp}-{str(run.get('gate_id') or 'nogate')[:8]}"
     folder, n = base, 1
@@ -116,7 +119,9 @@ def previous_runs(output_dir: str | Path) -> list[Path]:
 def load(path: str | Path) -> tuple[dict, dict | None, list[str]]:
     """(snapshot, outcome or None, notes) of a run dir, a previous/<...> folder, or a snapshot.json file.
 
-    Reads only. Raises SnapshotError (one line) for a path with no readable snapshot of this format.
+    Reads only. Raises SnapshotError (one line) for a path with no readable snapshot of this format, or a snapshot
+    or outcome whose fields are not of the kind SNAPSHOT_SCHEMA / OUTCOME_SCHEMA say (naming the file and field).
+    What `load` returns holds every key the schemas name (absent ones null, [] or {}).
     """
     p = Path(path)
     if not p.exists():
@@ -128,8 +133,8 @@ def load(path: str | Path) -> tuple[dict, dict | None, list[str]]:
         raise SnapshotError(f"{path}: no {SNAPSHOT_NAME} (not a run dir, or a run started before snapshots were "
                             f"written); give a run dir a dflash-train run wrote{hint}")
     try:
-        snap = json.loads(file.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:
+        snap = decode_json(file.read_bytes())
+    except (OSError, JsonLineError) as e:
         why = e.strerror if isinstance(e, OSError) and e.strerror else " ".join(str(e).split())[:120]
         raise SnapshotError(f"{file}: not a readable snapshot ({why}); it is written by the preflight gate of "
                             "dflash-train, give another run dir") from None
@@ -141,12 +146,13 @@ def load(path: str | Path) -> tuple[dict, dict | None, list[str]]:
         if not isinstance(snap.get(key), dict):
             raise SnapshotError(f"{file}: {FORMAT} snapshot without its {key!r} section (truncated or edited); "
                                 "give another run dir")
+    snap = checked_snapshot(snap, file)
     outcome, notes = None, []
     ofile = file.with_name(OUTCOME_NAME)
     if ofile.exists():
         try:
-            outcome = json.loads(ofile.read_text(encoding="utf-8"))
-        except (OSError, UnicodeDecodeError, ValueError, RecursionError):
+            outcome = decode_json(ofile.read_bytes())
+        except (OSError, JsonLineError):
             notes.append(f"{ofile}: unreadable, outcome not compared")
         if outcome is not None and (not isinstance(outcome, dict) or outcome.get("format") != OUTCOME_FORMAT):
             notes.append(f"{ofile}: not a {OUTCOME_FORMAT} file, outcome not compared")
@@ -154,7 +160,146 @@ def load(path: str | Path) -> tuple[dict, dict | None, list[str]]:
         elif outcome is not None and outcome.get("gate_id") != snap["run"].get("gate_id"):
             notes.append(f"{ofile}: of another run than {file.name} (gate id), outcome not compared")
             outcome = None
+    if outcome is not None:
+        outcome = checked_outcome(outcome, ofile)
     return snap, outcome, notes
+
+
+# ---------------------------------------------------------------- what a reader may trust
+
+# The layout above as a schema that `load` checks once, so `dflash-diff` computes only with values of the
+# kind it expects. A leaf is a kind: "str", "int" (|n| <= 2^63), "num" (a finite number), "bool", "scalar"
+# (any of those), "any" (any JSON value: compared and shown, never computed with), "count" (an int >= 0,
+# absent or null reads 0); a trailing "!" makes it required and never null. {key: kind} is an object,
+# ("?", {...}) one that may be null, ("list", kind) and ("map", kind) hold values of one kind.
+# A key a file lacks (an older version's snapshot) reads as null, [] or {} (an object: all its keys absent);
+# a value of another kind is a SnapshotError naming the file and the field. Keys the schema does not name
+# are kept as they are (a newer version's additions are shown where the diff walks a whole section).
+_SHAPE = {"model_type": "str", "tied": "bool", "qk_norm": "bool", "qkv_bias": "bool", "attn_output_gate": "bool",
+          **{k: "int" for k in ("num_layers", "hidden", "intermediate", "heads", "kv_heads", "head_dim", "vocab",
+                                "linear_layers", "linear_key_dim", "linear_value_dim", "linear_value_heads",
+                                "linear_value_head_dim", "linear_conv_kernel")}}  # dflash.memory.shape.TargetShape
+_DEVICE = {"index": "int", "cuda_index": "int", "uuid": "str!", "name": "str!", "total_bytes": "int!",
+           "free_bytes": "int!", "compute_capability": "scalar", "roles": ("list", "str!")}
+SNAPSHOT_SCHEMA = {
+    "format": "str!",
+    "run": {"gate_id": "any", "time_utc": "any", "config_sha256": "any", "intent": "str", "here": "bool",
+            "ranks": "int", "resume": ("?", {"step": "int", "checkpoint": "any"})},
+    "environment": {"profile": "any", "lock_sha256": "any", "torch": {"version": "str", "cuda": "str"},
+                    "builds": ("map", "any"), "distributions": ("map", "scalar"),
+                    "records": ("map", {"version": "scalar", "record_sha256": "str", "modified": "count",
+                                        "missing": "count", "error": "any"}),
+                    "env": ("map", "str"), "path": ("list", "str!"),
+                    "host": {"hostname": "scalar", "platform": "scalar", "python": "scalar", "executable": "scalar",
+                             "cpus": "scalar"}},
+    "gpus": {"driver": "scalar", "cuda_driver": "scalar", "cuda_visible_devices": "any", "error": "any",
+             "devices": ("list", _DEVICE)},
+    "code": {"mode": "any", "commit": "scalar", "dirty": ("map", {"state": "scalar", "sha256": "str"}), "error": "any"},
+    "compile_cache": {"path": "scalar", "exists": "bool", "size_bytes": "int", "manifest": ("?", ("map", "any")),
+                      "error": "any", "env_override": "scalar"},
+    "config": "config",
+    "data": {"path": "any", "fingerprint": "scalar", "samples": "int", "tokens": "int", "shards": "int",
+             "errors": "any", "error": "any", "manifest_target": "any",
+             "length": ("?", {k: "num" for k in ("min", "mean", "p50", "p90", "p99", "max")})},
+    "target": {"path": "any", "shape": ("?", _SHAPE), "fingerprint": "any", "error": "any"},
+    "memory": {"cuda": "str", "expandable_segments": "bool", "roles": ("map", {"bytes": "int", "recompute": "any"}),
+               "error": "any"},
+    "preflight": {"ok": "bool", "failed": ("list", "str!"), "warned": ("list", "str!"), "waived": ("map", "any")},
+}
+OUTCOME_SCHEMA = {
+    "format": "str!", "gate_id": "any", "started_utc": "any", "updated_utc": "any", "start_step": "int", "step": "int",
+    "first_step_s": "num", "to_first_step_s": "num", "compiled_graphs": {"first_step": "int", "last": "int"},
+    "rows": "int", "steady": ("map", "num"),
+    "peak": {"gpus": ("map", "int"), "torch_allocated_bytes": "int", "host_rss_bytes": "int"},
+    "last": {"loss": "num", "accept_len": "num"},
+    "ended": {"how": "scalar", "step": "int", "detail": "any", "rank": "int", "role": "scalar", "gpu": "scalar"},
+}
+CONFIG_DEPTH = 8  # sections nest this deep at most (the run config has two levels)
+_LEAVES = {"str": (str,), "int": (int,), "num": (int, float), "bool": (bool,), "scalar": (str, int, float, bool),
+           "count": (int,)}
+
+
+class _Bad(Exception):
+    def __init__(self, where: str, why: str):
+        super().__init__(f"{where or 'the file'}: {why}")
+
+
+def _shown(v) -> str:
+    text = json.dumps(v, allow_nan=True) if not isinstance(v, (dict, list)) else type(v).__name__
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _checked(value, kind, where: str):
+    """`value` read as `kind` (a key the file lacks arrives as None): the normalized value, or _Bad."""
+    if isinstance(kind, dict):
+        if value is None:
+            value = {}
+        if not isinstance(value, dict):
+            raise _Bad(where, f"expected an object, got {_shown(value)}")
+        out = dict(value)
+        for key, sub in kind.items():
+            out[key] = _checked(value.get(key), sub, f"{where}.{key}" if where else key)
+        return out
+    if isinstance(kind, tuple):
+        shape, sub = kind
+        if shape == "?":
+            return None if value is None else _checked(value, sub, where)
+        empty, typ = ({}, dict) if shape == "map" else ([], list)
+        if value is None:
+            return empty
+        if not isinstance(value, typ):
+            raise _Bad(where, f"expected {'an object' if typ is dict else 'a list'}, got {_shown(value)}")
+        if typ is dict:
+            return {str(k): _checked(v, sub, f"{where}.{k}") for k, v in value.items()}
+        return [_checked(v, sub, f"{where}[{i}]") for i, v in enumerate(value)]
+    if kind == "config":
+        if not isinstance(value, dict):
+            raise _Bad(where, f"expected the run config (an object), got {_shown(value)}")
+        _depth(value, where, 0)
+        return value
+    if kind == "any":
+        return value
+    required = kind.endswith("!")
+    kind = kind.rstrip("!")
+    if value is None:
+        if required:
+            raise _Bad(where, "missing")
+        return 0 if kind == "count" else None
+    ok = isinstance(value, _LEAVES[kind]) and (kind in ("bool", "scalar", "str") or not isinstance(value, bool))
+    if ok and isinstance(value, float):
+        ok = math.isfinite(value)
+    if ok and isinstance(value, int) and not isinstance(value, bool):
+        ok = -(1 << 63) <= value <= 1 << 63 and (kind != "count" or value >= 0)
+    if not ok:
+        what = {"str": "a string", "int": "an integer in -2^63..2^63", "num": "a finite number", "bool": "true or false",
+                "scalar": "a string, a finite number or a boolean", "count": "an integer >= 0"}[kind]
+        raise _Bad(where, f"expected {what}, got {_shown(value)}")
+    return value
+
+
+def _depth(node, where: str, depth: int) -> None:
+    if depth > CONFIG_DEPTH:
+        raise _Bad(where, f"nested deeper than {CONFIG_DEPTH} levels")
+    for key, v in (node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, list) else ()):
+        _depth(v, f"{where}.{key}", depth + 1)
+
+
+def checked_snapshot(snap: dict, file: str | Path) -> dict:
+    """The snapshot read against SNAPSHOT_SCHEMA (absent keys filled); SnapshotError naming the file and field."""
+    try:
+        return _checked(snap, SNAPSHOT_SCHEMA, "")
+    except _Bad as e:
+        raise SnapshotError(f"{file}: malformed {FORMAT} snapshot, field {e}; it is written by dflash-train's gate "
+                            "(edited or damaged?), give another run dir") from None
+
+
+def checked_outcome(outcome: dict, file: str | Path) -> dict:
+    """The outcome read against OUTCOME_SCHEMA (absent keys filled); SnapshotError naming the file and field."""
+    try:
+        return _checked(outcome, OUTCOME_SCHEMA, "")
+    except _Bad as e:
+        raise SnapshotError(f"{file}: malformed {OUTCOME_FORMAT} file, field {e}; it is written by the trainer "
+                            "(edited or damaged?), move it aside to compare the snapshots alone") from None
 
 
 # ---------------------------------------------------------------- the outcome

@@ -44,11 +44,14 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from dflash.data.jsonl import JsonLineError, decode_json, text_lines
 from dflash.errors import DflashError, UsageError
 from dflash.filehash import sha256_files
 
@@ -447,13 +450,18 @@ def write_stopped(output_dir: str | Path, signame: str, step: int, checkpoint: s
     return path
 
 
-def read_stopped(output_dir: str | Path) -> dict | None:
-    """The stop marker of the last run, or None when it finished, failed, or has not run."""
+def read_json_object(path: str | Path) -> dict | None:
+    """A JSON object file of a run dir, or None when it is missing, unreadable, not JSON or not an object."""
     try:
-        data = json.loads((Path(output_dir) / STOPPED_NAME).read_text())
-    except (OSError, ValueError):
+        data = decode_json(Path(path).read_bytes())
+    except (OSError, JsonLineError):
         return None
     return data if isinstance(data, dict) else None
+
+
+def read_stopped(output_dir: str | Path) -> dict | None:
+    """The stop marker of the last run, or None when it finished, failed, or has not run."""
+    return read_json_object(Path(output_dir) / STOPPED_NAME)
 
 
 def clear_stopped(output_dir: str | Path) -> None:
@@ -552,6 +560,86 @@ def make_room(cfg: RunConfig, resume_from: Path | None, fresh: bool, log=print) 
             log(f"--fresh: previous {', '.join(p.name for p in leftovers)} moved to {aside} (nothing deleted)")
 
 
+# ---------------------------------------------------------------- metrics.jsonl
+
+MAX_STEP = 1 << 53  # a step beyond this is not one a run logged (floats stop counting exactly)
+GPU_MAP_KEYS = ("nvml_used_gib",)  # {GPU name: GiB}
+LIST_KEYS = ("acc_slot", "heldout_acc_slot")  # per-slot numbers
+
+
+@dataclass
+class Metrics:
+    """The rows of a metrics.jsonl that a reader can trust, and what was left out of it."""
+
+    rows: list[dict] = field(default_factory=list)
+    torn: int = 0  # a last line cut by a kill (no line end, not JSON)
+    bad: int = 0  # rows skipped: not JSON, not an object, no integer step, a malformed known key
+    first_bad: str | None = None  # "line L, reason"
+
+    def note(self, path: str | Path) -> str | None:
+        """'skipped N bad metrics rows in FILE (first: line L, reason)', or None when every row was good."""
+        if not self.bad:
+            return None
+        return f"skipped {self.bad} bad metrics row(s) in {path} (first: {self.first_bad})"
+
+
+def _number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def metrics_row_problem(row: object) -> str | None:
+    """Why a decoded metrics row cannot be used (one short reason), or None. Values of other keys may be anything;
+    readers take the finite numbers among them."""
+    if not isinstance(row, dict):
+        return f"a {type(row).__name__}, not a JSON object"
+    step = row.get("step")
+    if not isinstance(step, int) or isinstance(step, bool) or not 0 <= step <= MAX_STEP:
+        return f"step {_shown(step)} is not an integer in 0..2^53"
+    for key in GPU_MAP_KEYS:
+        v = row.get(key)
+        if v is not None and not (isinstance(v, dict) and all(_number(x) for x in v.values())):
+            return f"{key} {_shown(v)} is not {{GPU: GiB}} with finite numbers"
+    for key in LIST_KEYS:
+        v = row.get(key)
+        if v is not None and not (isinstance(v, list) and all(_number(x) for x in v)):
+            return f"{key} {_shown(v)} is not a list of finite numbers"
+    return None
+
+
+def _shown(v) -> str:
+    text = json.dumps(v) if not isinstance(v, float) else repr(v)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def read_metrics(output_dir: str | Path) -> Metrics:
+    """Every good row of a run's metrics.jsonl (lines end at "\\n" only); the rest counted, never raised."""
+    out = Metrics()
+    path = Path(output_dir) / METRICS_NAME
+    try:
+        text = path.read_bytes().decode("utf-8", errors="replace")
+    except OSError:
+        return out
+    lines = list(text_lines(text))
+    for lineno, line in lines:
+        if not line.strip():
+            continue
+        try:
+            row = decode_json(line)
+        except JsonLineError as e:
+            if lineno == len(lines) and not text.endswith("\n"):
+                out.torn += 1  # a line cut by a kill
+                continue
+            row, why = None, f"not JSON ({e})"
+        else:
+            why = metrics_row_problem(row)
+        if why is None:
+            out.rows.append(row)
+            continue
+        out.bad += 1
+        out.first_bad = out.first_bad or f"line {lineno}, {why}"
+    return out
+
+
 def trim_metrics(out: Path, step: int, log=print) -> None:
     """Rows logged after the resumed step (the interrupted run's) move to metrics.abandoned-*.jsonl,
     so metrics.jsonl holds each step once after the resume."""
@@ -559,11 +647,13 @@ def trim_metrics(out: Path, step: int, log=print) -> None:
     if not path.is_file():
         return
     keep, later = [], []
-    for line in path.read_text().splitlines(keepends=True):
+    pieces = path.read_bytes().decode("utf-8", errors="replace").split("\n")  # lines end at "\\n" only
+    for line in [p + "\n" for p in pieces[:-1]] + [pieces[-1]] * bool(pieces[-1]):
         try:
-            row_step = int(json.loads(line).get("step", 0))
-        except (ValueError, AttributeError):
-            row_step = 0  # a torn last line of a killed run: keep it where it was logged
+            row = decode_json(line)
+        except JsonLineError:
+            row = None  # a torn last line of a killed run, a bad row: keep it where it was logged
+        row_step = row["step"] if metrics_row_problem(row) is None else 0
         (later if row_step > step else keep).append(line)
     if not later:
         return
@@ -735,11 +825,7 @@ def write_running(output_dir: str | Path, **extra) -> Path:
 
 
 def read_running(output_dir: str | Path) -> dict | None:
-    try:
-        data = json.loads((Path(output_dir) / RUNNING_NAME).read_text())
-    except (OSError, ValueError):
-        return None
-    return data if isinstance(data, dict) else None
+    return read_json_object(Path(output_dir) / RUNNING_NAME)
 
 
 def clear_running(output_dir: str | Path) -> None:

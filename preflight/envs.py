@@ -10,13 +10,19 @@ the export of those groups); every other profile in ``.venvs/<profile>``. How: `
 ``uv pip sync --require-hashes --link-mode copy envs/<profile>.lock`` (exactly the lock, every wheel
 hash-checked; uv.lock is git-ignored and never used), then the project itself editable without dependencies.
 Files are copied, not hard-linked into uv's cache (uv's default): a hard link is one file shared by every
-environment built from that cache, so an edit in one profile's environment would edit the other's. Nothing
+environment built from that cache, so an edit in one profile's environment would edit the other's. uv skips a
+distribution already installed at the locked version without reading it, so on an existing environment ``sync``
+first verifies each one against what the last sync recorded (VERIFIED_FILE) and re-copies those that differ. Nothing
 here touches any environment but the named profile's. The ``dflash-env`` command (``dflash.commands.env``) only
 formats what these functions return.
 """
 
 from __future__ import annotations
 
+import base64
+import csv
+import hashlib
+import json
 import os
 import subprocess
 import time
@@ -29,7 +35,7 @@ from packaging.markers import default_environment
 from packaging.utils import canonicalize_name
 
 from dflash.errors import DflashError
-from preflight.lockfile import LockToolError, parse_lock
+from preflight.lockfile import LockToolError, Pin, parse_lock
 from preflight.lockfile import _uv as uv_binary
 from preflight.profiles import ENVS_DIR, REPO_ROOT, Profile, load_profile
 
@@ -74,6 +80,7 @@ class SyncResult:
     python: str | None
     reinstalled: list[str] = field(default_factory=list)
     seconds: float = 0.0
+    recopied: dict[str, str] = field(default_factory=dict)  # installed distributions that failed verification: why
 
 
 # ---------------------------------------------------------------- where
@@ -183,6 +190,106 @@ def linked_distributions(env: Path, sample: int = 5) -> list[str]:
     return sorted(set(out))
 
 
+# ---------------------------------------------------------------- what sync verified
+
+# Written into an environment by `sync` once every locked distribution in it is known good: for each, its version,
+# the lock's wheel hashes it was installed under and the sha256 of its RECORD right after that install.
+VERIFIED_FILE = "dflash-verified.json"
+VERIFIED_FORMAT = "dflash-env-verified/1"
+
+
+def _dist_infos(env: Path) -> dict[str, Path]:
+    """Canonical name -> .dist-info folder of every distribution installed in venv `env`."""
+    from preflight.pyenv import _header
+
+    out = {}
+    for sp in site_packages(env):
+        for info in sorted(sp.glob("*.dist-info")):
+            name, _ = _header(info / "METADATA")
+            if name:
+                out[canonicalize_name(name)] = info
+    return out
+
+
+def _record_rows(info: Path) -> tuple[str, list[list[str]]]:
+    """(sha256 of the RECORD file, its rows); OSError when it cannot be read."""
+    data = (info / "RECORD").read_bytes()
+    return hashlib.sha256(data).hexdigest(), list(csv.reader(data.decode("utf-8", "replace").splitlines()))
+
+
+def _file_matches(path: Path, algo: str, digest: str) -> bool:
+    try:
+        with open(path, "rb") as f:
+            got = hashlib.file_digest(f, algo).digest()
+    except (OSError, ValueError):  # missing, unreadable, or an algorithm this Python lacks
+        return False
+    return base64.urlsafe_b64encode(got).rstrip(b"=").decode() == digest
+
+
+def unverified_distributions(env: Path, pins: dict[str, Pin]) -> dict[str, str]:
+    """{name: why} for each locked distribution installed in `env` that is not what `sync` verified at its install.
+
+    A distribution passes when the environment's VERIFIED_FILE lists it at the lock's version and wheel hashes, its
+    RECORD is byte for byte the one recorded right after that hash-checked install, and every file its RECORD hashes
+    matches that hash (native libraries too). So another build of the same version, with files and RECORD rewritten
+    to agree, fails on the RECORD; an edited file fails on its hash. Files its RECORD does not list are not looked at.
+    """
+    from concurrent.futures import ThreadPoolExecutor
+
+    try:
+        raw = json.loads((env / VERIFIED_FILE).read_text())
+        verified = raw["dists"] if raw.get("format") == VERIFIED_FORMAT else {}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        verified = {}
+    infos = _dist_infos(env)
+    out: dict[str, str] = {}
+    jobs: list[tuple[str, Path, str, str]] = []
+    for name, pin in sorted(pins.items()):
+        if name not in infos:
+            continue  # missing: uv installs it from the lock
+        mine = verified.get(name) if isinstance(verified, dict) else None
+        if not isinstance(mine, dict):
+            out[name] = "no record of a hash-checked install"
+            continue
+        if mine.get("version") != pin.version or mine.get("lock_hashes") != sorted(pin.hashes):
+            out[name] = "installed under another lock entry"
+            continue
+        try:
+            record_sha, rows = _record_rows(infos[name])
+        except OSError:
+            out[name] = "RECORD unreadable"
+            continue
+        if record_sha != mine.get("record_sha256"):
+            out[name] = "RECORD differs from the one of its install (another build, or rewritten)"
+            continue
+        base = infos[name].parent
+        jobs += [(name, base / row[0], *row[1].partition("=")[::2]) for row in rows
+                 if len(row) >= 2 and "=" in row[1]]
+    with ThreadPoolExecutor(min(8, os.cpu_count() or 1)) as pool:
+        for (name, path, _, _), ok in zip(jobs, pool.map(lambda j: _file_matches(*j[1:]), jobs)):
+            if not ok and name not in out:
+                out[name] = f"{path.name} differs from its RECORD hash"
+    return out
+
+
+def write_verified(env: Path, pins: dict[str, Pin]) -> int:
+    """Record every locked distribution installed in `env` as verified (call right after a sync that hash-checked
+    or re-copied each one); returns how many were recorded."""
+    infos = _dist_infos(env)
+    dists = {}
+    for name, pin in sorted(pins.items()):
+        if name in infos:
+            try:
+                record_sha, _ = _record_rows(infos[name])
+            except OSError:
+                continue
+            dists[name] = {"version": pin.version, "lock_hashes": sorted(pin.hashes), "record_sha256": record_sha}
+    tmp = env / f"{VERIFIED_FILE}.tmp"
+    tmp.write_text(json.dumps({"format": VERIFIED_FORMAT, "dists": dists}, indent=1, sort_keys=True) + "\n")
+    tmp.replace(env / VERIFIED_FILE)
+    return len(dists)
+
+
 def _uv(args: list[str], cwd: Path) -> None:
     """Run uv with its progress on this terminal; a failure is one EnvError line (uv printed the details)."""
     try:
@@ -226,13 +333,21 @@ def sync(
         if created:
             log(f"profile {name}: creating {env.path}")
             _uv(["venv", str(env.path), "--prompt", name, *(["--python", python] if python else [])], project)
-        linked = [n for n in linked_distributions(env.path) if n in parse_lock(text).pins and n not in reinstall]
+        pins = _pins_for(env.path, text)
+        linked = [n for n in linked_distributions(env.path) if n in pins and n not in reinstall]
         if linked:
             log(f"profile {name}: {len(linked)} distribution(s) are hard links into uv's cache (shared with every "
                 "environment linked to it): copying them")
+        # uv skips a distribution already installed at the locked version without looking at its files: verify them
+        recopy = {n: why for n, why in unverified_distributions(env.path, pins).items()
+                  if n not in reinstall and n not in linked}
+        if recopy:
+            log(f"profile {name}: {len(recopy)} installed distribution(s) are not what a hash-checked install left "
+                f"({'; '.join(f'{n}: {why}' for n, why in list(recopy.items())[:5])}"
+                f"{f'; +{len(recopy) - 5} more' if len(recopy) > 5 else ''}): re-copying them from the lock")
         log(f"profile {name}: installing exactly {envs_dir.name}/{env.lock.name} (hashes required, files copied)")
         args = ["pip", "sync", "--python", str(env.path), "--require-hashes", "--link-mode", "copy"]
-        for r in [*reinstall, *linked]:
+        for r in [*reinstall, *linked, *recopy]:
             args += ["--reinstall-package", r]
         _uv([*args, str(env.lock)], project)
         log(f"profile {name}: installing the project from {project} (editable, no dependencies)")
@@ -245,12 +360,19 @@ def sync(
     if drift:
         raise EnvError(f"profile {name}: after the sync {env.path} still differs from its lock: {', '.join(drift[:3])}; "
                        f"rerun `{sync_command(name)}`")
-    version = _python_version(env.path)
+    # every locked distribution is now fresh from a hash-checked wheel, or was verified above and left alone
+    write_verified(env.path, pins)
+    return SyncResult(env, created, len(pins), _python_version(env.path), list(reinstall), time.perf_counter() - t0,
+                      recopy)
+
+
+def _pins_for(env: Path, lock_text: str) -> dict[str, Pin]:
+    """The lock's pins that apply to venv `env`'s interpreter (its markers), by canonical name."""
+    version = _python_version(env)
     markers = dict(default_environment())
     if version:
         markers.update(python_full_version=version, python_version=".".join(version.split(".")[:2]))
-    pins = sum(1 for p in parse_lock(text).all_pins if p.applies(markers))
-    return SyncResult(env, created, pins, version, list(reinstall), time.perf_counter() - t0)
+    return {p.name: p for p in parse_lock(lock_text).all_pins if p.applies(markers)}
 
 
 # ---------------------------------------------------------------- running

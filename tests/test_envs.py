@@ -262,3 +262,50 @@ def test_the_printed_sync_command_works_on_a_fresh_clone_and_touches_no_other_en
     assert p.stdout.startswith(f"created {clone / '.venvs' / 'standin'} (profile standin")
     assert not (clone / ".venv").exists(), "building the stand-in profile created the training environment"
     assert env_drift(clone / ".venvs" / "standin", (clone / "envs" / "standin.lock").read_text()) == []
+
+
+def _tamper_consistently(env: Path, package: str) -> Path:
+    """Another build of the same locked version: one module edited and its RECORD line rewritten to agree."""
+    import base64
+    import hashlib
+
+    sp = envs.site_packages(env)[0]
+    init = sp / package / "__init__.py"
+    data = init.read_bytes() + b"\nBUILT_ELSEWHERE = True\n"
+    init.write_bytes(data)
+    digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
+    record = next(sp.glob(f"{package}-*.dist-info")) / "RECORD"
+    rows = [f"{package}/__init__.py,sha256={digest},{len(data)}" if r.startswith(f"{package}/__init__.py,") else r
+            for r in record.read_text().splitlines()]
+    record.write_text("\n".join(rows) + "\n")
+    return init
+
+
+@pytest.mark.slow
+def test_resync_recopies_a_locked_distribution_that_is_another_build_of_its_version(capsys, tmp_path):
+    """uv skips a distribution installed at the locked version without reading its files: sync must not."""
+    envs_dir = standin(tmp_path)
+    code, out, err = cli(capsys, "--envs-dir", str(envs_dir), "sync", "--profile", "standin")
+    assert code == 0, err
+    env = tmp_path / ".venvs" / "standin"
+    init = next(envs.site_packages(env)[0].glob("mdurl/__init__.py"))
+    original = init.read_bytes()
+    pins = {"mdurl": envs.parse_lock((envs_dir / "standin.lock").read_text()).pins["mdurl"]}
+    assert envs.unverified_distributions(env, pins) == {}
+
+    _tamper_consistently(env, "mdurl")
+    assert env_drift(env, (envs_dir / "standin.lock").read_text()) == []  # same name and version: drift cannot see it
+    assert "RECORD differs" in envs.unverified_distributions(env, pins)["mdurl"]
+    code, out, err = cli(capsys, "--envs-dir", str(envs_dir), "sync", "--profile", "standin")
+    assert code == 0, err
+    assert "mdurl: RECORD differs from the one of its install" in err and "re-copying them from the lock" in err
+    assert out.startswith(f"updated {env}") and "re-copied mdurl (not as installed)" in out
+    assert init.read_bytes() == original and envs.unverified_distributions(env, pins) == {}
+
+    init.write_bytes(original + b"# edited in place\n")  # an edit that leaves RECORD alone
+    assert envs.unverified_distributions(env, pins) == {"mdurl": "__init__.py differs from its RECORD hash"}
+    (env / envs.VERIFIED_FILE).unlink()  # an environment no sync of this version verified: nothing is trusted
+    init.write_bytes(original)
+    assert envs.unverified_distributions(env, pins) == {"mdurl": "no record of a hash-checked install"}
+    code, out, err = cli(capsys, "--envs-dir", str(envs_dir), "sync", "--profile", "standin")
+    assert code == 0 and "re-copied mdurl" in out and (env / envs.VERIFIED_FILE).is_file()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -306,3 +307,168 @@ def test_target_step_needs_no_mask_for_right_padded_rows(tiny_target, hybrid_fol
         alone_ctx, alone_last = target_features(model, batch["input_ids"][b:b + 1, :n], None, layer_ids, True)
         diff = max((ctx[b, :n] - alone_ctx[0]).abs().max().item(), (last[b, :n] - alone_last[0]).abs().max().item())
         assert diff < 1e-5, f"row {b} ({n} of 12 tokens real): max |padded batch - row alone| = {diff}"
+
+
+# ---------------------------------------------------------------------------------------------
+# A target folder never runs its own code, and its unusable files are one line naming them
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    """A good chat target, a drafter for it, prompts, conversations, and copies of the target that carry code whose
+    import would write MARKER ('config': an architecture transformers does not ship; 'tokenizer': only the tokenizer)."""
+    import shutil
+
+    from dflash.models.drafter import DFlashDrafter, drafter_config_from_target
+    from trainkit import chat_target
+
+    root = tmp_path_factory.mktemp("folders")
+    good = chat_target(root, "llama")
+    config = json.loads((good / "config.json").read_text())
+    DFlashDrafter(drafter_config_from_target(config, 1, 4, mask_token_id=5)).save_pretrained(root / "drafter")
+    (root / "prompts.txt").write_text("hello there\nhow are you\n")
+    (root / "chats.jsonl").write_text(json.dumps({"id": "a", "messages": [
+        {"role": "user", "content": "hello"}, {"role": "assistant", "content": "there"}]}) + "\n")
+    marker = root / "MARKER"
+    code = (f"open({str(marker)!r}, 'a').write(__name__ + '\\n')\n"
+            "from transformers import PretrainedConfig, TokenizersBackend\n"
+            "class EvilConfig(PretrainedConfig):\n    model_type = 'evil_lm'\n"
+            "class EvilTokenizer(TokenizersBackend):\n    pass\n"
+            "class EvilForCausalLM:\n    pass\n")
+    tokenizer_map = {"AutoTokenizer": ["tokenization_evil.EvilTokenizer", None]}
+    for name, config_change, tokenizer_change in [
+        ("config", {"model_type": "evil_lm", "architectures": ["EvilForCausalLM"],
+                    "auto_map": {"AutoConfig": "configuration_evil.EvilConfig",
+                                 "AutoModelForCausalLM": "modeling_evil.EvilForCausalLM", **tokenizer_map}},
+         {"tokenizer_class": "EvilTokenizer", "auto_map": tokenizer_map}),
+        ("tokenizer", {}, {"tokenizer_class": "EvilTokenizer", "auto_map": tokenizer_map}),
+    ]:
+        folder = shutil.copytree(good, root / f"code-in-{name}")
+        for file, change in (("config.json", config_change), ("tokenizer_config.json", tokenizer_change)):
+            (folder / file).write_text(json.dumps({**json.loads((folder / file).read_text()), **change}))
+        for module in ("configuration_evil", "modeling_evil", "tokenization_evil"):
+            (folder / f"{module}.py").write_text(code)
+    return root
+
+
+CUSTOM_CODE_COMMANDS = {
+    "eval": ["dflash.commands.eval", "eval_main", "--target", "{target}", "--drafter", "{root}/drafter", "--prompts",
+             "{root}/prompts.txt", "--limit", "1", "--max-new-tokens", "2"],
+    "prepare": ["dflash.commands.data", "data_main", "prepare", "--target", "{target}", "--prompts", "{root}/prompts.txt",
+                "--out", "{root}/out-prepare", "--limit", "1", "--max-new-tokens", "2", "--device", "cpu"],
+    "import": ["dflash.commands.data", "data_main", "import", "--target", "{target}", "--out", "{root}/out-import",
+               "--workers", "1", "{root}/chats.jsonl"],
+}
+
+
+@pytest.mark.parametrize("command, where", [("eval", "config"), ("prepare", "config"), ("import", "config"),
+                                            ("eval", "tokenizer")])
+def test_a_target_folder_that_carries_code_is_refused_and_its_code_never_runs(folders, tmp_path, command, where):
+    """The real command, stdin answering yes to any question: exit 2, one line naming the folder and why, no
+    prompt, the folder's code never imported."""
+    import subprocess
+    import sys
+
+    target = folders / f"code-in-{where}"
+    module, main, *args = [a.replace("{target}", str(target)).replace("{root}", str(folders))
+                           for a in CUSTOM_CODE_COMMANDS[command]]
+    env = {**os.environ, "HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "1"}
+    res = subprocess.run([sys.executable, "-c", f"from {module} import {main}; {main}()", *args], input="y\n" * 100,
+                         capture_output=True, text=True, env=env, timeout=300, cwd=tmp_path)
+    lines = res.stderr.strip().splitlines()
+    assert not (folders / "MARKER").exists(), "the target folder's own code ran"
+    assert res.returncode == 2 and len(lines) == 1, res.stdout + res.stderr
+    assert lines[0].startswith(f"dflash-{'eval' if command == 'eval' else 'data'}: error: target {target}: custom code "
+                               f"is refused: {where}"), lines[0]
+    assert "Evil" in lines[0] or "evil_lm" in lines[0]
+    assert "use a model whose architecture transformers ships" in lines[0]
+    assert "[y/N]" not in res.stdout + res.stderr
+    assert not (folders / f"out-{command}").exists()
+
+
+def test_every_target_load_refuses_custom_code_in_process(folders):
+    from dflash.models.target import TargetError, load_target_tokenizer, target_text_config
+
+    for load in (lambda p: load_target(p, "float32", "cpu"), lambda p: load_target(p, "float32", "cpu", True),
+                 target_text_config, load_target_tokenizer):
+        with pytest.raises(TargetError, match="custom code is refused: config.json model_type 'evil_lm'"):
+            load(folders / "code-in-config")
+    with pytest.raises(TargetError, match="custom code is refused: tokenizer_config.json tokenizer_class 'EvilTokenizer'"):
+        load_target_tokenizer(folders / "code-in-tokenizer")
+    assert not (folders / "MARKER").exists()
+
+
+class _Payload:
+    """A pickle whose load would run code (writes a file) instead of giving tensors."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (Path.write_text, (self.marker, "ran"))
+
+
+def _weights_case(folders: Path, case: str) -> tuple[Path, Path]:
+    """(target folder, the file a one-line error must name) of a copy of the good target with broken weights."""
+    import shutil
+
+    folder = shutil.copytree(folders / "tiny-llama-256", folders / f"weights-{case}")
+    weights = folder / "model.safetensors"
+    if case == "pickle":
+        weights.unlink()
+        weights = folder / "pytorch_model.bin"
+        torch.save({"model.embed_tokens.weight": _Payload(folders / "PICKLE_RAN")}, weights)
+    elif case == "truncated":
+        weights.write_bytes(weights.read_bytes()[:300])
+    elif case == "directory":
+        weights.unlink()
+        weights.mkdir()
+    elif case == "garbage":
+        weights.write_bytes(b"\x00garbage" * 64)
+    return folder, weights
+
+
+@pytest.mark.parametrize("case, says", [
+    ("pickle", "holds more than tensors, refused by torch's weights_only load"),
+    ("truncated", "not a complete safetensors file"),
+    ("garbage", "not a complete safetensors file"),
+    ("directory", "a directory where the weights file should be"),
+])
+def test_unusable_target_weights_are_one_line_naming_the_file(folders, capsys, case, says):
+    from dflash.commands.eval import eval_main
+
+    folder, weights = _weights_case(folders, case)
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        eval_main(["--target", str(folder), "--drafter", str(folders / "drafter"), "--prompts",
+                   str(folders / "prompts.txt"), "--limit", "1", "--max-new-tokens", "2"])
+    out, err = capsys.readouterr()
+    lines = err.strip().splitlines()
+    assert e.value.code == 2 and len(lines) == 1, err
+    assert lines[0].startswith(f"dflash-eval: error: target {weights}: {says}"), lines[0]
+    assert "Traceback" not in out + err
+    assert not (folders / "PICKLE_RAN").exists()
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root reads a file whatever its permissions")
+def test_unreadable_target_weights_are_one_line_naming_the_file(folders):
+    from dflash.models.target import TargetError
+
+    folder, weights = _weights_case(folders, "unreadable")
+    weights.chmod(0)
+    try:
+        with pytest.raises(TargetError, match=f"target {weights}: cannot read it"):
+            load_target(folder, "float32", "cpu")
+    finally:
+        weights.chmod(0o644)
+
+
+def test_a_pickled_target_of_tensors_alone_still_loads(folders):
+    import shutil
+
+    folder = shutil.copytree(folders / "tiny-llama-256", folders / "weights-bin")
+    torch.save(load_file(str(folder / "model.safetensors")), folder / "pytorch_model.bin")
+    (folder / "model.safetensors").unlink()
+    model = load_target(folder, "float32", "cpu")
+    reference = load_target(folders / "tiny-llama-256", "float32", "cpu")
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), reference.state_dict().values()))

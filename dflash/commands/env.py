@@ -54,10 +54,11 @@ def sync_cmd(envs_dir: Path, profile_name: str, python: str | None, reinstall: t
     env = result.env
     verb = "created" if result.created else "updated"
     again = f", reinstalled {', '.join(result.reinstalled)}" if result.reinstalled else ""
+    again += f", re-copied {', '.join(result.recopied)} (not as installed)" if result.recopied else ""
     dists = f"{result.pins} distribution{'s' if result.pins != 1 else ''}"
     click.echo(f"{verb} {env.path} (profile {profile_name}, Python {result.python or '?'}): {dists} "
-               f"from {envs_dir.name}/{env.lock.name}, hash-checked, nothing else but the project{again} "
-               f"({result.seconds:.1f} s)")
+               f"from {envs_dir.name}/{env.lock.name}, each from a wheel hash-checked against it (now, or at an install "
+               f"whose files and RECORD are unchanged), nothing else but the project{again} ({result.seconds:.1f} s)")
 
 
 @command.command(name="run", context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})

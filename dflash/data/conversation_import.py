@@ -83,9 +83,9 @@ _WORKER: dict = {}
 
 def _init_worker(tokenizer_dir: str, settings: dict, formats: list[str]) -> None:
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # the pool is the parallelism
-    from transformers import AutoTokenizer
+    from dflash.models.target import load_target_tokenizer
 
-    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    tok = load_target_tokenizer(tokenizer_dir)  # the parent loaded it first: checked there
     _WORKER.update(renderer=Renderer(tok, settings["thinking"], settings["last_turn_only"]),
                    settings=settings, formats=formats, names=[Path(p).name for p in settings["sources"]])
 
@@ -326,21 +326,16 @@ def _sha(text: str | None) -> str:
 
 def _load_target(target: str, log):
     """(tokenizer folder, tokenizer, target fingerprint); one-line errors for a missing or broken target."""
-    from transformers import AutoTokenizer
-
     from dflash.config import ConfigError, resolve_target_dir
     from dflash.data.identity import target_fingerprint
     from dflash.models import smollm2, smollm2_convert
+    from dflash.models.target import load_target_tokenizer
 
     if target != smollm2.NAME and not (resolve_target_dir(target) / "config.json").is_file():
         raise ConversationImportError(f"--target {target}: no config.json there (expected a Hugging Face model folder or "
                            "'smollm2')")
     folder = smollm2_convert.resolve_target(target, log=log)
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(folder)
-    except (OSError, ValueError, KeyError) as e:
-        raise ConversationImportError(f"--target {target}: cannot load its tokenizer ({' '.join(str(e).split())[:160]}); give a "
-                           "model folder with tokenizer files") from None
+    tokenizer = load_target_tokenizer(folder)  # TargetError (one line) for custom code, missing or broken files
     try:
         fp = target_fingerprint(target)
     except ConfigError as e:

@@ -267,17 +267,11 @@ def prepare(s: PrepareSettings, log=print, progress: bool | None = None) -> dict
         raise PrepareError(f"{out / MANIFEST}: {problem}; move the folder aside or use another --out")
 
     from tqdm import tqdm
-    from transformers import AutoTokenizer
+
+    from dflash.models.target import load_target_tokenizer
 
     model_path = resolve_target(s.target, log=log)
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(model_path)
-    except (OSError, ValueError, KeyError) as e:
-        raise PrepareError(f"--target {s.target}: cannot load its tokenizer ({' '.join(str(e).split())[:200]}); give a "
-                           "Hugging Face model folder with tokenizer files") from None
-    if len(tokenizer) < 2:  # transformers builds an empty tokenizer when the folder has no tokenizer files
-        raise PrepareError(f"--target {s.target}: its tokenizer has no vocabulary (tokenizer files missing); give a "
-                           "Hugging Face model folder with tokenizer files")
+    tokenizer = load_target_tokenizer(model_path)  # TargetError (one line) for custom code, missing or broken files
     manifest = _check_resumable(out, existing, _settings_key(s, fingerprint, tokenizer))
     _check_target(out, manifest, _fingerprint(s.target))
     context = context_length(model_path)

@@ -233,10 +233,8 @@ def _short(e: BaseException, limit: int = 200) -> str:
 
 def load_eval_target(target: str, device: str, log=print):
     """(model, tokenizer) for 'smollm2' or an HF folder; float32 on CPU, bfloat16 on CUDA."""
-    from transformers import AutoTokenizer
-
     from dflash.models.smollm2_convert import resolve_target
-    from dflash.models.target import load_target
+    from dflash.models.target import load_target, load_target_tokenizer
 
     path = resolve_target(target, log=log)
     if not (path / "config.json").is_file():
@@ -244,14 +242,8 @@ def load_eval_target(target: str, device: str, log=print):
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise EvalError(f"--device {device}: no CUDA device is visible; use --device cpu")
     dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(path)
-        if len(tokenizer) < 2:  # transformers builds an empty tokenizer when the folder has no tokenizer files
-            raise ValueError("its tokenizer has no vocabulary: tokenizer files missing")
-        return load_target(path, dtype, device), tokenizer
-    except (OSError, ValueError, KeyError, TypeError) as e:  # weights or tokenizer files missing or broken
-        raise EvalError(f"--target {target}: cannot load the model and its tokenizer ({_short(e)}); give a complete "
-                        "Hugging Face model folder (config.json, weights, tokenizer)") from None
+    tokenizer = load_target_tokenizer(path)  # TargetError (one line) for custom code, missing or broken files
+    return load_target(path, dtype, device), tokenizer
 
 
 def load_drafter(folder: Path, device: str) -> DFlashDrafter:

@@ -29,8 +29,9 @@ def ensure_converted(log=print) -> Path:
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()
     try:
-        tokenizer = AutoTokenizer.from_pretrained(str(src.parent), gguf_file=src.name)
-        model = AutoModelForCausalLM.from_pretrained(str(src.parent), gguf_file=src.name, dtype=torch.float32)
+        tokenizer = AutoTokenizer.from_pretrained(str(src.parent), gguf_file=src.name, trust_remote_code=False)
+        model = AutoModelForCausalLM.from_pretrained(str(src.parent), gguf_file=src.name, dtype=torch.float32,
+                                                     trust_remote_code=False)
     finally:
         hf_logging.set_verbosity(verbosity)
     # The weights are plain float32 now; a leftover GGUF quantization config would make

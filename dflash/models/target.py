@@ -11,6 +11,8 @@ from __future__ import annotations
 import functools
 import importlib.util
 import inspect
+import json
+import pickle
 import sys
 import warnings
 from collections.abc import Callable
@@ -36,17 +38,145 @@ def torch_dtype(dtype: str | torch.dtype) -> torch.dtype:
     return DTYPES[dtype]
 
 
-def target_text_config(path: str | Path):
-    """The target's language-model HF config: a vision-language wrapper's text_config, else the config itself."""
-    from transformers import AutoConfig
-
-    return AutoConfig.from_pretrained(path).get_text_config()
-
-
 class TargetError(DflashError):
     """A target folder that cannot be loaded as asked; one line with the fix."""
 
     exit_code = 2
+
+
+# ---------------------------------------------------------------------------------------------
+# The target folder. Every load of its config, tokenizer and weights goes through the functions below, and none
+# runs code the folder carries: trust_remote_code=False on every call, and a folder that would need its own code
+# is refused before transformers is asked (transformers' own question about it reads stdin).
+
+# Where transformers looks for a folder's weights, in its order (an index names the shard files).
+WEIGHT_FILES = ("model.safetensors.index.json", "model.safetensors", "pytorch_model.bin.index.json", "pytorch_model.bin")
+CUSTOM_CODE_FIX = "use a model whose architecture transformers ships (a folder without its own code), or upgrade transformers"
+
+
+def _short(e: BaseException, limit: int = 160) -> str:
+    text = " ".join(str(e).split()) or type(e).__name__
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def _folder_json(folder: Path, name: str, required: bool) -> dict | None:
+    """A JSON object file of the target folder; None when absent and not required; TargetError when unusable."""
+    file = folder / name
+    if not required and not file.exists():
+        return None
+    try:
+        raw = json.loads(file.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise TargetError(f"target {folder}: no {name} there (expected a Hugging Face model folder); give the model's "
+                          "folder") from None
+    except OSError as e:
+        raise TargetError(f"target {file}: cannot read it ({e.strerror}); check the path and its permissions") from None
+    except ValueError as e:  # UnicodeDecodeError and JSONDecodeError both
+        raise TargetError(f"target {file}: not valid JSON ({_short(e, 120)}); restore it from the model's source") from None
+    if not isinstance(raw, dict):
+        raise TargetError(f"target {file}: not a JSON object; restore it from the model's source")
+    return raw
+
+
+def _code_files(auto_map) -> str:
+    """' (auto_map: modeling_x.py, ...)': the folder's own .py files an auto_map points at, or ''."""
+    refs = []
+    for value in auto_map.values() if isinstance(auto_map, dict) else ():
+        refs += [v for v in (value if isinstance(value, list) else [value]) if isinstance(v, str)]
+    files = sorted({ref.split("--")[-1].rsplit(".", 1)[0] + ".py" for ref in refs})
+    return f" (auto_map: {', '.join(files)})" if files else ""
+
+
+def refuse_custom_code(folder: str | Path) -> Path:
+    """The folder, checked to load with classes transformers ships; TargetError (one line) when it needs its own code.
+
+    A config.json whose model_type transformers does not know, or a tokenizer_config.json whose tokenizer_class it
+    does not know, loads only by importing the folder's own .py files (auto_map): code from wherever the model came
+    from. That is refused, never asked about.
+    """
+    import transformers
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+    from transformers.models.auto.tokenization_auto import tokenizer_class_from_name
+
+    folder = Path(folder)
+    config = _folder_json(folder, "config.json", required=True)
+    version = f"transformers {transformers.__version__}"
+    model_type = config.get("model_type")
+    if not isinstance(model_type, str) or model_type not in CONFIG_MAPPING_NAMES:
+        raise TargetError(f"target {folder}: custom code is refused: config.json model_type {model_type!r} is not an "
+                          f"architecture {version} ships{_code_files(config.get('auto_map'))}; {CUSTOM_CODE_FIX}")
+    tokenizer = _folder_json(folder, "tokenizer_config.json", required=False) or {}
+    name = tokenizer.get("tokenizer_class")
+    if name is not None and (not isinstance(name, str) or tokenizer_class_from_name(name) is None):
+        raise TargetError(f"target {folder}: custom code is refused: tokenizer_config.json tokenizer_class {name!r} is "
+                          f"not a tokenizer {version} ships{_code_files(tokenizer.get('auto_map'))}; {CUSTOM_CODE_FIX}")
+    return folder
+
+
+def load_target_config(path: str | Path):
+    """The target's HF config (AutoConfig with transformers' own classes only); TargetError when it cannot load."""
+    from transformers import AutoConfig
+
+    folder = refuse_custom_code(resolve_target_dir(str(path)))
+    try:
+        return AutoConfig.from_pretrained(folder, trust_remote_code=False)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise TargetError(f"target {folder}: its config.json does not load ({_short(e)}); restore it from the model's "
+                          "source") from None
+
+
+def target_text_config(path: str | Path):
+    """The target's language-model HF config: a vision-language wrapper's text_config, else the config itself."""
+    return load_target_config(path).get_text_config()
+
+
+def load_target_tokenizer(path: str | Path):
+    """The target folder's tokenizer (transformers' own classes only); TargetError when it has none or it cannot load."""
+    from transformers import AutoTokenizer
+
+    folder = refuse_custom_code(resolve_target_dir(str(path)))
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=False)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise TargetError(f"target {folder}: cannot load its tokenizer ({_short(e)}); give a Hugging Face model folder "
+                          "with tokenizer files") from None
+    if len(tokenizer) < 2:  # transformers builds an empty tokenizer when the folder has no tokenizer files
+        raise TargetError(f"target {folder}: its tokenizer has no vocabulary (tokenizer files missing); give a Hugging "
+                          "Face model folder with tokenizer files")
+    return tokenizer
+
+
+def weight_files(folder: Path) -> list[Path]:
+    """The files transformers will read `folder`'s weights from, each checked to be a readable file (a safetensors
+    one also complete: header and size); TargetError names the first that is not."""
+    from safetensors import SafetensorError, safe_open
+
+    first = next((folder / name for name in WEIGHT_FILES if (folder / name).exists()), None)
+    if first is None:
+        raise TargetError(f"target {folder}: no weights there ({' or '.join(WEIGHT_FILES[1::2])}); copy the model's "
+                          "weights into the folder")
+    files = [first]
+    if first.name.endswith(".index.json"):
+        weight_map = _folder_json(folder, first.name, required=True).get("weight_map")
+        files = [folder / name for name in sorted(set(weight_map.values()))] if isinstance(weight_map, dict) else []
+        if not files or not all(isinstance(f, Path) and f.parent == folder for f in files):
+            raise TargetError(f"target {first}: no usable weight_map; restore it from the model's source")
+    for file in files:
+        if not file.is_file():
+            what = "a directory where the weights file should be" if file.is_dir() else "missing"
+            raise TargetError(f"target {file}: {what}; copy the model's weights into the folder again")
+        try:
+            with open(file, "rb") as f:
+                f.read(1)
+            if file.suffix == ".safetensors":
+                with safe_open(str(file), framework="numpy") as f:
+                    f.keys()
+        except OSError as e:
+            raise TargetError(f"target {file}: cannot read it ({e.strerror}); check its permissions") from None
+        except SafetensorError as e:
+            raise TargetError(f"target {file}: not a complete safetensors file ({_short(e)}); copy the model's weights "
+                              "again") from None
+    return files
 
 
 def load_target(
@@ -57,24 +187,36 @@ def load_target(
     A vision-language wrapper folder (Qwen3.5/3.6: config.json with text_config, text weights under
     model.language_model.*) loads as its causal LM alone: transformers maps the wrapper's config to
     the text model's class and its weight names onto it, and never builds the vision tower.
+    A pickled pytorch_model.bin loads with torch's weights_only (tensors only); one that holds anything else, and
+    any unreadable weights file, is a TargetError naming the file.
     """
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
     path = resolve_target_dir(str(path_or_name))  # the rule preflight and the memory model apply
-    if not (path / "config.json").is_file():
-        raise TargetError(f"target {str(path_or_name)!r}: no config.json there (expected a Hugging Face model folder); "
-                          "set target.path to the model's folder")
+    config = load_target_config(path)  # refuses a folder that needs its own code
     dtype, device = torch_dtype(dtype), torch.device(device)
     if random_init:
-        config = AutoConfig.from_pretrained(path, trust_remote_code=False)
         with torch.device(device):
             model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     else:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, device_map={"": device}, trust_remote_code=False)
+        files = weight_files(path)
+        try:
+            model = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=dtype, device_map={"": device},
+                                                         trust_remote_code=False)
+        except pickle.UnpicklingError as e:  # torch.load(weights_only=True) met more than tensors
+            raise TargetError(f"target {_named(files)}: holds more than tensors, refused by torch's weights_only load "
+                              f"({_short(e, 120)}); use the model's safetensors weights") from None
+        except (OSError, EOFError, RuntimeError) as e:
+            raise TargetError(f"target {_named(files)}: the weights do not load ({_short(e)}); copy the model's "
+                              "weights again") from None
     if any(name.startswith(("visual.", "model.visual.")) for name, _ in model.named_parameters()):
         raise TargetError(f"target {str(path_or_name)!r}: transformers built a vision tower ({type(model).__name__}); "
                          "upgrade transformers to a version that loads this model as a causal LM alone")
     return freeze(bind_linear_attention(model, device))
+
+
+def _named(files: list[Path]) -> str:
+    return str(files[0]) if len(files) == 1 else f"{files[0].parent} ({', '.join(f.name for f in files)})"
 
 
 def freeze(model: nn.Module) -> nn.Module:

@@ -33,7 +33,8 @@ def _source(obj) -> str:
 
 def _spawning_helpers(module) -> set[str]:
     """Names of the module's functions (fixtures included) that start a process, directly or through each other."""
-    funcs = {n: _source(getattr(f, "__wrapped__", f)) for n, f in vars(module).items() if inspect.isfunction(f)}
+    funcs = {n: _source(getattr(f, "__wrapped__", f)) for n, f in vars(module).items()
+             if inspect.isfunction(getattr(f, "__wrapped__", f))}  # a fixture wraps its function
     found = {n for n, src in funcs.items() if SPAWNS.search(src)}
     while True:
         more = {n for n, src in funcs.items() if n not in found and any(re.search(rf"\b{h}\b", src) for h in found)}

@@ -1,35 +1,27 @@
 """dflash-data regenerate: conversations in, the target's own replies out, against a real OpenAI-compatible server.
 
-The slow tests start `transformers serve` (the dev group's fastapi/uvicorn/openai) with the embedded SmolLM2
-target on a free loopback port, once per module, and run the real `dflash-data regenerate` command against it;
-one of them starts a second server and kills it mid-run. The fast tests judge the pure parts and a closed port.
+The slow tests run the real `dflash-data regenerate` command against `transformers serve` (the dev group's
+fastapi/uvicorn/openai) with the embedded SmolLM2 target on a free loopback port: conftest's `server`, one for the
+session; one of them starts a second server and kills it mid-run. The fast tests judge the pure parts and a closed port.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import socket
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
 
 from dflash.data import regenerate as rg
 from dflash.errors import UsageError
+from trainkit import Server, free_port
 
 REPO = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
 ORIGINAL = "ORIGINAL REPLY"  # every assistant turn of the inputs; a regenerated one never says it
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _write_jsonl(path: Path, rows: list) -> Path:
@@ -55,54 +47,7 @@ def _chat(i: int, turns: int = 1) -> dict:
     return {"id": f"conv-{i}", "messages": messages}
 
 
-# ---------------------------------------------------------------- a real server
-
-
-class Server:
-    """`transformers serve MODEL` on a free loopback port, in its own process."""
-
-    def __init__(self, model: Path, tmp: Path):
-        self.port = _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log = tmp / f"serve-{self.port}.log"
-        (tmp / "hf-cache").mkdir(exist_ok=True)  # /v1/models scans the hub cache: an empty one lists no model
-        env = {**os.environ, "HF_HUB_CACHE": str(tmp / "hf-cache"), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-        cmd = [str(BIN / "transformers"), "serve", str(model), "--host", "127.0.0.1", "--port", str(self.port),
-               "--device", "cpu", "--dtype", "float32"]
-        with open(self.log, "wb") as log:
-            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
-
-    def wait_ready(self, timeout: float = 120.0) -> Server:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                pytest.fail(f"transformers serve exited {self.proc.returncode}: {self.log.read_text()[-2000:]}")
-            try:
-                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
-                    if r.status == 200:
-                        return self
-            except OSError:
-                time.sleep(0.3)
-        self.stop()
-        pytest.fail(f"transformers serve not ready after {timeout:.0f} s: {self.log.read_text()[-2000:]}")
-
-    def stop(self) -> None:
-        self.proc.kill()
-        self.proc.wait(timeout=30)
-
-
-@pytest.fixture(scope="module")
-def smollm2_path():
-    from dflash.models.smollm2_convert import resolve_target
-
-    return resolve_target("smollm2")
-
-
-@pytest.fixture(scope="module")
-def server(smollm2_path, tmp_path_factory):
-    srv = Server(smollm2_path, tmp_path_factory.mktemp("serve")).wait_ready()
-    yield srv
-    srv.stop()
+# ---------------------------------------------------------------- a real server (conftest's `server`)
 
 
 @pytest.mark.slow
@@ -206,7 +151,7 @@ def test_a_run_whose_first_conversations_all_fail_stops(server, tmp_path):
 
 def test_an_unreachable_server_is_one_line_exit_2(tmp_path):
     conv = _write_jsonl(tmp_path / "conv.jsonl", [_chat(0)])
-    url = f"http://127.0.0.1:{_free_port()}"
+    url = f"http://127.0.0.1:{free_port()}"
     p = _regenerate("--input", conv, "--server", url, "--out", tmp_path / "out.jsonl")
     assert p.returncode == 2
     assert p.stderr.splitlines() == [f"dflash-data: error: server {url} is unreachable ([Errno 111] Connection refused); "
@@ -230,7 +175,7 @@ def test_every_server_down_mid_run_stops_and_keeps_what_is_done(tmp_path):
     conv = _write_jsonl(tmp_path / "conv.jsonl", [_chat(i) for i in range(5)])
     out = _write_jsonl(tmp_path / "out.jsonl", [{"id": "conv-0", "messages": []}])
     settings = rg.Settings(retries=1, timeout_s=5)
-    summary = rg.run(conv, out, [f"http://127.0.0.1:{_free_port()}"], settings, concurrency=2, progress=False)
+    summary = rg.run(conv, out, [f"http://127.0.0.1:{free_port()}"], settings, concurrency=2, progress=False)
     assert summary.stopped.startswith("every server is down (last: http://127.0.0.1:") and summary.stopped.endswith("restart one")
     assert (summary.regenerated, summary.already_done, summary.skipped) == (0, 1, 0)
     assert len(_rows(out)) == 1 and not out.with_name("skipped.jsonl").read_text()

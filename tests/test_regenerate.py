@@ -155,7 +155,7 @@ def test_an_unreachable_server_is_one_line_exit_2(tmp_path):
     p = _regenerate("--input", conv, "--server", url, "--out", tmp_path / "out.jsonl")
     assert p.returncode == 2
     assert p.stderr.splitlines() == [f"dflash-data: error: server {url} is unreachable ([Errno 111] Connection refused); "
-                                     "start it (README: Regenerate) or fix --server"]
+                                     "start it (README: Your data) or fix --server"]
     assert not (tmp_path / "out.jsonl").exists()
 
 

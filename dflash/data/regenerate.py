@@ -318,7 +318,7 @@ def probe(urls: list[str], timeout: float = PROBE_TIMEOUT_S) -> list[str]:
         except urllib.error.HTTPError:  # it answers; it just lists no models
             ids = []
         except (OSError, http.client.HTTPException) as e:
-            raise UsageError(f"server {url} is unreachable ({_reason(e)}); start it (README: Regenerate) or "
+            raise UsageError(f"server {url} is unreachable ({_reason(e)}); start it (README: Your data) or "
                              "fix --server") from None
         except (ValueError, AttributeError, TypeError):
             ids = []

@@ -7,9 +7,11 @@ session; one of them starts a second server and kills it mid-run. The fast tests
 
 from __future__ import annotations
 
+import http.server
 import json
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -184,10 +186,75 @@ def test_every_server_down_mid_run_stops_and_keeps_what_is_done(tmp_path):
 def test_both_formats_become_openai_messages():
     share = {"id": 7, "conversations": [{"from": "system", "value": "s"}, {"from": "human", "value": "q"},
                                         {"from": "gpt", "value": "a"}, {"from": "observation", "value": "t"}]}
-    assert rg.parse_row(json.dumps(share), 1) == ("7", [{"role": "system", "content": "s"}, {"role": "user", "content": "q"},
-                                                        {"role": "assistant", "content": "a"}, {"role": "tool", "content": "t"}])
+    assert rg.parse_row(json.dumps(share), 1) == rg.Conversation("7", [
+        {"role": "system", "content": "s"}, {"role": "user", "content": "q"},
+        {"role": "assistant", "content": "a"}, {"role": "tool", "content": "t"}])
     openai = {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a", "reasoning_content": "r"}]}
-    assert rg.parse_row(json.dumps(openai), 9) == ("line-9", openai["messages"])
+    assert rg.parse_row(json.dumps(openai), 9) == rg.Conversation("line-9", openai["messages"])
+
+
+def test_a_row_regenerate_reads_is_a_row_import_reads():
+    """One role table: every speaker import knows is read, `developer` (which import refuses) is refused up front."""
+    from dflash.data.conversations import SHAREGPT_ROLES, row_messages
+
+    for who, role in SHAREGPT_ROLES.items():
+        row = {"conversations": [{"from": who, "value": "x"}, {"from": "gpt", "value": "a"}]}
+        assert rg.parse_row(json.dumps(row), 1).messages[0]["role"] == role
+        assert row_messages(row, "sharegpt")[1][0]["role"] == role
+    with pytest.raises(rg.BadRow, match="messages\\[0\\] has no role of system, user, assistant, tool"):
+        rg.parse_row(json.dumps({"messages": [{"role": "developer", "content": "d"}, {"role": "assistant", "content": "a"}]}), 1)
+
+
+class _Recorder(http.server.BaseHTTPRequestHandler):
+    """A stand-in OpenAI server: answers every chat request with "fresh" and keeps the request bodies."""
+
+    bodies: list = []
+
+    def do_POST(self):
+        self.bodies.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
+        answer = json.dumps({"choices": [{"finish_reason": "stop", "message": {"role": "assistant", "content": "fresh"}}],
+                             "usage": {"completion_tokens": 1}}).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(answer)))
+        self.end_headers()
+        self.wfile.write(answer)
+
+    def log_message(self, *args):
+        pass
+
+
+def test_tool_definitions_are_sent_and_kept(tmp_path):
+    """A row's `tools` (a list, or ShareGPT's JSON string) reach the server with every request and stay in the
+    output, so import renders the prompt the server saw; a `tools` that is neither is a skipped row."""
+    from dflash.data.conversations import row_messages
+
+    tools = [{"type": "function", "function": {"name": "moon_phase", "parameters": {"type": "object"}}}]
+    conv = _write_jsonl(tmp_path / "conv.jsonl", [
+        {**_chat(0, turns=2), "tools": tools},
+        {"id": "share", "tools": json.dumps(tools), "conversations": [{"from": "human", "value": "q"},
+                                                                       {"from": "gpt", "value": ORIGINAL}]},
+        {**_chat(1), "tools": "{not json"},
+        _chat(2)])
+    out = tmp_path / "regen.jsonl"
+    _Recorder.bodies = []
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Recorder)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        summary = rg.run(conv, out, [f"http://127.0.0.1:{httpd.server_port}"], rg.Settings(max_tokens=4), concurrency=1,
+                         progress=False)
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+    assert (summary.regenerated, summary.skipped) == (3, 1)
+    assert _rows(out.with_name("skipped.jsonl"))[0]["reason"] == "`tools` is a string that is not JSON"
+    asked = {b["messages"][0]["content"]: b.get("tools") for b in _Recorder.bodies}
+    assert len(_Recorder.bodies) == 4 and asked == {"Give me fact number 0 about the sea.": tools, "q": tools,
+                                                   "Give me fact number 2 about the sea.": None}
+    rows = {r["id"]: r for r in _rows(out)}
+    assert rows["conv-0"]["tools"] == rows["share"]["tools"] == tools and "tools" not in rows["conv-2"]
+    _, messages, read_tools = row_messages(rows["conv-0"], "auto")
+    assert read_tools == tools and [m["content"] for m in messages if m["role"] == "assistant"] == ["fresh", "fresh"]
 
 
 @pytest.mark.parametrize("line, reason", [

@@ -28,17 +28,17 @@ MAX_TOKENS, SEED = 8, 0
 
 
 def _conversations() -> list[dict]:
-    """Three two-turn conversations (the first with a system message), ShareGPT and OpenAI mixed."""
-    rows = []
-    for i in range(3):
-        turns = [("user", f"Tell me fact {i + t} about the moon.") for t in range(2)]
-        messages = [{"role": "system", "content": "You answer briefly."}] if i == 0 else []
-        for role, text in turns:
-            messages += [{"role": role, "content": text}, {"role": "assistant", "content": ORIGINAL}]
-        rows.append({"id": f"moon-{i}", "messages": messages})
-    rows[2] = {"id": "moon-2", "conversations": [{"from": {"user": "human", "assistant": "gpt"}[m["role"]],
-                                                  "value": m["content"]} for m in rows[2]["messages"]]}
-    return rows
+    """Three two-turn conversations: OpenAI messages (the first with a system message) and one ShareGPT row."""
+    def questions(i):
+        return [f"Tell me fact {i} about the moon.", f"Tell me fact {i + 1} about the moon."]
+
+    system = [{"role": "system", "content": "You answer briefly."}]
+    openai = [{"id": f"moon-{i}", "messages": (system if i == 0 else []) + [
+        {"role": role, "content": text} for q in questions(i) for role, text in (("user", q), ("assistant", ORIGINAL))]}
+        for i in range(2)]
+    share = {"id": "moon-2", "conversations": [
+        {"from": who, "value": text} for q in questions(2) for who, text in (("human", q), ("gpt", ORIGINAL))]}
+    return [*openai, share]
 
 
 def _command(tool: str, *args) -> subprocess.CompletedProcess:

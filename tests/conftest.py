@@ -1,4 +1,5 @@
-"""Shared fixtures (a tiny random Qwen3 target built in memory, no download) and the session's process settings.
+"""Shared fixtures (a tiny random Qwen3 target built in memory, no download; the embedded SmolLM2 target and one
+real server of it) and the session's process settings.
 
 One thread per process (OMP_NUM_THREADS, unless set): the shapes are tiny and the tests' processes
 share the cores. One bytecode cache: where bytecode writing is off (PYTHONDONTWRITEBYTECODE, as on
@@ -21,7 +22,8 @@ import pytest
 
 # What starts another process. A test is marked e2e when its source, a helper of its module it calls or a fixture it
 # uses does this, so `pytest -m "not e2e"` is the inner loop (every in-process test, a fraction of the wall time).
-SPAWNS = re.compile(r"subprocess\.|Popen\(|torchrun|mp\.spawn|multiprocessing\.|train_cmd\(|train_main_here\(")
+# (trainkit's train_cmd, train_main_here and Server count.)
+SPAWNS = re.compile(r"subprocess\.|Popen\(|torchrun|mp\.spawn|multiprocessing\.|train_cmd\(|train_main_here\(|\bServer\(")
 
 
 def _source(obj) -> str:
@@ -33,7 +35,8 @@ def _source(obj) -> str:
 
 def _spawning_helpers(module) -> set[str]:
     """Names of the module's functions (fixtures included) that start a process, directly or through each other."""
-    funcs = {n: _source(getattr(f, "__wrapped__", f)) for n, f in vars(module).items() if inspect.isfunction(f)}
+    funcs = {n: _source(getattr(f, "__wrapped__", f)) for n, f in vars(module).items()
+             if inspect.isfunction(getattr(f, "__wrapped__", f))}  # a fixture wraps its function
     found = {n for n, src in funcs.items() if SPAWNS.search(src)}
     while True:
         more = {n for n, src in funcs.items() if n not in found and any(re.search(rf"\b{h}\b", src) for h in found)}
@@ -58,6 +61,7 @@ def pytest_configure(config):
 
 def pytest_collection_modifyitems(config, items):
     helpers: dict = {}
+    shared = _spawning_helpers(sys.modules[__name__])  # this file's fixtures that start a process (server)
     for item in items:
         module, fn = getattr(item, "module", None), getattr(item, "function", None)
         if module is None or fn is None:
@@ -65,7 +69,7 @@ def pytest_collection_modifyitems(config, items):
         if module not in helpers:
             helpers[module] = _spawning_helpers(module)
         source = _source(fn)
-        if SPAWNS.search(source) or helpers[module] & set(item.fixturenames) or \
+        if SPAWNS.search(source) or (helpers[module] | shared) & set(item.fixturenames) or \
                 any(re.search(rf"\b{h}\(", source) for h in helpers[module]):
             item.add_marker(pytest.mark.e2e)
 
@@ -88,3 +92,22 @@ def tiny_target():
 
 def pytest_addoption(parser):
     parser.addoption("--update-golden", action="store_true", help="rewrite tests/data/golden_tiny_loss.json")
+
+
+@pytest.fixture(scope="session")
+def smollm2_path():
+    """The embedded SmolLM2-135M-Instruct as a Hugging Face folder (converted from its GGUF once, then cached)."""
+    from dflash.models.smollm2_convert import resolve_target
+
+    return resolve_target("smollm2")
+
+
+@pytest.fixture(scope="session")
+def server(smollm2_path, tmp_path_factory):
+    """One real OpenAI-compatible server of SmolLM2 (`transformers serve`, CPU) for the session: ~10 s to start, so
+    every test that needs one shares it (per xdist worker: each worker is a session)."""
+    from trainkit import Server
+
+    srv = Server(smollm2_path, tmp_path_factory.mktemp("serve")).wait_ready()
+    yield srv
+    srv.stop()

@@ -1,35 +1,29 @@
 """dflash-data regenerate: conversations in, the target's own replies out, against a real OpenAI-compatible server.
 
-The slow tests start `transformers serve` (the dev group's fastapi/uvicorn/openai) with the embedded SmolLM2
-target on a free loopback port, once per module, and run the real `dflash-data regenerate` command against it;
-one of them starts a second server and kills it mid-run. The fast tests judge the pure parts and a closed port.
+The slow tests run the real `dflash-data regenerate` command against `transformers serve` (the dev group's
+fastapi/uvicorn/openai) with the embedded SmolLM2 target on a free loopback port: conftest's `server`, one for the
+session; one of them starts a second server and kills it mid-run. The fast tests judge the pure parts and a closed port.
 """
 
 from __future__ import annotations
 
+import http.server
 import json
-import os
-import socket
 import subprocess
 import sys
+import threading
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
 
 from dflash.data import regenerate as rg
 from dflash.errors import UsageError
+from trainkit import Server, free_port
 
 REPO = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
 ORIGINAL = "ORIGINAL REPLY"  # every assistant turn of the inputs; a regenerated one never says it
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _write_jsonl(path: Path, rows: list) -> Path:
@@ -55,54 +49,7 @@ def _chat(i: int, turns: int = 1) -> dict:
     return {"id": f"conv-{i}", "messages": messages}
 
 
-# ---------------------------------------------------------------- a real server
-
-
-class Server:
-    """`transformers serve MODEL` on a free loopback port, in its own process."""
-
-    def __init__(self, model: Path, tmp: Path):
-        self.port = _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log = tmp / f"serve-{self.port}.log"
-        (tmp / "hf-cache").mkdir(exist_ok=True)  # /v1/models scans the hub cache: an empty one lists no model
-        env = {**os.environ, "HF_HUB_CACHE": str(tmp / "hf-cache"), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-        cmd = [str(BIN / "transformers"), "serve", str(model), "--host", "127.0.0.1", "--port", str(self.port),
-               "--device", "cpu", "--dtype", "float32"]
-        with open(self.log, "wb") as log:
-            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
-
-    def wait_ready(self, timeout: float = 120.0) -> Server:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                pytest.fail(f"transformers serve exited {self.proc.returncode}: {self.log.read_text()[-2000:]}")
-            try:
-                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
-                    if r.status == 200:
-                        return self
-            except OSError:
-                time.sleep(0.3)
-        self.stop()
-        pytest.fail(f"transformers serve not ready after {timeout:.0f} s: {self.log.read_text()[-2000:]}")
-
-    def stop(self) -> None:
-        self.proc.kill()
-        self.proc.wait(timeout=30)
-
-
-@pytest.fixture(scope="module")
-def smollm2_path():
-    from dflash.models.smollm2_convert import resolve_target
-
-    return resolve_target("smollm2")
-
-
-@pytest.fixture(scope="module")
-def server(smollm2_path, tmp_path_factory):
-    srv = Server(smollm2_path, tmp_path_factory.mktemp("serve")).wait_ready()
-    yield srv
-    srv.stop()
+# ---------------------------------------------------------------- a real server (conftest's `server`)
 
 
 @pytest.mark.slow
@@ -206,11 +153,11 @@ def test_a_run_whose_first_conversations_all_fail_stops(server, tmp_path):
 
 def test_an_unreachable_server_is_one_line_exit_2(tmp_path):
     conv = _write_jsonl(tmp_path / "conv.jsonl", [_chat(0)])
-    url = f"http://127.0.0.1:{_free_port()}"
+    url = f"http://127.0.0.1:{free_port()}"
     p = _regenerate("--input", conv, "--server", url, "--out", tmp_path / "out.jsonl")
     assert p.returncode == 2
     assert p.stderr.splitlines() == [f"dflash-data: error: server {url} is unreachable ([Errno 111] Connection refused); "
-                                     "start it (README: Regenerate) or fix --server"]
+                                     "start it (README: Your data) or fix --server"]
     assert not (tmp_path / "out.jsonl").exists()
 
 
@@ -230,7 +177,7 @@ def test_every_server_down_mid_run_stops_and_keeps_what_is_done(tmp_path):
     conv = _write_jsonl(tmp_path / "conv.jsonl", [_chat(i) for i in range(5)])
     out = _write_jsonl(tmp_path / "out.jsonl", [{"id": "conv-0", "messages": []}])
     settings = rg.Settings(retries=1, timeout_s=5)
-    summary = rg.run(conv, out, [f"http://127.0.0.1:{_free_port()}"], settings, concurrency=2, progress=False)
+    summary = rg.run(conv, out, [f"http://127.0.0.1:{free_port()}"], settings, concurrency=2, progress=False)
     assert summary.stopped.startswith("every server is down (last: http://127.0.0.1:") and summary.stopped.endswith("restart one")
     assert (summary.regenerated, summary.already_done, summary.skipped) == (0, 1, 0)
     assert len(_rows(out)) == 1 and not out.with_name("skipped.jsonl").read_text()
@@ -239,10 +186,75 @@ def test_every_server_down_mid_run_stops_and_keeps_what_is_done(tmp_path):
 def test_both_formats_become_openai_messages():
     share = {"id": 7, "conversations": [{"from": "system", "value": "s"}, {"from": "human", "value": "q"},
                                         {"from": "gpt", "value": "a"}, {"from": "observation", "value": "t"}]}
-    assert rg.parse_row(json.dumps(share), 1) == ("7", [{"role": "system", "content": "s"}, {"role": "user", "content": "q"},
-                                                        {"role": "assistant", "content": "a"}, {"role": "tool", "content": "t"}])
+    assert rg.parse_row(json.dumps(share), 1) == rg.Conversation("7", [
+        {"role": "system", "content": "s"}, {"role": "user", "content": "q"},
+        {"role": "assistant", "content": "a"}, {"role": "tool", "content": "t"}])
     openai = {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a", "reasoning_content": "r"}]}
-    assert rg.parse_row(json.dumps(openai), 9) == ("line-9", openai["messages"])
+    assert rg.parse_row(json.dumps(openai), 9) == rg.Conversation("line-9", openai["messages"])
+
+
+def test_a_row_regenerate_reads_is_a_row_import_reads():
+    """One role table: every speaker import knows is read, `developer` (which import refuses) is refused up front."""
+    from dflash.data.conversations import SHAREGPT_ROLES, row_messages
+
+    for who, role in SHAREGPT_ROLES.items():
+        row = {"conversations": [{"from": who, "value": "x"}, {"from": "gpt", "value": "a"}]}
+        assert rg.parse_row(json.dumps(row), 1).messages[0]["role"] == role
+        assert row_messages(row, "sharegpt")[1][0]["role"] == role
+    with pytest.raises(rg.BadRow, match="messages\\[0\\] has no role of system, user, assistant, tool"):
+        rg.parse_row(json.dumps({"messages": [{"role": "developer", "content": "d"}, {"role": "assistant", "content": "a"}]}), 1)
+
+
+class _Recorder(http.server.BaseHTTPRequestHandler):
+    """A stand-in OpenAI server: answers every chat request with "fresh" and keeps the request bodies."""
+
+    bodies: list = []
+
+    def do_POST(self):
+        self.bodies.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
+        answer = json.dumps({"choices": [{"finish_reason": "stop", "message": {"role": "assistant", "content": "fresh"}}],
+                             "usage": {"completion_tokens": 1}}).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(answer)))
+        self.end_headers()
+        self.wfile.write(answer)
+
+    def log_message(self, *args):
+        pass
+
+
+def test_tool_definitions_are_sent_and_kept(tmp_path):
+    """A row's `tools` (a list, or ShareGPT's JSON string) reach the server with every request and stay in the
+    output, so import renders the prompt the server saw; a `tools` that is neither is a skipped row."""
+    from dflash.data.conversations import row_messages
+
+    tools = [{"type": "function", "function": {"name": "moon_phase", "parameters": {"type": "object"}}}]
+    conv = _write_jsonl(tmp_path / "conv.jsonl", [
+        {**_chat(0, turns=2), "tools": tools},
+        {"id": "share", "tools": json.dumps(tools), "conversations": [{"from": "human", "value": "q"},
+                                                                       {"from": "gpt", "value": ORIGINAL}]},
+        {**_chat(1), "tools": "{not json"},
+        _chat(2)])
+    out = tmp_path / "regen.jsonl"
+    _Recorder.bodies = []
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Recorder)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        summary = rg.run(conv, out, [f"http://127.0.0.1:{httpd.server_port}"], rg.Settings(max_tokens=4), concurrency=1,
+                         progress=False)
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+    assert (summary.regenerated, summary.skipped) == (3, 1)
+    assert _rows(out.with_name("skipped.jsonl"))[0]["reason"] == "`tools` is a string that is not JSON"
+    asked = {b["messages"][0]["content"]: b.get("tools") for b in _Recorder.bodies}
+    assert len(_Recorder.bodies) == 4 and asked == {"Give me fact number 0 about the sea.": tools, "q": tools,
+                                                   "Give me fact number 2 about the sea.": None}
+    rows = {r["id"]: r for r in _rows(out)}
+    assert rows["conv-0"]["tools"] == rows["share"]["tools"] == tools and "tools" not in rows["conv-2"]
+    _, messages, read_tools = row_messages(rows["conv-0"], "auto")
+    assert read_tools == tools and [m["content"] for m in messages if m["role"] == "assistant"] == ["fresh", "fresh"]
 
 
 @pytest.mark.parametrize("line, reason", [

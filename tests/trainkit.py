@@ -1,12 +1,17 @@
-"""The one helper module of the tests: the tiny training preset and chat target (over dflash.data.synthetic), and
-the ways a test runs the trainer: in this process (`run`), or as the real command in a child process (`train_cmd`,
-`train_main_here`)."""
+"""The one helper module of the tests: the tiny training preset and chat target (over dflash.data.synthetic), the
+ways a test runs the trainer: in this process (`run`), or as the real command in a child process (`train_cmd`,
+`train_main_here`), and a real OpenAI-compatible server of a target (`Server`; conftest's `server` fixture holds one
+with the embedded SmolLM2 for the session)."""
 
 from __future__ import annotations
 
 import json
 import os
+import socket
+import subprocess
 import sys
+import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -21,12 +26,17 @@ TRAIN_TARGET = target_config("qwen3", pad_token_id=0, initializer_range=0.15)
 def tiny_config(root: Path, **train):
     """(run config, raw dict) of the tiny CPU preset under root; `train` overrides [train] fields."""
     target = write_target(root / "tiny-target", TRAIN_TARGET)
-    data = write_pattern_dataset(root / "data")
+    return run_config(root, target, write_pattern_dataset(root / "data"), **train)
+
+
+def run_config(root: Path, target: Path, data: Path, drafter: dict | None = None, **train):
+    """(run config, raw dict) of the tiny preset's settings for another target and dataset: the run goes to
+    root/run; `drafter` replaces the [drafter] section, `train` overrides [train] fields."""
     raw = {
         "output_dir": str(root / "run"),
         "device": "cpu",
         "target": {"path": str(target), "dtype": "float32"},
-        "drafter": {"num_layers": 1, "block_size": 4},
+        "drafter": drafter or {"num_layers": 1, "block_size": 4},
         "data": {"path": str(data), "token_budget": 512, "max_batch_size": 8, "num_buckets": 2},
         "train": {"max_anchors": 16, "gamma": 4.0, "lr": 1e-2, "warmup_ratio": 0.1, "max_steps": 30,
                   "loss_chunk": 64, "log_every": 1, "save_every": 10, "keep_last": 2, "compile": False,
@@ -81,3 +91,50 @@ def train_main_here(config: Path, *args: str) -> int:
         os.environ.clear()
         os.environ.update(environ)
     return e.value.code
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """`transformers serve MODEL` (the dev group's fastapi/uvicorn/openai) on a free loopback port, in its own
+    process, on CPU in float32."""
+
+    def __init__(self, model: Path, tmp: Path):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = tmp / f"serve-{self.port}.log"
+        (tmp / "hf-cache").mkdir(exist_ok=True)  # /v1/models scans the hub cache: an empty one lists no model
+        env = {**os.environ, "HF_HUB_CACHE": str(tmp / "hf-cache"), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+        cmd = [str(Path(sys.executable).parent / "transformers"), "serve", str(model), "--host", "127.0.0.1",
+               "--port", str(self.port), "--device", "cpu", "--dtype", "float32"]
+        with open(self.log, "wb") as log:
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+
+    def wait_ready(self, timeout: float = 120.0) -> Server:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                pytest.fail(f"transformers serve exited {self.proc.returncode}: {self.log.read_text()[-2000:]}")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        return self
+            except OSError:
+                time.sleep(0.3)
+        self.stop()
+        pytest.fail(f"transformers serve not ready after {timeout:.0f} s: {self.log.read_text()[-2000:]}")
+
+    def chat(self, body: dict) -> dict:
+        """One chat completion asked directly (no dflash code): the server's JSON answer."""
+        request = urllib.request.Request(self.url + "/v1/chat/completions", data=json.dumps(body).encode(),
+                                         headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=120) as r:
+            return json.loads(r.read())
+
+    def stop(self) -> None:
+        self.proc.kill()
+        self.proc.wait(timeout=30)

@@ -3,15 +3,17 @@
     uv run dflash-data regenerate --input conv.jsonl --server http://127.0.0.1:30000 --out regen.jsonl
 
 Input: JSONL, one conversation a line, ShareGPT (`id`, `conversations`: [{from, value}]) or OpenAI
-(`id`, `messages`: [{role, content}]), read as a stream. Output: JSONL in the OpenAI form, `{"id", "messages"}`,
-one line per finished conversation, appended and flushed as soon as it is done (completion order, not input
-order); an assistant turn keeps the server's `reasoning_content` when it returns one. A rerun skips the ids
-already in the output, so a run stopped anywhere (a server killed, Ctrl-C) loses nothing and writes nothing
-twice. What could not be done in this run (a malformed line, a conversation that failed after every retry)
-goes to `skipped.jsonl` beside the output, with the line number and the reason; a rerun tries those again.
+(`id`, `messages`: [{role, content}]), with the roles `dflash-data import` reads (its tables, so a regenerated row
+always imports) and optional `tools`, read as a stream. Output: JSONL in the OpenAI form, `{"id", "messages",
+"tools"?}` (the tool definitions are sent with every request and kept), one line per finished conversation,
+appended and flushed as soon as it is done (completion order, not input order); an assistant turn keeps the
+server's `reasoning_content` when it returns one. A rerun skips the ids already in the output, so a run stopped
+anywhere (a server killed, Ctrl-C) loses nothing and writes nothing twice. What could not be done in this run (a
+malformed line, a conversation that failed after every retry) goes to `skipped.jsonl` beside the output, with the
+line number and the reason; a rerun tries those again.
 
 Requests go to the least-loaded live server (ties in turn); a failed request is retried with exponential
-backoff on another server when there is one. The client is the standard library only (urllib, threads):
+backoff on another server when there is one. The client is plain HTTP (urllib, threads; no torch, no tokenizer):
 it runs in the training environment while the server runs in the infer-cu130 profile's.
 """
 
@@ -30,6 +32,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from dflash.data.conversations import ROLES, SHAREGPT_ROLES
 from dflash.data.jsonl import JsonLineError, binary_lines, decode_json
 from dflash.errors import DflashError, UsageError
 
@@ -40,10 +43,6 @@ PROBE_TIMEOUT_S = 10.0  # the start-of-run reachability check, per server
 BACKOFF_BASE_S = 0.5  # first retry waits ~0.5 s, then doubles (with jitter) ...
 BACKOFF_MAX_S = 30.0  # ... up to this
 FAILED_FIRST_LIMIT = 8  # this many failed conversations before any succeeds stop the run (wrong --model, wrong URL)
-# ShareGPT speaker names -> OpenAI roles.
-SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
-                  "chatgpt": "assistant", "tool": "tool", "function": "tool", "observation": "tool"}
-ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
 class RegenerateError(DflashError):
@@ -74,6 +73,15 @@ class Settings:
     seed: int | None = None  # sent with every request when given
     retries: int = 5  # further attempts per reply after a failure
     timeout_s: float = 600.0  # per request
+
+
+@dataclass(frozen=True)
+class Conversation:
+    """One input row: its id, its messages in the OpenAI form, and its tool definitions (None: none)."""
+
+    id: str
+    messages: list[dict]
+    tools: list | None = None
 
 
 @dataclass
@@ -136,6 +144,19 @@ def _openai(messages) -> list[dict]:
     return messages
 
 
+def _tools(row: dict) -> list | None:
+    """The row's tool definitions (a list, or a JSON string of one as some ShareGPT files write it), else None."""
+    tools = row.get("tools")
+    if isinstance(tools, str):
+        try:
+            tools = decode_json(tools)
+        except JsonLineError as e:
+            raise BadRow(f"`tools` is a string that is not JSON ({e})") from None
+    if tools is not None and not isinstance(tools, list):
+        raise BadRow("`tools` is not a list")
+    return tools or None
+
+
 def _messages(row: dict) -> list[dict]:
     if "messages" in row:
         messages = _openai(row["messages"])
@@ -148,8 +169,8 @@ def _messages(row: dict) -> list[dict]:
     return messages
 
 
-def parse_row(text: str, lineno: int) -> tuple[str, list[dict]]:
-    """One input line -> (id, OpenAI messages); BadRow with the reason (and `.rid` when known) otherwise.
+def parse_row(text: str, lineno: int) -> Conversation:
+    """One input line -> its Conversation; BadRow with the reason (and `.rid` when known) otherwise.
 
     A row without an id gets `line-<lineno>`: stable across reruns of the same input file.
     """
@@ -163,26 +184,26 @@ def parse_row(text: str, lineno: int) -> tuple[str, list[dict]]:
     if not isinstance(rid, (str, int)) or isinstance(rid, bool):
         raise BadRow("`id` is not a string or an integer")
     try:
-        return str(rid), _messages(row)
+        return Conversation(str(rid), _messages(row), _tools(row))
     except BadRow as e:
         e.rid = str(rid)
         raise
 
 
 def read_rows(path: Path):
-    """Stream (lineno, id, messages, reason) for every non-blank line; a bad line has messages None and a reason."""
+    """Stream (lineno, id, conversation, reason) for every non-blank line; a bad line has None and a reason."""
     with open(path, "rb") as f:
         for lineno, raw in binary_lines(f):  # lines end at "\n" only
             if not raw.strip():
                 continue
             try:
-                rid, messages = parse_row(raw.decode("utf-8"), lineno)
+                conv = parse_row(raw.decode("utf-8"), lineno)
             except UnicodeDecodeError:
                 yield lineno, None, None, "not UTF-8"
             except BadRow as e:
                 yield lineno, getattr(e, "rid", None), None, str(e)
             else:
-                yield lineno, rid, messages, None
+                yield lineno, conv.id, conv, None
 
 
 def count_rows(path: Path) -> int:
@@ -319,7 +340,7 @@ def probe(urls: list[str], timeout: float = PROBE_TIMEOUT_S) -> list[str]:
         except urllib.error.HTTPError:  # it answers; it just lists no models
             ids = []
         except (OSError, http.client.HTTPException) as e:
-            raise UsageError(f"server {url} is unreachable ({_reason(e)}); start it (README: Regenerate) or "
+            raise UsageError(f"server {url} is unreachable ({_reason(e)}); start it (README: Your data) or "
                              "fix --server") from None
         except (ValueError, AttributeError, TypeError):
             ids = []
@@ -327,9 +348,11 @@ def probe(urls: list[str], timeout: float = PROBE_TIMEOUT_S) -> list[str]:
     return models or []
 
 
-def request_body(messages: list[dict], settings: Settings) -> dict:
+def request_body(messages: list[dict], settings: Settings, tools: list | None = None) -> dict:
     body = {"messages": messages, "max_tokens": settings.max_tokens, "temperature": settings.temperature,
             "stream": False}
+    if tools:
+        body["tools"] = tools  # the conversation's tool definitions: the template renders them into the prompt
     if settings.model:
         body["model"] = settings.model
     if settings.seed is not None:
@@ -364,13 +387,14 @@ def backoff_s(attempt: int) -> float:
     return min(BACKOFF_MAX_S, BACKOFF_BASE_S * 2 ** (attempt - 1)) * random.uniform(0.5, 1.0)
 
 
-def complete(pool: ServerPool, messages: list[dict], settings: Settings, sleep=time.sleep) -> Reply:
+def complete(pool: ServerPool, messages: list[dict], settings: Settings, sleep=time.sleep,
+             tools: list | None = None) -> Reply:
     """One reply to `messages`, retried with backoff over the pool's servers.
 
     RowFailed: a 4xx answer (the request itself is wrong) or every attempt spent while some server lives.
     RunStopped: every attempt spent and every server down, or the pool stopped.
     """
-    body, last, avoid = request_body(messages, settings), "no attempt", None
+    body, last, avoid = request_body(messages, settings, tools), "no attempt", None
     for attempt in range(settings.retries + 1):
         if pool.stopped:
             raise RunStopped(pool.stopped)
@@ -399,17 +423,22 @@ def complete(pool: ServerPool, messages: list[dict], settings: Settings, sleep=t
     raise RowFailed(f"failed after {settings.retries + 1} attempts: {last}")
 
 
-def regenerate(pool: ServerPool, messages: list[dict], settings: Settings) -> tuple[list[dict], list[Reply]]:
-    """The conversation with its assistant turns (all, or the last) replaced by the servers' replies, in order."""
+def regenerate(pool: ServerPool, conv: Conversation, settings: Settings) -> tuple[dict, list[Reply]]:
+    """The output row: the conversation with its assistant turns (all, or the last) replaced by the servers' replies,
+    in order, and its tool definitions kept (import renders them as the server did)."""
+    messages = conv.messages
     targets = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
     targets = set(targets[-1:] if settings.turns == "last" else targets)
     out, replies = [], []
     for i, message in enumerate(messages):
         if i in targets:
-            replies.append(complete(pool, out, settings))
+            replies.append(complete(pool, out, settings, tools=conv.tools))
             message = replies[-1].message
         out.append(message)
-    return out, replies
+    row = {"id": conv.id, "messages": out}
+    if conv.tools:
+        row["tools"] = conv.tools
+    return row, replies
 
 
 # ---------------------------------------------------------------- the run
@@ -435,7 +464,7 @@ class _Run:
     def finish(self, future: Future) -> None:
         lineno, rid = self.pending.pop(future)
         try:
-            messages, replies = future.result()
+            row, replies = future.result()
         except RowFailed as e:
             self.failed += 1
             if self.failed >= FAILED_FIRST_LIMIT and not self.summary.regenerated:
@@ -444,7 +473,7 @@ class _Run:
         except RunStopped as e:
             self.pool.stop(str(e))
             return
-        self.out.write(json.dumps({"id": rid, "messages": messages}, ensure_ascii=False) + "\n")
+        self.out.write(json.dumps(row, ensure_ascii=False) + "\n")
         self.out.flush()
         s = self.summary
         s.regenerated += 1
@@ -461,7 +490,7 @@ class _Run:
 
     def feed(self, executor: ThreadPoolExecutor, rows, done: set[str], concurrency: int) -> None:
         seen: dict[str, int] = {}
-        for lineno, rid, messages, reason in rows:
+        for lineno, rid, conv, reason in rows:
             if self.pool.stopped:
                 break
             if reason is not None:
@@ -475,7 +504,7 @@ class _Run:
             else:
                 seen[rid] = lineno
                 self.drain(2 * concurrency - 1)
-                self.pending[executor.submit(regenerate, self.pool, messages, self.settings)] = (lineno, rid)
+                self.pending[executor.submit(regenerate, self.pool, conv, self.settings)] = (lineno, rid)
         self.drain(0)
 
 

@@ -84,9 +84,9 @@ def main(argv=None) -> int:
                    help="transformers' PyTorch Gated DeltaNet even where fla is installed (the fallback's rate)")
     p.add_argument("--padding-mask", action="store_true",
                    help="pass the batch's attention mask to the target, as dflash did before it stopped (what it cost)")
-    p.add_argument("--compile", choices=("off", "on", "both"), default="both",
+    p.add_argument("--compile", choices=("off", "on", "both"), default=None,
                    help="the target's decoder layers eager, compiled (dflash.models.target.compile_target), or both "
-                        "in turn on the same model (default)")
+                        "in turn on the same model (default: both on CUDA, off elsewhere, as the trainer compiles)")
     p.add_argument("--out", type=Path, help="write the result as JSON here")
     args = p.parse_args(argv)
     overrides = parse_sets(args.set, args.config, "target_rate")
@@ -157,7 +157,8 @@ def main(argv=None) -> int:
                 "nvml_peak_bytes": peak.peak}
 
     bound = kernels(model)  # before compile_target wraps the delta rule
-    modes = {"off": [False], "on": [True], "both": [False, True]}[args.compile]
+    mode = args.compile or ("both" if device.type == "cuda" else "off")
+    modes = {"off": [False], "on": [True], "both": [False, True]}[mode]
     runs, features = [], []
     for compiled in modes:
         runs.append(measure(compiled))

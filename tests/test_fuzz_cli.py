@@ -533,7 +533,7 @@ def run_records(tmp_path_factory):
     gate writes it, and the outcome the trainer keeps: the real layout, every section filled."""
     from dflash.config import config_from_dict
     from dflash.runs import records
-    from preflight.facts import gather
+    from preflight.facts.gather import gather
     from preflight.nvml import FakeGpuInfo
     from preflight.snapshot import stamp, take
 

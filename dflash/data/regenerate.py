@@ -150,8 +150,8 @@ def _tools(row: dict) -> list | None:
     if isinstance(tools, str):
         try:
             tools = decode_json(tools)
-        except JsonLineError as e:
-            raise BadRow(f"`tools` is a string that is not JSON ({e})") from None
+        except JsonLineError:
+            raise BadRow("`tools` is a string that is not JSON") from None
     if tools is not None and not isinstance(tools, list):
         raise BadRow("`tools` is not a list")
     return tools or None

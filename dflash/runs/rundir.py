@@ -71,6 +71,7 @@ CHECKPOINTS_DIR = "checkpoints"
 BEST_NAME = "best"  # inside CHECKPOINTS_DIR: a relative symlink to a step_* folder
 HELDOUT_NAME = "heldout.json"
 RUNNING_NAME = "running.json"
+RANKS_NAME = "ranks.json"  # the split launcher's rank plan (which GPU holds which role)
 LOCK_NAME = ".lock"  # flock'ed by the trainer using the run dir (`lock_run_dir`)
 REPORT_DIR = "report"
 TENSORBOARD_DIR = "tensorboard"  # --report-to tensorboard's event files

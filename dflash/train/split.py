@@ -146,7 +146,7 @@ def launch(cfg: RunConfig, resume_from: Path | None, gate_id: str, log=print, lo
     finally:
         for s, h in old_handlers.items():
             signal.signal(s, h)
-    (out / "ranks.json").write_text(json.dumps(
+    (out / rundir.RANKS_NAME).write_text(json.dumps(
         [{"rank": r.rank, "role": r.name, "gpu": gpu_of(cfg, r), "pid": p.pid} for r, p in zip(roles, procs)]))
     log(f"launched {len(roles)} processes: drafter ranks 0-{roles[0].n_drafters - 1} on GPUs "
         f"{','.join(cfg.topology.drafter_gpus)}, target ranks {roles[0].n_drafters}-{len(roles) - 1} on GPUs "

@@ -13,23 +13,21 @@ from dflash.models.target import compile_target, load_target, target_features
 def folders(tmp_path_factory):
     """{kind: folder} of a tiny random dense (Qwen3) and hybrid (Qwen3.5: Gated DeltaNet + full attention) target."""
     root = tmp_path_factory.mktemp("targets")
-    fields = {"num_hidden_layers": 8, "vocab_size": 256, "initializer_range": 0.1}
+    fields = {"num_hidden_layers": 4, "vocab_size": 256, "initializer_range": 0.1}  # the hybrid: 3 linear + 1 full
     return {"dense": write_target(root / "dense", target_config(**fields)),
             "hybrid": write_target(root / "hybrid", hybrid_target_config(**fields))}
 
 
 class GraphCounter:
-    """A torch.compile backend running the graphs eagerly (aot_eager) and counting how many dynamo hands it."""
+    """A torch.compile backend running dynamo's graphs as traced (no inductor: CPU compilation would take minutes)
+    and counting them."""
 
     def __init__(self):
         self.graphs = 0
 
     def __call__(self, gm, example_inputs):
-        from torch._dynamo.backends.common import aot_autograd
-        from torch._functorch.aot_autograd import make_boxed_func
-
         self.graphs += 1
-        return aot_autograd(fw_compiler=lambda g, _: make_boxed_func(g.forward))(gm, example_inputs)
+        return gm.forward
 
 
 def _features(model, ids, layer_ids, want_last):
@@ -42,19 +40,20 @@ def test_compiled_layers_give_the_eager_features_for_every_shape(folders, kind):
     eager = load_target(folders[kind], "float32", "cpu")
     compiled = compile_target(load_target(folders[kind], "float32", "cpu"), backend=(counter := GraphCounter()))
     g = torch.Generator().manual_seed(0)
-    shapes = [(2, 24), (3, 40), (4, 17), (1, 33)]  # bucket shapes differ from batch to batch
+    # Bucket shapes differ from batch to batch; a batch of one row is a graph of its own (dynamo specialises size 1):
+    # the dense target shows it, the hybrid (whose Gated DeltaNet graph takes ~15 s to trace here) does not repeat it.
+    shapes = [(2, 24), (3, 40), (1, 33)] if kind == "dense" else [(2, 24), (3, 40)]
     for B, S in shapes:
         ids = torch.randint(0, 256, (B, S), generator=g)
-        for layer_ids, want_last in (([1, 3, 5], False), ([1, 3, 7], True)):
+        for layer_ids, want_last in (([0, 2], False), ([1, 3], True)):
             ctx, last = _features(compiled, ids, layer_ids, want_last)
             ref_ctx, ref_last = _features(eager, ids, layer_ids, want_last)
             assert torch.allclose(ctx, ref_ctx, atol=1e-4, rtol=1e-4), (B, S, (ctx - ref_ctx).abs().max().item())
             if want_last:
                 assert torch.allclose(last, ref_last, atol=1e-4, rtol=1e-4), (B, S, (last - ref_last).abs().max().item())
-    # One graph per layer type for every batch of two rows or more, one more for a batch of one (dynamo specialises
-    # size 1); the hybrid's delta rule is an opaque op inside its graph, not a graph break.
-    layer_types = 2 if kind == "hybrid" else 1
-    assert counter.graphs == 2 * layer_types, counter.graphs
+    # One graph per layer type for every batch of two rows or more, one more per type for a batch of one; the
+    # hybrid's delta rule is an opaque op inside its graph, not a graph break.
+    assert counter.graphs == (2 if kind == "hybrid" else 2 * 1), counter.graphs
 
 
 def test_compiling_twice_keeps_one_wrapper(folders):
@@ -79,8 +78,8 @@ def test_compiled_target_on_cuda_matches_eager(folders, kind):
     graphs = []
     for B, S in ((4, 256), (2, 384), (3, 200)):
         ids = torch.randint(0, 256, (B, S), generator=g).cuda()
-        ctx, last = _features(compiled, ids, [1, 3, 7], True)
-        ref_ctx, ref_last = _features(eager, ids, [1, 3, 7], True)
+        ctx, last = _features(compiled, ids, [0, 1, 3], True)
+        ref_ctx, ref_last = _features(eager, ids, [0, 1, 3], True)
         for got, ref in ((ctx, ref_ctx), (last, ref_last)):
             err = ((got.float() - ref.float()).norm() / ref.float().norm()).item()
             assert err < 2e-2, f"{kind} {B}x{S}: relative error {err:.2e}"

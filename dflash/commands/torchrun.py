@@ -156,8 +156,8 @@ def main(argv: list[str] | None = None) -> None:
             raise click.UsageError("give one --reason for each --waive")
         cfg = load_config(config_path, parse_overrides(sets))
         if cfg.topology.layout == "colocated":
-            raise click.UsageError(f"{config_path}: topology.target_gpus / drafter_gpus and colocated_gpus are empty; "
-                                   "a one-device co-located run is started with dflash-train --config")
+            raise click.UsageError(f"{config_path}: topology.target_gpus / drafter_gpus are empty, and so is "
+                                   "colocated_gpus; a one-device co-located run is started with dflash-train --config")
         from preflight.gate import apply_profile_env
 
         apply_profile_env(cfg.profile, log=print if os.environ["RANK"] == "0" else (lambda *_: None))

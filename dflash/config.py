@@ -186,19 +186,52 @@ class TrainConfig(_Strict):
                       f"take 0..{MAX_SEED})")
 
 
+Layout = Literal["colocated", "colocated-dp", "split"]
+
+
 class TopologyConfig(_Strict):
+    """Where the target and the drafter run: one device (every list empty), co-located data parallel
+    (`colocated_gpus`), or split (`target_gpus` + `drafter_gpus`). docs/training.md, "Layouts"."""
+
     target_gpus: list[str] = Field(
         default_factory=list, description="GPUs (indices or UUIDs, after CUDA_VISIBLE_DEVICES) running the target"
     )
     drafter_gpus: list[str] = Field(
         default_factory=list, description="GPUs training the drafter; both empty = co-located on one device"
     )
+    colocated_gpus: list[str] = Field(
+        default_factory=list, description="GPUs (indices or UUIDs, after CUDA_VISIBLE_DEVICES; at least 2) each "
+        "running its own target and a drafter replica, the drafter's gradients all-reduced (co-located data "
+        "parallel, one process per GPU); excludes target_gpus/drafter_gpus; empty = not this layout",
+    )
     queue_depth: int = Field(2, ge=1, le=64, description="batches a target rank may have in flight per send queue")
     timeout_s: int = Field(300, ge=10, le=7 * 86400, description="seconds a rank waits on a peer before the run is "
                            "failed (at most a week: a peer silent that long is gone)")
 
+    @property
+    def layout(self) -> Layout:
+        """colocated (one process), colocated-dp (colocated_gpus) or split (target_gpus + drafter_gpus)."""
+        if self.colocated_gpus:
+            return "colocated-dp"
+        return "split" if self.target_gpus else "colocated"
+
+    @property
+    def trainer_gpus(self) -> list[str]:
+        """The GPUs that train a drafter replica: drafter_gpus (split) or colocated_gpus ([] for one device)."""
+        return self.colocated_gpus or self.drafter_gpus
+
     @model_validator(mode="after")
     def _disjoint(self) -> TopologyConfig:
+        if self.colocated_gpus:
+            if self.target_gpus or self.drafter_gpus:
+                raise ValueError("topology.colocated_gpus excludes target_gpus and drafter_gpus (co-located data "
+                                 "parallel gives every GPU both roles); give colocated_gpus or the two split lists")
+            if len(self.colocated_gpus) < 2:
+                raise ValueError(f"topology.colocated_gpus lists {len(self.colocated_gpus)} GPU; co-located data "
+                                 "parallel needs at least 2 (one GPU is the plain co-located run: leave it empty)")
+            twice = sorted({g for g in self.colocated_gpus if self.colocated_gpus.count(g) > 1})
+            if twice:
+                raise ValueError(f"topology.colocated_gpus lists GPUs {twice} more than once; give each GPU once")
         both = set(self.target_gpus) & set(self.drafter_gpus)
         if both:
             raise ValueError(f"GPUs {sorted(both)} are in both target_gpus and drafter_gpus; give each GPU one role")
@@ -268,6 +301,9 @@ class RunConfig(_Strict):
         if self.train.cache_features and self.topology.target_gpus:
             raise ValueError("train.cache_features works in co-located runs only (target ranks stream features); "
                              "drop it or the topology lists")
+        if self.train.cache_features and self.topology.colocated_gpus:
+            raise ValueError("train.cache_features works on one device only (in topology.colocated_gpus every rank "
+                             "would cache every sample it meets, N copies); drop it or topology.colocated_gpus")
         return self
 
     @model_validator(mode="after")
@@ -282,6 +318,10 @@ class RunConfig(_Strict):
 
     @model_validator(mode="after")
     def _eval_is_colocated(self) -> RunConfig:
+        if self.eval.enabled and self.topology.colocated_gpus:
+            raise ValueError("[eval] works in one-device co-located runs only for now (topology.colocated_gpus runs "
+                             "one process per GPU); drop [eval] or topology.colocated_gpus, and evaluate checkpoints "
+                             "with dflash-eval")
         if self.eval.enabled and self.topology.target_gpus:
             raise ValueError("[eval] works in co-located runs only for now (split runs' target ranks do not serve "
                              "held-out batches yet); drop [eval] or the topology lists, and evaluate checkpoints with "

@@ -21,7 +21,7 @@ GROUPS = ("environment", "gpus", "code", "compile cache", "config", "data", "run
 SPEED_FIELDS = {"train.compile", "train.recompute", "train.grad_accum", "train.cache_features", "data.num_buckets",
                 "data.token_budget", "data.max_batch_size", "train.max_anchors", "train.batch_anchors",
                 "train.loss_chunk", "drafter.num_layers", "drafter.block_size", "target.dtype", "topology.target_gpus",
-                "topology.drafter_gpus", "topology.queue_depth", "device"}
+                "topology.drafter_gpus", "topology.colocated_gpus", "topology.queue_depth", "device"}
 # Environment variables by what they move.
 MEMORY_ENV = ("PYTORCH_CUDA_ALLOC_CONF",)
 SPEED_ENV = ("CUDA_VISIBLE_DEVICES", "LD_LIBRARY_PATH", "LD_PRELOAD", "OMP_NUM_THREADS", "CUDA_LAUNCH_BLOCKING",

@@ -112,3 +112,30 @@ def test_unreadable_config_files_are_one_line(tmp_path, content, says):
     assert says in e.value.one_line()
     with pytest.raises(ConfigError, match="is a directory|cannot read"):
         load_config(tmp_path)
+
+
+@pytest.mark.parametrize("topology, says", [
+    ({"colocated_gpus": ["0", "1"], "target_gpus": ["2"], "drafter_gpus": ["3"]},
+     "topology.colocated_gpus excludes target_gpus and drafter_gpus"),
+    ({"colocated_gpus": ["0"]}, "topology.colocated_gpus lists 1 GPU; co-located data parallel needs at least 2"),
+    ({"colocated_gpus": ["0", "1", "0"]}, "topology.colocated_gpus lists GPUs ['0'] more than once"),
+])
+def test_colocated_gpus_are_their_own_layout(topology, says):
+    assert says in refused({"topology": topology})
+
+
+def test_topology_names_its_layout_and_the_gpus_that_train():
+    layouts = {name: config_from_dict({"topology": t}).topology for name, t in {
+        "colocated": {}, "colocated-dp": {"colocated_gpus": ["0", "1", "2"]},
+        "split": {"target_gpus": ["0"], "drafter_gpus": ["1", "2"]}}.items()}
+    assert {name: (t.layout, t.trainer_gpus) for name, t in layouts.items()} == {
+        "colocated": ("colocated", []), "colocated-dp": ("colocated-dp", ["0", "1", "2"]),
+        "split": ("split", ["1", "2"])}
+
+
+@pytest.mark.parametrize("raw, says", [
+    ({"train": {"cache_features": True}}, "train.cache_features works on one device only"),
+    ({"eval": {"holdout": 4}}, "[eval] works in one-device co-located runs only for now"),
+])
+def test_colocated_data_parallel_refuses_what_one_process_only_does(raw, says):
+    assert says in refused({**raw, "topology": {"colocated_gpus": ["0", "1"]}})

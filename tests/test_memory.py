@@ -463,3 +463,45 @@ def test_recompute_auto_picks_the_fastest_mode_that_fits():
     assert choose_recompute(cfg, "drafter", "12.8", (need["layer"] + need["mlp"]) // 2)[0] == "layer"
     est = estimate(cfg, "12.8", 95 * GiB)
     assert "recompute auto -> off" in est.assumption and all(r.fits for r in est.roles)
+
+
+def test_a_colocated_data_parallel_gpu_is_the_colocated_role_plus_ddp_buckets_and_nccl(tiny):
+    """Each GPU of topology.colocated_gpus holds what one co-located GPU holds, plus DDP's fp32 gradient buckets
+    (held through the target forward as well) and NCCL's buffers: exactly as a split run's several drafter GPUs."""
+    shape = load_target_shape(tiny.target.path)
+    one = config_from_dict({**tiny.model_dump(), "topology": {}})
+    dp = config_from_dict({**tiny.model_dump(), "topology": {"colocated_gpus": ["0", "1"]}})
+    one_parts, dp_parts = (role_parts(c, shape, "colocated", "12.8", HAND) for c in (one, dp))
+    p = drafter_params(tiny, shape)
+    assert part(dp_parts, "DDP gradient buckets") == 4 * p and part(dp_parts, "NCCL buffers") == GiB // 4
+    assert not any(x.component.startswith(("DDP", "NCCL")) for x in one_parts)
+    assert role_need_bytes(dp, "colocated", "12.8", HAND, shape) > role_need_bytes(one, "colocated", "12.8", HAND, shape)
+
+
+def test_estimate_lists_each_layout_on_the_users_preset_as_its_own_model_numbers_say():
+    """Qwen3.6-27B (configs/qwen3.6-27b-5t3d.toml): co-located data parallel over its 8 GPUs fits a 139 GiB H200 and
+    not a 95 GiB RTX PRO 6000, even with whole-layer recompute; its per-GPU need is the co-located one plus DDP's
+    buckets and NCCL; the split fits both."""
+    cfg = load_config(REPO / "configs/qwen3.6-27b-5t3d.toml")
+    shape = load_target_shape(cfg.target.path)
+    for gib, dp_fits in ((139, True), (95, False)):
+        layouts = {x.layout: x for x in estimate(cfg, "12.8", gib * GiB).layouts}
+        assert [(x.layout, x.gpus) for x in layouts.values()] == [("colocated", 1), ("colocated-dp", 8), ("split", 8)]
+        dp = layouts["colocated-dp"]
+        assert dp.fits is dp_fits and dp.fits == (dp.need_bytes["colocated"] <= gib * GiB)
+        assert dp.recompute["colocated"] == ("off" if gib == 139 else "layer")
+        p = drafter_params(cfg, shape)
+        one = layouts["colocated"]
+        assert one.recompute == dp.recompute
+        extra = dp.need_bytes["colocated"] - one.need_bytes["colocated"]
+        assert 4 * p + GiB // 4 <= extra <= 1.06 * (4 * p) + GiB // 4 + 1  # buckets (+ margin on them) and NCCL
+        assert layouts["split"].fits is True and layouts["split"].description == "split: 5 target + 3 drafter GPUs"
+    assert estimate(cfg, "12.8", None).layouts[1].fits is None
+
+
+def test_cli_prints_which_layouts_fit(capsys):
+    code, out, err = estimate_cli(capsys, "--config", str(REPO / "configs/qwen3.6-27b-5t3d.toml"), "--gpu-memory", "95GiB")
+    assert code == 0, err  # the config's own split fits
+    assert "layouts on GPUs of 95.00 GiB" in out
+    assert "DOES NOT FIT co-located data parallel over 8 GPUs" in out
+    assert "  fits         split: 5 target + 3 drafter GPUs: target" in out

@@ -421,6 +421,26 @@ def test_gpu_memory_colocated_gpu_0_needs_the_colocated_role(tmp_path):
     assert r.data["gpus"][0]["need_bytes"] == role_need_bytes(ctx.config, "colocated", "12.8")
 
 
+def test_gpu_checks_see_every_colocated_data_parallel_gpu_in_the_colocated_role(tmp_path):
+    """topology.colocated_gpus: each GPU holds a target and a drafter replica; gpu-memory asks the memory model for
+    the co-located role of this run (DDP's buckets included), gpu-visibility for each GPU once."""
+    from dflash.memory.parts import choose_recompute
+
+    gpus = [str(i) for i in range(8)]
+    ctx = make_ctx(tmp_path, config={"topology": {"colocated_gpus": gpus}})
+    r = check_gpu_memory(ctx)
+    assert r.status == "pass", r.summary
+    assert [(g["name"], g["roles"]) for g in r.data["gpus"]] == [(n, ["target", "drafter"]) for n in gpus]
+    free = r.data["gpus"][0]["free_bytes"]
+    assert r.data["gpus"][0]["need_bytes"] == choose_recompute(ctx.config, "colocated", "12.8", free)[1]
+    one = make_ctx(tmp_path, config={"topology": {"target_gpus": [], "drafter_gpus": []}})
+    assert r.data["gpus"][0]["need_bytes"] > check_gpu_memory(one).data["gpus"][0]["need_bytes"]  # + DDP buckets
+    vis = check_gpu_visibility(ctx)
+    assert vis.status == "pass" and "all 8 assigned GPUs visible and each has one role" in vis.summary, vis.summary
+    r = check_gpu_visibility(make_ctx(tmp_path, config={"topology": {"colocated_gpus": ["0", "9"]}}))
+    assert r.status == "fail" and "GPU 9 is not visible" in r.summary and "colocated_gpus" in r.fix
+
+
 def test_gpu_memory_and_disk_judge_the_gathered_shape_without_reading_files(tmp_path):
     ctx = make_ctx(tmp_path)
     ctx.config.target.path = str(tmp_path / "gone")  # nothing to read there: the checks must not try

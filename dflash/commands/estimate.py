@@ -33,13 +33,15 @@ def format_estimate(est: Estimate, cuda_source: str = "") -> str:
     width = max(len(r.component) for role in est.roles for r in role.rows) + 2
     for role in est.roles:
         gpus = f" (GPUs {', '.join(role.gpus)})" if role.gpus else " (one GPU: target + drafter)"
+        if role.role == "colocated" and role.gpus:
+            gpus = f" (GPUs {', '.join(role.gpus)}: each target + drafter replica)"
         lines += ["", f"{role.role}{gpus}", f"  {'component':<{width}}{'GiB':>9}"]
         lines += [f"  {r.component:<{width}}{_gib(r.bytes):>9}" for r in role.rows]
         lines.append(f"  {'total':<{width}}{_gib(role.total_bytes):>9}")
         lines.append(f"  {'GPU':<{width}}{_gib(role.gpu_bytes):>9}")
         mark = "" if role.fits is not False else "  DOES NOT FIT"
         lines.append(f"  {'headroom':<{width}}{_gib(role.headroom_bytes):>9}{mark}")
-    lines.append("")
+    lines += ["", *format_layouts(est), ""]
     if not est.limits:
         lines.append("limits: give --gpu-memory SIZE or --from-nvml to search the largest settings that fit")
         return "\n".join(lines)
@@ -51,6 +53,18 @@ def format_estimate(est: Estimate, cuda_source: str = "") -> str:
             value = f">={lim.value}"
         lines.append(f"  {lim.role:<10}{lim.setting:<16}{lim.configured:>11} {value:>11}  {lim.note}")
     return "\n".join(lines)
+
+
+def format_layouts(est: Estimate) -> list[str]:
+    """One line per layout: the GiB each of its GPUs needs and whether it fits the GPU size given."""
+    size = f"{_gib(est.gpu_bytes)} GiB" if est.gpu_bytes is not None else "no GPU size given"
+    lines = [f"layouts on GPUs of {size} (docs/training.md#layouts):"]
+    for lay in est.layouts:
+        verdict = {True: "fits", False: "DOES NOT FIT", None: "-"}[lay.fits]
+        need = ", ".join(f"{role} {_gib(b)} GiB" + ("" if role == "target" else f" (recompute {lay.recompute[role]})")
+                         for role, b in lay.need_bytes.items())
+        lines.append(f"  {verdict:<13}{lay.description}: {need}")
+    return lines
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})

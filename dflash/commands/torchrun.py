@@ -1,4 +1,5 @@
-"""One rank of a split run: `python -m dflash.commands.torchrun`, under torchrun or spawned by dflash-train.
+"""One rank of a split or co-located data-parallel run: `python -m dflash.commands.torchrun`, under torchrun or
+spawned by dflash-train.
 
     torchrun --nproc-per-node 8 -m dflash.commands.torchrun --config RUN.toml --fresh        # or --resume latest
 
@@ -79,7 +80,8 @@ def collective_gate(cfg: RunConfig, me: Rank, local_rank: int, gate: dict) -> Pa
             print(f"dflash.commands.torchrun: error: {verdict[0]}", file=sys.stderr, flush=True)
         return False
     intent = "resume" if gate.get("resume") else "fresh" if gate.get("fresh") else None
-    own = {str(local_rank): [me.name]} if cfg.device == "cuda" else None
+    mine_roles = ["target", "drafter"] if me.name == "colocated" else [me.name]  # preflight's co-located GPU
+    own = {str(local_rank): mine_roles} if cfg.device == "cuda" else None
     report, facts = check_run(cfg.profile, cfg, gate.get("waivers", {}), intent, gpu_override=own,
                               verify_data=gate.get("verify_data", False))
     mine = {"rank": me.rank, "role": me.name, "gpu": str(local_rank), "host": socket.gethostname(),
@@ -153,9 +155,9 @@ def main(argv: list[str] | None = None) -> None:
         if len(waive) != len(reason):
             raise click.UsageError("give one --reason for each --waive")
         cfg = load_config(config_path, parse_overrides(sets))
-        if not cfg.topology.target_gpus:
-            raise click.UsageError(f"{config_path}: topology.target_gpus / drafter_gpus are empty; a co-located run "
-                                   "is started with dflash-train --config")
+        if cfg.topology.layout == "colocated":
+            raise click.UsageError(f"{config_path}: topology.target_gpus / drafter_gpus are empty, and so is "
+                                   "colocated_gpus; a one-device co-located run is started with dflash-train --config")
         from preflight.gate import apply_profile_env
 
         apply_profile_env(cfg.profile, log=print if os.environ["RANK"] == "0" else (lambda *_: None))

@@ -1,4 +1,5 @@
-"""dflash-train: the gate, then the run (one process, the split launcher) or the demo.
+"""dflash-train: the gate, then the run (one process, or the launcher of split and co-located data-parallel runs) or
+the demo.
 
     uv run dflash-train --config configs/demo-cpu.toml --fresh
     uv run dflash-train --config configs/demo-cpu.toml --resume latest
@@ -48,6 +49,8 @@ def _gate(cfg: RunConfig, waivers: dict[str, str], intent: str | None, verify_da
 @click.option("--output-dir", help="override output_dir")
 @click.option("--target-gpus", help="comma list of GPUs for the frozen target, e.g. 0,1,2,3,4")
 @click.option("--drafter-gpus", help="comma list of GPUs training the drafter, e.g. 5,6,7")
+@click.option("--colocated-gpus", help="comma list of GPUs each running a target + drafter replica (co-located data "
+              "parallel), e.g. 0,1,2,3,4,5,6,7")
 @click.option("--waive", multiple=True, metavar="CHECK_ID", help="waive a failing preflight check (needs --reason)")
 @click.option("--reason", multiple=True, help="why the matching --waive is acceptable (kept in the report)")
 @click.option("--warm-cache", is_flag=True, help="compile the kernels for the configured shapes and write the "
@@ -62,7 +65,7 @@ def _gate(cfg: RunConfig, waivers: dict[str, str], intent: str | None, verify_da
 @click.option("--report-to", multiple=True, metavar="TRACKER", help="also send every metrics row to tensorboard, "
               "wandb or trackio (repeat or comma-separate; each is imported only when asked)")
 def train_command(config_path, demo, resume, fresh, sets, max_steps, output_dir, target_gpus, drafter_gpus,
-               waive, reason, warm_cache, no_progress, allow_schedule_change, verify_data, init_from, report_to) -> None:
+               colocated_gpus, waive, reason, warm_cache, no_progress, allow_schedule_change, verify_data, init_from, report_to) -> None:
     """Train a DFlash drafter against a frozen target; refuses to start unless preflight passes.
 
     Exit codes: 0 finished, 1 failed or refused by the gate, 2 bad input, 75 stopped by a signal after a checkpoint.
@@ -83,6 +86,8 @@ def train_command(config_path, demo, resume, fresh, sets, max_steps, output_dir,
     if target_gpus is not None or drafter_gpus is not None:
         overrides["topology.target_gpus"] = _gpu_list(target_gpus) or []
         overrides["topology.drafter_gpus"] = _gpu_list(drafter_gpus) or []
+    if colocated_gpus is not None:
+        overrides["topology.colocated_gpus"] = _gpu_list(colocated_gpus) or []
     if init_from is not None:
         if resume:
             raise click.UsageError("--init-from starts a fresh run from a drafter's weights; --resume continues a "
@@ -138,7 +143,7 @@ def train_command(config_path, demo, resume, fresh, sets, max_steps, output_dir,
                                      "with free space")
         rundir.make_room(cfg, resume_from, fresh, log=click.echo)
         rundir.clear_stopped(cfg.output_dir)
-        if cfg.topology.target_gpus:
+        if cfg.topology.layout != "colocated":  # split or co-located data parallel: one process per GPU
             from dflash.train.split import launch
 
             with rundir.io_errors_in_one_line(cfg.output_dir):

@@ -146,7 +146,7 @@ def schedule_change(meta: dict | None, state: dict | None, cfg: RunConfig) -> st
         old_ranks = int(state.get("n_drafters") or 1)
     except (ValueError, KeyError, TypeError, AttributeError):
         return None
-    new_ranks = len(cfg.topology.drafter_gpus) or 1
+    new_ranks = len(cfg.topology.trainer_gpus) or 1
     try:
         old_total = total_steps(old, batches_per_epoch, old.train.grad_accum * old_ranks)
         dataset, sampler, new_total = schedule(cfg, new_ranks)

@@ -57,6 +57,15 @@ class Limit(BaseModel):
     note: str
 
 
+class LayoutFit(BaseModel):
+    layout: str = Field(description="colocated, colocated-dp or split")
+    gpus: int = Field(description="GPUs the layout uses")
+    description: str
+    need_bytes: dict[str, int] = Field(description="per role of the layout: bytes one GPU needs at its peak")
+    recompute: dict[str, str] = Field(description="per role: the recompute mode the need is for")
+    fits: bool | None = Field(description="every role fits gpu_bytes (None: no GPU size given)")
+
+
 class Estimate(BaseModel):
     config: str = Field(description="run config the estimate is for")
     target: str = Field(description="target architecture summary")
@@ -66,6 +75,7 @@ class Estimate(BaseModel):
     assumption: str
     roles: list[RoleEstimate]
     limits: list[Limit]
+    layouts: list[LayoutFit] = Field(default_factory=list, description="which layouts of this run fit gpu_bytes")
     calibration: dict
 
 
@@ -143,7 +153,50 @@ def _limit(cfg: RunConfig, shape: TargetShape, role: GpuRole, setting: Setting, 
 
 
 def role_gpus(cfg: RunConfig, role: GpuRole) -> list[str]:
-    return {"target": cfg.topology.target_gpus, "drafter": cfg.topology.drafter_gpus}.get(role, [])
+    topo = cfg.topology
+    return {"target": topo.target_gpus, "drafter": topo.drafter_gpus, "colocated": topo.colocated_gpus}[role]
+
+
+LAYOUT_GPUS = 8  # GPUs assumed for co-located data parallel when the config names none (the users' boxes)
+
+
+def with_topology(cfg: RunConfig, target: int = 0, drafter: int = 0, colocated: int = 0) -> RunConfig:
+    """cfg with a topology of that many GPUs (named 0..n-1): the layout's shape, not real GPU names."""
+    names = [str(i) for i in range(target + drafter + colocated)]
+    topo = cfg.topology.model_copy(update={"target_gpus": names[:target], "drafter_gpus": names[target:target + drafter],
+                                           "colocated_gpus": names[:colocated]})  # a what-if: [eval] etc. not re-judged
+    return cfg.model_copy(update={"topology": topo})
+
+
+def layout_fits(cfg: RunConfig, shape: TargetShape, cuda: str, gpu_bytes: int | None,
+                cal: Calibration = DEFAULT_CALIBRATION) -> list[LayoutFit]:
+    """Co-located on one GPU, co-located data parallel over N GPUs and a split run, each judged on gpu_bytes.
+
+    N and the split are the config's own when it names them, else N = LAYOUT_GPUS and 1 target + 1 drafter.
+    Memory per GPU depends on the layout, not on N (beyond 1 vs several drafter ranks)."""
+    topo = cfg.topology
+    n = len(topo.colocated_gpus) or len(topo.target_gpus) + len(topo.drafter_gpus) or LAYOUT_GPUS
+    t, d = (len(topo.target_gpus), len(topo.drafter_gpus)) if topo.target_gpus else (1, 1)
+    cases = [("colocated", 1, "co-located: target + drafter on 1 GPU", with_topology(cfg)),
+             ("colocated-dp", n, f"co-located data parallel over {n} GPUs: each target + drafter replica, "
+              "DDP gradients", with_topology(cfg, colocated=n)),
+             ("split", t + d, f"split: {t} target + {d} drafter GPUs", with_topology(cfg, target=t, drafter=d))]
+    out = []
+    for layout, gpus, text, case in cases:
+        need, modes = {}, {}
+        for role in roles(case):
+            mode = cfg.train.recompute
+            if role == "target":
+                mode = "off" if mode == "auto" else mode
+            elif mode == "auto" and gpu_bytes is not None:
+                mode, _ = choose_recompute(case, role, cuda, gpu_bytes, cal, shape)
+            elif mode == "auto":
+                mode = "off"
+            need[role] = sum(p.bytes for p in role_parts(with_recompute(case, mode), shape, role, cuda, cal))
+            modes[role] = mode
+        fits = None if gpu_bytes is None else all(v <= gpu_bytes for v in need.values())
+        out.append(LayoutFit(layout=layout, gpus=gpus, description=text, need_bytes=need, recompute=modes, fits=fits))
+    return out
 
 
 def _resolve_auto(cfg: RunConfig, shape: TargetShape, cuda: str, gpu_bytes: int | None,
@@ -170,6 +223,7 @@ def estimate(
         raise MemoryModelError(f"GPU memory must be positive, got {gpu_bytes} bytes")
     cal.context_bytes(cuda)  # unknown CUDA major: fail before any work
     shape = load_target_shape(cfg.target.path)
+    original = cfg
     cfg, recompute_note = _resolve_auto(cfg, shape, cuda, gpu_bytes, cal)
     w = workload(cfg)
     role_list = roles(cfg)
@@ -200,4 +254,5 @@ def estimate(
         f"{w.loss_tokens} through the lm_head; {recompute_note}"
     )
     return Estimate(config=source, target=target, cuda=cuda, gpu_bytes=gpu_bytes, workload=w, assumption=assumption,
-                    roles=out, limits=limits, calibration=asdict(cal))
+                    roles=out, limits=limits, calibration=asdict(cal),
+                    layouts=layout_fits(original, shape, cuda, gpu_bytes, cal))

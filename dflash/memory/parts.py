@@ -12,7 +12,9 @@ component:
 - ``drafter``: a DFlash drafter trained with fp32 master weights, bf16 autocast and AdamW, reading the received
   features; logits and loss are computed ``loss_chunk`` queries at a time.
 - ``colocated``: both on one GPU: the target forward runs before the drafter step, so only the larger of the two
-  working sets counts; the drafter reuses the target's own embedding and lm_head.
+  working sets counts; the drafter reuses the target's own embedding and lm_head. Every GPU of a co-located data
+  parallel run (``topology.colocated_gpus``) is this role, plus DDP's gradient buckets and NCCL's buffers, as a
+  split run's drafter GPUs when there are several.
 
 Everything that can only be measured (CUDA context, NCCL buffers, allocator fragmentation, how many activation
 tensors the kernels really keep) is a named constant in :class:`Calibration`, fitted to H200 measurements by
@@ -275,7 +277,7 @@ def _step_only_parts(cfg: RunConfig, shape: TargetShape, step_activation_bytes: 
     if ddp_drafters(cfg):
         return [
             Part("bf16 autocast weight copies (forward to backward)", copies, "static"),
-            Part(f"DDP gradient buckets (fp32, held; {len(cfg.topology.drafter_gpus)} drafter ranks)", FP32 * p,
+            Part(f"DDP gradient buckets (fp32, held; {len(cfg.topology.trainer_gpus)} drafter ranks)", FP32 * p,
                  "static"),
         ]
     if cfg.train.grad_accum > 1:  # the first batch's grads are held while the next batches run forward
@@ -291,8 +293,9 @@ def _step_only_parts(cfg: RunConfig, shape: TargetShape, step_activation_bytes: 
 
 
 def ddp_drafters(cfg: RunConfig) -> bool:
-    """Several drafter ranks: the trainer wraps the drafter in DDP (one rank trains without it)."""
-    return is_split(cfg) and len(cfg.topology.drafter_gpus) > 1
+    """Several drafter ranks (split drafter GPUs or co-located data-parallel GPUs): the trainer wraps the drafter in
+    DDP (one rank trains without it)."""
+    return len(cfg.topology.trainer_gpus) > 1
 
 
 def drafter_layer_bytes(shape: TargetShape, w: Workload, cal: Calibration, recompute: str = "off", compiled: bool = True) -> int:
@@ -381,9 +384,9 @@ def _drafter_step_parts(cfg: RunConfig, shape: TargetShape, w: Workload, cal: Ca
     ]
 
 
-def _fixed_parts(cuda: str, cal: Calibration, split: bool) -> list[Part]:
+def _fixed_parts(cuda: str, cal: Calibration, nccl: bool) -> list[Part]:
     parts = [Part(f"CUDA context + workspaces (CUDA {cuda})", cal.context_bytes(cuda), "fixed")]
-    if split:
+    if nccl:  # a GPU that sends or receives features, or all-reduces DDP gradients
         parts.append(Part("NCCL buffers", int(cal.nccl_gib * GiB), "fixed"))
     return parts
 
@@ -432,7 +435,9 @@ def role_parts(cfg: RunConfig, shape: TargetShape, role: GpuRole, cuda: str, cal
         forward = next(p for p in target if p.component.startswith("forward working set"))
         step = _scaled(_drafter_step_parts(cfg, shape, w, cal), "drafter", cal)
         step_only = _step_only_parts(cfg, shape, sum(p.bytes for p in step))
-        extra = max(0, forward.bytes - sum(p.bytes for p in step + step_only))
+        # DDP's buckets are held through the target forward too: only the step's transient parts overlap it
+        overlap = step + (step_only[:1] if ddp_drafters(cfg) else step_only)
+        extra = max(0, forward.bytes - sum(p.bytes for p in overlap))
         parts = [p for p in target if p is not forward]
         parts += _drafter_static_parts(cfg, shape, share_frozen=True)
         parts += step_only + step
@@ -441,7 +446,7 @@ def role_parts(cfg: RunConfig, shape: TargetShape, role: GpuRole, cuda: str, cal
     margin = int(frag * sum(p.bytes for p in parts))
     allocator = "expandable segments" if expandable else "default allocator"
     parts.append(Part(f"fragmentation margin ({frag:.0%} of allocated, {allocator})", margin, "margin"))
-    return parts + _fixed_parts(cuda, cal, split and role != "colocated")
+    return parts + _fixed_parts(cuda, cal, (split and role != "colocated") or ddp_drafters(cfg))
 
 
 def fragmentation(cal: Calibration, expandable: bool) -> float:

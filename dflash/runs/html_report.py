@@ -317,6 +317,8 @@ def essentials(run: Run) -> list[tuple[str, str]]:
     topo = _dict(cfg.get("topology"))
     layout = (f"split: target GPUs {_joined(topo.get('target_gpus'))}, drafter GPUs "
               f"{_joined(topo.get('drafter_gpus'))}" if topo.get("target_gpus") else f"co-located on {cfg.get('device', '?')}")
+    if topo.get("colocated_gpus"):
+        layout = f"co-located data parallel: GPUs {_joined(topo.get('colocated_gpus'))}, each target + drafter replica"
     gpus = checks.get("gpu-visibility", {}).get("summary") or (f"{host.get('gpus')} GPU(s)" if host else "unknown")
     steps = run.rows[-1].get("step") if run.rows else None
     rows = [

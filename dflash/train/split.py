@@ -2,6 +2,10 @@
 
     dflash-train --config RUN.toml --target-gpus 0,1,2,3,4 --drafter-gpus 5,6,7
     torchrun --nproc-per-node 8 -m dflash.commands.torchrun --config RUN.toml --fresh   # torchrun (also multi-node)
+    dflash-train --config RUN.toml --colocated-gpus 0,1,2,3,4,5,6,7    # co-located data parallel, the same launcher
+
+Co-located data-parallel runs (topology.colocated_gpus) use the same launcher and gate: every rank is a
+"colocated" rank holding its own target and a drafter replica (`_colocated_main`), data-parallel over all ranks.
 
 This module is the launcher, the rank roles, the target ranks' serve loop and the transport
 (`RemoteTargets`, the drafter ranks' feature source). Drafter ranks run the one training loop,
@@ -64,6 +68,8 @@ class Rank:
 
     @property
     def name(self) -> str:
+        if self.n_targets == 0:  # co-located data parallel: every rank runs its own target and a drafter replica
+            return "colocated"
         return "drafter" if self.is_drafter else "target"
 
     @property
@@ -73,12 +79,12 @@ class Rank:
 
 
 def ranks_for(cfg: RunConfig) -> list[Rank]:
-    nd, nt = len(cfg.topology.drafter_gpus), len(cfg.topology.target_gpus)
+    nd, nt = len(cfg.topology.trainer_gpus), len(cfg.topology.target_gpus)
     return [Rank(r, nd + nt, nd, nt) for r in range(nd + nt)]
 
 
 def gpu_of(cfg: RunConfig, role: Rank) -> str:
-    gpus = cfg.topology.drafter_gpus if role.is_drafter else cfg.topology.target_gpus
+    gpus = cfg.topology.trainer_gpus if role.is_drafter else cfg.topology.target_gpus
     return gpus[role.index]
 
 
@@ -148,9 +154,14 @@ def launch(cfg: RunConfig, resume_from: Path | None, gate_id: str, log=print, lo
             signal.signal(s, h)
     (out / rundir.RANKS_NAME).write_text(json.dumps(
         [{"rank": r.rank, "role": r.name, "gpu": gpu_of(cfg, r), "pid": p.pid} for r, p in zip(roles, procs)]))
-    log(f"launched {len(roles)} processes: drafter ranks 0-{roles[0].n_drafters - 1} on GPUs "
-        f"{','.join(cfg.topology.drafter_gpus)}, target ranks {roles[0].n_drafters}-{len(roles) - 1} on GPUs "
-        f"{','.join(cfg.topology.target_gpus)} ({'nccl' if cfg.device == 'cuda' else 'gloo'})")
+    backend = "nccl" if cfg.device == "cuda" else "gloo"
+    if cfg.topology.layout == "colocated-dp":
+        log(f"launched {len(roles)} processes: co-located ranks 0-{len(roles) - 1} (each a target + drafter replica) "
+            f"on GPUs {','.join(cfg.topology.colocated_gpus)} ({backend})")
+    else:
+        log(f"launched {len(roles)} processes: drafter ranks 0-{roles[0].n_drafters - 1} on GPUs "
+            f"{','.join(cfg.topology.drafter_gpus)}, target ranks {roles[0].n_drafters}-{len(roles) - 1} on GPUs "
+            f"{','.join(cfg.topology.target_gpus)} ({backend})")
     return _watch(cfg, roles, procs, log, pending_signal=stop["sig"])
 
 
@@ -238,8 +249,9 @@ def worker(cfg: RunConfig, resume_from: Path | None, gate=None, provenance: dict
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     ranks = ranks_for(cfg)
     if world != len(ranks):
-        raise DflashError(f"WORLD_SIZE={world} but the config names {len(ranks)} GPUs "
-                          f"({len(cfg.topology.target_gpus)} target + {len(cfg.topology.drafter_gpus)} drafter); "
+        named = (f"{len(ranks)} co-located" if cfg.topology.layout == "colocated-dp" else
+                 f"{len(cfg.topology.target_gpus)} target + {len(cfg.topology.drafter_gpus)} drafter")
+        raise DflashError(f"WORLD_SIZE={world} but the config names {len(ranks)} GPUs ({named}); "
                           f"start {len(ranks)} processes (torchrun --nproc-per-node {len(ranks)})")
     me = ranks[rank]
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
@@ -252,6 +264,9 @@ def worker(cfg: RunConfig, resume_from: Path | None, gate=None, provenance: dict
         if resume_from is False:
             dist.destroy_process_group()
             return 1
+    if me.name == "colocated":
+        torch.manual_seed(cfg.train.seed)
+        return _colocated_main(cfg, resume_from, dist.new_group(list(range(world))), provenance)
     drafter_group = dist.new_group(list(range(me.n_drafters)))
     share_group = dist.new_group(list(range(me.n_drafters + 1)))  # drafters + first target
     torch.manual_seed(cfg.train.seed)
@@ -452,3 +467,17 @@ def _drafter_main(cfg: RunConfig, me: Rank, resume_from: Path | None, drafter_gr
     os._exit(code)  # targets may still block in sends nobody will receive; the launcher reaps them
 
 
+def _colocated_main(cfg: RunConfig, resume_from: Path | None, group, provenance) -> int:
+    """A co-located data-parallel rank: its own target (LocalTarget) and a drafter replica, DDP over `group`.
+
+    The one loop as a split drafter rank runs it: this rank trains global batches j % world == rank of each step,
+    rank 0 logs and checkpoints."""
+    from dflash.train.trainer import Trainer
+
+    trainer = Trainer.colocated(cfg, resume_from, log=lambda *a, **k: print(*a, **k, flush=True),
+                                provenance=provenance, group=group)
+    with rundir.io_errors_in_one_line(cfg.output_dir):  # rank 0's saves on a full or failing disk: one line
+        code = trainer.run(progress=False)
+    dist.barrier(group=group)
+    sys.stdout.flush()
+    os._exit(code)

@@ -2,6 +2,7 @@
 
     run(cfg, resume_from)          co-located: the target in this process (`LocalTarget`)
     Trainer(cfg, RemoteTargets)    a split drafter rank: features arrive from target ranks (dflash.train.split)
+    Trainer.colocated(cfg, group=) a co-located data-parallel rank: its own target, DDP over the drafter
 
 Reads as a plain loop: build -> (resume) -> step -> log -> checkpoint -> finish. What a step
 computes lives in dflash.train.step; where its features come from is the feature source; with a
@@ -183,14 +184,17 @@ class Trainer:
         return HeldOut(self.cfg, heldout_dataset(self.cfg), pad_token_id(self.source.target_config), self.log)
 
     @classmethod
-    def colocated(cls, cfg: RunConfig, resume_from: Path | None = None, log=print, provenance: dict | None = None) -> Trainer:
-        """The target in this process (`LocalTarget`, or `CachedTarget` with train.cache_features)."""
+    def colocated(cls, cfg: RunConfig, resume_from: Path | None = None, log=print, provenance: dict | None = None,
+                  group=None) -> Trainer:
+        """The target in this process (`LocalTarget`, or `CachedTarget` with train.cache_features); `group`: the
+        co-located data-parallel ranks (topology.colocated_gpus), each with its own target, DDP over the drafter."""
         device = run_device(cfg)
         problem = fp8_problem(cfg.train.fp8, device)
         if problem:  # before minutes of loading the target
             raise ConfigError(problem)
         start_compile_workers(device, cfg.train.compile)
-        return cls(cfg, local_source(cfg, device, log), resume_from, log=log, provenance=provenance)
+        source = local_source(cfg, device, log if group is None or dist.get_rank(group) == 0 else lambda *_, **__: None)
+        return cls(cfg, source, resume_from, group=group, log=log, provenance=provenance)
 
     def _dataset_meta(self) -> dict:
         return {"path": self.cfg.data.path, "samples": self.dataset.num_samples,
@@ -445,7 +449,7 @@ class Trainer:
                    mem_gib=round(torch.cuda.max_memory_allocated(self.device) / 2**30, 2)
                    if self.device.type == "cuda" else None)
         if self.device.type == "cuda":
-            rec["nvml_used_gib"] = _nvml_used_gib(self.device, "drafter" if self.group is not None else "colocated")
+            rec["nvml_used_gib"] = _nvml_used_gib(self.device, "drafter" if self.cfg.topology.target_gpus else "colocated")
         rec.update(self.source.rates(counters, dt, self.world))
         if self.group is not None and os.environ.get("DFLASH_CHECK_REPLICAS") == "1":
             rec["replica_max_diff"] = _replica_max_diff(self.drafter, self.group, self.world)

@@ -16,10 +16,13 @@ from preflight.report import CheckResult
 
 
 def assigned_gpus(ctx: Context) -> dict[str, list[str]]:
-    """GPU name in the run config -> its roles. Co-located runs use GPU "0" for both; a torchrun rank its own."""
+    """GPU name in the run config -> its roles. Co-located runs use GPU "0" for both, co-located data-parallel runs
+    every GPU of topology.colocated_gpus for both; a torchrun rank its own."""
     if ctx.own_gpus is not None:
         return ctx.own_gpus
     topo = ctx.config.topology
+    if topo.colocated_gpus:
+        return {n: ["target", "drafter"] for n in topo.colocated_gpus}
     if not topo.target_gpus and not topo.drafter_gpus:
         return {"0": ["target", "drafter"]}
     out: dict[str, list[str]] = {}
@@ -84,7 +87,7 @@ def check_gpu_visibility(ctx: Context) -> CheckResult:
     if note:
         data["note"] = note
     if problems:
-        fix = ("set topology.target_gpus / drafter_gpus to distinct visible GPUs "
+        fix = ("set topology.target_gpus / drafter_gpus (or colocated_gpus) to distinct visible GPUs "
                f"(0..{len(visible) - 1} after CUDA_VISIBLE_DEVICES, or UUIDs), or {cvd_fix}")
         return result("gpu-visibility", "fail", f"{listing(problems, 3)}; {seen}", fix, **data)
     return result("gpu-visibility", "pass",

@@ -209,14 +209,17 @@ def test_a_save_the_disk_refuses_is_one_line_and_the_previous_checkpoint_resumes
     assert [r["step"] for r in metrics(run_dir)] == list(range(1, 11))
 
 
-def test_a_full_disk_mid_run_is_one_line_even_when_the_clean_up_writes_fail_too(tmp_path, monkeypatch, capsys):
+@pytest.mark.parametrize("async_save", [True, False], ids=["background-save", "sync-save"])
+def test_a_full_disk_mid_run_is_one_line_even_when_the_clean_up_writes_fail_too(tmp_path, monkeypatch, capsys,
+                                                                                  async_save):
     """ENOSPC halfway through the step-10 save (a real partial file, then the error), and the disk stays full: the
-    clean-up's running.json write fails as well. One line (no second traceback), the .tmp gone, step 5 resumes."""
+    clean-up's running.json write fails as well. One line (no second traceback), the .tmp gone, step 5 resumes.
+    Written in the background, the error reaches the training thread at its next step: the same line."""
     import errno
 
     from dflash.runs import checkpoint as ckpt
 
-    cfg, raw = tiny_config(tmp_path, max_steps=20, save_every=5, keep_last=2)
+    cfg, raw = tiny_config(tmp_path, max_steps=20, save_every=5, keep_last=2, async_save=async_save)
     config = write_toml(raw, tmp_path / "run.toml")
     run_dir = Path(cfg.output_dir)
     real_state, real_running = ckpt.save_trainer_state, rundir.write_running

@@ -554,8 +554,11 @@ class DFlashDrafter(nn.Module):
         return self.norm(x_BQH)
 
     def save_pretrained(self, out_dir: str | Path, dtype: torch.dtype | None = None,
-                        target_dir: str | Path | None = None) -> Path:
+                        target_dir: str | Path | None = None, state: dict | None = None) -> Path:
         """Write config.json + model.safetensors + dflash.py; dtype None keeps the parameters' dtype.
+
+        state: the weights to write instead of the parameters' current values (a checkpoint's host snapshot,
+        written on another thread while training goes on).
 
         target_dir (the target's HF folder) makes the folder servable on its own: its tokenizer files
         are copied in and its bos/eos/pad ids written into config.json.
@@ -563,7 +566,8 @@ class DFlashDrafter(nn.Module):
         out_dir = Path(out_dir)
         out_dir.mkdir(parents=True, exist_ok=True)
         dtype = dtype or self.fc.weight.dtype
-        tensors = {k: v.detach().to(dtype).contiguous().cpu() for k, v in self.state_dict().items()}
+        state = self.state_dict() if state is None else state
+        tensors = {k: v.detach().to(dtype).contiguous().cpu() for k, v in state.items()}
         save_file(tensors, str(out_dir / WEIGHTS_FILE), metadata={"format": "pt"})
         config = self.config
         if target_dir is not None:

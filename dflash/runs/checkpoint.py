@@ -20,15 +20,20 @@ from an intact one before loading it (``dflash.rundir.checkpoint_problem``).
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import shutil
+import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from dflash.config import RunConfig
+from dflash.filehash import sha256_file
 from dflash.runs.rundir import (
     DRAFTER_DIR,
     FILES_KEY,
@@ -47,7 +52,6 @@ from dflash.runs.rundir import (
     legacy_message,
     list_checkpoints,
     read_meta,
-    record_files,
     resume_fix,
 )
 
@@ -110,24 +114,107 @@ def load_trainer_state(path: str | Path) -> dict:
     return state
 
 
+SAVE_DELAY_ENV = "DFLASH_SAVE_DELAY_S"  # tests only: seconds a save sleeps before its meta.json (a kill lands mid-write)
+
+
+@dataclass
+class Snapshot:
+    """What one checkpoint holds, ready to be written: the step, the drafter (it writes its HF folder), and the
+    weights, optimizer state and trainer state, either host copies (``HostCopies``) or the live tensors."""
+    step: int
+    drafter: object
+    weights: dict | None  # host copies of drafter.state_dict(); None: the drafter's live parameters
+    optimizer_state: dict
+    trainer_state: dict
+
+
+class HostCopies:
+    """Host buffers a snapshot copies into, kept from one save to the next (pinned on CUDA: allocating pinned memory
+    is slow, copying into it is not). One snapshot at a time: a save waits for the previous one's write first."""
+
+    def __init__(self):
+        self._buffers: dict = {}
+
+    def copy(self, key, t: torch.Tensor) -> torch.Tensor:
+        t = t.detach()
+        buf = self._buffers.get(key)
+        if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
+            buf = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=t.is_cuda)
+            self._buffers[key] = buf
+        buf.copy_(t, non_blocking=t.is_cuda)  # CUDA: queued; `snapshot` synchronizes once after all of them
+        return buf
+
+    def tree(self, key, value):
+        """A copy of nested dicts/lists whose tensors are host copies and other values deep copies."""
+        if isinstance(value, torch.Tensor):
+            return self.copy(key, value)
+        if isinstance(value, dict):
+            return {k: self.tree((key, k), v) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return type(value)(self.tree((key, i), v) for i, v in enumerate(value))
+        return copy.deepcopy(value)
+
+
+def snapshot(step: int, drafter, optimizer, trainer_state: dict, host: HostCopies | None = None) -> Snapshot:
+    """The state of checkpoint `step`. With `host`, copies that training may run on from (on CUDA: non-blocking
+    copies into pinned buffers, then one synchronize, the only wait); without, the live tensors, to be written
+    before the next step changes them."""
+    if host is None:
+        return Snapshot(step, drafter, None, optimizer.state_dict(), trainer_state)
+    weights = {k: host.copy(("weights", k), v) for k, v in drafter.state_dict().items()}
+    optimizer_state = host.tree("optimizer", optimizer.state_dict())
+    state = host.tree("trainer", trainer_state)
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+    return Snapshot(step, drafter, weights, optimizer_state, state)
+
+
 def save_checkpoint(output_dir: str | Path, step: int, drafter, optimizer, trainer_state: dict,
                     cfg: RunConfig, dataset_meta: dict, keep_last: int, provenance: dict | None = None) -> Path:
-    """Write checkpoint `step` atomically and keep the newest keep_last.
+    """Write checkpoint `step` atomically and keep the newest keep_last (on this thread: ``CheckpointWriter`` writes
+    on a background one).
 
     ``provenance``: what wrote it, e.g. ``preflight.gate.provenance(cfg.profile)``
     (``{"lock_sha256": ..., "git_commit": ...}``), recorded in meta.json as given.
     """
+    return write_checkpoint(output_dir, snapshot(step, drafter, optimizer, trainer_state), cfg, dataset_meta,
+                            keep_last, provenance)
+
+
+def write_checkpoint(output_dir: str | Path, snap: Snapshot, cfg: RunConfig, dataset_meta: dict, keep_last: int,
+                     provenance: dict | None = None) -> Path:
+    """Write a snapshot as checkpoint `snap.step`: files to step_N.tmp, each hashed as soon as it is written (threads,
+    while the next one is written), meta.json last, fsync, rename to step_N, then prune to keep_last. A failure
+    removes step_N.tmp and raises (an OSError of the disk as the disk gave it)."""
+    step = snap.step
     final = checkpoint_path(output_dir, step)
     root = final.parent
     root.mkdir(parents=True, exist_ok=True)
     tmp = root / f"{final.name}{TMP_SUFFIX}"
     _remove(tmp)
     tmp.mkdir()
+    hashing = ThreadPoolExecutor(2, thread_name_prefix="dflash-sha256")
+    hashes: dict[Path, Future] = {}
+
+    def written(*paths: Path) -> None:
+        for path in paths:
+            hashes[path] = hashing.submit(sha256_file, path)
+
     try:
-        drafter.save_pretrained(tmp / DRAFTER_DIR)
+        drafter_dir = tmp / DRAFTER_DIR
+        if snap.weights is None:
+            snap.drafter.save_pretrained(drafter_dir)
+        else:
+            snap.drafter.save_pretrained(drafter_dir, state=snap.weights)
+        written(*sorted(p for p in drafter_dir.rglob("*") if p.is_file()))
         with open(tmp / OPTIMIZER_NAME, "wb") as f:  # a file of ours: a failed write keeps its OSError (errno)
-            torch.save(optimizer.state_dict(), f)
-        save_trainer_state(tmp, trainer_state)
+            torch.save(snap.optimizer_state, f)
+        written(tmp / OPTIMIZER_NAME)
+        save_trainer_state(tmp, snap.trainer_state)
+        written(tmp / STATE_TENSORS, tmp / STATE_JSON)
+        delay = float(os.environ.get(SAVE_DELAY_ENV) or 0)
+        if delay > 0:
+            time.sleep(delay)
         meta = {
             "format": FORMAT,
             "step": step,
@@ -135,18 +222,21 @@ def save_checkpoint(output_dir: str | Path, step: int, drafter, optimizer, train
             "config": cfg.model_dump(),
             "dataset": dataset_meta,
             **(provenance or {}),
-            FILES_KEY: record_files(tmp),  # size + sha256 of every file: a resume verifies them (dflash.runs.rundir)
+            FILES_KEY: _recorded(tmp, hashes),  # size + sha256 of every file: a resume verifies them (dflash.runs.rundir)
         }
         (tmp / META_NAME).write_text(json.dumps(meta, indent=2))  # last: a folder with meta.json is finished
         _fsync_tree(tmp)  # the bytes are on disk before the rename makes the checkpoint visible
         _remove(final)
         tmp.rename(final)
     except BaseException as e:  # a full disk, a kill's KeyboardInterrupt...: no partial step_N.tmp stays behind
+        hashing.shutdown(wait=True, cancel_futures=True)  # no hash thread still reading what is removed
         shutil.rmtree(tmp, ignore_errors=True)
         cause = io_cause(e) if isinstance(e, Exception) else None
         if cause is not None and cause is not e:  # torch and safetensors wrap the disk's error: raise that
             raise OSError(cause.errno, cause.strerror, cause.filename or str(tmp)) from e
         raise
+    finally:
+        hashing.shutdown(wait=True)
     _fsync_dir(root)
     best = best_checkpoint(output_dir)
     # real folders only (list_checkpoints never lists a symlink), up to the one just written
@@ -154,6 +244,94 @@ def save_checkpoint(output_dir: str | Path, step: int, drafter, optimizer, train
         if old != final and old != best:  # never the one just written, never checkpoints/best's
             shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def _recorded(folder: Path, hashes: dict[Path, Future]) -> dict[str, dict]:
+    """meta.json's record of every file but meta.json (as ``rundir.record_files`` makes it), from the hashes taken
+    as the files were written; a file written some other way is hashed here. Raises OSError."""
+    out = {}
+    for p in sorted(p for p in folder.rglob("*") if p.is_file() and p != folder / META_NAME):
+        digest = hashes[p].result() if p in hashes else sha256_file(p)
+        out[p.relative_to(folder).as_posix()] = {"bytes": p.stat().st_size, "sha256": digest}
+    return out
+
+
+class CheckpointWriter:
+    """Saves checkpoints one at a time, in the background (``background=True``) or on the caller's thread.
+
+    In the background the caller is blocked only for the snapshot (``snapshot`` with host copies) and, when the
+    previous save is still being written, for the rest of that one: at most one save is in flight. The writer thread
+    writes, hashes, renames, prunes and runs ``then(path)`` (moving checkpoints/best). Its error is raised on the
+    caller's thread by the next ``check`` or ``wait``, as the synchronous save would have raised it.
+
+        writer = CheckpointWriter(out, background=True)
+        times = writer.save(step, drafter, optimizer, state, cfg, dataset_meta, keep_last, provenance)
+        writer.check()        # each step: a failed background save raises here
+        writer.wait()         # before reading checkpoints, at the end of a run
+    """
+
+    def __init__(self, output_dir: str | Path, background: bool):
+        self.out = Path(output_dir)
+        self.background = background
+        self.host = HostCopies() if background else None
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._written: list[dict] = []  # {"save_step", "save_write_s"} of background saves finished, not yet taken
+
+    def save(self, step: int, drafter, optimizer, trainer_state: dict, cfg: RunConfig, dataset_meta: dict,
+             keep_last: int, provenance: dict | None = None, then=None) -> dict:
+        """Save checkpoint `step`; returns the caller's timings: save_wait_s (waiting for the previous save),
+        save_stall_s (all the time this call blocked) and, when written here, save_write_s."""
+        t0 = time.perf_counter()
+        waited = self.wait()
+        snap = snapshot(step, drafter, optimizer, trainer_state, self.host)
+        times = {"save_wait_s": round(waited, 3)}
+        if not self.background:
+            path = write_checkpoint(self.out, snap, cfg, dataset_meta, keep_last, provenance)
+            if then is not None:
+                then(path)
+            times["save_write_s"] = round(time.perf_counter() - t0 - waited, 3)
+        else:
+            self._thread = threading.Thread(target=self._write, name=f"dflash-checkpoint-{step}",
+                                            args=(snap, cfg, dataset_meta, keep_last, provenance, then))
+            self._thread.start()  # not a daemon: an exiting interpreter waits for the rename
+        times["save_stall_s"] = round(time.perf_counter() - t0, 3)
+        return times
+
+    def _write(self, snap: Snapshot, cfg, dataset_meta, keep_last, provenance, then) -> None:
+        t0 = time.perf_counter()
+        try:
+            path = write_checkpoint(self.out, snap, cfg, dataset_meta, keep_last, provenance)
+            if then is not None:
+                then(path)
+        except BaseException as e:  # raised on the training thread by check() / wait()
+            self._error = e
+            return
+        self._written.append({"save_step": snap.step, "save_write_s": round(time.perf_counter() - t0, 3)})
+
+    def busy(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def check(self) -> None:
+        """Raise the error of a background save that has failed (a no-op while one is being written)."""
+        if self._thread is not None and not self._thread.is_alive():
+            self.wait()
+
+    def wait(self) -> float:
+        """Wait for the save in flight; raise its error. Returns the seconds waited."""
+        t0 = time.perf_counter()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        error, self._error = self._error, None
+        if error is not None:
+            raise error
+        return time.perf_counter() - t0
+
+    def written(self) -> list[dict]:
+        """The timings of background saves finished since the last call."""
+        out, self._written = self._written, []
+        return out
 
 
 def _remove(path: Path) -> None:

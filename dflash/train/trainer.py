@@ -139,6 +139,8 @@ class Trainer:
         self.resumed_from = None
         self.init_line = None
         self.last_checkpoint: Path | None = None
+        # at most one save in flight; in the background with train.async_save (dflash.runs.checkpoint)
+        self.writer = ckpt.CheckpointWriter(self.out, background=cfg.train.async_save)
         if cfg.init_from and resume_from is None:
             from dflash.train.warmstart import load_init
 
@@ -210,8 +212,14 @@ class Trainer:
         self.resumed_from = path
         self.log(f"resumed from {path} at step {self.step}")
 
-    def save(self, heldout: dict | None = None) -> Path:
-        bad = [name for name, p in self.drafter.named_parameters() if not bool(torch.isfinite(p).all())]
+    def save(self, heldout: dict | None = None, best: bool = False) -> dict:
+        """Save checkpoint self.step (written in the background with train.async_save; `best`: then point
+        checkpoints/best at it). Returns the timings for the step's metrics row: save_stall_s (the loop was blocked),
+        save_wait_s (of which waiting for the previous save) and, written here, save_write_s."""
+        t0 = time.perf_counter()
+        named = list(self.drafter.named_parameters())
+        finite = torch.stack([torch.isfinite(p).all() for _, p in named]).tolist()  # one read of the device
+        bad = [name for (name, _), ok in zip(named, finite) if not ok]
         if bad:  # a finite loss and gradient can still give a non-finite update (an overflowing AdamW step)
             raise NonFiniteError(f"step {self.step}: drafter weights are not finite ({', '.join(bad[:3])}); {DIVERGED_FIX}")
 
@@ -219,8 +227,12 @@ class Trainer:
                  "rng_cuda": torch.cuda.get_rng_state() if self.device.type == "cuda" else None,
                  "n_drafters": self.world}
         extra = dict(self.provenance, **({"heldout": heldout} if heldout else {}))
-        return ckpt.save_checkpoint(self.out, self.step, self.drafter, self.optimizer, state, self.cfg,
-                                    self._dataset_meta(), self.cfg.train.keep_last, extra)
+        then = (lambda path: rundir.set_best(self.out, path)) if best else None
+        times = self.writer.save(self.step, self.drafter, self.optimizer, state, self.cfg, self._dataset_meta(),
+                                 self.cfg.train.keep_last, extra, then)
+        self.last_checkpoint = rundir.checkpoint_path(self.out, self.step)
+        times["save_stall_s"] = round(time.perf_counter() - t0, 3)
+        return times
 
     def train_step(self, mine: list[tuple[int, dict]]) -> dict:
         """One optimizer step over this rank's batches [(global index, batch)]; plain-float metrics."""
@@ -354,26 +366,36 @@ class Trainer:
                     self.heldout.due(self.step, self.total_steps) else None
                 if held is not None:
                     rec = dict(rec or {"step": self.step, "epoch": epoch}, **held)
+                t_row = time.perf_counter()  # a save's stall counts in the next row's tok/s, as the steps' time does
+                better = held is not None and (self.best is None or held[BEST_KEY] > self.best)
+                if self.step % self.cfg.train.save_every == 0 or stopping or better:
+                    last_save, times = self._save_if_logger(held, better)
+                    if self.is_logger:
+                        rec = dict(rec or {"step": self.step, "epoch": epoch}, **times)
+                    if better and self.is_logger:
+                        self._set_best(held)
                 if rec is not None:
+                    for done in self.writer.written():  # a background write that finished since the last row
+                        rec.update(done)
                     if self.is_logger:
                         metrics_file.write(json.dumps(rec) + "\n")
                         metrics_file.flush()
                         self.outcome.row(rec)
                         self._print(rec, bar)
                         trackers.log(rec)
-                    window = {"t0": time.perf_counter(), "tokens": 0}
+                    window = {"t0": t_row, "tokens": 0}
                 if bar:
                     bar.update(1)
-                better = held is not None and (self.best is None or held[BEST_KEY] > self.best)
-                if self.step % self.cfg.train.save_every == 0 or stopping or better:
-                    last_save = self._save_if_logger(held)
-                    if better and self.is_logger:
-                        self._set_best(held)
                 if stopping:
                     pending = None
+                self.writer.check()  # a background save that failed ends the run here, as a save on this thread would
+            self.writer.wait()
             if self.step != last_save or not rundir.list_checkpoints(self.out):
-                last_save = self._save_if_logger(held if held is not None and held.get("step") == self.step else None)
+                last_save, _ = self._save_if_logger(held if held is not None and held.get("step") == self.step else None)
+            self.writer.wait()  # the last checkpoint is renamed before the run reports, exports or exits
         except BaseException as e:
+            with contextlib.suppress(Exception):  # let a save in flight finish (its own error is not the one to tell)
+                self.writer.wait()
             # a full or failing disk fails these writes too: the error being raised is the one to tell, not theirs
             with contextlib.suppress(OSError):
                 if self.outcome:
@@ -410,11 +432,11 @@ class Trainer:
         dist.all_reduce(t, group=self.group)
         return bool(t.item() > 0)
 
-    def _save_if_logger(self, heldout: dict | None = None) -> int:
-        """Rank 0 of the drafter group writes the checkpoint (replicas are identical); returns the step."""
-        if self.is_logger:
-            self.last_checkpoint = self.save(heldout)
-        return self.step
+    def _save_if_logger(self, heldout: dict | None = None, best: bool = False) -> tuple[int, dict]:
+        """Rank 0 of the drafter group saves the checkpoint (replicas are identical); returns (the step, the save's
+        timings: {} on the other ranks)."""
+        times = self.save(heldout, best) if self.is_logger else {}
+        return self.step, times
 
     def _evaluate(self) -> dict:
         """heldout_* metrics of the drafter at this step (dflash.train.heldout), with their wall time."""
@@ -429,8 +451,7 @@ class Trainer:
         return held
 
     def _set_best(self, held: dict) -> None:
-        previous = self.best
-        rundir.set_best(self.out, self.last_checkpoint)
+        previous = self.best  # checkpoints/best itself moves once the save is written (Trainer.save's `best`)
         self.best = held[BEST_KEY]
         self.log(f"best: {self.last_checkpoint.name} ({BEST_KEY} {self.best:.3f}"
                  + (f", was {previous:.3f})" if previous is not None else ")"))

@@ -1,0 +1,177 @@
+"""Checkpoints written in the background (train.async_save): the same bytes as a save on the training thread, the
+step loop going on while a save is written, and a kill -9 or SIGTERM mid-write leaving what a synchronous save
+leaves (the previous checkpoint, a .tmp the next save of that step removes). A full disk: tests/test_rundir.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from dflash.runs import checkpoint as ckpt
+from dflash.runs import rundir
+from dflash.train.trainer import run
+from trainkit import WAIVE_SOURCE, metrics, tiny_config, train_cmd, train_main_here, write_toml
+
+REPO = Path(__file__).resolve().parent.parent
+SAVE_KEYS = ("save_stall_s", "save_wait_s")
+
+
+def test_a_snapshot_is_a_copy_training_can_run_on_from():
+    """The host copies do not move with the parameters and the optimizer state after the snapshot."""
+    model = torch.nn.Linear(4, 3)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model(torch.ones(2, 4)).sum().backward()
+    opt.step()
+    host = ckpt.HostCopies()
+    snap = ckpt.snapshot(1, model, opt, {"step": 1, "sampler": {"index": 2}, "rng_cpu": torch.get_rng_state()}, host)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    avg = opt.state_dict()["state"][0]["exp_avg"].clone()
+    model(torch.ones(2, 4)).sum().backward()
+    opt.step()
+    assert all(torch.equal(snap.weights[k], before[k]) for k in before)
+    assert not torch.equal(snap.weights["weight"], model.weight.detach())
+    assert torch.equal(snap.optimizer_state["state"][0]["exp_avg"], avg)
+    assert snap.trainer_state["sampler"] == {"index": 2}
+
+
+def _files(checkpoint: Path) -> dict[str, bytes]:
+    return {p.relative_to(checkpoint).as_posix(): p.read_bytes() for p in sorted(checkpoint.rglob("*")) if p.is_file()}
+
+
+def test_a_background_save_writes_the_bytes_a_synchronous_one_does(tmp_path):
+    """The same tiny run with train.async_save true and false: the same checkpoints, file for file and byte for byte
+    (meta.json: the same recorded sizes and sha256, which verify), and every save step's row has its timings."""
+    runs = {}
+    for background in (True, False):
+        cfg, _ = tiny_config(tmp_path / str(background), max_steps=6, save_every=2, keep_last=2,
+                             async_save=background)
+        assert run(cfg, None, log=lambda *_: None, progress=False) == 0
+        runs[background] = Path(cfg.output_dir)
+    saved = {b: rundir.list_checkpoints(out) for b, out in runs.items()}
+    assert [c.name for c in saved[True]] == [c.name for c in saved[False]] == ["step_00000004", "step_00000006"]
+    assert not list(rundir.checkpoints_dir(runs[True]).glob("*.tmp"))
+    for a, b in zip(saved[True], saved[False]):
+        fa, fb = _files(a), _files(b)
+        assert fa.keys() == fb.keys()
+        assert [k for k in fa if fa[k] != fb[k]] == [rundir.META_NAME]  # its time and output_dir differ
+        assert rundir.read_meta(a)[rundir.FILES_KEY] == rundir.read_meta(b)[rundir.FILES_KEY]
+        assert rundir.checkpoint_problem(a, deep=True) is None
+    for background, out in runs.items():
+        rows = {r["step"]: r for r in metrics(out)}
+        assert all(k in rows[s] for s in (2, 4, 6) for k in SAVE_KEYS), rows
+        assert all("save_stall_s" not in rows[s] for s in (1, 3, 5))
+        if not background:  # written on the training thread: the write is the stall
+            assert all(rows[s]["save_write_s"] <= rows[s]["save_stall_s"] for s in (2, 4, 6))
+        else:  # a background write's time rides on the first row logged after it finished
+            assert {r["save_step"] for r in rows.values() if "save_write_s" in r} >= {2, 4}
+
+
+def test_the_step_loop_goes_on_while_a_save_is_written(tmp_path, monkeypatch):
+    """The step-5 save's hashing is held until the loop has logged step 6: it can only finish because training went
+    on while it was written. The run then ends as usual, every checkpoint verifying."""
+    cfg, raw = tiny_config(tmp_path, max_steps=10, save_every=5, keep_last=2)
+    config = write_toml(raw, tmp_path / "run.toml")
+    out = Path(cfg.output_dir)
+    real = ckpt.sha256_file
+    seen = {}
+
+    def slow_sha256(path):
+        if "step_00000005.tmp" in str(path) and "step6" not in seen:
+            deadline = time.monotonic() + 120  # a failure's bound only: the loop normally logs step 6 in milliseconds
+            while time.monotonic() < deadline and not any(r["step"] >= 6 for r in _rows(out)):
+                time.sleep(0.01)
+            seen["step6"] = any(r["step"] >= 6 for r in _rows(out))
+            seen["meta_before"] = (Path(path).parent / rundir.META_NAME).exists() or \
+                (Path(path).parent.parent / rundir.META_NAME).exists()
+        return real(path)
+
+    monkeypatch.setattr(ckpt, "sha256_file", slow_sha256)
+    assert train_main_here(config, "--fresh", *WAIVE_SOURCE) == 0
+    assert seen == {"step6": True, "meta_before": False}
+    rows = {r["step"]: r for r in metrics(out)}
+    assert all(k in rows[5] for k in SAVE_KEYS) and "save_write_s" not in rows[5]
+    written = [r for r in rows.values() if r.get("save_step") == 5]
+    assert len(written) == 1 and written[0]["step"] > 5  # logged once the write had finished, after step 5
+    assert [c.name for c in rundir.list_checkpoints(out)] == ["step_00000005", "step_00000010"]
+    assert all(rundir.checkpoint_problem(c, deep=True) is None for c in rundir.list_checkpoints(out))
+
+
+def _rows(out: Path) -> list[dict]:
+    try:
+        lines = (out / rundir.METRICS_NAME).read_text().splitlines()
+    except FileNotFoundError:
+        return []
+    return [json.loads(line) for line in lines if line.endswith("}")]
+
+
+def _slow_saves(seconds: float) -> dict:
+    return {**os.environ, ckpt.SAVE_DELAY_ENV: str(seconds)}
+
+
+def _wait_for(path: Path, proc: subprocess.Popen, timeout: float = 120) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline and not path.exists():
+        assert proc.poll() is None, proc.stdout.read()
+        time.sleep(0.02)
+    assert path.exists(), f"{path} never appeared"
+
+
+def test_kill_9_mid_background_write_resumes_from_the_previous_checkpoint(tmp_path):
+    """SIGKILL while step 10 is written in the background (every save sleeps 3 s before meta.json): the folder
+    stays a .tmp, --resume latest takes step 5, and the resumed run's own step-10 save replaces the .tmp."""
+    cfg, raw = tiny_config(tmp_path, max_steps=15, save_every=5, keep_last=3)
+    config = write_toml(raw, tmp_path / "run.toml")
+    out = Path(cfg.output_dir)
+    proc = subprocess.Popen(train_cmd(config, "--fresh"), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, env=_slow_saves(3))
+    tmp = rundir.checkpoints_dir(out) / "step_00000010.tmp"
+    _wait_for(tmp / rundir.STATE_JSON, proc)  # every file written; the writer sleeps before meta.json
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert tmp.is_dir() and not (tmp / rundir.META_NAME).exists()
+    assert [c.name for c in rundir.list_checkpoints(out)] == ["step_00000005"]
+    again = subprocess.run(train_cmd(config, "--resume", "latest"), cwd=REPO, capture_output=True, text=True)
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert f"resumed from {rundir.checkpoint_path(out, 5)} at step 5" in again.stdout
+    assert not tmp.exists() and not list(rundir.checkpoints_dir(out).glob("*.tmp"))
+    assert [c.name for c in rundir.list_checkpoints(out)] == ["step_00000005", "step_00000010", "step_00000015"]
+    assert all(rundir.checkpoint_problem(c, deep=True) is None for c in rundir.list_checkpoints(out))
+
+
+def test_sigterm_mid_background_write_finishes_it_stops_and_resumes_exactly(tmp_path):
+    """SIGTERM while the step-5 save is written in the background: the run finishes its step, waits for that write,
+    saves the step it stopped at, exits 75 with no .tmp left; the resumed run's losses equal an uninterrupted run's."""
+    ref_cfg, _ = tiny_config(tmp_path / "ref", max_steps=20, save_every=5)
+    assert run(ref_cfg, None, log=lambda *_: None, progress=False) == 0
+    ref = {r["step"]: r for r in metrics(Path(ref_cfg.output_dir))}
+
+    cfg, raw = tiny_config(tmp_path / "stopped", max_steps=20, save_every=5)
+    config = write_toml(raw, tmp_path / "run.toml")
+    out = Path(cfg.output_dir)
+    proc = subprocess.Popen(train_cmd(config, "--fresh"), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, env=_slow_saves(2))
+    _wait_for(rundir.checkpoints_dir(out) / "step_00000005.tmp" / rundir.STATE_JSON, proc)
+    proc.send_signal(signal.SIGTERM)
+    text, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 75, text
+    saved = rundir.list_checkpoints(out)
+    stopped_at = metrics(out)[-1]["step"]
+    assert rundir.checkpoint_path(out, 5) in saved and saved[-1] == rundir.checkpoint_path(out, stopped_at)
+    assert 5 < stopped_at < 20 and not list(rundir.checkpoints_dir(out).glob("*.tmp"))
+    assert all(rundir.checkpoint_problem(c, deep=True) is None for c in saved)
+    marker = json.loads((out / rundir.STOPPED_NAME).read_text())
+    assert marker["step"] == stopped_at and marker["checkpoint"] == str(saved[-1])
+    again = subprocess.run(train_cmd(config, "--resume", "latest"), cwd=REPO, capture_output=True, text=True)
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert f"resumed from {saved[-1]} at step {stopped_at}" in again.stdout
+    rows = metrics(out)
+    assert [r["step"] for r in rows] == list(range(1, 21))
+    for r in rows:
+        assert r["loss"] == pytest.approx(ref[r["step"]]["loss"], rel=1e-5, abs=1e-6), r["step"]

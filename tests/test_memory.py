@@ -123,6 +123,30 @@ def test_a_split_drafter_holds_the_received_features_of_its_steps_batches(tiny):
     assert one_b == 64 * 1 * 64 * 2 and three_b == 3 * one_b
 
 
+def test_each_batch_in_flight_adds_one_batch_of_features(tiny):
+    """A target rank holds topology.queue_depth sends in flight beside the batch it computes; a drafter rank the
+    receives of its step's grad_accum batches. One more in flight: exactly one batch's features more (bf16, 64 tokens
+    x 1 layer x hidden 64), as a named part; the target's total grows by it plus its fragmentation margin."""
+    shape = load_target_shape(tiny.target.path)
+    one = 64 * 1 * 64 * 2
+
+    def with_field(section: str, key: str, value: int):
+        raw = tiny.model_dump()
+        raw[section][key] = value
+        return config_from_dict(raw)
+
+    for depth in (1, 2, 3):
+        parts = role_parts(with_field("topology", "queue_depth", depth), shape, "target", "12.8", HAND)
+        assert part(parts, f"send buffers in flight ({depth} batch") == depth * one
+        assert part(parts, "selected hidden states") == one  # the batch being computed, beside them
+        grown = (role_need_bytes(with_field("topology", "queue_depth", depth + 1), "target", "12.8", HAND)
+                 - role_need_bytes(with_field("topology", "queue_depth", depth), "target", "12.8", HAND))
+        assert abs(grown - 1.05 * one) <= 1, grown
+    for accum in (1, 2, 3):
+        parts = role_parts(with_field("train", "grad_accum", accum), shape, "drafter", "12.8", HAND)
+        assert part(parts, f"received features in flight ({accum} batch") == accum * one
+
+
 def test_default_target_layers():
     assert default_target_layer_ids(36, 5) == [1, 9, 17, 25, 33]
     assert default_target_layer_ids(28, 1) == [14]
@@ -338,6 +362,8 @@ def test_cli_27b_prints_both_roles_and_limits():
     assert "60 sequences x 819 tokens" in out and "batch_anchors 1024" in out
     assert "largest settings that fit" in out and "max_anchors" in out
     assert "CUDA 12.8 (from envs/train-cu128.toml)" in out
+    assert "send buffers in flight (2 batches, topology.queue_depth)" in out  # what is in flight, by name
+    assert "received features in flight (1 batch, train.grad_accum)" in out
 
 
 def estimate_cli(capsys, *args: str) -> tuple[int, str, str]:

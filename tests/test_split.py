@@ -13,7 +13,15 @@ from pathlib import Path
 import pytest
 
 from dflash.runs import rundir
-from dflash.train.split import cpu_threads_per_rank, physical_gpu, ranks_for, suggest_split
+from dflash.train.split import (
+    Rank,
+    RemoteTargets,
+    cpu_threads_per_rank,
+    physical_gpu,
+    ranks_for,
+    split_tok_s,
+    suggest_split,
+)
 from dflash.train.trainer import run
 from trainkit import metrics, tiny_config, train_cmd, write_toml
 
@@ -47,10 +55,33 @@ def test_physical_gpu_maps_through_cuda_visible_devices():
         physical_gpu("3", "0,1")
 
 
-def test_suggested_split_balances_rates():
+def test_suggested_split_is_the_argmax_of_the_slower_side():
+    """The split that trains the most tokens/s: min(t x target rate, d x drafter rate), every t tried."""
+    # the users' Qwen3.6-27B job (busy: target 9.8K, drafter 41K per GPU): 7+1 gives min(68.6K, 41K) = 41K,
+    # 6+2 gives min(58.8K, 82K) = 58.8K, 5+3 gives min(49K, 123K) = 49K
+    assert suggest_split(8, 9_800, 41_000) == (6, 2)
+    assert split_tok_s(6, 2, 9_800, 41_000) == pytest.approx(58_800)
+    # target 12.7K, drafter 16.5K: 4+4 gives min(50.8K, 66K) = 50.8K, 5+3 gives min(63.5K, 49.5K) = 49.5K
+    assert suggest_split(8, 12_700, 16_500) == (4, 4)
+    for n, x, y in ((8, 9_800, 41_000), (8, 12_700, 16_500), (8, 30_000, 6_000), (5, 1_000, 7_000), (2, 1, 1)):
+        t, d = suggest_split(n, x, y)
+        assert t + d == n and split_tok_s(t, d, x, y) == max(split_tok_s(k, n - k, x, y) for k in range(1, n))
     assert suggest_split(8, 10_000, 6_000) == (3, 5)
-    assert suggest_split(8, 30_000, 6_000) == (1, 7)
+    assert suggest_split(8, 30_000, 6_000) == (2, 6)  # 36K; rounding the rate share gave 1+7 (30K)
     assert suggest_split(2, 1, 1) == (1, 1)
+
+
+def test_summary_prints_busy_rates_and_the_split_they_suggest():
+    source = object.__new__(RemoteTargets)  # summary reads only the rank layout
+    source.me = Rank(0, 2, 1, 1)
+    rows = [{"target_tok_s_per_gpu": 9_600, "drafter_tok_s_per_gpu": 40_000},
+            {"step": 20, "heldout_loss": 1.0},  # a row without rates is not averaged
+            {"target_tok_s_per_gpu": 10_000, "drafter_tok_s_per_gpu": 42_000}]
+    assert source.summary(rows).splitlines() == [
+        "busy: target 9800 tok/s per GPU, drafter 41000 tok/s per GPU (mean of 2 logged window(s), the first left out)",
+        "suggested split for 2 GPUs: 1 target + 1 drafter, expected 9800 tok/s",
+        "suggested split for 8 GPUs: 6 target + 2 drafter, expected 58800 tok/s"]
+    assert source.summary([]).startswith("no per-role rates past the first logged window")
 
 
 def test_cpu_ranks_share_the_cores_out():
@@ -85,6 +116,8 @@ def test_one_target_two_drafters_match_colocated_and_replicas_stay_identical(tmp
         assert a["replica_max_diff"] == 0.0, a
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-4), (a["step"], a["loss"], b["loss"])
     assert "suggested split for 8 GPUs" in out.stdout
+    # 6 logged windows; the first (its step compiles) is left out of the busy rates
+    assert "(mean of 5 logged window(s), the first left out)" in out.stdout
     assert (Path(cfg.output_dir) / "drafter" / "model.safetensors").exists()
 
 

@@ -18,7 +18,7 @@ from dflash.models.drafter import DFlashDrafter
 from dflash.models.target import decoder_of
 from dflash.runs import rundir
 from dflash.train.trainer import Trainer, run
-from trainkit import metrics, tiny_config, train_cmd, write_toml
+from trainkit import metrics, tiny_config, train_cmd, train_main_here, write_toml
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -238,6 +238,76 @@ def test_metrics_count_compiled_graphs(tmp_path):
     rows = metrics(Path(cfg.output_dir))
     assert all(isinstance(r["compiled_graphs"], int) for r in rows)
     assert any(line.startswith("first step: ") for line in lines)
+
+
+def _tight_config(tmp_path, token_budget: int, **train):
+    """The tiny preset with another token budget (rows of 24..63 tokens: 100 gives batches of 1 to 4 rows)."""
+    from dflash.config import config_from_dict
+
+    _, raw = tiny_config(tmp_path, **train)
+    raw["data"]["token_budget"] = token_budget
+    return config_from_dict(raw), raw
+
+
+def _warm_picks(sampler) -> tuple[list[tuple[int, int]], set[bool]]:
+    """(the (rows, length) shapes warm_batches picks, {is a single row} over every batch of the run)."""
+    from dflash.train.trainer import warm_batches
+
+    picked = warm_batches(sampler)
+    assert all(list(b) in sampler.epoch_batches(0) for b in picked)
+    return [(len(b), int(sampler.lengths[b].max())) for b in picked], {int(n) == 1 for n in sampler._batch_sizes}
+
+
+def test_warm_batches_take_one_batch_of_each_shape_class(tmp_path):
+    """Two multi-row batches of different shapes and, where the buckets make one, a single-row batch (dynamo
+    specialises size 1): the shape classes the run's batches fall in."""
+    import numpy as np
+
+    from dflash.data.buckets import BucketBatchSampler
+    from dflash.data.plan import schedule
+
+    cfg, _ = _tight_config(tmp_path, 100)  # long rows alone, short ones up to 4 together
+    shapes, classes = _warm_picks(schedule(cfg, 1)[1])
+    assert classes == {True, False} and [r == 1 for r, _ in shapes].count(True) == 1, shapes
+    multi = [s for s in shapes if s[0] > 1]
+    assert len(multi) == 2 and multi[0] != multi[1], shapes
+    # 32 rows of 30..33 tokens in two buckets, 8 to a batch: no single-row batch, none taken
+    shapes, classes = _warm_picks(BucketBatchSampler(30 + np.arange(32) % 4, 512, 8, 2, seed=0))
+    assert classes == {False} and len(shapes) == 2 and shapes[0] != shapes[1] and all(r == 8 for r, _ in shapes)
+
+
+def test_warm_steps_run_the_target_on_every_shape_class(tmp_path, monkeypatch):
+    """--warm-cache's steps (CUDA-only around them; the steps run here on CPU): the target computes features for
+    each warm batch, a single-row one included."""
+    from dflash.train.trainer import warm_steps
+
+    cfg, _ = _tight_config(tmp_path, 100)
+    trainer = Trainer.colocated(cfg, None, log=lambda *_: None)
+    seen, features = [], trainer.source.features
+    monkeypatch.setattr(trainer.source, "features", lambda k, b: seen.append(tuple(b["input_ids"].shape)) or features(k, b))
+    lines = []
+    shapes = warm_steps(trainer, lines.append)
+    assert seen == shapes and any(b == 1 for b, _ in shapes) and sum(b > 1 for b, _ in shapes) == 2
+    assert lines[-1].startswith("warm-cache: ran batches of " + ", ".join(f"{b} x {s}" for b, s in shapes))
+
+
+def test_a_graph_built_after_the_first_step_is_one_line_and_counted(tmp_path, monkeypatch, capsys):
+    """CPU compiles nothing: the graph counter grows by one at step 3 and by two at step 5 (as a new bucket shape would
+    on CUDA). Each growth is one line, a metrics row field and outcome.json's recompiles."""
+    import dflash.train.trainer as train_mod
+
+    cfg, raw = tiny_config(tmp_path, max_steps=6)
+    real, calls = train_mod.micro_step, []
+    monkeypatch.setattr(train_mod, "micro_step", lambda *a, **k: calls.append(1) or real(*a, **k))
+    monkeypatch.setattr(train_mod, "compiled_graphs", lambda: 4 + (len(calls) >= 3) + 2 * (len(calls) >= 5))
+    assert train_main_here(write_toml(raw, tmp_path / "run.toml"), "--fresh", "--waive", "model-source", "--reason",
+                           "tests") == 0
+    out = capsys.readouterr().out.splitlines()
+    assert [line for line in out if line.startswith("recompiled")] == [
+        "recompiled after step 3: 5 graphs (was 4)", "recompiled after step 5: 7 graphs (was 5)"]
+    assert [r["recompiles"] for r in metrics(Path(cfg.output_dir))] == [0, 0, 1, 1, 2, 2]
+    outcome = json.loads((Path(cfg.output_dir) / "outcome.json").read_text())
+    assert outcome["recompiles"] == 2 and outcome["compiled_graphs"] == {"first_step": 4, "last": 7}
 
 
 def _poison_loss_from(monkeypatch, first_bad_step: int) -> None:

@@ -244,8 +244,8 @@ def _target_parts(cfg: RunConfig, shape: TargetShape, w: Workload, cal: Calibrat
     if last:
         parts.append(Part("last hidden state (soft labels)", last, "activation"))
     if split:  # a target rank keeps up to topology.queue_depth sends in flight while it computes the next batch
-        n = cfg.topology.queue_depth
-        parts.append(Part(f"send buffers ({n} batch{'es' if n != 1 else ''} in flight, topology.queue_depth)",
+        n = cfg.topology.queue_depth  # (dflash.train.split._target_main), beside that batch's own features above
+        parts.append(Part(f"send buffers in flight ({n} batch{'es' if n != 1 else ''}, topology.queue_depth)",
                           n * (feats + last), "activation"))
     return parts
 
@@ -420,13 +420,15 @@ def role_parts(cfg: RunConfig, shape: TargetShape, role: GpuRole, cuda: str, cal
         parts = _scaled(_target_parts(cfg, shape, w, cal, split), "target", cal)
     elif role == "drafter":
         feats, last = _features_bytes(cfg, shape, w)
-        # A drafter rank posts the receives of a step's batches (train.grad_accum of them) once the previous
-        # step is done, so they all exist during its first batch; nothing is received ahead of the step.
+        # A drafter rank posts the receives of a step's batches (train.grad_accum of them; RemoteTargets.expect)
+        # once the previous step's train_step has returned and freed its features, so they all exist during its
+        # first batch, and beside the previous step's grads and update; nothing is received further ahead.
         # Measured: the Qwen3.6-27B recipe drafter allocated 63.1 GiB in a 1 target + 1 drafter run on 2x H200,
         # 63.3 GiB for the same role alone with one batch of features (bench/results/).
         held = cfg.train.grad_accum if split else 1
         parts = _drafter_static_parts(cfg, shape, share_frozen=False)
-        parts.append(Part(f"received features ({held} batch{'es' if held != 1 else ''})", held * (feats + last), "activation"))
+        parts.append(Part(f"received features in flight ({held} batch{'es' if held != 1 else ''}, train.grad_accum)",
+                          held * (feats + last), "activation"))
         step = _scaled(_drafter_step_parts(cfg, shape, w, cal), "drafter", cal)
         parts = _scaled(parts, "drafter", cal)
         parts += _step_only_parts(cfg, shape, sum(p.bytes for p in step)) + step

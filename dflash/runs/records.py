@@ -209,6 +209,7 @@ SNAPSHOT_SCHEMA = {
 OUTCOME_SCHEMA = {
     "format": "str!", "gate_id": "any", "started_utc": "any", "updated_utc": "any", "start_step": "int", "step": "int",
     "first_step_s": "num", "to_first_step_s": "num", "compiled_graphs": {"first_step": "int", "last": "int"},
+    "recompiles": "int",
     "rows": "int", "steady": ("map", "num"),
     "peak": {"gpus": ("map", "int"), "torch_allocated_bytes": "int", "host_rss_bytes": "int"},
     "last": {"loss": "num", "accept_len": "num"},
@@ -363,6 +364,7 @@ class Outcome:
         self.data = {"format": OUTCOME_FORMAT, "gate_id": run.get("gate_id"), "started_utc": now_utc(),
                      "updated_utc": now_utc(), "start_step": start_step, "step": start_step, "rows": 0,
                      "first_step_s": None, "to_first_step_s": None, "compiled_graphs": {"first_step": None, "last": None},
+                     "recompiles": 0,
                      "steady": {}, "peak": {"gpus": {}, "torch_allocated_bytes": None, "host_rss_bytes": None},
                      "last": {}, "ended": {"how": "running", "step": start_step}}
         self._sample()
@@ -386,6 +388,11 @@ class Outcome:
         if self.gate_time is not None:
             self.data["to_first_step_s"] = round(time.time() - self.gate_time, 1)
         self.data["compiled_graphs"]["first_step"] = graphs
+        self.write()
+
+    def recompiled(self, count: int) -> None:
+        """torch.compile built a graph past the first step (the trainer's count so far)."""
+        self.data["recompiles"] = count
         self.write()
 
     def row(self, rec: dict) -> None:

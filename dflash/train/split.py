@@ -51,6 +51,7 @@ GATE_ENV = "DFLASH_GATE_ID"  # set by the launcher: the gate_id of the preflight
 POLL_S = 0.2  # launcher's watch interval
 KILL_GRACE_S = 10.0  # SIGTERM -> SIGKILL for survivors of a failed run
 TARGET_STOP_GRACE_S = 60.0  # a SIGTERMed target serves this long so drafters can finish their step
+SUMMARY_ROWS = 10  # the end-of-run summary averages the busy rates of this many last logged windows
 
 
 @dataclass(frozen=True)
@@ -100,12 +101,21 @@ def physical_gpu(entry: str, visible: str | None) -> str:
 
 
 def suggest_split(n_gpus: int, target_tok_s_per_gpu: float, drafter_tok_s_per_gpu: float) -> tuple[int, int]:
-    """Targets:drafters for n_gpus so both sides process tokens at the same rate."""
+    """(targets, drafters) for n_gpus that train the most tokens per second: the t in 1..n-1 maximising
+    split_tok_s(t, n - t, ...) (the fewest target GPUs on a tie). Give busy rates: a target's excluding its send
+    waits, a drafter's excluding its receive waits, else the side that waits looks slower than it is."""
+    if n_gpus < 2:
+        raise ValueError(f"a split needs 2 GPUs or more, got {n_gpus}")
     if target_tok_s_per_gpu <= 0 or drafter_tok_s_per_gpu <= 0:
         return n_gpus // 2, n_gpus - n_gpus // 2
-    share = drafter_tok_s_per_gpu / (target_tok_s_per_gpu + drafter_tok_s_per_gpu)
-    targets = min(n_gpus - 1, max(1, round(n_gpus * share)))
+    targets = max(range(1, n_gpus), key=lambda t: (split_tok_s(t, n_gpus - t, target_tok_s_per_gpu,
+                                                               drafter_tok_s_per_gpu), -t))
     return targets, n_gpus - targets
+
+
+def split_tok_s(targets: int, drafters: int, target_tok_s_per_gpu: float, drafter_tok_s_per_gpu: float) -> float:
+    """Tokens/s a split trains at when each side runs at its busy rate: the slower side sets the pace."""
+    return min(targets * target_tok_s_per_gpu, drafters * drafter_tok_s_per_gpu)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -436,18 +446,24 @@ class RemoteTargets:
     def cache_bytes(self, num_tokens: int) -> int | None:
         return None
 
-    def summary(self, metrics_path: Path) -> str | None:
-        """Measured per-role rates of the last rows and the split they suggest."""
-        rows = [json.loads(line) for line in metrics_path.read_text().splitlines()]
-        rows = [r for r in rows if "target_tok_s_per_gpu" in r][-10:]
+    def summary(self, rows: list[dict]) -> str | None:
+        """Busy per-role rates of the run's steady rows and the split they suggest for this run's GPU count and 8.
+
+        The rates are busy rates (RemoteTargets.rates): a target's tokens over its compute time (send waits left
+        out), a drafter's over its time not waiting for features. `rows` leaves out the first logged window, whose
+        first step is mostly compilation."""
+        rows = [r for r in rows if "target_tok_s_per_gpu" in r][-SUMMARY_ROWS:]
         if not rows:
-            return "no per-role rates logged"
+            return ("no per-role rates past the first logged window (it holds the compilation); log more often "
+                    "(train.log_every) for a suggested split")
         t_rate = sum(r["target_tok_s_per_gpu"] for r in rows) / len(rows)
         d_rate = sum(r["drafter_tok_s_per_gpu"] for r in rows) / len(rows)
-        lines = [f"measured: target {t_rate:.0f} tok/s per GPU, drafter {d_rate:.0f} tok/s per GPU"]
+        lines = [f"busy: target {t_rate:.0f} tok/s per GPU, drafter {d_rate:.0f} tok/s per GPU "
+                 f"(mean of {len(rows)} logged window(s), the first left out)"]
         for n in sorted({self.me.world, 8}):
             t, d = suggest_split(n, t_rate, d_rate)
-            lines.append(f"suggested split for {n} GPUs: {t} target + {d} drafter")
+            lines.append(f"suggested split for {n} GPUs: {t} target + {d} drafter, "
+                         f"expected {split_tok_s(t, d, t_rate, d_rate):.0f} tok/s")
         return "\n".join(lines)
 
 

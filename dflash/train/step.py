@@ -13,7 +13,6 @@ The math of one batch lives in dflash.train.loss; what feeds it features lives h
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Protocol
 
 import torch
@@ -166,8 +165,9 @@ class FeatureSource(Protocol):
     def cache_bytes(self, num_tokens: int) -> int | None:
         """Bytes its feature cache grows to over `num_tokens` tokens (None: it caches nothing)."""
 
-    def summary(self, metrics_path: Path) -> str | None:
-        """Lines for the end of the run, from the run's metrics.jsonl (None: nothing to add)."""
+    def summary(self, rows: list[dict]) -> str | None:
+        """Lines for the end of the run from this process's metrics rows past the first logged window (whose first
+        step is mostly compilation); None: nothing to add."""
 
 
 class LocalTarget:
@@ -208,7 +208,7 @@ class LocalTarget:
     def cache_bytes(self, num_tokens: int) -> int | None:
         return None
 
-    def summary(self, metrics_path: Path) -> str | None:
+    def summary(self, rows: list[dict]) -> str | None:
         return None
 
 

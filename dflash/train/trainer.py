@@ -53,7 +53,8 @@ from dflash.train.step import (
     target_folder,
 )
 
-__all__ = ["NonFiniteError", "RunError", "StopFlag", "Trainer", "run", "run_device", "warm_cache"]
+__all__ = ["NonFiniteError", "RunError", "StopFlag", "Trainer", "run", "run_device", "warm_batches", "warm_cache",
+           "warm_steps"]
 
 DUPLICATE_SIGNAL_S = 2.0  # the same signal again within this many seconds is the same stop
 DIVERGED_FIX = ("nothing was saved from it, earlier checkpoints are intact; lower train.lr or check the data, then "
@@ -341,10 +342,13 @@ class Trainer:
         self.outcome = Outcome(self.out, self.step) if self.is_logger else None  # outcome.json, for dflash-diff
         stream = self.step_batches()
         held = None
+        self.graphs, self.recompiles = None, 0  # compiled graphs after the first step; graphs built after it
+        self.steady_rows = []  # this process's metrics rows past the first window (which compiles): the summary's
         try:
             pending = self._next(stream) if self.step < self.total_steps else None
             window = {"t0": time.perf_counter(), "tokens": 0}
             first_step = self.step + 1
+            first_window = True
             stopping = False
             while pending is not None:
                 epoch, position, mine = pending
@@ -356,6 +360,7 @@ class Trainer:
                              f"{compiled_graphs()} compiled graph(s)")
                     if self.outcome:
                         self.outcome.first_step(self.first_step_s, compiled_graphs())
+                self._note_recompiles()
                 pending = self._next(stream) if self.step < self.total_steps else None  # post receives early
                 window["tokens"] += sum(int(b["lengths"].sum()) for _, b in mine)
                 stopping = self._agree(stop.requested)
@@ -364,6 +369,8 @@ class Trainer:
                     rec = self._record(m, epoch, window)
                 held = self._evaluate() if self.heldout is not None and not stopping and \
                     self.heldout.due(self.step, self.total_steps) else None
+                if held is not None:
+                    self._note_recompiles()
                 if held is not None:
                     rec = dict(rec or {"step": self.step, "epoch": epoch}, **held)
                 t_row = time.perf_counter()  # a save's stall counts in the next row's tok/s, as the steps' time does
@@ -383,7 +390,10 @@ class Trainer:
                         self.outcome.row(rec)
                         self._print(rec, bar)
                         trackers.log(rec)
+                        if not first_window:
+                            self.steady_rows = [*self.steady_rows[-99:], rec]
                     window = {"t0": t_row, "tokens": 0}
+                    first_window = False
                 if bar:
                     bar.update(1)
                 if stopping:
@@ -417,6 +427,17 @@ class Trainer:
                 with contextlib.suppress(OSError):
                     metrics_file.close()
         return self._finish(stop, stopping)
+
+    def _note_recompiles(self) -> None:
+        """Graphs torch.compile built since the last look, once the first step is done: a new shape class (a warm
+        run builds none past its first step). One line each time, counted in the metrics and outcome.json."""
+        graphs = compiled_graphs()
+        if self.graphs is not None and graphs > self.graphs:
+            self.recompiles += 1
+            self.log(f"recompiled after step {self.step}: {graphs} graphs (was {self.graphs})")
+            if self.outcome:
+                self.outcome.recompiled(self.recompiles)
+        self.graphs = graphs
 
     def _next(self, stream):
         item = next(stream)
@@ -466,7 +487,7 @@ class Trainer:
             m = _mean_over_ranks(m, self.group, self.device)
             counters = _sum_over_ranks(counters, self.group, self.device)
         rec = dict(m, step=self.step, epoch=epoch, tok_per_s=round(counters["tokens"] / dt, 1),
-                   compiled_graphs=compiled_graphs(),
+                   compiled_graphs=compiled_graphs(), recompiles=self.recompiles,
                    mem_gib=round(torch.cuda.max_memory_allocated(self.device) / 2**30, 2)
                    if self.device.type == "cuda" else None)
         if self.device.type == "cuda":
@@ -522,7 +543,7 @@ class Trainer:
         self.outcome.end("finished", self.step)
         self.log(f"done: {self.step} steps; checkpoint {path}; drafter saved to {self.out / rundir.DRAFTER_DIR} ({exported}); "
                  f"{compiled_graphs()} compiled graph(s) in this process")
-        summary = self.source.summary(self.out / rundir.METRICS_NAME)
+        summary = self.source.summary(self.steady_rows)
         if summary:
             self.log(summary)
         return 0
@@ -623,20 +644,56 @@ def run(cfg: RunConfig, resume_from: Path | None, log=print, progress: bool | No
         return Trainer.colocated(cfg, resume_from, log, provenance).run(progress)
 
 
+def warm_batches(sampler) -> list[list[int]]:
+    """The batches `--warm-cache` runs: one of each shape class the run's batches fall in, first seen in epoch 0.
+
+    torch.compile builds a graph per class, not per shape: the target's layers and the drafter's pieces mark the
+    batch and sequence sizes dynamic, but dynamo specialises a size of 1, so a single-row batch is its own class.
+    Taken: the first batch of two rows or more, the first one after it of another shape (a graph first traced for
+    one shape may be rebuilt with dynamic sizes at the second), and the first single-row batch; each where the
+    buckets produce one (the batch sizes are the same in every epoch)."""
+    lengths = sampler.lengths
+    picked: list[list[int]] = []
+    shapes: set[tuple[int, int]] = set()
+    for indices in sampler.epoch_batches(0):
+        shape = (len(indices), int(lengths[indices].max()))
+        rows = [len(b) for b in picked]
+        wanted = (shape[0] == 1 and 1 not in rows) or (shape[0] > 1 and sum(r > 1 for r in rows) < 2)
+        if wanted and shape not in shapes:
+            picked.append(list(indices))
+            shapes.add(shape)
+        if len(picked) == 3:
+            break
+    return picked
+
+
+def warm_steps(trainer: Trainer, log=print) -> list[tuple[int, int]]:
+    """Train one step on each of warm_batches: the target (compiled with target.compile on CUDA) and the drafter
+    build their graphs for every shape class of the run. Returns the (rows, length) shapes run."""
+    pad = pad_token_id(trainer.source.target_config)
+    shapes = []
+    for k, indices in enumerate(warm_batches(trainer.sampler)):
+        batch = collate(trainer.dataset, indices, pad)
+        batch["sample_ids"] = torch.tensor(indices)
+        trainer.train_step([(k, batch)])
+        shapes.append(tuple(batch["input_ids"].shape))
+    log(f"warm-cache: ran batches of {', '.join(f'{b} x {s}' for b, s in shapes)} tokens through the target and the "
+        f"drafter; {compiled_graphs()} compiled graph(s)")
+    return shapes
+
+
 def warm_cache(cfg: RunConfig, cache: Path, log=print) -> int:
-    """Compile the kernels for the configured shapes once, then write the cache manifest preflight reads in `cache`
-    (the profile's compile-cache dir, which dflash-train --warm-cache asks preflight for)."""
+    """Compile the target's and the drafter's graphs for every shape class of the run once (warm_steps), then write
+    the cache manifest preflight reads in `cache` (the profile's compile-cache dir, which dflash-train --warm-cache
+    asks preflight for)."""
     from dflash.runs.compile_manifest import write_manifest
 
     if cfg.device != "cuda" or not torch.cuda.is_available():
-        log("warm-cache: nothing to compile on CPU (flex attention is compiled on CUDA only)")
+        log("warm-cache: nothing to compile on CPU (the target's layers and flex attention are compiled on CUDA only)")
         return 0
     trainer = Trainer.colocated(cfg, None, log)
     t0 = time.perf_counter()
-    stream = trainer.step_batches()
-    _, _, mine = next(stream)
-    stream.close()
-    trainer.train_step(mine[:1])
+    warm_steps(trainer, log)
     torch.cuda.synchronize()
     import triton
 

@@ -4,6 +4,7 @@ Run (from the repository root):
 
     uv run python bench/save_stall.py                          # hidden 1024, 4 drafter layers, 12 steps, save every 3
     uv run python bench/save_stall.py --hidden 512 --steps 6   # a quick one
+    PYTHONPATH=. python3 bench/save_stall.py --device cuda --hidden 5120 --layers 5 --out $OUT/h200_save_stall.json
 
 Trains the same CPU run twice with the real trainer (``dflash.train.trainer.run``): a random-weight Qwen3-shaped
 target of width --hidden and a drafter of --layers layers on the synthetic pattern data, a checkpoint every
@@ -37,8 +38,8 @@ from dflash.train.trainer import run  # noqa: E402
 def config(root: Path, target: Path, data: Path, args, background: bool):
     return config_from_dict({
         "output_dir": str(root / ("async" if background else "sync")),
-        "device": "cpu",
-        "target": {"path": str(target), "dtype": "float32"},
+        "device": args.device,
+        "target": {"path": str(target), "dtype": "float32" if args.device == "cpu" else "bfloat16"},
         "drafter": {"num_layers": args.layers, "block_size": 4},
         "data": {"path": str(data), "token_budget": 512, "max_batch_size": 8, "num_buckets": 2},
         "train": {"max_anchors": 16, "gamma": 4.0, "lr": 1e-3, "warmup_ratio": 0.1, "max_steps": args.steps,
@@ -83,6 +84,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--layers", type=int, default=4, help="drafter layers")
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--save-every", type=int, default=3)
+    p.add_argument("--device", default="cpu", help="cpu, or cuda (pinned host buffers and one synchronize per save; "
+                   "--hidden 5120 --layers 5 is about the users' 27B drafter state)")
     p.add_argument("--out", type=Path, default=Path("bench/results/cpu2_save_stall.json"))
     args = p.parse_args(argv)
     torch.manual_seed(0)

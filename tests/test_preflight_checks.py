@@ -924,6 +924,19 @@ def test_config_fails_when_the_target_cannot_be_read(tmp_path, setup, says):
     assert r.fix.startswith("set target.path in run.toml")
 
 
+def test_config_fails_when_loading_the_target_would_be_refused_for_its_own_code(tmp_path):
+    """The fact gather records (dflash.models.custom_code) fails the check: folder, field and fix in one line each."""
+    ctx = make_ctx(tmp_path)
+    ctx.target_custom_code = ("target /m: custom code is refused: config.json model_type 'evil_lm' is not an architecture "
+                              "transformers 5.19.0 ships (auto_map: modeling_evil.py); use a model whose architecture "
+                              "transformers ships (a folder without its own code), or upgrade transformers")
+    r = check_config(ctx)
+    assert r.status == "fail" and r.summary == ("target /m: custom code is refused: config.json model_type 'evil_lm' is "
+                                                "not an architecture transformers 5.19.0 ships (auto_map: modeling_evil.py)")
+    assert r.fix.startswith("set target.path in run.toml to a model whose architecture transformers ships")
+    assert r.data["custom_code"] == ctx.target_custom_code
+
+
 def test_config_checks_fp8_against_the_drafters_gpu_and_sizes(tmp_path):
     """train.fp8 = "mlp" passes on H200s with SmolLM2's sizes (576 / 1536); an A100-class GPU (8.0) or an MLP size
     not divisible by 16 fails before launch, naming the value and the fix."""

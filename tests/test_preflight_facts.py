@@ -7,6 +7,7 @@ import hashlib
 import json
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pyarrow as pa
@@ -20,7 +21,7 @@ from preflight.facts.dataset import dataset, scan_shard
 from preflight.facts.environment import parse_torch_version_py, record_verified, torch_build, verify_records
 from preflight.facts.gather import gather
 from preflight.facts.paths import parse_ldconfig, path_entries, scan_lib_dir
-from preflight.facts.run import run_dir, target_shape
+from preflight.facts.run import run_dir, target_custom_code, target_shape
 from preflight.facts.source import compile_cache, git_commit, model_source, model_source_record
 from preflight.nvml import FakeGpuInfo
 from preflight.profiles import REPO_ROOT
@@ -476,3 +477,46 @@ def test_target_shape_is_read_by_the_memory_model_reader(tmp_path, monkeypatch):
     (tmp_path / "bad" / "config.json").write_text("{")
     shape, error = target_shape(config_from_dict({"target": {"path": str(tmp_path / "bad")}}))
     assert shape is None and "config.json: not valid JSON" in error and "\n" not in error
+
+
+def custom_code_folder(root: Path, config: dict | None = None, tokenizer: dict | None = None) -> Path:
+    """A target folder whose config.json names an architecture transformers does not ship, and the code for it."""
+    folder = root / "evil"
+    folder.mkdir()
+    shape = {"num_hidden_layers": 4, "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
+             "vocab_size": 1000}
+    config = {"model_type": "evil_lm", "auto_map": {"AutoConfig": "configuration_evil.EvilConfig",
+                                                    "AutoModelForCausalLM": "modeling_evil.EvilForCausalLM"}, **(config or {})}
+    (folder / "config.json").write_text(json.dumps({**shape, **config}))
+    if tokenizer is not None:
+        (folder / "tokenizer_config.json").write_text(json.dumps(tokenizer))
+    for module in ("configuration_evil", "modeling_evil"):
+        (folder / f"{module}.py").write_text("raise SystemExit('the folder ran its code')\n")
+    return folder
+
+
+@pytest.mark.parametrize("config, tokenizer, says", [
+    ({}, None, "config.json model_type 'evil_lm' is not an architecture transformers "),
+    ({"model_type": "llama", "auto_map": {}}, {"tokenizer_class": "EvilTokenizer",
+                                              "auto_map": {"AutoTokenizer": ["tokenization_evil.EvilTokenizer", None]}},
+     "tokenizer_config.json tokenizer_class 'EvilTokenizer' is not a tokenizer transformers "),
+    ({"model_type": "llama", "auto_map": {}}, {"tokenizer_class": "PreTrainedTokenizerFast"}, None),
+    ({"model_type": "qwen3", "auto_map": {}}, {"tokenizer_class": "Qwen2TokenizerFast"}, None),
+])
+def test_gather_records_a_target_that_needs_its_own_code_without_importing_torch(tmp_path, config, tokenizer, says):
+    folder = custom_code_folder(tmp_path, config, tokenizer)
+    problem = target_custom_code(config_from_dict({"target": {"path": str(folder)}}))
+    if says is None:
+        assert problem is None
+        return
+    assert problem.startswith(f"target {folder}: custom code is refused: {says}") and "\n" not in problem, problem
+    assert problem.endswith("; use a model whose architecture transformers ships (a folder without its own code), or "
+                            "upgrade transformers")
+    assert ("(auto_map: configuration_evil.py, modeling_evil.py)" if not tokenizer else "(auto_map: tokenization_evil.py)") \
+        in problem
+    assert target_custom_code(config_from_dict({})) is None  # the embedded default has no folder
+    code = ("import sys\nfrom dflash.config import config_from_dict\nfrom preflight.facts.run import target_custom_code\n"
+            f"assert target_custom_code(config_from_dict({{'target': {{'path': {str(folder)!r}}}}}))\n"
+            "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=REPO_ROOT)
+    assert out.returncode == 0 and out.stdout == "[]\n", out.stdout + out.stderr

@@ -17,7 +17,7 @@ from preflight.facts.dataset import dataset
 from preflight.facts.environment import EnvIdentity, record_verified, torch_build, verify_records
 from preflight.facts.gpus import GpuFacts, gpu_facts
 from preflight.facts.paths import ld_cache, path_entries, scan_lib_dir
-from preflight.facts.run import disk, run_dir, target_shape
+from preflight.facts.run import disk, run_dir, target_custom_code, target_shape
 from preflight.facts.source import compile_cache, git_commit, model_source
 from preflight.nvml import GpuInfo
 from preflight.profiles import ENVS_DIR, REPO_ROOT, ProfileError, load_profile, lock_path
@@ -83,6 +83,7 @@ def gather(
         ctx.compile_cache = compile_cache(ctx.profile, env)
     if config is not None:
         ctx.target_shape, ctx.target_error = target_shape(config)
+        ctx.target_custom_code = target_custom_code(config)
         resuming = resume_intent == "resume"
         ctx.run_dir = run_dir(config.output_dir, deep=verify_data and resuming, config=config if resuming else None)
         ctx.dataset = dataset(config, deep=verify_data)

@@ -18,7 +18,7 @@ from dflash.config import config_from_dict
 from dflash.data.identity import DatasetError
 from preflight import pyenv
 from preflight.facts.dataset import dataset, scan_shard
-from preflight.facts.environment import parse_torch_version_py, record_verified, torch_build, verify_records
+from preflight.facts.environment import parse_torch_version_py, record_verified, sync_record, torch_build, verify_records
 from preflight.facts.gather import gather
 from preflight.facts.paths import parse_ldconfig, path_entries, scan_lib_dir
 from preflight.facts.run import run_dir, target_custom_code, target_shape
@@ -216,6 +216,31 @@ def test_model_source_record_verifies_every_module_of_the_package(tmp_path, monk
     assert ok.files == ok.verified and ok.commit == "fakeproj==1.0"
     (site / "fakeproj" / "loss.py").write_text("y = 2  # hack\n")
     assert model_source_record("fakeproj", "fakeproj").modified == ["fakeproj/loss.py"]
+
+
+def test_sync_record_finds_another_build_of_a_locked_version_by_its_record_only(tmp_path):
+    """dflash-env sync records each locked distribution's RECORD digest; a wheel of the same version installed over
+    it afterwards rewrites files and RECORD together, which only that digest sees. Only RECORD files are read."""
+    from preflight.envs import VERIFIED_FILE, write_verified
+    from preflight.lockfile import Pin
+
+    env = tmp_path / "env"
+    site = env / "lib" / "python3.11" / "site-packages"
+    fake_dist(site, "torch", {"torch/__init__.py": b"x = 1\n"}, "2.10.0+cu128")  # the lock pins torch==2.10.0
+    fake_dist(site, "click", {"click/__init__.py": b"y = 1\n"}, "8.5.1")
+    fake_dist(site, "rich", {"rich/__init__.py": b""}, "15.0.0")  # installed after the sync: not in its record
+    none = sync_record(env)
+    assert (none.present, none.compared, none.rebuilt) == (False, 0, []) and none.path == str(env / VERIFIED_FILE)
+    write_verified(env, {"torch": Pin("torch", "2.10.0", 1, ["sha256:aa"]), "click": Pin("click", "8.5.1", 2, ["sha256:bb"])})
+    clean = sync_record(env)
+    assert (clean.present, clean.compared, clean.rebuilt) == (True, 2, [])
+    shutil.rmtree(site / "torch-2.10.0+cu128.dist-info")
+    (site / "torch" / "__init__.py").write_bytes(b"x = 2  # built elsewhere\n")  # not read: RECORD only
+    fake_dist(site, "torch", {"torch/version.py": b"cuda = '13.0'\n"}, "2.10.0+cu130")  # another build: ==2.10.0 too
+    shutil.rmtree(site / "click-8.5.1.dist-info")
+    fake_dist(site, "click", {"click/__init__.py": b"y = 2\n"}, "8.6.0")  # another version: the lock judges it
+    hit = sync_record(env)
+    assert (hit.compared, hit.rebuilt) == (1, [{"name": "torch", "version": "2.10.0+cu130"}]) and hit.seconds > 0
 
 
 def test_verify_records_catches_an_edited_file_inside_site_packages(tmp_path, monkeypatch):

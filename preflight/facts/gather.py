@@ -14,7 +14,7 @@ from dflash.config import RunConfig
 from preflight.envs import locate
 from preflight.facts.context import Context
 from preflight.facts.dataset import dataset
-from preflight.facts.environment import EnvIdentity, record_verified, torch_build, verify_records
+from preflight.facts.environment import EnvIdentity, record_verified, sync_record, torch_build, verify_records
 from preflight.facts.gpus import GpuFacts, gpu_facts
 from preflight.facts.paths import ld_cache, path_entries, scan_lib_dir
 from preflight.facts.run import disk, run_dir, target_custom_code, target_shape
@@ -73,6 +73,7 @@ def gather(
         ctx.lock_text = None
     ctx.distributions = installed_distributions()
     ctx.records = verify_records([n for n in ctx.distributions if record_verified(n)])
+    ctx.sync_record = sync_record(sys.prefix)
     ctx.torch = torch_build()
     ctx.path_entries = path_entries(env.get("PATH", ""), sys.prefix)
     ctx.ld_dirs = [scan_lib_dir(p) for p in env.get("LD_LIBRARY_PATH", "").split(os.pathsep) if p]

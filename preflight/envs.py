@@ -226,6 +226,33 @@ def _file_matches(path: Path, algo: str, digest: str) -> bool:
     return base64.urlsafe_b64encode(got).rstrip(b"=").decode() == digest
 
 
+def read_verified(env: Path) -> dict[str, dict] | None:
+    """{name: {version, lock_hashes, record_sha256}} from venv `env`'s VERIFIED_FILE; None when it holds none of this
+    format (built before dflash-env wrote one, or by something else)."""
+    try:
+        raw = json.loads((env / VERIFIED_FILE).read_text())
+        dists = raw["dists"] if raw.get("format") == VERIFIED_FORMAT else None
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+    return dists if isinstance(dists, dict) else None
+
+
+def installed_record_digests(env: Path, names: list[str] | None = None) -> dict[str, tuple[str | None, str | None]]:
+    """{name: (installed version, sha256 of its RECORD or None when unreadable)} for the distributions in venv `env`
+    (only `names` when given): the digest write_verified records, one small file read per distribution."""
+    from preflight.pyenv import _header
+
+    out = {}
+    for name, info in _dist_infos(env).items():
+        if names is None or name in names:
+            try:
+                digest, _ = _record_rows(info)
+            except OSError:
+                digest = None
+            out[name] = (_header(info / "METADATA")[1], digest)
+    return out
+
+
 def unverified_distributions(env: Path, pins: dict[str, Pin]) -> dict[str, str]:
     """{name: why} for each locked distribution installed in `env` that is not what `sync` verified at its install.
 
@@ -236,11 +263,7 @@ def unverified_distributions(env: Path, pins: dict[str, Pin]) -> dict[str, str]:
     """
     from concurrent.futures import ThreadPoolExecutor
 
-    try:
-        raw = json.loads((env / VERIFIED_FILE).read_text())
-        verified = raw["dists"] if raw.get("format") == VERIFIED_FORMAT else {}
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        verified = {}
+    verified = read_verified(env) or {}
     infos = _dist_infos(env)
     out: dict[str, str] = {}
     jobs: list[tuple[str, Path, str, str]] = []

@@ -4,7 +4,8 @@ The run config is read with its ``--set`` overrides (``dflash.config.parse_overr
 parser); the CUDA version is the one given, else the config's profile manifest's, else 12.8; the
 GPU size is the one given, or the smallest total memory NVML reports over the GPUs the config
 names, resolved through CUDA_VISIBLE_DEVICES exactly as the preflight checks resolve them. The
-bytes themselves come from ``dflash.memory``. Nothing here imports torch.
+bytes themselves come from ``dflash.memory``. A target folder that needs its own code is refused (exit 2), as
+dflash-train refuses it: its sizes would be read as a standard decoder's. Nothing here imports torch.
 
     from preflight.estimate import run_estimate
     est, cuda_source = run_estimate("configs/qwen3-27b-5t3d.toml", gpu_memory="95GiB")
@@ -19,6 +20,7 @@ from dflash.config import load_config, parse_overrides
 from dflash.errors import DflashError
 from dflash.memory.fit import Estimate, estimate, role_gpus
 from dflash.memory.parts import roles
+from preflight.facts.run import target_custom_code
 from preflight.nvml import GpuInfo, NvmlGpuInfo, NvmlUnavailable, resolve_gpu, visible_gpus
 from preflight.profiles import ProfileError, load_profile
 
@@ -92,6 +94,9 @@ def run_estimate(
     if gpu_memory and from_nvml:
         raise EstimateError("give --gpu-memory or --from-nvml, not both")
     cfg = load_config(config_path, parse_overrides(sets))
+    refused = target_custom_code(cfg)
+    if refused:  # dflash-train refuses this target, and the memory model knows only the architectures it ships
+        raise EstimateError(refused)
     cuda_source = "--cuda"
     if cuda is None:
         cuda, cuda_source = profile_cuda(cfg.profile)

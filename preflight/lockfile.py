@@ -16,6 +16,7 @@ from pathlib import Path
 
 from packaging.markers import InvalidMarker, Marker, default_environment
 from packaging.utils import canonicalize_name
+from packaging.version import InvalidVersion, Version
 
 from dflash.errors import DflashError
 from preflight.profiles import ENVS_DIR, REPO_ROOT, Profile, ProfileError, load_profile, profile_names
@@ -34,6 +35,17 @@ GPU_STACK_NAMES = {"torch", "triton", "flash-attn", "flashinfer-python", "flashi
 def is_gpu_stack(name: str) -> bool:
     n = canonicalize_name(name)
     return n in GPU_STACK_NAMES or n.startswith(GPU_STACK_PREFIXES) or n.startswith("flashinfer")
+
+
+def same_version(locked: str, installed: str) -> bool:
+    """Whether an installed version is the locked one: `torch==2.10.0` accepts 2.10.0+cu128, as pip does."""
+    try:
+        lv, iv = Version(locked), Version(installed)
+    except InvalidVersion:
+        return locked == installed
+    if lv.local is None:
+        return lv.public == iv.public
+    return lv == iv
 
 
 @dataclass

@@ -168,7 +168,7 @@ def env_drift_verdict() -> tuple[str, str]:
     from preflight.facts.gather import gather
 
     r = check_env_drift(gather("train-cu128"))
-    return r.status, re.sub(r", [0-9.]+ s\)$", ")", r.summary)  # the verdict without the time it took
+    return r.status, re.sub(r", [0-9.]+ s\)", ")", r.summary)  # the verdict without the time it took
 
 
 @pytest.mark.slow
@@ -293,9 +293,13 @@ def test_resync_recopies_a_locked_distribution_that_is_another_build_of_its_vers
     pins = {"mdurl": envs.parse_lock((envs_dir / "standin.lock").read_text()).pins["mdurl"]}
     assert envs.unverified_distributions(env, pins) == {}
 
+    from preflight.facts.environment import sync_record
+
+    assert (sync_record(env).compared, sync_record(env).rebuilt) == (1, [])  # what preflight's env-drift reads
     _tamper_consistently(env, "mdurl")
     assert env_drift(env, (envs_dir / "standin.lock").read_text()) == []  # same name and version: drift cannot see it
     assert "RECORD differs" in envs.unverified_distributions(env, pins)["mdurl"]
+    assert sync_record(env).rebuilt == [{"name": "mdurl", "version": pins["mdurl"].version}]
     code, out, err = cli(capsys, "--envs-dir", str(envs_dir), "sync", "--profile", "standin")
     assert code == 0, err
     assert "mdurl: RECORD differs from the one of its install" in err and "re-copying them from the lock" in err

@@ -406,6 +406,19 @@ def test_cli_bad_input_is_one_line_and_exit_2(capsys, args, needle):
     assert "Traceback" not in err
 
 
+def test_cli_refuses_a_target_that_needs_its_own_code_exit_2(capsys, tmp_path):
+    """dflash-train refuses such a folder, and its sizes would be read as a standard decoder's: one line, exit 2."""
+    target = tmp_path / "evil"
+    target.mkdir()
+    raw = json.loads((REPO / "configs/targets/qwen3-8b/config.json").read_text())
+    (target / "config.json").write_text(json.dumps({**raw, "model_type": "evil_lm",
+                                                    "auto_map": {"AutoModel": "modeling_evil.EvilModel"}}))
+    code, out, err = estimate_cli(capsys, "--config", str(CFG_8B), "--set", f"target.path={target}")
+    assert code == 2 and out == "" and err.count("\n") == 1, err
+    assert err.startswith(f"dflash-estimate: error: target {target}: custom code is refused: config.json model_type "
+                          "'evil_lm' is not an architecture transformers ") and "(auto_map: modeling_evil.py)" in err
+
+
 def test_cli_unreadable_toml_exit_2(capsys, tmp_path):
     bad = tmp_path / "bad.toml"
     bad.write_text("[data\ntoken_budget = ")

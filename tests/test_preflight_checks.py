@@ -20,7 +20,7 @@ from preflight.checks.run import _size, check_config, check_disk, check_run_dir
 from preflight.checks.source import check_compile_cache, check_model_source
 from preflight.facts.context import Context
 from preflight.facts.dataset import Dataset, Shard
-from preflight.facts.environment import EnvIdentity, RecordCheck, Records, TorchBuild
+from preflight.facts.environment import EnvIdentity, RecordCheck, Records, SyncRecord, TorchBuild
 from preflight.facts.gpus import GpuFacts
 from preflight.facts.paths import LibDir, PathEntry
 from preflight.facts.run import Checkpoint, Disk, RunDir, target_shape
@@ -287,6 +287,31 @@ def test_env_drift_warns_on_a_distribution_without_a_record(tmp_path):
     r = check_env_drift(ctx)
     assert r.status == "warn" and "not verifiable against a RECORD: torch (no RECORD" in r.summary
     assert r.data["record"]["unverified"] == [{"name": "torch", "why": "no RECORD: installed by a tool that keeps none"}]
+
+
+def test_env_drift_compares_builds_with_the_last_checked_sync_and_says_when_it_cannot(tmp_path):
+    """Another build of a locked version (its RECORD differs from the one dflash-env sync recorded): the GPU stack
+    fails, the rest warns, the fix is the sync that re-copies them; an environment without a record says so."""
+    ctx = make_ctx(tmp_path)
+    ctx.sync_record = SyncRecord("ENV/dflash-verified.json", present=True, compared=70, seconds=0.01)
+    r = check_env_drift(ctx)
+    assert r.status == "pass" and r.summary.endswith("; 70 RECORDs match the last checked sync's"), r.summary
+    assert r.data["sync_record"] == {"path": "ENV/dflash-verified.json", "present": True, "compared": 70, "rebuilt": [],
+                                     "seconds": 0.01}
+    ctx.sync_record.rebuilt = [{"name": "click", "version": "8.5.1"}]
+    r = check_env_drift(ctx)
+    assert r.status == "warn" and r.summary == ("environment differs from envs/train-cu128.lock: another build of a locked "
+                                                "version (its RECORD differs from the last checked sync's): click 8.5.1")
+    assert r.fix == "uv run --isolated --no-default-groups dflash-env sync --profile train-cu128"
+    ctx.sync_record.rebuilt.append({"name": "torch", "version": "2.10.0+cu128"})
+    r = check_env_drift(ctx)
+    assert r.status == "fail" and r.summary.endswith("click 8.5.1, torch 2.10.0+cu128"), r.summary
+    ctx.sync_record = SyncRecord("ENV/dflash-verified.json", present=False)
+    r = check_env_drift(ctx)
+    assert r.status == "pass" and r.summary.endswith("; no dflash-verified.json in this environment (not built by this "
+                                                     "dflash-env version), so builds of a locked version are not compared")
+    ctx.distributions["rich"] = ["15.0.0"]
+    assert check_env_drift(ctx).summary.endswith("so builds of a locked version are not compared")
 
 
 # ---------------------------------------------------------------- cuda-libs
@@ -922,6 +947,19 @@ def test_config_fails_when_the_target_cannot_be_read(tmp_path, setup, says):
     r = check_config(ctx)
     assert r.status == "fail" and "target.path" in r.summary and says in r.summary, r.summary
     assert r.fix.startswith("set target.path in run.toml")
+
+
+def test_config_fails_when_loading_the_target_would_be_refused_for_its_own_code(tmp_path):
+    """The fact gather records (dflash.models.custom_code) fails the check: folder, field and fix in one line each."""
+    ctx = make_ctx(tmp_path)
+    ctx.target_custom_code = ("target /m: custom code is refused: config.json model_type 'evil_lm' is not an architecture "
+                              "transformers 5.19.0 ships (auto_map: modeling_evil.py); use a model whose architecture "
+                              "transformers ships (a folder without its own code), or upgrade transformers")
+    r = check_config(ctx)
+    assert r.status == "fail" and r.summary == ("target /m: custom code is refused: config.json model_type 'evil_lm' is "
+                                                "not an architecture transformers 5.19.0 ships (auto_map: modeling_evil.py)")
+    assert r.fix.startswith("set target.path in run.toml to a model whose architecture transformers ships")
+    assert r.data["custom_code"] == ctx.target_custom_code
 
 
 def test_config_checks_fp8_against_the_drafters_gpu_and_sizes(tmp_path):

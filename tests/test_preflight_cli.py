@@ -142,6 +142,26 @@ def test_standalone_preflight_passes_env_vars_for_what_dflash_train_sets(capsys,
     assert statuses(out)["env-vars"] == "fail" and code == 1
 
 
+def test_a_target_folder_with_its_own_code_fails_the_config_check_exit_1(capsys, tmp_path):
+    """dflash-train would refuse to load it (dflash.models.target.refuse_custom_code); preflight says so first."""
+    target = tmp_path / "evil"
+    target.mkdir()
+    (target / "config.json").write_text(json.dumps({
+        "model_type": "evil_lm", "auto_map": {"AutoModelForCausalLM": "modeling_evil.EvilForCausalLM"},
+        "num_hidden_layers": 12, "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4, "vocab_size": 1000}))
+    (target / "modeling_evil.py").write_text("raise SystemExit('the folder ran its code')\n")
+    config = write_run(tmp_path, device="cpu")
+    config.write_text(config.read_text() + f'[target]\npath = "{target}"\n')
+    code, out, _ = run(capsys, "--profile", "train-cu128", "--config", str(config), "--nvml-fake", "none")
+    line = next(x for x in out.splitlines() if x.split()[1:2] == ["config"])
+    assert code == 1 and line.startswith("FAIL   config "), out
+    assert f"target {target}: custom code is refused: config.json model_type 'evil_lm' is not an architecture " \
+           "transformers " in line and line.endswith("ships (auto_map: modeling_evil.py)"), line
+    fix = out.splitlines()[out.splitlines().index(line) + 1]
+    assert fix.strip() == (f"fix: set target.path in {config} to a model whose architecture transformers ships (a folder "
+                           "without its own code), or upgrade transformers")
+
+
 def test_busy_gpus_fail_and_waivers_turn_exit_to_0(capsys, tmp_path):
     cfg = write_run(tmp_path, topology=(["0", "1", "2", "3", "4"], ["5", "6", "7"]))
     code, out, _ = run(capsys, "--profile", "train-cu128", "--json", "--nvml-fake", str(FIXTURE), "--config", str(cfg))

@@ -7,6 +7,7 @@ import hashlib
 import json
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pyarrow as pa
@@ -17,10 +18,10 @@ from dflash.config import config_from_dict
 from dflash.data.identity import DatasetError
 from preflight import pyenv
 from preflight.facts.dataset import dataset, scan_shard
-from preflight.facts.environment import parse_torch_version_py, record_verified, torch_build, verify_records
+from preflight.facts.environment import parse_torch_version_py, record_verified, sync_record, torch_build, verify_records
 from preflight.facts.gather import gather
 from preflight.facts.paths import parse_ldconfig, path_entries, scan_lib_dir
-from preflight.facts.run import run_dir, target_shape
+from preflight.facts.run import run_dir, target_custom_code, target_shape
 from preflight.facts.source import compile_cache, git_commit, model_source, model_source_record
 from preflight.nvml import FakeGpuInfo
 from preflight.profiles import REPO_ROOT
@@ -215,6 +216,31 @@ def test_model_source_record_verifies_every_module_of_the_package(tmp_path, monk
     assert ok.files == ok.verified and ok.commit == "fakeproj==1.0"
     (site / "fakeproj" / "loss.py").write_text("y = 2  # hack\n")
     assert model_source_record("fakeproj", "fakeproj").modified == ["fakeproj/loss.py"]
+
+
+def test_sync_record_finds_another_build_of_a_locked_version_by_its_record_only(tmp_path):
+    """dflash-env sync records each locked distribution's RECORD digest; a wheel of the same version installed over
+    it afterwards rewrites files and RECORD together, which only that digest sees. Only RECORD files are read."""
+    from preflight.envs import VERIFIED_FILE, write_verified
+    from preflight.lockfile import Pin
+
+    env = tmp_path / "env"
+    site = env / "lib" / "python3.11" / "site-packages"
+    fake_dist(site, "torch", {"torch/__init__.py": b"x = 1\n"}, "2.10.0+cu128")  # the lock pins torch==2.10.0
+    fake_dist(site, "click", {"click/__init__.py": b"y = 1\n"}, "8.5.1")
+    fake_dist(site, "rich", {"rich/__init__.py": b""}, "15.0.0")  # installed after the sync: not in its record
+    none = sync_record(env)
+    assert (none.present, none.compared, none.rebuilt) == (False, 0, []) and none.path == str(env / VERIFIED_FILE)
+    write_verified(env, {"torch": Pin("torch", "2.10.0", 1, ["sha256:aa"]), "click": Pin("click", "8.5.1", 2, ["sha256:bb"])})
+    clean = sync_record(env)
+    assert (clean.present, clean.compared, clean.rebuilt) == (True, 2, [])
+    shutil.rmtree(site / "torch-2.10.0+cu128.dist-info")
+    (site / "torch" / "__init__.py").write_bytes(b"x = 2  # built elsewhere\n")  # not read: RECORD only
+    fake_dist(site, "torch", {"torch/version.py": b"cuda = '13.0'\n"}, "2.10.0+cu130")  # another build: ==2.10.0 too
+    shutil.rmtree(site / "click-8.5.1.dist-info")
+    fake_dist(site, "click", {"click/__init__.py": b"y = 2\n"}, "8.6.0")  # another version: the lock judges it
+    hit = sync_record(env)
+    assert (hit.compared, hit.rebuilt) == (1, [{"name": "torch", "version": "2.10.0+cu130"}]) and hit.seconds > 0
 
 
 def test_verify_records_catches_an_edited_file_inside_site_packages(tmp_path, monkeypatch):
@@ -476,3 +502,46 @@ def test_target_shape_is_read_by_the_memory_model_reader(tmp_path, monkeypatch):
     (tmp_path / "bad" / "config.json").write_text("{")
     shape, error = target_shape(config_from_dict({"target": {"path": str(tmp_path / "bad")}}))
     assert shape is None and "config.json: not valid JSON" in error and "\n" not in error
+
+
+def custom_code_folder(root: Path, config: dict | None = None, tokenizer: dict | None = None) -> Path:
+    """A target folder whose config.json names an architecture transformers does not ship, and the code for it."""
+    folder = root / "evil"
+    folder.mkdir()
+    shape = {"num_hidden_layers": 4, "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
+             "vocab_size": 1000}
+    config = {"model_type": "evil_lm", "auto_map": {"AutoConfig": "configuration_evil.EvilConfig",
+                                                    "AutoModelForCausalLM": "modeling_evil.EvilForCausalLM"}, **(config or {})}
+    (folder / "config.json").write_text(json.dumps({**shape, **config}))
+    if tokenizer is not None:
+        (folder / "tokenizer_config.json").write_text(json.dumps(tokenizer))
+    for module in ("configuration_evil", "modeling_evil"):
+        (folder / f"{module}.py").write_text("raise SystemExit('the folder ran its code')\n")
+    return folder
+
+
+@pytest.mark.parametrize("config, tokenizer, says", [
+    ({}, None, "config.json model_type 'evil_lm' is not an architecture transformers "),
+    ({"model_type": "llama", "auto_map": {}}, {"tokenizer_class": "EvilTokenizer",
+                                              "auto_map": {"AutoTokenizer": ["tokenization_evil.EvilTokenizer", None]}},
+     "tokenizer_config.json tokenizer_class 'EvilTokenizer' is not a tokenizer transformers "),
+    ({"model_type": "llama", "auto_map": {}}, {"tokenizer_class": "PreTrainedTokenizerFast"}, None),
+    ({"model_type": "qwen3", "auto_map": {}}, {"tokenizer_class": "Qwen2TokenizerFast"}, None),
+])
+def test_gather_records_a_target_that_needs_its_own_code_without_importing_torch(tmp_path, config, tokenizer, says):
+    folder = custom_code_folder(tmp_path, config, tokenizer)
+    problem = target_custom_code(config_from_dict({"target": {"path": str(folder)}}))
+    if says is None:
+        assert problem is None
+        return
+    assert problem.startswith(f"target {folder}: custom code is refused: {says}") and "\n" not in problem, problem
+    assert problem.endswith("; use a model whose architecture transformers ships (a folder without its own code), or "
+                            "upgrade transformers")
+    assert ("(auto_map: configuration_evil.py, modeling_evil.py)" if not tokenizer else "(auto_map: tokenization_evil.py)") \
+        in problem
+    assert target_custom_code(config_from_dict({})) is None  # the embedded default has no folder
+    code = ("import sys\nfrom dflash.config import config_from_dict\nfrom preflight.facts.run import target_custom_code\n"
+            f"assert target_custom_code(config_from_dict({{'target': {{'path': {str(folder)!r}}}}}))\n"
+            "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=REPO_ROOT)
+    assert out.returncode == 0 and out.stdout == "[]\n", out.stdout + out.stderr

@@ -386,6 +386,25 @@ def test_a_target_folder_that_carries_code_is_refused_and_its_code_never_runs(fo
     assert not (folders / f"out-{command}").exists()
 
 
+def test_the_torch_free_reader_knows_what_transformers_ships():
+    """Preflight and the estimator judge custom code from transformers' files (dflash.models.custom_code); the
+    loaders from transformers' own maps. Both must answer alike for every model type and tokenizer class."""
+    import transformers
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+    from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING_NAMES, tokenizer_class_from_name
+
+    from dflash.models.custom_code import shipped_names
+
+    shipped = shipped_names()
+    assert shipped.version == transformers.__version__
+    assert shipped.model_types == set(CONFIG_MAPPING_NAMES)
+    names = {n for n in TOKENIZER_MAPPING_NAMES.values() if n} | {n for n in dir(transformers)
+                                                                   if n.endswith(("Tokenizer", "TokenizerFast", "Backend"))}
+    names |= {f"{n}Fast" for n in names} | shipped.tokenizer_classes | {"EvilTokenizer", "EvilTokenizerFast", "Fast"}
+    disagree = {n for n in names if (tokenizer_class_from_name(n) is not None) != shipped.knows_tokenizer(n)}
+    assert not disagree, sorted(disagree)
+
+
 def test_every_target_load_refuses_custom_code_in_process(folders):
     from dflash.models.target import TargetError, load_target_tokenizer, target_text_config
 

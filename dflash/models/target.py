@@ -24,6 +24,7 @@ from torch import nn
 
 from dflash.config import resolve_target_dir
 from dflash.errors import DflashError
+from dflash.models.custom_code import custom_code_problem
 
 # The one map from a config's dtype name (target.dtype) to the torch dtype.
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -51,7 +52,6 @@ class TargetError(DflashError):
 
 # Where transformers looks for a folder's weights, in its order (an index names the shard files).
 WEIGHT_FILES = ("model.safetensors.index.json", "model.safetensors", "pytorch_model.bin.index.json", "pytorch_model.bin")
-CUSTOM_CODE_FIX = "use a model whose architecture transformers ships (a folder without its own code), or upgrade transformers"
 
 
 def _short(e: BaseException, limit: int = 160) -> str:
@@ -78,21 +78,11 @@ def _folder_json(folder: Path, name: str, required: bool) -> dict | None:
     return raw
 
 
-def _code_files(auto_map) -> str:
-    """' (auto_map: modeling_x.py, ...)': the folder's own .py files an auto_map points at, or ''."""
-    refs = []
-    for value in auto_map.values() if isinstance(auto_map, dict) else ():
-        refs += [v for v in (value if isinstance(value, list) else [value]) if isinstance(v, str)]
-    files = sorted({ref.split("--")[-1].rsplit(".", 1)[0] + ".py" for ref in refs})
-    return f" (auto_map: {', '.join(files)})" if files else ""
-
-
 def refuse_custom_code(folder: str | Path) -> Path:
     """The folder, checked to load with classes transformers ships; TargetError (one line) when it needs its own code.
 
-    A config.json whose model_type transformers does not know, or a tokenizer_config.json whose tokenizer_class it
-    does not know, loads only by importing the folder's own .py files (auto_map): code from wherever the model came
-    from. That is refused, never asked about.
+    The rule is dflash.models.custom_code's (preflight asks the same one without importing transformers); here it
+    is asked with transformers' own maps. That is refused, never asked about.
     """
     import transformers
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
@@ -100,16 +90,11 @@ def refuse_custom_code(folder: str | Path) -> Path:
 
     folder = Path(folder)
     config = _folder_json(folder, "config.json", required=True)
-    version = f"transformers {transformers.__version__}"
-    model_type = config.get("model_type")
-    if not isinstance(model_type, str) or model_type not in CONFIG_MAPPING_NAMES:
-        raise TargetError(f"target {folder}: custom code is refused: config.json model_type {model_type!r} is not an "
-                          f"architecture {version} ships{_code_files(config.get('auto_map'))}; {CUSTOM_CODE_FIX}")
-    tokenizer = _folder_json(folder, "tokenizer_config.json", required=False) or {}
-    name = tokenizer.get("tokenizer_class")
-    if name is not None and (not isinstance(name, str) or tokenizer_class_from_name(name) is None):
-        raise TargetError(f"target {folder}: custom code is refused: tokenizer_config.json tokenizer_class {name!r} is "
-                          f"not a tokenizer {version} ships{_code_files(tokenizer.get('auto_map'))}; {CUSTOM_CODE_FIX}")
+    tokenizer = _folder_json(folder, "tokenizer_config.json", required=False)
+    problem = custom_code_problem(folder, config, tokenizer, f"transformers {transformers.__version__}",
+                                  CONFIG_MAPPING_NAMES.__contains__, lambda name: tokenizer_class_from_name(name) is not None)
+    if problem:
+        raise TargetError(problem)
     return folder
 
 

@@ -7,13 +7,12 @@ import os
 
 from packaging.markers import default_environment
 from packaging.utils import canonicalize_name
-from packaging.version import InvalidVersion, Version
 
 from preflight.checks.common import config_arg, in_profile, listing, on_cpu, preflight_command, result, sync_fix, wrong_env
 from preflight.envs import run_command, sync_command
 from preflight.facts.context import Context
 from preflight.facts.environment import PROJECT_DIST
-from preflight.lockfile import is_gpu_stack, judge_lock
+from preflight.lockfile import is_gpu_stack, judge_lock, same_version
 from preflight.nvml import NO_DRIVER
 from preflight.report import CheckResult
 
@@ -67,16 +66,6 @@ def check_torch_build(ctx: Context) -> CheckResult:
     return result("torch-build", "pass", f"{have}; {want}", **data)
 
 
-def _same_version(locked: str, installed: str) -> bool:
-    try:
-        lv, iv = Version(locked), Version(installed)
-    except InvalidVersion:
-        return locked == installed
-    if lv.local is None:  # `torch==2.10.0` accepts 2.10.0+cu128, as pip does
-        return lv.public == iv.public
-    return lv == iv
-
-
 def check_env_drift(ctx: Context) -> CheckResult:
     lock = ctx.lock
     if lock is None:
@@ -91,7 +80,7 @@ def check_env_drift(ctx: Context) -> CheckResult:
         have = installed.get(name)
         if not have:
             missing.append({"name": name, "locked": pin.version})
-        elif not any(_same_version(pin.version, v) for v in have):
+        elif not any(same_version(pin.version, v) for v in have):
             changed.append({"name": name, "installed": have[0], "locked": pin.version})
     for name, versions in sorted(installed.items()):
         if name not in pins:
@@ -107,12 +96,16 @@ def check_env_drift(ctx: Context) -> CheckResult:
     data = dict(missing=missing, changed=changed, not_in_lock=extra, duplicates=twice, gpu_stack=gpu,
                 checked=len(pins))
     edited, unverified, record_note = _record_findings(ctx, data)
-    if not items and not edited and not unverified:
+    rebuilt, sync_note = _sync_record_findings(ctx, data)
+    if not items and not edited and not unverified and not rebuilt:
         return result("env-drift", "pass", f"{len(pins)} locked distributions installed at their locked versions, "
-                      f"nothing else installed{record_note}", **data)
+                      f"nothing else installed{record_note}{sync_note}", **data)
     parts = []
     if edited:
         parts.append(f"files edited in place: {listing(edited, 2)}")
+    if rebuilt:
+        parts.append(f"another build of a locked version (its RECORD differs from the last checked sync's): "
+                     f"{listing(rebuilt, 3)}")
     if gpu:
         parts.append(f"{len(gpu)} GPU-stack drift{'s' if len(gpu) > 1 else ''}: {listing(gpu)}")
     if other:
@@ -120,8 +113,28 @@ def check_env_drift(ctx: Context) -> CheckResult:
     if unverified:
         parts.append(f"not verifiable against a RECORD: {listing(unverified, 2)}")
     reinstall = [r["name"] for r in data["record"]["modified"]] if edited else []
-    return result("env-drift", "fail" if gpu or edited else "warn",
-                  f"environment differs from {ctx.lock_file}: " + "; ".join(parts), sync_fix(ctx, reinstall), **data)
+    rebuilt_gpu = any(is_gpu_stack(r["name"]) for r in data["sync_record"]["rebuilt"]) if rebuilt else False
+    return result("env-drift", "fail" if gpu or edited or rebuilt_gpu else "warn",
+                  f"environment differs from {ctx.lock_file}: " + "; ".join(parts) + sync_note, sync_fix(ctx, reinstall),
+                  **data)
+
+
+def _sync_record_findings(ctx: Context, data: dict) -> tuple[list[str], str]:
+    """RECORDs against the last checked sync's record (dflash-verified.json): (another build, note for the summary).
+
+    A distribution at the version the sync recorded whose RECORD hashes otherwise was installed from another
+    wheel after it (`uv pip install --force-reinstall`, another index): the same version string, other files. Every
+    listed distribution is compared, the GPU stack failing and the rest warning; with no record, the note says so."""
+    rec = ctx.sync_record
+    if rec is None:
+        return [], ""
+    data["sync_record"] = dict(path=rec.path, present=rec.present, compared=rec.compared, rebuilt=rec.rebuilt,
+                               seconds=round(rec.seconds, 3))
+    if not rec.present:
+        return [], ("; no dflash-verified.json in this environment (not built by this dflash-env version), so builds "
+                    "of a locked version are not compared")
+    rebuilt = [f"{r['name']} {r['version']}" for r in rec.rebuilt]
+    return rebuilt, "" if rebuilt else f"; {rec.compared} RECORDs match the last checked sync's"
 
 
 def _record_findings(ctx: Context, data: dict) -> tuple[list[str], list[str], str]:

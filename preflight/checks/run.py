@@ -7,6 +7,7 @@ import os
 
 from dflash.config import FP8_MIN_CAPABILITY, default_target_layer_ids
 from dflash.memory.shape import drafter_shape, drafter_state_bytes
+from dflash.models.custom_code import CUSTOM_CODE_FIX
 from dflash.runs.rundir import describe_leftovers
 from preflight.checks.common import GiB, MiB, config_arg, gib, no_shape, result
 from preflight.checks.gpus import capability, drafter_gpus
@@ -25,6 +26,11 @@ def check_config(ctx: Context) -> CheckResult:
     layers, vocab = shape.num_layers, shape.vocab
     data = dict(target=cfg.target.path, num_layers=layers, vocab=vocab)
     problems, fixes = [], []
+    if ctx.target_custom_code:  # dflash-train would refuse to load it (dflash.models.target.refuse_custom_code)
+        problems.append(ctx.target_custom_code.removesuffix(f"; {CUSTOM_CODE_FIX}"))
+        fixes.append(f"set target.path in {where} to a model whose architecture transformers ships (a folder without "
+                     "its own code), or upgrade transformers")
+        data["custom_code"] = ctx.target_custom_code
     ids = list(cfg.drafter.target_layer_ids)
     if ids:
         outside = [i for i in ids if i >= layers]

@@ -9,7 +9,7 @@ from functools import cached_property
 from dflash.config import RunConfig
 from dflash.memory.shape import TargetShape
 from preflight.facts.dataset import Dataset
-from preflight.facts.environment import EnvIdentity, Records, TorchBuild
+from preflight.facts.environment import EnvIdentity, Records, SyncRecord, TorchBuild
 from preflight.facts.gpus import GpuFacts
 from preflight.facts.paths import LibDir, PathEntry
 from preflight.facts.run import Disk, RunDir
@@ -37,12 +37,14 @@ class Context:
     ld_dirs: list[LibDir] = field(default_factory=list)
     env_identity: EnvIdentity | None = None  # None: not gathered (tests), nothing judged about it
     records: Records | None = None  # RECORD verification of the GPU stack and target code; None: not gathered
+    sync_record: SyncRecord | None = None  # RECORDs against the last checked sync's record; None: not gathered
     ld_cache: list[LibDir] | None = None  # CUDA libraries in `ldconfig -p`, by folder; None: not asked or no ldconfig
     gpus: GpuFacts = field(default_factory=lambda: GpuFacts(error="NVML not queried"))
     model_source: ModelSource = field(default_factory=lambda: ModelSource(mode="none"))
     compile_cache: CompileCache | None = None
     target_shape: TargetShape | None = None  # the target's sizes (dflash.memory.shape.load_target_shape), when readable
     target_error: str | None = None  # why they are not: the file, the problem and the fix
+    target_custom_code: str | None = None  # why loading the target would be refused: it needs its own code
     run_dir: RunDir | None = None
     dataset: Dataset | None = None
     disk: Disk | None = None

@@ -61,6 +61,18 @@ class RecordCheck:
 
 
 @dataclass
+class SyncRecord:
+    """This environment's distributions against what the last checked `dflash-env sync` recorded (its
+    dflash-verified.json: per locked distribution the version and the sha256 of its RECORD)."""
+
+    path: str  # the record file
+    present: bool  # False: none of this format (an environment not built by this dflash-env version)
+    compared: int = 0  # installed distributions whose RECORD was hashed against the record
+    rebuilt: list[dict] = field(default_factory=list)  # {name, version}: the recorded version, another RECORD
+    seconds: float = 0.0
+
+
+@dataclass
 class Records:
     checks: list[RecordCheck] = field(default_factory=list)
     seconds: float = 0.0  # wall time of the verification
@@ -180,3 +192,27 @@ def verify_records(names: list[str], workers: int | None = None) -> Records:
                 elif verdict == "modified":
                     check.modified.append(e.rel)
     return Records(checks, time.perf_counter() - t0)
+
+
+def sync_record(env: str | Path) -> SyncRecord:
+    """Each installed distribution the environment's sync record lists, at the version it recorded, whose RECORD
+    hashes otherwise: another build of a locked version put in after the sync (a version change is version drift,
+    judged against the lock). Hashes only the RECORD files (a few ms), never the files they list."""
+    from preflight.envs import VERIFIED_FILE, installed_record_digests, read_verified
+    from preflight.lockfile import same_version
+
+    t0 = time.perf_counter()
+    env = Path(env)
+    verified = read_verified(env)
+    out = SyncRecord(str(env / VERIFIED_FILE), verified is not None)
+    if verified is None:
+        return out
+    for name, (version, digest) in sorted(installed_record_digests(env, list(verified)).items()):
+        mine = verified[name] if isinstance(verified[name], dict) else {}
+        if not isinstance(mine.get("version"), str) or version is None or not same_version(mine["version"], version):
+            continue
+        out.compared += 1
+        if digest != mine.get("record_sha256"):
+            out.rebuilt.append({"name": name, "version": version})
+    out.seconds = time.perf_counter() - t0
+    return out

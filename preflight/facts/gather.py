@@ -14,10 +14,10 @@ from dflash.config import RunConfig
 from preflight.envs import locate
 from preflight.facts.context import Context
 from preflight.facts.dataset import dataset
-from preflight.facts.environment import EnvIdentity, record_verified, torch_build, verify_records
+from preflight.facts.environment import EnvIdentity, record_verified, sync_record, torch_build, verify_records
 from preflight.facts.gpus import GpuFacts, gpu_facts
 from preflight.facts.paths import ld_cache, path_entries, scan_lib_dir
-from preflight.facts.run import disk, run_dir, target_shape
+from preflight.facts.run import disk, run_dir, target_custom_code, target_shape
 from preflight.facts.source import compile_cache, git_commit, model_source
 from preflight.nvml import GpuInfo
 from preflight.profiles import ENVS_DIR, REPO_ROOT, ProfileError, load_profile, lock_path
@@ -73,6 +73,7 @@ def gather(
         ctx.lock_text = None
     ctx.distributions = installed_distributions()
     ctx.records = verify_records([n for n in ctx.distributions if record_verified(n)])
+    ctx.sync_record = sync_record(sys.prefix)
     ctx.torch = torch_build()
     ctx.path_entries = path_entries(env.get("PATH", ""), sys.prefix)
     ctx.ld_dirs = [scan_lib_dir(p) for p in env.get("LD_LIBRARY_PATH", "").split(os.pathsep) if p]
@@ -83,6 +84,7 @@ def gather(
         ctx.compile_cache = compile_cache(ctx.profile, env)
     if config is not None:
         ctx.target_shape, ctx.target_error = target_shape(config)
+        ctx.target_custom_code = target_custom_code(config)
         resuming = resume_intent == "resume"
         ctx.run_dir = run_dir(config.output_dir, deep=verify_data and resuming, config=config if resuming else None)
         ctx.dataset = dataset(config, deep=verify_data)

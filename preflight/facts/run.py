@@ -8,8 +8,10 @@ import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dflash.config import ConfigError, RunConfig
+from dflash.config import ConfigError, RunConfig, resolve_target_dir
 from dflash.memory.shape import TargetShape, load_target_shape
+from dflash.models import smollm2
+from dflash.models.custom_code import folder_problem
 from dflash.runs import rundir
 
 
@@ -114,3 +116,11 @@ def target_shape(cfg: RunConfig) -> tuple[TargetShape | None, str | None]:
         return load_target_shape(cfg.target.path), None
     except ConfigError as e:
         return None, e.one_line()
+
+
+def target_custom_code(cfg: RunConfig) -> str | None:
+    """Why the target folder would be refused for needing its own code (dflash.models.custom_code's rule, judged
+    against the installed transformers' files, torch-free), or None."""
+    if cfg.target.path == smollm2.NAME:
+        return None
+    return folder_problem(resolve_target_dir(cfg.target.path))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import torch
 
@@ -24,9 +26,11 @@ class GraphCounter:
 
     def __init__(self):
         self.graphs = 0
+        self.ops: set[str] = set()  # the custom ops the graphs call (dflash::delta_rule_N for a hybrid's delta rule)
 
     def __call__(self, gm, example_inputs):
         self.graphs += 1
+        self.ops |= {str(n.target) for n in gm.graph.nodes if n.op == "call_function" and "dflash" in str(n.target)}
         return gm.forward
 
 
@@ -42,7 +46,8 @@ def test_compiled_layers_give_the_eager_features_for_every_shape(folders, kind):
     g = torch.Generator().manual_seed(0)
     # Bucket shapes differ from batch to batch; a batch of one row is a graph of its own (dynamo specialises size 1):
     # the dense target shows it, the hybrid (whose Gated DeltaNet graph takes ~15 s to trace here) does not repeat it.
-    shapes = [(2, 24), (3, 40), (1, 33)] if kind == "dense" else [(2, 24), (3, 40)]
+    # The hybrid's lengths span one and three of the delta rule's 64-token chunks.
+    shapes = [(2, 24), (3, 40), (1, 33)] if kind == "dense" else [(2, 24), (3, 150)]
     for B, S in shapes:
         ids = torch.randint(0, 256, (B, S), generator=g)
         for layer_ids, want_last in (([0, 2], False), ([1, 3], True)):
@@ -54,6 +59,39 @@ def test_compiled_layers_give_the_eager_features_for_every_shape(folders, kind):
     # One graph per layer type for every batch of two rows or more, one more per type for a batch of one; the
     # hybrid's delta rule is an opaque op inside its graph, not a graph break.
     assert counter.graphs == (2 if kind == "hybrid" else 2 * 1), counter.graphs
+    # The delta rule runs as the opaque op inside the graph (the decoder's keywords, use_cache=False among them, do
+    # not send it back to the kernel, whose chunk loop dynamo would unroll per length).
+    assert bool(counter.ops) == (kind == "hybrid"), counter.ops
+
+
+def test_the_delta_rule_op_matches_its_kernel_and_its_fake_the_real_strides(folders):
+    """torch.library.opcheck on the op with the inputs a Qwen3.5 layer gives it (a value that is a non-contiguous
+    view): the fake implementation's shape, dtype and strides are the real output's (inductor asserts them)."""
+    from dflash.models.target import _DELTA_RULE_OPS, DELTA_RULES, linear_attention_kernels
+
+    load_target(folders["hybrid"], "float32", "cpu")  # binds the PyTorch delta rule on CPU
+    model = compile_target(load_target(folders["hybrid"], "float32", "cpu"), backend="eager")
+    layer = next(m for m in model.modules() if linear_attention_kernels(m))
+    delta_rule = linear_attention_kernels(layer)[DELTA_RULES[0]]
+    g = torch.Generator().manual_seed(5)
+    B, S, H, D = 2, 70, 4, 16
+    qkv = torch.randn(B, 3 * H * D, S, generator=g).transpose(1, 2)  # the conv output, transposed back: a view
+    q, k, _ = (t.reshape(B, S, H, D) for t in torch.split(qkv, [H * D] * 3, dim=-1))
+    v = torch.randn(B, H * D, S, generator=g).transpose(1, 2).reshape(B, S, H, D)  # dense, in another dim order
+    assert not v.is_contiguous() and v.stride()[1] == 1
+    gate, beta = -torch.rand(B, S, H, generator=g), torch.rand(B, S, H, generator=g)
+    out, state = delta_rule(q, k, v, g=gate, beta=beta, initial_state=None, output_final_state=False,
+                            use_qk_l2norm_in_kernel=True, use_cache=False)
+    assert state is None and out.shape == (B, S, H, D) and out.is_contiguous()
+    op = inspect.getclosurevars(delta_rule).nonlocals["op"]
+    assert op in _DELTA_RULE_OPS
+    torch.library.opcheck(op, (q, k, v, gate, beta, True), test_utils=("test_schema", "test_faketensor"))
+    from torch._subclasses.fake_tensor import FakeTensorMode  # opcheck compares shapes and dtypes, not strides
+
+    real = op(q, k, v, gate, beta, True)
+    with FakeTensorMode() as mode:
+        fake = op(*(mode.from_tensor(t) for t in (q, k, v, gate, beta)), True)
+    assert (fake.shape, fake.dtype, fake.stride()) == (real.shape, real.dtype, real.stride())
 
 
 def test_compiling_twice_keeps_one_wrapper(folders):

@@ -369,11 +369,12 @@ def _opaque_delta_rule(kernel: Callable) -> Callable:
 
     @op.register_fake
     def _(query, key, value, g, beta, use_qk_l2norm_in_kernel):
-        return torch.empty_like(value, dtype=query.dtype)  # [B, S, value heads, value dim], like the kernels
+        return value.new_empty(value.shape, dtype=query.dtype)  # [B, S, value heads, value dim], contiguous like the op's
 
     def delta_rule(query, key, value, g, beta, initial_state=None, output_final_state=False,
                    use_qk_l2norm_in_kernel=False, cu_seqlens=None, **kwargs):
-        if initial_state is not None or output_final_state or cu_seqlens is not None or kwargs:
+        # The decoder's own keywords (use_cache=False...) reach here too: the stateless forward ignores them.
+        if initial_state is not None or output_final_state or cu_seqlens is not None:
             return kernel(query, key, value, g=g, beta=beta, initial_state=initial_state,
                           output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
                           cu_seqlens=cu_seqlens, **kwargs)

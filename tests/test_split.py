@@ -286,6 +286,7 @@ def test_torchrun_trains_after_the_gate_passes(tmp_path):
     assert snap["run"]["gate_id"] == report["run"]["gate_id"] and snap["run"]["ranks"] == 2
     outcome = json.loads((Path(cfg.output_dir) / "outcome.json").read_text())
     assert outcome["gate_id"] == report["run"]["gate_id"] and outcome["ended"]["how"] == "finished"
+    assert not (Path(cfg.output_dir) / rundir.LOCK_NAME).exists()  # rank 0 released it (its os._exit skips atexit)
 
 
 def test_a_worker_started_by_hand_refuses_without_this_runs_gate(tmp_path):

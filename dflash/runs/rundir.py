@@ -736,6 +736,7 @@ class RunLock:
 
     def __init__(self, path: Path, fd: int):
         self.path, self.fd = path, fd
+        _HELD.append(self)
 
     def fileno(self) -> int:
         return self.fd
@@ -753,12 +754,23 @@ class RunLock:
         fcntl.flock(self.fd, fcntl.LOCK_UN)
         os.close(self.fd)
         self.fd = -1
+        if self in _HELD:
+            _HELD.remove(self)
 
     def __enter__(self) -> RunLock:
         return self
 
     def __exit__(self, *exc) -> None:
         self.release()
+
+
+_HELD: list[RunLock] = []  # the locks this process holds (release_held_locks before an os._exit)
+
+
+def release_held_locks() -> None:
+    """Release every run-dir lock this process holds: for exits that skip atexit (os._exit of a rank)."""
+    for lock in list(_HELD):
+        lock.release()
 
 
 def _lock_owner(fd: int) -> dict:

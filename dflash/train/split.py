@@ -154,25 +154,30 @@ def launch(cfg: RunConfig, resume_from: Path | None, gate_id: str, log=print, lo
     stop = {"sig": None}
     old_handlers = {s: signal.signal(s, lambda signum, _f: stop.update(sig=signum))
                     for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    # Until _watch takes over, a signal is only recorded and any failure (ranks.json on a full disk) stops the
+    # ranks: a launcher leaving here must never leave ranks running unwatched (they share its run-dir lock).
     try:
         _spawn(cfg, roles, gpus, port, cfg_path, resume_from, procs, gate_id, lock)
+        (out / rundir.RANKS_NAME).write_text(json.dumps(
+            [{"rank": r.rank, "role": r.name, "gpu": gpu_of(cfg, r), "pid": p.pid} for r, p in zip(roles, procs)]))
+        backend = "nccl" if cfg.device == "cuda" else "gloo"
+        if cfg.topology.layout == "colocated-dp":
+            log(f"launched {len(roles)} processes: co-located ranks 0-{len(roles) - 1} (each a target + drafter "
+                f"replica) on GPUs {','.join(cfg.topology.colocated_gpus)} ({backend})")
+        else:
+            log(f"launched {len(roles)} processes: drafter ranks 0-{roles[0].n_drafters - 1} on GPUs "
+                f"{','.join(cfg.topology.drafter_gpus)}, target ranks {roles[0].n_drafters}-{len(roles) - 1} on GPUs "
+                f"{','.join(cfg.topology.target_gpus)} ({backend})")
     except BaseException:
         _terminate(procs)
+        for s, h in old_handlers.items():
+            signal.signal(s, h)
         raise
+    try:
+        return _watch(cfg, roles, procs, log, pending_signal=stop["sig"])
     finally:
         for s, h in old_handlers.items():
             signal.signal(s, h)
-    (out / rundir.RANKS_NAME).write_text(json.dumps(
-        [{"rank": r.rank, "role": r.name, "gpu": gpu_of(cfg, r), "pid": p.pid} for r, p in zip(roles, procs)]))
-    backend = "nccl" if cfg.device == "cuda" else "gloo"
-    if cfg.topology.layout == "colocated-dp":
-        log(f"launched {len(roles)} processes: co-located ranks 0-{len(roles) - 1} (each a target + drafter replica) "
-            f"on GPUs {','.join(cfg.topology.colocated_gpus)} ({backend})")
-    else:
-        log(f"launched {len(roles)} processes: drafter ranks 0-{roles[0].n_drafters - 1} on GPUs "
-            f"{','.join(cfg.topology.drafter_gpus)}, target ranks {roles[0].n_drafters}-{len(roles) - 1} on GPUs "
-            f"{','.join(cfg.topology.target_gpus)} ({backend})")
-    return _watch(cfg, roles, procs, log, pending_signal=stop["sig"])
 
 
 def _spawn(cfg, roles, gpus, port, cfg_path, resume_from, procs, gate_id, lock) -> None:
@@ -480,6 +485,7 @@ def _drafter_main(cfg: RunConfig, me: Rank, resume_from: Path | None, drafter_gr
         code = trainer.run(progress=False)
     dist.barrier(group=drafter_group)
     sys.stdout.flush()
+    rundir.release_held_locks()  # torchrun's rank 0 holds the run dir's lock; os._exit skips atexit
     os._exit(code)  # targets may still block in sends nobody will receive; the launcher reaps them
 
 
@@ -496,4 +502,5 @@ def _colocated_main(cfg: RunConfig, resume_from: Path | None, group, provenance)
         code = trainer.run(progress=False)
     dist.barrier(group=group)
     sys.stdout.flush()
+    rundir.release_held_locks()
     os._exit(code)

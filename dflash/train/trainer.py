@@ -373,6 +373,9 @@ class Trainer:
                     self._note_recompiles()
                 if held is not None:
                     rec = dict(rec or {"step": self.step, "epoch": epoch}, **held)
+                # The tok/s window restarts where every rank wrote a row the same way (_record and held-out run on
+                # all ranks); a save's timings make a row on the logger alone and must not restart only its window.
+                restart = rec is not None
                 t_row = time.perf_counter()  # a save's stall counts in the next row's tok/s, as the steps' time does
                 better = held is not None and (self.best is None or held[BEST_KEY] > self.best)
                 if self.step % self.cfg.train.save_every == 0 or stopping or better:
@@ -392,6 +395,7 @@ class Trainer:
                         trackers.log(rec)
                         if not first_window:
                             self.steady_rows = [*self.steady_rows[-99:], rec]
+                if restart:
                     window = {"t0": t_row, "tokens": 0}
                     first_window = False
                 if bar:

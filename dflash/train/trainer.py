@@ -408,8 +408,7 @@ class Trainer:
                 last_save, _ = self._save_if_logger(held if held is not None and held.get("step") == self.step else None)
             self.writer.wait()  # the last checkpoint is renamed before the run reports, exports or exits
         except BaseException as e:
-            with contextlib.suppress(Exception):  # let a save in flight finish (its own error is not the one to tell)
-                self.writer.wait()
+            # The run's record first (a save in flight can take long and another Ctrl-C can land while it is awaited);
             # a full or failing disk fails these writes too: the error being raised is the one to tell, not theirs
             with contextlib.suppress(OSError):
                 if self.outcome:
@@ -419,6 +418,8 @@ class Trainer:
                 if self.is_logger:  # dflash-report tells a failed run from a killed one by this
                     rundir.write_running(self.out, step=self.step, total_steps=self.total_steps,
                                          error=" ".join(str(e).split())[:300] or type(e).__name__)
+            with contextlib.suppress(BaseException):  # let a save in flight finish (its error is not the one to tell)
+                self.writer.wait()
             raise
         finally:
             with contextlib.suppress(OSError):

@@ -226,13 +226,21 @@ def row_messages(value: dict, fmt: str) -> tuple[str | None, list[dict], list | 
         raise RowError(f"no '{key}' list (a {fmt} row needs one)")
     messages = [(_sharegpt_message if fmt == "sharegpt" else _openai_message)(m, i) for i, m in enumerate(turns)]
     rid = value.get("id")
-    tools = value.get("tools")
+    return (None if rid is None else str(rid)), messages, row_tools(value)
+
+
+def row_tools(row: dict) -> list | None:
+    """A row's tool definitions (a list, or a JSON string of one as some ShareGPT files write it), else None; the one
+    rule import and regenerate read them by (RowError for anything else)."""
+    tools = row.get("tools")
     if isinstance(tools, str):
         try:
             tools = decode_json(tools)
         except JsonLineError:
-            raise RowError("'tools' is a string that is not JSON") from None
-    return (None if rid is None else str(rid)), messages, (tools or None)
+            raise RowError("`tools` is a string that is not JSON") from None
+    if tools is not None and not isinstance(tools, list):
+        raise RowError("`tools` is not a list")
+    return tools or None
 
 
 def _sharegpt_message(m: object, i: int) -> dict:

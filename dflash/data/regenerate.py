@@ -32,7 +32,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dflash.data.conversations import ROLES, SHAREGPT_ROLES
+from dflash.data.conversations import ROLES, SHAREGPT_ROLES, RowError, row_tools
 from dflash.data.jsonl import JsonLineError, binary_lines, decode_json
 from dflash.errors import DflashError, UsageError
 
@@ -145,16 +145,11 @@ def _openai(messages) -> list[dict]:
 
 
 def _tools(row: dict) -> list | None:
-    """The row's tool definitions (a list, or a JSON string of one as some ShareGPT files write it), else None."""
-    tools = row.get("tools")
-    if isinstance(tools, str):
-        try:
-            tools = decode_json(tools)
-        except JsonLineError:
-            raise BadRow("`tools` is a string that is not JSON") from None
-    if tools is not None and not isinstance(tools, list):
-        raise BadRow("`tools` is not a list")
-    return tools or None
+    """The row's tool definitions, read by import's rule (dflash.data.conversations.row_tools)."""
+    try:
+        return row_tools(row)
+    except RowError as e:
+        raise BadRow(str(e)) from None
 
 
 def _messages(row: dict) -> list[dict]:

@@ -84,10 +84,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--layers", type=int, default=4, help="drafter layers")
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--save-every", type=int, default=3)
-    p.add_argument("--device", default="cpu", help="cpu, or cuda (pinned host buffers and one synchronize per save; "
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="cpu, or cuda (pinned host buffers and one synchronize per save; "
                    "--hidden 5120 --layers 5 is about the users' 27B drafter state)")
     p.add_argument("--out", type=Path, default=Path("bench/results/cpu2_save_stall.json"))
     args = p.parse_args(argv)
+    for name, low in (("hidden", 64), ("layers", 1), ("steps", 1), ("save_every", 1)):
+        if getattr(args, name) < low:
+            p.error(f"--{name.replace('_', '-')} must be >= {low}, got {getattr(args, name)}")
+    if args.hidden % 64:
+        p.error(f"--hidden must be a multiple of 64 (64-wide heads), got {args.hidden}")
+    if args.save_every > args.steps:
+        p.error(f"--save-every {args.save_every} is more than --steps {args.steps}: the run would save only at its end")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda: no CUDA device here")
     torch.manual_seed(0)
     with tempfile.TemporaryDirectory(prefix="save-stall-") as tmp:
         root = Path(tmp)
@@ -103,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"async_save={str(background).lower():5} checkpoint {r['checkpoint_bytes'] / 2**20:.0f} MiB: "
                   f"stall per save {[s['stall_s'] for s in r['saves']]} s, write {[s['write_s'] for s in r['saves']]}"
                   f" s; run {r['wall_s']} s, {r['mean_tok_per_s']} tok/s", flush=True)
-    env = environment(torch, "cpu")
+    env = environment(torch, args.device)
     env["machine"] = f"{platform.machine()}, {torch.get_num_threads()} torch threads"
     write_json(args.out, {"env": env, "args": {k: str(v) for k, v in vars(args).items()}, "results": results})
     print(f"wrote {args.out}")

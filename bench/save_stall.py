@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import platform
+import shutil
 import sys
 import tempfile
 import time
@@ -43,7 +44,7 @@ def config(root: Path, target: Path, data: Path, args, background: bool):
         "drafter": {"num_layers": args.layers, "block_size": 4},
         "data": {"path": str(data), "token_budget": 512, "max_batch_size": 8, "num_buckets": 2},
         "train": {"max_anchors": 16, "gamma": 4.0, "lr": 1e-3, "warmup_ratio": 0.1, "max_steps": args.steps,
-                  "loss_chunk": 64, "log_every": 1, "save_every": args.save_every, "keep_last": 2,
+                  "loss_chunk": 64, "log_every": 1, "save_every": args.save_every, "keep_last": 1,
                   "compile": False, "async_save": background},
     })
 
@@ -67,7 +68,9 @@ def one_run(cfg) -> dict:
         ckpt.write_checkpoint = real
     rows = {r["step"]: r for r in rundir.read_metrics(cfg.output_dir).rows}
     written = {w["step"]: w["write_s"] for w in writes}
-    saves = [{"step": s, "stall_s": r["save_stall_s"], "wait_s": r["save_wait_s"], "write_s": written.get(s)}
+    saves = [{"step": s, "stall_s": r["save_stall_s"], "wait_s": r["save_wait_s"], "write_s": written.get(s),
+              **({"pin_s": r["save_pin_s"]} if "save_pin_s" in r else {}),
+              **({"pin_wait_s": r["save_pin_wait_s"]} if "save_pin_wait_s" in r else {})}
              for s, r in sorted(rows.items()) if "save_stall_s" in r]
     last = rundir.list_checkpoints(cfg.output_dir)[-1]
     size = sum(p.stat().st_size for p in last.rglob("*") if p.is_file())
@@ -86,6 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--save-every", type=int, default=3)
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="cpu, or cuda (pinned host buffers and one synchronize per save; "
                    "--hidden 5120 --layers 5 is about the users' 27B drafter state)")
+    p.add_argument("--background-only", action="store_true", help="skip the run that saves on the training thread")
     p.add_argument("--out", type=Path, default=Path("bench/results/cpu2_save_stall.json"))
     args = p.parse_args(argv)
     for name, low in (("hidden", 64), ("layers", 1), ("steps", 1), ("save_every", 1)):
@@ -106,11 +110,15 @@ def main(argv: list[str] | None = None) -> int:
             num_attention_heads=heads, num_key_value_heads=max(heads // 2, 1), head_dim=64, pad_token_id=0))
         data = write_pattern_dataset(root / "data")
         results = []
-        for background in (False, True):
-            results.append(one_run(config(root, target, data, args, background)))
+        for background in (True,) if args.background_only else (False, True):
+            cfg = config(root, target, data, args, background)
+            results.append(one_run(cfg))
+            shutil.rmtree(cfg.output_dir)  # a 27B-class drafter's checkpoints are ~20 GB each: free the disk first
             r = results[-1]
             print(f"async_save={str(background).lower():5} checkpoint {r['checkpoint_bytes'] / 2**20:.0f} MiB: "
-                  f"stall per save {[s['stall_s'] for s in r['saves']]} s, write {[s['write_s'] for s in r['saves']]}"
+                  f"stall per save {[s['stall_s'] for s in r['saves']]} s (of which waiting for the previous save "
+                  f"{[s['wait_s'] for s in r['saves']]} s; buffers pinned "
+                  f"beforehand in {[s['pin_s'] for s in r['saves'] if 'pin_s' in s]} s), write {[s['write_s'] for s in r['saves']]}"
                   f" s; run {r['wall_s']} s, {r['mean_tok_per_s']} tok/s", flush=True)
     env = environment(torch, args.device)
     env["machine"] = f"{platform.machine()}, {torch.get_num_threads()} torch threads"

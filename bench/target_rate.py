@@ -88,6 +88,11 @@ def main(argv=None) -> int:
                    help="the target's decoder layers eager, compiled (dflash.models.target.compile_target), or both "
                         "in turn on the same model (default: both on CUDA, off elsewhere, as the trainer compiles)")
     p.add_argument("--out", type=Path, help="write the result as JSON here")
+    p.add_argument("--floor", action="store_true", help="also run the eager forward with memory-efficient attention: "
+                   "its difference from the default eager features is bf16's noise at this depth, the scale for the "
+                   "compiled features' error")
+    p.add_argument("--profile", type=Path, help="after timing each mode, profile one more step: write its 30 slowest "
+                   "CUDA kernels to PROFILE/<mode>_kernels.txt and add each layer type's transient memory to the JSON")
     args = p.parse_args(argv)
     overrides = parse_sets(args.set, args.config, "target_rate")
     for name in ("rows", "steps"):
@@ -122,6 +127,7 @@ def main(argv=None) -> int:
     if args.pytorch_linear_attention:
         use_torch_linear_attention(model)
     load_s = time.perf_counter() - t0
+    print(f"target built in {load_s:.1f} s", flush=True)
     layer_ids = feature_layer_ids(cfg, model.config.num_hidden_layers)
     seq = cfg.data.token_budget // args.rows
     g = torch.Generator().manual_seed(0)
@@ -139,9 +145,13 @@ def main(argv=None) -> int:
             compile_target(model)
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
-        times = []
+        times, warmup_peak = [], None
+        cuda = device.type == "cuda"
         with NvmlPeak(nvml) as peak, torch.no_grad():
-            for _ in range(args.warmup + args.steps):
+            for i in range(args.warmup + args.steps):
+                if i == args.warmup and cuda:  # the warm-up's peak (compilation and autotuning in it) apart
+                    warmup_peak = int(torch.cuda.max_memory_allocated())
+                    torch.cuda.reset_peak_memory_stats()
                 sync()
                 t = time.perf_counter()
                 if args.padding_mask:
@@ -150,24 +160,92 @@ def main(argv=None) -> int:
                     target_step(model, batch, layer_ids, want_last)
                 sync()
                 times.append(time.perf_counter() - t)
+                print(f"{'compiled' if compiled else 'eager'} step {len(times)}: {times[-1]:.2f} s", flush=True)
         steady = times[args.warmup:]
-        return {"compiled": compiled, "first_step_s": round(times[0], 2), "step_s": [round(t, 4) for t in steady],
+        steady_peak = int(torch.cuda.max_memory_allocated()) if cuda else None
+        extra = profile(compiled) if args.profile else {}
+        return {**extra, "compiled": compiled, "first_step_s": round(times[0], 2), "step_s": [round(t, 4) for t in steady],
                 "tok_per_s": round(tokens / (sum(steady) / len(steady)), 1),
-                "max_allocated_bytes": int(torch.cuda.max_memory_allocated()) if device.type == "cuda" else None,
+                "max_allocated_bytes": steady_peak, "warmup_max_allocated_bytes": warmup_peak,
                 "nvml_peak_bytes": peak.peak}
 
+    def profile(compiled: bool) -> dict:
+        """One more step under torch.profiler (its slowest kernels to a text file), then one with each decoder
+        layer's transient memory (peak during the layer minus allocated at its start), the largest per layer type."""
+        from torch.profiler import ProfilerActivity
+        from torch.profiler import profile as torch_profile
+
+        from dflash.models.target import decoder_of
+
+        mode = "compiled" if compiled else "eager"
+        args.profile.mkdir(parents=True, exist_ok=True)
+        with torch.no_grad(), torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            target_step(model, batch, layer_ids, want_last)
+            sync()
+        table = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=30, max_name_column_width=90)
+        (args.profile / f"{mode}_kernels.txt").write_text(table)
+        transient: dict[str, int] = {}
+        start: dict[int, int] = {}
+
+        def before(layer, _args):
+            sync()
+            torch.cuda.reset_peak_memory_stats()
+            start[id(layer)] = torch.cuda.memory_allocated()
+
+        def after(layer, _args, _out):
+            sync()
+            kind = f"{type(layer).__name__}:{getattr(layer, 'layer_type', '')}"
+            transient[kind] = max(transient.get(kind, 0), torch.cuda.max_memory_allocated() - start[id(layer)])
+
+        handles = [h for layer in decoder_of(model).layers
+                   for h in (layer.register_forward_pre_hook(before), layer.register_forward_hook(after))]
+        try:
+            with torch.no_grad():
+                target_step(model, batch, layer_ids, want_last)
+        finally:
+            for h in handles:
+                h.remove()
+        print(f"{mode}: transient GiB per layer type {dict((k, round(v / 2**30, 2)) for k, v in transient.items())}")
+        return {"layer_transient_bytes": transient}
+
+    if args.profile and device.type != "cuda":
+        print("target_rate: --profile needs --device cuda", file=sys.stderr)
+        return 2
     bound = kernels(model)  # before compile_target wraps the delta rule
     mode = args.compile or ("both" if device.type == "cuda" else "off")
     modes = {"off": [False], "on": [True], "both": [False, True]}[mode]
     runs, features = [], []
+
+    def relative_errors(got: list, want: list) -> list[float]:
+        """||got - want|| / ||want|| for each feature layer (the first output's hidden-size chunks), then the last
+        hidden state when the step returns it."""
+        per_layer = [*zip(got[0].chunk(len(layer_ids), -1), want[0].chunk(len(layer_ids), -1)), *zip(got[1:], want[1:])]
+        return [float(f"{((g - w).norm() / w.norm()).item():.3g}") for g, w in per_layer]
+
+    def floor(eager: list) -> None:
+        """bf16's own noise at this depth: the same eager forward with another valid attention kernel."""
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        try:
+            with torch.no_grad(), sdpa_kernel(SDPBackend.EFFICIENT_ATTENTION):
+                other = [t.float() for t in target_step(model, batch, layer_ids, want_last) if t is not None]
+        except RuntimeError as e:
+            print(f"eager with memory-efficient attention did not run: {str(e).splitlines()[0][:200]}")
+            return
+        runs[0]["relative_error_other_attention_kernel"] = relative_errors(other, eager)
+        print(f"eager with memory-efficient attention vs eager (the noise floor): "
+              f"{runs[0]['relative_error_other_attention_kernel']}")
+
     for compiled in modes:
         runs.append(measure(compiled))
         with torch.no_grad():
             features.append([t.float() for t in target_step(model, batch, layer_ids, want_last) if t is not None])
-    if len(features) == 2:  # compiled against eager on this batch: ||compiled - eager|| / ||eager|| per output
-        errors = [((c - e).norm() / e.norm()).item() for c, e in zip(features[1], features[0])]
-        runs[1]["relative_error_vs_eager"] = [float(f"{x:.3g}") for x in errors]
-        print(f"compiled vs eager features: relative error {errors} (bf16 rounding is ~1e-2 or less)")
+        if args.floor and not compiled:
+            floor(features[0])
+    if len(features) == 2:  # compiled against eager on this batch, per feature layer
+        runs[1]["relative_error_vs_eager"] = relative_errors(features[1], features[0])
+        print(f"compiled vs eager features, relative error per layer {layer_ids}{' + last' if want_last else ''}: "
+              f"{runs[1]['relative_error_vs_eager']}")
     del features
     result = {
         "target": path, "dtype": cfg.target.dtype, "tokens_per_batch": tokens, "rows": args.rows, "padding_mask": args.padding_mask,
@@ -181,7 +259,7 @@ def main(argv=None) -> int:
         tflops = result["tflops_per_step"] * r["tok_per_s"] / tokens
         print(f"{'compiled' if r['compiled'] else 'eager'}: {tokens} tokens/batch in {args.rows} rows{mask} x {args.steps}: "
               f"{r['tok_per_s']:.0f} tok/s ({tflops:.0f} TFLOP/s), first step {r['first_step_s']:.1f} s; "
-              f"torch peak {gib(r['max_allocated_bytes'])}, NVML peak {gib(r['nvml_peak_bytes'])}")
+              f"torch peak {gib(r['max_allocated_bytes'])} (warm-up {gib(r['warmup_max_allocated_bytes'])}), NVML peak {gib(r['nvml_peak_bytes'])}")
     if args.out:
         write_json(args.out, result)
     return 0

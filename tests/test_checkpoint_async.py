@@ -41,6 +41,45 @@ def test_a_snapshot_is_a_copy_training_can_run_on_from():
     assert snap.trainer_state["sampler"] == {"index": 2}
 
 
+def _adam_after_one_step(device: str = "cpu"):
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2)).to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model(torch.ones(2, 4, device=device)).sum().backward()
+    opt.step()
+    return model, opt
+
+
+def test_a_reservation_covers_exactly_the_tensors_a_snapshot_copies():
+    """reserve's keys (weights, then the optimizer state walked as HostCopies.tree walks it) are the keys snapshot
+    copies the drafter and optimizer under: a reserved buffer is the one the first save uses."""
+    model, opt = _adam_after_one_step()
+    host, used = ckpt.HostCopies(), []
+    real = host.copy
+    host.copy = lambda key, t: used.append(key) or real(key, t)
+    ckpt.snapshot(1, model, opt, {"step": 1, "rng_cpu": torch.get_rng_state()}, host)
+    reserved = [("weights", k) for k in model.state_dict()] + [key for key, _ in ckpt._tensors("optimizer", opt.state_dict())]
+    assert [k for k in used if k[0] != "trainer"] == reserved
+    host.reserve(model, opt)  # CPU tensors: nothing to pin, nothing started
+    assert host.ready() < 0.01 and host.reserve_s is None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (cudaHostRegister)")
+def test_on_cuda_the_first_snapshot_copies_into_the_reserved_pinned_block():
+    model, opt = _adam_after_one_step("cuda")
+    host = ckpt.HostCopies()
+    host.reserve(model, opt)
+    host.ready()
+    assert host.reserve_s is not None
+    reserved = dict(host._buffers)
+    snap = ckpt.snapshot(1, model, opt, {"step": 1}, host)
+    assert all(snap.weights[k] is reserved[("weights", k)] and snap.weights[k].is_pinned() for k in snap.weights)
+    assert all(torch.equal(snap.weights[k], v.cpu()) for k, v in model.state_dict().items())
+    avg = snap.optimizer_state["state"][0]["exp_avg"]
+    assert avg is reserved[((("optimizer", "state"), 0), "exp_avg")]
+    assert torch.equal(avg, opt.state_dict()["state"][0]["exp_avg"].cpu())
+
+
 def _files(checkpoint: Path) -> dict[str, bytes]:
     return {p.relative_to(checkpoint).as_posix(): p.read_bytes() for p in sorted(checkpoint.rglob("*")) if p.is_file()}
 

@@ -94,6 +94,41 @@ def test_the_delta_rule_op_matches_its_kernel_and_its_fake_the_real_strides(fold
     assert (fake.shape, fake.dtype, fake.stride()) == (real.shape, real.dtype, real.stride())
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_shifted_causal_conv_is_transformers_conv(dtype):
+    """causal_conv1d_shifts (what a compiled hybrid layer calls) gives transformers' reference causal_conv1d_fn:
+    with and without bias and activation, lengths shorter and longer than the kernel."""
+    from transformers.models.qwen3_5 import modeling_qwen3_5
+
+    from dflash.models.target import _implementation, causal_conv1d_shifts
+
+    reference = inspect.unwrap(_implementation(modeling_qwen3_5.causal_conv1d_fn))
+    assert reference.__module__.startswith("transformers.")
+    g = torch.Generator().manual_seed(3)
+    for S, bias, activation in ((1, True, "silu"), (3, False, None), (37, True, None), (64, False, "silu")):
+        x = torch.randn(2, 12, S, generator=g).to(dtype)
+        w = torch.randn(12, 4, generator=g).to(dtype)
+        b = torch.randn(12, generator=g).to(dtype) if bias else None
+        got, want = causal_conv1d_shifts(x, w, b, activation=activation), reference(x, w, b, activation=activation)
+        assert got.dtype == want.dtype == dtype and got.shape == want.shape
+        tol = 1e-5 if dtype == torch.float32 else 2e-2  # bf16: the reference rounds its product sums, these do not
+        assert torch.allclose(got.float(), want.float(), atol=tol, rtol=tol), (S, (got - want).abs().max().item())
+
+
+def test_a_compiled_hybrid_layer_runs_no_convolution(folders):
+    """The compiled linear-attention layer's graph holds no convolution op (the conv is the shifted multiply-adds)."""
+    torch._dynamo.reset()
+    targets: set[str] = set()
+
+    def backend(gm, example_inputs):
+        targets.update(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        return gm.forward
+
+    model = compile_target(load_target(folders["hybrid"], "float32", "cpu"), backend=backend)
+    _features(model, torch.randint(0, 256, (2, 20)), [0, 1], False)
+    assert targets and not [t for t in targets if "conv" in t.lower()], sorted(targets)
+
+
 def test_compiling_twice_keeps_one_wrapper(folders):
     model = compile_target(load_target(folders["dense"], "float32", "cpu"), backend="eager")
     forwards = [layer.forward.__func__ for layer in model.model.layers]
@@ -145,6 +180,9 @@ def test_the_hub_kernel_path_compiles_and_matches(folders):
     ref_ctx, ref_last = _features(model, ids, [1, 3], True)
     ctx, last = _features(compile_target(model, backend=GraphCounter()), ids, [1, 3], True)
     assert torch.allclose(ctx, ref_ctx, atol=1e-4) and torch.allclose(last, ref_last, atol=1e-4)
+    from dflash.models.target import causal_conv1d_shifts  # the wrapper's transformers fallback, made traceable
+
+    assert {linear_attention_kernels(m).get("causal_conv1d_fn") for m in model.modules()} >= {causal_conv1d_shifts}
 
 
 def test_a_compiler_failure_falls_back_to_eager_with_one_warning(folders):

@@ -20,6 +20,7 @@ from pathlib import Path
 from types import CellType, FunctionType, MethodType, ModuleType
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from dflash.config import resolve_target_dir
@@ -335,16 +336,43 @@ def _kernels_uncompiled(forward: FunctionType) -> FunctionType:
     """`forward` (a linear-attention layer's) calling its delta-rule kernels as opaque custom ops (no graph break), and
     its other kernels as the implementation transformers' hub wrapper dispatches to (traced directly)."""
     kernels = _kernels_called(forward)
-    return _rebuilt(forward, {name: _opaque_delta_rule(fn) if name in DELTA_RULES else _dispatched(fn)
+    return _rebuilt(forward, {name: _opaque_delta_rule(fn) if name in DELTA_RULES else _traceable(name, fn)
                               for name, fn in kernels.items()})
+
+
+def _traceable(name: str, kernel: Callable) -> Callable:
+    """`kernel` (as dispatched), or for transformers' own causal conv1d (a depthwise F.conv1d: on CUDA a generic kernel, 6.5% of a
+    compiled Qwen3.6-27B forward) the same function written as shifted multiply-adds the compiler fuses."""
+    implementation = inspect.unwrap(_implementation(kernel))
+    if name == "causal_conv1d_fn" and getattr(implementation, "__module__", "").startswith("transformers."):
+        return causal_conv1d_shifts
+    return _dispatched(kernel)
+
+
+def causal_conv1d_shifts(hidden_states: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                         activation: str | None = None, **kwargs) -> torch.Tensor:
+    """transformers' causal_conv1d_fn (a causal depthwise convolution of [B, C, S] by [C, K], then the activation) as
+    K shifted multiply-adds in float32: compiled, one elementwise kernel; its other keywords (seq_idx...) it ignores
+    as transformers' does."""
+    from transformers.activations import ACT2FN
+
+    K, S = weight.shape[-1], hidden_states.shape[-1]
+    x = F.pad(hidden_states.float(), (K - 1, 0))
+    w = weight.float()
+    out = x[..., :S] * w[:, 0, None]
+    for k in range(1, K):
+        out = out + x[..., k:k + S] * w[:, k, None]
+    if bias is not None:
+        out = out + bias.float()[:, None]
+    if activation is not None:
+        out = ACT2FN[activation](out)
+    return out.to(hidden_states.dtype)
 
 
 def _dispatched(kernel: Callable) -> Callable:
     """The function a hub-kernel wrapper (transformers' use_kernel_func_from_hub_with_fallback) calls; else `kernel`."""
-    code = getattr(kernel, "__code__", None)
-    cells = dict(zip(code.co_freevars, (c.cell_contents for c in kernel.__closure__ or ()))) if code else {}
-    implementation = cells.get("implementation")
-    if not callable(implementation):
+    implementation = _implementation(kernel)
+    if implementation is kernel:
         return kernel
     params = frozenset(inspect.signature(implementation).parameters)
 
@@ -352,6 +380,14 @@ def _dispatched(kernel: Callable) -> Callable:
         return implementation(*args, **{k: v for k, v in kwargs.items() if k in params})
 
     return call
+
+
+def _implementation(kernel: Callable) -> Callable:
+    """The implementation a hub-kernel wrapper chose (in its closure), or `kernel` itself."""
+    code = getattr(kernel, "__code__", None)
+    cells = dict(zip(code.co_freevars, (c.cell_contents for c in kernel.__closure__ or ()))) if code else {}
+    implementation = cells.get("implementation")
+    return implementation if callable(implementation) else kernel
 
 
 @functools.cache

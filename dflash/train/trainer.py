@@ -360,6 +360,8 @@ class Trainer:
                              f"{compiled_graphs()} compiled graph(s)")
                     if self.outcome:
                         self.outcome.first_step(self.first_step_s, compiled_graphs())
+                    if self.is_logger:  # the optimizer has its state now: pin the saves' host buffers meanwhile
+                        self.writer.reserve(self.drafter, self.optimizer)
                 self._note_recompiles()
                 pending = self._next(stream) if self.step < self.total_steps else None  # post receives early
                 window["tokens"] += sum(int(b["lengths"].sum()) for _, b in mine)

@@ -92,10 +92,10 @@ def test_cpu_ranks_share_the_cores_out():
 
 @pytest.fixture(scope="module")
 def finished_split_run(tmp_path_factory):
-    """A finished 6-step split run (1 target + 2 drafters on gloo) launched by dflash-train with the replica
+    """A finished 6-step split run (1 target + 2 drafters on gloo, a save at steps 3 and 6) launched by dflash-train with the replica
     check on: (run config, its TOML, the launcher's completed process). Read by several tests."""
     root = tmp_path_factory.mktemp("split")
-    cfg, raw = tiny_config(root, max_steps=6)
+    cfg, raw = tiny_config(root, max_steps=6, save_every=3)  # a save inside the run, one at its end
     config = write_toml(split_raw(raw), root / "split.toml")
     env = dict(os.environ, DFLASH_CHECK_REPLICAS="1")
     out = subprocess.run(train_cmd(config, "--fresh"), cwd=REPO, capture_output=True, text=True, env=env,
@@ -119,6 +119,33 @@ def test_one_target_two_drafters_match_colocated_and_replicas_stay_identical(tmp
     # 6 logged windows; the first (its step compiles) is left out of the busy rates
     assert "(mean of 5 logged window(s), the first left out)" in out.stdout
     assert (Path(cfg.output_dir) / "drafter" / "model.safetensors").exists()
+
+
+def test_the_pace_summary_reads_a_finished_split_run(tmp_path, finished_split_run, capsys):
+    """bench/pace_summary.py on a real split run dir: the steady window after the first logged step, the busy rates
+    and the split they suggest as the run printed them, the save at the end, and exit 1 when the window is too short
+    for --min-steps."""
+    import bench.pace_summary as pace
+
+    cfg, _, out = finished_split_run
+    assert out.returncode == 0, out.stderr[-2000:]
+    run_dir = Path(cfg.output_dir)
+    assert pace.main([str(run_dir), "--out", str(tmp_path / "pace.json")]) == 0
+    s = json.loads((tmp_path / "pace.json").read_text())
+    assert (s["steps"], s["first_window_end_step"], s["steady_steps"]) == (6, 1, 5)
+    assert s["steady_tok_per_s"]["windows"] == 5 and s["steady_tok_per_s"]["min"] > 0
+    assert s["busy_tok_s_per_gpu"]["windows"] == 5
+    printed = [line for line in out.stdout.splitlines() if line.startswith("suggested split for")]
+    mine = [f"suggested split for {x['gpus']} GPUs: {x['targets']} target + {x['drafters']} drafter, expected "
+            f"{x['expected_tok_per_s']:.0f} tok/s" for x in s["suggested_splits"]]
+    assert [x["gpus"] for x in s["suggested_splits"]] == [3, 8] and mine == printed
+    assert [x["step"] for x in s["saves"]] == [3, 6] and s["saves_inside_window"] == 1
+    assert s["saves"][0]["write_s"] is not None and s["max_stall_inside_window_s"] >= 0  # the last one ends the rows
+    assert s["ended"] == "finished" and s["first_step_s"] > 0
+    assert pace.main([str(run_dir), "--min-steps", "5"]) == 0
+    assert pace.main([str(run_dir), "--min-steps", "6"]) == 1
+    assert "the steady window holds 5 steps, fewer than --min-steps 6" in capsys.readouterr().err
+    assert pace.main([str(tmp_path / "nowhere")]) == 2
 
 
 @pytest.mark.slow

@@ -457,19 +457,35 @@ class RemoteTargets:
         The rates are busy rates (RemoteTargets.rates): a target's tokens over its compute time (send waits left
         out), a drafter's over its time not waiting for features. `rows` leaves out the first logged window, whose
         first step is mostly compilation."""
-        rows = [r for r in rows if "target_tok_s_per_gpu" in r][-SUMMARY_ROWS:]
-        if not rows:
+        busy = busy_rates(rows)
+        if busy is None:
             return ("no per-role rates past the first logged window (it holds the compilation); log more often "
                     "(train.log_every) for a suggested split")
-        t_rate = sum(r["target_tok_s_per_gpu"] for r in rows) / len(rows)
-        d_rate = sum(r["drafter_tok_s_per_gpu"] for r in rows) / len(rows)
+        t_rate, d_rate, n_rows = busy
         lines = [f"busy: target {t_rate:.0f} tok/s per GPU, drafter {d_rate:.0f} tok/s per GPU "
-                 f"(mean of {len(rows)} logged window(s), the first left out)"]
-        for n in sorted({self.me.world, 8}):
-            t, d = suggest_split(n, t_rate, d_rate)
-            lines.append(f"suggested split for {n} GPUs: {t} target + {d} drafter, "
-                         f"expected {split_tok_s(t, d, t_rate, d_rate):.0f} tok/s")
+                 f"(mean of {n_rows} logged window(s), the first left out)"]
+        for n, t, d, tok_s in suggested_splits(t_rate, d_rate, (self.me.world, 8)):
+            lines.append(f"suggested split for {n} GPUs: {t} target + {d} drafter, expected {tok_s:.0f} tok/s")
         return "\n".join(lines)
+
+
+def busy_rates(rows: list[dict]) -> tuple[float, float, int] | None:
+    """(target, drafter busy tok/s per GPU, windows averaged): the mean over the last SUMMARY_ROWS metrics rows that
+    carry per-role rates (a split run's rows past its first logged window); None if none does."""
+    rows = [r for r in rows if "target_tok_s_per_gpu" in r][-SUMMARY_ROWS:]
+    if not rows:
+        return None
+    return (sum(r["target_tok_s_per_gpu"] for r in rows) / len(rows),
+            sum(r["drafter_tok_s_per_gpu"] for r in rows) / len(rows), len(rows))
+
+
+def suggested_splits(t_rate: float, d_rate: float, gpu_counts) -> list[tuple[int, int, int, float]]:
+    """(GPUs, targets, drafters, expected tok/s) of the best split for each GPU count (2 or more), smallest first."""
+    out = []
+    for n in sorted({n for n in gpu_counts if n >= 2}):
+        t, d = suggest_split(n, t_rate, d_rate)
+        out.append((n, t, d, split_tok_s(t, d, t_rate, d_rate)))
+    return out
 
 
 def _drafter_main(cfg: RunConfig, me: Rank, resume_from: Path | None, drafter_group, share_group, provenance) -> int:

@@ -339,6 +339,15 @@ class RunConfig(_Strict):
         return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
 
 
+    def target_hash(self) -> str:
+        """Hash of what decides the target's compiled graphs and the batch shapes a run compiles for (the
+        compile-cache manifest): target path and dtype, target.compile, and the batching knobs (sizes 1 and the
+        bucket widths are graphs of their own)."""
+        key = {"target": self.target.path, "dtype": self.target.dtype, "compile": self.target.compile,
+               "batches": [self.data.token_budget, self.data.max_batch_size, self.data.num_buckets]}
+        return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+
+
 class ConfigError(DflashError):
     """A run config that cannot be read or does not validate; the message is one line."""
 

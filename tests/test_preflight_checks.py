@@ -83,7 +83,7 @@ def make_ctx(tmp_path: Path, config: dict | None = None, gpus: dict | None = Non
         model_source=ModelSource("git", commit="0123456789abcdef", verified=["dflash/model.py", "dflash/loss.py"]),
         compile_cache=CompileCache(str(tmp_path / "cache"), True, size_bytes=353_000_000, manifest={
             "torch": "2.10.0+cu128", "triton": "3.6.0", "gpu_name": "NVIDIA H200", "compute_capability": "9.0",
-            "drafter_hash": cfg.drafter_hash()}),
+            "drafter_hash": cfg.drafter_hash(), "target_hash": cfg.target_hash()}),
         run_dir=RunDir(cfg.output_dir, False, True),
         dataset=healthy_dataset(cfg.data.path, shape),
         disk=Disk(cfg.output_dir, free_bytes=500 * GiB),
@@ -516,6 +516,16 @@ def test_compile_cache_mismatch_warns_naming_field(tmp_path):
     ctx.config = ctx.config.model_copy(update={"drafter": ctx.config.drafter.model_copy(update={"block_size": 16})})
     r = check_compile_cache(ctx)  # the manifest was written for block_size 32
     assert r.status == "warn" and "drafter_hash" in r.summary
+    for change in ({"target": {"compile": False}}, {"data": {"max_batch_size": 1}}):  # the target's graphs, B = 1
+        ctx = make_ctx(tmp_path)
+        section, fields = next(iter(change.items()))
+        ctx.config = ctx.config.model_copy(update={section: getattr(ctx.config, section).model_copy(update=fields)})
+        r = check_compile_cache(ctx)
+        assert r.status == "warn" and "target_hash" in r.summary and "drafter_hash" not in r.summary, r.summary
+    ctx = make_ctx(tmp_path)
+    del ctx.compile_cache.manifest["target_hash"]  # a cache warmed before the manifest named the target's graphs
+    r = check_compile_cache(ctx)
+    assert r.status == "warn" and "target_hash None ->" in r.summary
 
 
 # ---------------------------------------------------------------- model-source

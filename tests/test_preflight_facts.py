@@ -467,7 +467,7 @@ def test_compile_manifest_written_by_the_trainer_is_read_by_preflight(tmp_path, 
 
     monkeypatch.setenv("HOME", str(tmp_path))
     written = {"torch": "2.10.0+cu128", "triton": "3.6.0", "gpu_name": "NVIDIA H200", "compute_capability": "9.0",
-               "drafter_hash": "abc123"}
+               "drafter_hash": "abc123", "target_hash": "def456"}
     write_manifest(compile_cache_dir("train-cu128"), written)  # what `dflash-train --warm-cache` does
     cc = compile_cache(load_profile("train-cu128"), {})
     assert cc.exists and cc.error is None and cc.manifest == written

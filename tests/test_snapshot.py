@@ -56,7 +56,8 @@ def source_checkout(root: Path) -> Path:
 def warm_cache(cache: Path) -> None:
     """The compile cache `dflash-train --warm-cache` leaves: kernels and its manifest (same bytes every time)."""
     write_manifest(cache, {"torch": "2.10.0+cu128", "triton": "3.6.0", "gpu_name": "NVIDIA H200",
-                           "compute_capability": "9.0", "drafter_hash": "0123456789abcdef"})
+                           "compute_capability": "9.0", "drafter_hash": "0123456789abcdef",
+                           "target_hash": "fedcba9876543210"})
     (cache / "fxgraph").mkdir(exist_ok=True)
     (cache / "fxgraph" / "kernel.bin").write_bytes(b"\x01" * 300_000)
 

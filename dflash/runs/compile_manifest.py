@@ -6,7 +6,8 @@ back and compares it with the machine and run it is about to start. This module 
 place that knows the file's name and fields (torch-free: preflight imports it).
 
     write_manifest(cache_dir, {"torch": "2.10.0+cu128", "triton": "3.6.0", "gpu_name": "NVIDIA H200",
-                               "compute_capability": "9.0", "drafter_hash": cfg.drafter_hash()})
+                               "compute_capability": "9.0", "drafter_hash": cfg.drafter_hash(),
+                               "target_hash": cfg.target_hash()})
     manifest, problem = dflash.data.identity.read_manifest(cache_dir, MANIFEST_NAME)  # the one manifest reader
     differences(manifest, now)            # ["torch 2.10.0+cu128 -> 2.11.0+cu130", ...]
 """
@@ -26,6 +27,7 @@ FIELDS = (
     "gpu_name",  # the GPU's name as CUDA/NVML report it
     "compute_capability",  # major.minor, e.g. 9.0
     "drafter_hash",  # RunConfig.drafter_hash(): the drafter shapes the kernels were compiled for
+    "target_hash",  # RunConfig.target_hash(): the target's compiled layers and the batch shapes warmed
 )
 
 

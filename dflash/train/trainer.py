@@ -706,6 +706,7 @@ def warm_cache(cfg: RunConfig, cache: Path, log=print) -> int:
 
     props = torch.cuda.get_device_properties(0)
     write_manifest(cache, {"torch": torch.__version__, "triton": triton.__version__, "gpu_name": props.name,
-                           "compute_capability": f"{props.major}.{props.minor}", "drafter_hash": cfg.drafter_hash()})
+                           "compute_capability": f"{props.major}.{props.minor}", "drafter_hash": cfg.drafter_hash(),
+                           "target_hash": cfg.target_hash()})
     log(f"warm-cache: compiled in {time.perf_counter() - t0:.1f} s; manifest written to {cache}")
     return 0

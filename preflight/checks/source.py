@@ -37,9 +37,10 @@ def check_compile_cache(ctx: Context) -> CheckResult:
         now["compute_capability"] = gpu.compute_capability
     if ctx.config is not None:
         now["drafter_hash"] = ctx.config.drafter_hash()
+        now["target_hash"] = ctx.config.target_hash()
     diffs = differences(cc.manifest, now)
     data["current"] = now
-    not_compared = [k for k in ("gpu_name", "compute_capability", "drafter_hash") if k not in now]
+    not_compared = [k for k in ("gpu_name", "compute_capability", "drafter_hash", "target_hash") if k not in now]
     if diffs:
         return result("compile-cache", "warn", f"stale: {cc.path}{size} was built for another setup ({listing(diffs, 3)})",
                       fix, **data)

@@ -503,6 +503,11 @@ def _outcome(a: dict, b: dict, oa: dict | None, ob: dict | None) -> list[Outcome
     for key, label in (("to_first_step_s", "gate to first step"), ("first_step_s", "first step (compilation included)")):
         if oa.get(key) is not None or ob.get(key) is not None:
             rows.append(OutcomeRow(label, oa.get(key), ob.get(key), f"{_secs(oa.get(key))} -> {_secs(ob.get(key))}"))
+    ua, ub = oa.get("startup") or {}, ob.get("startup") or {}
+    for key, label in (("launch_to_first_step_s", "launch to first step"), ("target_s", "startup: target load"),
+                       ("setup_s", "startup: drafter, data, optimizer")):
+        if ua.get(key) is not None or ub.get(key) is not None:
+            rows.append(OutcomeRow(label, ua.get(key), ub.get(key), f"{_secs(ua.get(key))} -> {_secs(ub.get(key))}"))
     ga, gb = (oa.get("compiled_graphs") or {}), (ob.get("compiled_graphs") or {})
     if ga or gb:
         rows.append(OutcomeRow("compiled graphs", ga, gb, f"{_graphs(ga)} -> {_graphs(gb)}"))

@@ -30,7 +30,8 @@ snapshot.json (keys sorted, a few kilobytes)::
 outcome.json::
 
     {"format": "dflash-outcome/1", "gate_id", "started_utc", "updated_utc", "start_step", "step",
-     "first_step_s", "to_first_step_s", "compiled_graphs": {"first_step", "last"}, "rows",
+     "first_step_s", "to_first_step_s", "compiled_graphs": {"first_step", "last"}, "recompiles", "rows",
+     "startup": {"target_s", "setup_s", "first_step_s", "launch_to_first_step_s"} (seconds; a phase absent if not run),
      "steady": {"tok_per_s", "target_tok_s_per_gpu", "drafter_tok_s_per_gpu", "drafter_wait_frac", "target_wait_frac"},
      "peak": {"gpus": {uuid: bytes used (NVML)}, "torch_allocated_bytes", "host_rss_bytes"},
      "last": {"loss", "accept_len"},
@@ -209,7 +210,7 @@ SNAPSHOT_SCHEMA = {
 OUTCOME_SCHEMA = {
     "format": "str!", "gate_id": "any", "started_utc": "any", "updated_utc": "any", "start_step": "int", "step": "int",
     "first_step_s": "num", "to_first_step_s": "num", "compiled_graphs": {"first_step": "int", "last": "int"},
-    "recompiles": "int",
+    "recompiles": "int", "startup": ("map", "num"),
     "rows": "int", "steady": ("map", "num"),
     "peak": {"gpus": ("map", "int"), "torch_allocated_bytes": "int", "host_rss_bytes": "int"},
     "last": {"loss": "num", "accept_len": "num"},
@@ -306,6 +307,17 @@ def checked_outcome(outcome: dict, file: str | Path) -> dict:
 # ---------------------------------------------------------------- the outcome
 
 
+def process_age_s() -> float | None:
+    """Seconds since this process started (Linux /proc), None elsewhere."""
+    try:
+        stat = Path("/proc/self/stat").read_text()
+        started_ticks = int(stat[stat.rindex(")") + 2:].split()[19])  # field 22, counted after the command name
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+        return round(uptime - started_ticks / os.sysconf("SC_CLK_TCK"), 1)
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def _host_rss_bytes() -> int | None:
     try:
         import resource
@@ -383,8 +395,10 @@ class Outcome:
             peak["gpus"][uuid] = max(used, peak["gpus"].get(uuid, 0))
         peak["host_rss_bytes"] = _host_rss_bytes()
 
-    def first_step(self, seconds: float, graphs: int) -> None:
+    def first_step(self, seconds: float, graphs: int, startup: dict | None = None) -> None:
         self.data["first_step_s"] = round(seconds, 3)
+        if startup:
+            self.data["startup"] = startup
         if self.gate_time is not None:
             self.data["to_first_step_s"] = round(time.time() - self.gate_time, 1)
         self.data["compiled_graphs"]["first_step"] = graphs

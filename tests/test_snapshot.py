@@ -12,10 +12,10 @@ of this tree) and the extra package (a .dist-info folder on sys.path, what an in
 from __future__ import annotations
 
 import json
-import time
 import shutil
 import subprocess
 import sys
+import time
 import tomllib
 from pathlib import Path
 

@@ -75,7 +75,8 @@ def summarize(run_dir: Path) -> dict:
     if inside:
         out["max_stall_inside_window_s"] = max(s["stall_s"] - (s["wait_s"] or 0) for s in inside)
     if outcome:
-        out.update({k: outcome.get(k) for k in ("first_step_s", "to_first_step_s", "compiled_graphs", "recompiles")})
+        out.update({k: outcome.get(k) for k in ("first_step_s", "to_first_step_s", "startup", "compiled_graphs",
+                                                   "recompiles")})
         out["ended"] = (outcome.get("ended") or {}).get("how")
         out["gpus"] = gpu_memory(snap, outcome)
     return out
@@ -121,8 +122,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{s['run_dir']}: {s['steps']} steps, steady window {s['steady_steps']} steps after step "
           f"{s['first_window_end_step']}: {steady.get('mean', '-')} tok/s mean ({steady.get('min', '-')}-"
           f"{steady.get('max', '-')} over {steady.get('windows', 0)} windows)")
-    print(f"first step {s.get('first_step_s')} s ({s.get('to_first_step_s')} s from launch); recompiles after it: "
-          f"{s.get('recompiles')}")
+    startup = s.get("startup") or {}
+    print(f"first step {s.get('first_step_s')} s; {startup.get('launch_to_first_step_s')} s from launch (target "
+          f"{startup.get('target_s')} s, setup {startup.get('setup_s')} s), {s.get('to_first_step_s')} s from the "
+          f"gate; recompiles after it: {s.get('recompiles')}")
     if "busy_tok_s_per_gpu" in s:
         b = s["busy_tok_s_per_gpu"]
         print(f"busy: target {b['target']:.0f}, drafter {b['drafter']:.0f} tok/s per GPU; waits: drafters "

@@ -141,7 +141,7 @@ def test_the_pace_summary_reads_a_finished_split_run(tmp_path, finished_split_ru
     assert [x["gpus"] for x in s["suggested_splits"]] == [3, 8] and mine == printed
     assert [x["step"] for x in s["saves"]] == [3, 6] and s["saves_inside_window"] == 1
     assert s["saves"][0]["write_s"] is not None and s["max_stall_inside_window_s"] >= 0  # the last one ends the rows
-    assert s["ended"] == "finished" and s["first_step_s"] > 0
+    assert s["ended"] == "finished" and s["first_step_s"] > 0 and s["startup"]["launch_to_first_step_s"] > 0
     assert pace.main([str(run_dir), "--min-steps", "5"]) == 0
     assert pace.main([str(run_dir), "--min-steps", "6"]) == 1
     assert "the steady window holds 5 steps, fewer than --min-steps 6" in capsys.readouterr().err

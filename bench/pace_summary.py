@@ -25,24 +25,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import write_json  # noqa: E402
 from dflash.errors import UsageError  # noqa: E402
+from dflash.memory.pace import after_first_window, busy_rates, suggested_splits  # noqa: E402
 from dflash.runs import records, rundir  # noqa: E402
-from dflash.train.split import busy_rates, suggested_splits  # noqa: E402
-
-
-def steady_rows(rows: list[dict]) -> tuple[list[dict], int]:
-    """(the rows after the first logged window, the last step of that window): the rows with a tok/s after the
-    first one, and the save/held-out rows among them."""
-    timed = [r for r in rows if "tok_per_s" in r]
-    if not timed:
-        return [], 0
-    first = timed[0]["step"]
-    return [r for r in rows if r["step"] > first], first
 
 
 def summarize(run_dir: Path) -> dict:
     snap, outcome, _ = records.load(run_dir)
     metrics = rundir.read_metrics(run_dir)
-    rows, first_window_end = steady_rows(metrics.rows)
+    rows, first_window_end = after_first_window(metrics.rows)
     timed = [r for r in rows if "tok_per_s" in r]
     last_step = max((r["step"] for r in metrics.rows), default=0)
     out: dict = {"run_dir": run_dir.name, "steps": last_step, "first_window_end_step": first_window_end,

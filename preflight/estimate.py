@@ -18,7 +18,7 @@ import re
 
 from dflash.config import load_config, parse_overrides
 from dflash.errors import DflashError
-from dflash.memory.fit import Estimate, estimate, role_gpus
+from dflash.memory.fit import Estimate, estimate, layout_pace, role_gpus
 from dflash.memory.parts import roles
 from preflight.facts.run import target_custom_code
 from preflight.nvml import GpuInfo, NvmlGpuInfo, NvmlUnavailable, resolve_gpu, visible_gpus
@@ -89,8 +89,12 @@ def run_estimate(
     from_nvml: bool = False,
     cuda: str | None = None,
     gpu_info: GpuInfo | None = None,
+    rates: str | None = None,
+    rates_from: str | None = None,
 ) -> tuple[Estimate, str]:
-    """The estimate dflash-estimate prints, and where its CUDA version came from."""
+    """The estimate dflash-estimate prints, and where its CUDA version came from. `rates` ("TARGET,DRAFTER" busy
+    tok/s per GPU) or `rates_from` (a split run's dir, its busy rates as its summary printed them) add each layout's
+    tokens/s."""
     if gpu_memory and from_nvml:
         raise EstimateError("give --gpu-memory or --from-nvml, not both")
     cfg = load_config(config_path, parse_overrides(sets))
@@ -104,4 +108,34 @@ def run_estimate(
     if from_nvml:
         gpus = sorted({g for role in roles(cfg) for g in role_gpus(cfg, role)})
         gpu_bytes = nvml_gpu_bytes(gpus, gpu_info)
-    return estimate(cfg, cuda, gpu_bytes, source=config_path), cuda_source
+    busy = parse_rates(rates, rates_from) if rates or rates_from else None
+    est = estimate(cfg, cuda, gpu_bytes, source=config_path)
+    if busy is not None:
+        est.rates = {"target": busy[0], "drafter": busy[1]}
+        est.pace = layout_pace(est.layouts, *busy)
+    return est, cuda_source
+
+
+def parse_rates(rates: str | None, rates_from: str | None) -> tuple[float, float]:
+    """(target, drafter) busy tok/s per GPU from "TARGET,DRAFTER" or from a split run dir's metrics."""
+    if rates and rates_from:
+        raise EstimateError("give --rates or --rates-from, not both")
+    if rates:
+        parts = [p.strip().lower().removesuffix("k") for p in rates.split(",")]
+        scale = [1000 if p.strip().lower().endswith("k") else 1 for p in rates.split(",")]
+        try:
+            values = tuple(float(p) * s for p, s in zip(parts, scale))
+        except ValueError:
+            values = ()
+        if len(values) != 2 or not all(v > 0 and v == v and v != float("inf") for v in values):
+            raise EstimateError(f"--rates {rates!r}: give two positive busy rates, tok/s per GPU of a target and of a "
+                                "drafter, e.g. --rates 12500,41000 or 12.5k,41k")
+        return values
+    from dflash.memory.pace import after_first_window, busy_rates
+    from dflash.runs.rundir import METRICS_NAME, read_metrics
+
+    busy = busy_rates(after_first_window(read_metrics(rates_from).rows)[0])
+    if busy is None:
+        raise EstimateError(f"--rates-from {rates_from}: no per-role rates in its {METRICS_NAME} (give the dir of a "
+                            "split run that logged past its first window, or --rates TARGET,DRAFTER)")
+    return busy[0], busy[1]

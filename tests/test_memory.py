@@ -544,3 +544,36 @@ def test_cli_prints_which_layouts_fit(capsys):
     assert "layouts on GPUs of 95.00 GiB" in out
     assert "DOES NOT FIT co-located data parallel over 8 GPUs" in out
     assert "  fits         split: 5 target + 3 drafter GPUs: target" in out
+
+
+def test_pace_of_each_layout_from_busy_rates():
+    """dflash.memory.pace: one GPU running both roles adds their times; the users' 27B job measured co-located on
+    one H200 at 8.1K tok/s, the rule at the split run's busy rates (target 9.8K, drafter 41K) says 7.9K."""
+    from dflash.memory.fit import layout_pace
+    from dflash.memory.pace import colocated_tok_s
+
+    assert colocated_tok_s(9_800, 41_000) == pytest.approx(7_909, abs=1)
+    assert colocated_tok_s(0, 41_000) == 0.0
+    cfg = load_config(REPO / "configs/qwen3.6-27b-5t3d.toml")
+    pace = layout_pace(estimate(cfg, "12.8", 139 * GiB).layouts, 9_800, 41_000)
+    assert [(p.layout, p.gpus, p.description, round(p.tok_per_s)) for p in pace] == [
+        ("colocated", 1, "co-located", 7_909), ("colocated-dp", 8, "co-located data parallel", 63_276),
+        ("split", 8, "split 5 target + 3 drafter", 49_000),
+        ("split", 8, "split 6 target + 2 drafter (the best split of these GPUs)", 58_800)]
+
+
+def test_cli_says_which_layout_is_fastest_at_given_rates_and_refuses_bad_rates(capsys, tmp_path):
+    config = str(REPO / "configs/qwen3.6-27b-5t3d.toml")
+    code, out, err = estimate_cli(capsys, "--config", config, "--gpu-memory", "139GiB", "--rates", "9.8k,41k")
+    assert code == 0, err
+    assert "fastest on 8 GPUs that fits: co-located data parallel, 63,276 tok/s" in out
+    code, out, err = estimate_cli(capsys, "--config", config, "--gpu-memory", "95GiB", "--rates", "9800, 41000")
+    assert "DOES NOT FIT co-located data parallel on 8 GPUs: 63,276 tok/s" in out  # too big for 95 GiB: not chosen
+    assert "fastest on 8 GPUs that fits: split 6 target + 2 drafter (the best split of these GPUs), 58,800 tok/s" in out
+    for bad in ("abc", "1,2,3", "0,41000", "nan,5", "12.5k"):
+        code, out, err = estimate_cli(capsys, "--config", config, "--rates", bad)
+        assert code == 2 and out == "" and len(err.strip().splitlines()) == 1 and "--rates" in err, (bad, err)
+    code, out, err = estimate_cli(capsys, "--config", config, "--rates-from", str(tmp_path))
+    assert code == 2 and "no per-role rates in its metrics.jsonl" in err, err
+    code, out, err = estimate_cli(capsys, "--config", config, "--rates", "1,2", "--rates-from", str(tmp_path))
+    assert code == 2 and "not both" in err, err

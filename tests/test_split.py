@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from dflash.memory.pace import split_tok_s, suggest_split
 from dflash.runs import rundir
 from dflash.train.split import (
     Rank,
@@ -19,8 +20,6 @@ from dflash.train.split import (
     cpu_threads_per_rank,
     physical_gpu,
     ranks_for,
-    split_tok_s,
-    suggest_split,
 )
 from dflash.train.trainer import run
 from trainkit import metrics, tiny_config, train_cmd, write_toml
@@ -127,7 +126,7 @@ def test_the_pace_summary_reads_a_finished_split_run(tmp_path, finished_split_ru
     for --min-steps."""
     import bench.pace_summary as pace
 
-    cfg, _, out = finished_split_run
+    cfg, config, out = finished_split_run
     assert out.returncode == 0, out.stderr[-2000:]
     run_dir = Path(cfg.output_dir)
     assert pace.main([str(run_dir), "--out", str(tmp_path / "pace.json")]) == 0
@@ -146,6 +145,14 @@ def test_the_pace_summary_reads_a_finished_split_run(tmp_path, finished_split_ru
     assert pace.main([str(run_dir), "--min-steps", "6"]) == 1
     assert "the steady window holds 5 steps, fewer than --min-steps 6" in capsys.readouterr().err
     assert pace.main([str(tmp_path / "nowhere")]) == 2
+    from dflash.commands.estimate import main as estimate_main  # the same busy rates, every layout's pace
+
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        estimate_main(["--config", str(config), "--rates-from", str(run_dir)])
+    assert e.value.code == 0
+    b = s["busy_tok_s_per_gpu"]
+    assert f"pace at busy rates of target {b['target']:,.0f} and drafter {b['drafter']:,.0f} tok/s" in capsys.readouterr().out
 
 
 @pytest.mark.slow

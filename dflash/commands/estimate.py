@@ -41,7 +41,7 @@ def format_estimate(est: Estimate, cuda_source: str = "") -> str:
         lines.append(f"  {'GPU':<{width}}{_gib(role.gpu_bytes):>9}")
         mark = "" if role.fits is not False else "  DOES NOT FIT"
         lines.append(f"  {'headroom':<{width}}{_gib(role.headroom_bytes):>9}{mark}")
-    lines += ["", *format_layouts(est), ""]
+    lines += ["", *format_layouts(est), *format_pace(est), ""]
     if not est.limits:
         lines.append("limits: give --gpu-memory SIZE or --from-nvml to search the largest settings that fit")
         return "\n".join(lines)
@@ -67,18 +67,44 @@ def format_layouts(est: Estimate) -> list[str]:
     return lines
 
 
+def format_pace(est: Estimate) -> list[str]:
+    """Each layout's tokens/s at the busy rates given, and the fastest of those that fit (dflash.memory.pace)."""
+    if not est.pace:
+        return []
+    r = est.rates or {}
+    lines = ["", f"pace at busy rates of target {r.get('target', 0):,.0f} and drafter {r.get('drafter', 0):,.0f} tok/s "
+             "per GPU (dflash.memory.pace):"]
+    for p in est.pace:
+        verdict = {True: "fits", False: "DOES NOT FIT", None: "-"}[p.fits]
+        extra = " (DDP's gradient all-reduce not counted)" if p.layout == "colocated-dp" else ""
+        lines.append(f"  {verdict:<13}{p.description} on {p.gpus} GPU{'s' if p.gpus > 1 else ''}: "
+                     f"{p.tok_per_s:,.0f} tok/s{extra}")
+    n = max(p.gpus for p in est.pace)
+    best = max((p for p in est.pace if p.gpus == n and p.fits is not False), key=lambda p: p.tok_per_s, default=None)
+    if best is not None:
+        lines.append(f"fastest on {n} GPUs{' that fits' if best.fits else ''}: {best.description}, "
+                     f"{best.tok_per_s:,.0f} tok/s")
+    return lines
+
+
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--config", "config_path", required=True, help="run config TOML")
 @click.option("--gpu-memory", help="memory of one GPU, e.g. 95GiB, 80GB, 96000MiB")
 @click.option("--from-nvml", is_flag=True, help="read the smallest total memory of the configured GPUs via NVML")
 @click.option("--cuda", help="CUDA major.minor of the torch build (default: the config's profile, else 12.8)")
 @click.option("--set", "sets", multiple=True, metavar="KEY=VALUE", help="override a config field, e.g. train.max_anchors=512")
+@click.option("--rates", metavar="TARGET,DRAFTER", help="busy tok/s per GPU of a target and a drafter (a split run's "
+              "summary prints them), e.g. 12.5k,41k: adds each layout's tokens/s and the fastest that fits")
+@click.option("--rates-from", metavar="RUN_DIR", help="the busy rates of a split run dir's metrics, as its summary "
+              "printed them (instead of --rates)")
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object instead of tables")
 def command(config_path: str, gpu_memory: str | None, from_nvml: bool, cuda: str | None, sets: tuple[str, ...],
-            as_json: bool) -> int:
-    """Per-role GPU memory estimate of a DFlash run and the largest settings that fit."""
+            rates: str | None, rates_from: str | None, as_json: bool) -> int:
+    """Per-role GPU memory estimate of a DFlash run, the largest settings that fit and, given busy rates, which
+    layout trains fastest."""
     try:
-        est, cuda_source = run_estimate(config_path, sets, gpu_memory, from_nvml, cuda)
+        est, cuda_source = run_estimate(config_path, sets, gpu_memory, from_nvml, cuda, rates=rates,
+                                        rates_from=rates_from)
     except DflashError as e:
         raise UsageError(e.one_line()) from None
     click.echo(est.model_dump_json(indent=2) if as_json else format_estimate(est, cuda_source))

@@ -64,6 +64,16 @@ class LayoutFit(BaseModel):
     need_bytes: dict[str, int] = Field(description="per role of the layout: bytes one GPU needs at its peak")
     recompute: dict[str, str] = Field(description="per role: the recompute mode the need is for")
     fits: bool | None = Field(description="every role fits gpu_bytes (None: no GPU size given)")
+    split: tuple[int, int] | None = Field(None, description="a split's (target GPUs, drafter GPUs)")
+
+
+class LayoutPace(BaseModel):
+    layout: str = Field(description="colocated, colocated-dp or split, as in layouts")
+    gpus: int
+    description: str
+    tok_per_s: float = Field(description="tokens/s at the given busy rates (co-located data parallel: DDP's "
+                                         "all-reduce not counted)")
+    fits: bool | None
 
 
 class Estimate(BaseModel):
@@ -76,6 +86,8 @@ class Estimate(BaseModel):
     roles: list[RoleEstimate]
     limits: list[Limit]
     layouts: list[LayoutFit] = Field(default_factory=list, description="which layouts of this run fit gpu_bytes")
+    rates: dict[str, float] | None = Field(None, description="busy tok/s per GPU of each role the pace is for")
+    pace: list[LayoutPace] = Field(default_factory=list, description="each layout's tokens/s at those rates")
     calibration: dict
 
 
@@ -195,7 +207,32 @@ def layout_fits(cfg: RunConfig, shape: TargetShape, cuda: str, gpu_bytes: int | 
             need[role] = sum(p.bytes for p in role_parts(with_recompute(case, mode), shape, role, cuda, cal))
             modes[role] = mode
         fits = None if gpu_bytes is None else all(v <= gpu_bytes for v in need.values())
-        out.append(LayoutFit(layout=layout, gpus=gpus, description=text, need_bytes=need, recompute=modes, fits=fits))
+        out.append(LayoutFit(layout=layout, gpus=gpus, description=text, need_bytes=need, recompute=modes, fits=fits,
+                             split=(t, d) if layout == "split" else None))
+    return out
+
+
+def layout_pace(layouts: list[LayoutFit], target_tok_s: float, drafter_tok_s: float) -> list[LayoutPace]:
+    """The tokens/s of each layout at the given busy rates (``dflash.memory.pace``), and for the split's GPU count the
+    best split too when it is not the configured one."""
+    from dflash.memory.pace import colocated_tok_s, split_tok_s, suggest_split
+
+    one = colocated_tok_s(target_tok_s, drafter_tok_s)
+    out = []
+    for lay in layouts:
+        if lay.layout == "split":
+            t, d = lay.split
+            out.append(LayoutPace(layout="split", gpus=lay.gpus, description=f"split {t} target + {d} drafter",
+                                  tok_per_s=split_tok_s(t, d, target_tok_s, drafter_tok_s), fits=lay.fits))
+            bt, bd = suggest_split(lay.gpus, target_tok_s, drafter_tok_s) if lay.gpus >= 2 else (t, d)
+            if (bt, bd) != (t, d):
+                out.append(LayoutPace(layout="split", gpus=lay.gpus, description=f"split {bt} target + {bd} drafter "
+                                      "(the best split of these GPUs)", tok_per_s=split_tok_s(bt, bd, target_tok_s,
+                                      drafter_tok_s), fits=lay.fits))
+        else:
+            name = "co-located data parallel" if lay.layout == "colocated-dp" else "co-located"
+            out.append(LayoutPace(layout=lay.layout, gpus=lay.gpus, description=name, tok_per_s=one * lay.gpus,
+                                  fits=lay.fits))
     return out
 
 

@@ -43,6 +43,7 @@ import torch.distributed as dist
 from dflash.config import RunConfig, dump_config
 from dflash.data.batching import collate, prefetch, to_device
 from dflash.errors import DflashError
+from dflash.memory.pace import busy_rates, suggested_splits
 from dflash.models.target import torch_dtype
 from dflash.runs import checkpoint as ckpt
 from dflash.runs import rundir
@@ -51,7 +52,6 @@ GATE_ENV = "DFLASH_GATE_ID"  # set by the launcher: the gate_id of the preflight
 POLL_S = 0.2  # launcher's watch interval
 KILL_GRACE_S = 10.0  # SIGTERM -> SIGKILL for survivors of a failed run
 TARGET_STOP_GRACE_S = 60.0  # a SIGTERMed target serves this long so drafters can finish their step
-SUMMARY_ROWS = 10  # the end-of-run summary averages the busy rates of this many last logged windows
 
 
 @dataclass(frozen=True)
@@ -98,24 +98,6 @@ def physical_gpu(entry: str, visible: str | None) -> str:
     if i >= len(listed):
         raise ValueError(f"GPU {entry} is not visible: CUDA_VISIBLE_DEVICES={visible} lists {len(listed)} GPUs")
     return listed[i]
-
-
-def suggest_split(n_gpus: int, target_tok_s_per_gpu: float, drafter_tok_s_per_gpu: float) -> tuple[int, int]:
-    """(targets, drafters) for n_gpus that train the most tokens per second: the t in 1..n-1 maximising
-    split_tok_s(t, n - t, ...) (the fewest target GPUs on a tie). Give busy rates: a target's excluding its send
-    waits, a drafter's excluding its receive waits, else the side that waits looks slower than it is."""
-    if n_gpus < 2:
-        raise ValueError(f"a split needs 2 GPUs or more, got {n_gpus}")
-    if target_tok_s_per_gpu <= 0 or drafter_tok_s_per_gpu <= 0:
-        return n_gpus // 2, n_gpus - n_gpus // 2
-    targets = max(range(1, n_gpus), key=lambda t: (split_tok_s(t, n_gpus - t, target_tok_s_per_gpu,
-                                                               drafter_tok_s_per_gpu), -t))
-    return targets, n_gpus - targets
-
-
-def split_tok_s(targets: int, drafters: int, target_tok_s_per_gpu: float, drafter_tok_s_per_gpu: float) -> float:
-    """Tokens/s a split trains at when each side runs at its busy rate: the slower side sets the pace."""
-    return min(targets * target_tok_s_per_gpu, drafters * drafter_tok_s_per_gpu)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -467,25 +449,6 @@ class RemoteTargets:
         for n, t, d, tok_s in suggested_splits(t_rate, d_rate, (self.me.world, 8)):
             lines.append(f"suggested split for {n} GPUs: {t} target + {d} drafter, expected {tok_s:.0f} tok/s")
         return "\n".join(lines)
-
-
-def busy_rates(rows: list[dict]) -> tuple[float, float, int] | None:
-    """(target, drafter busy tok/s per GPU, windows averaged): the mean over the last SUMMARY_ROWS metrics rows that
-    carry per-role rates (a split run's rows past its first logged window); None if none does."""
-    rows = [r for r in rows if "target_tok_s_per_gpu" in r][-SUMMARY_ROWS:]
-    if not rows:
-        return None
-    return (sum(r["target_tok_s_per_gpu"] for r in rows) / len(rows),
-            sum(r["drafter_tok_s_per_gpu"] for r in rows) / len(rows), len(rows))
-
-
-def suggested_splits(t_rate: float, d_rate: float, gpu_counts) -> list[tuple[int, int, int, float]]:
-    """(GPUs, targets, drafters, expected tok/s) of the best split for each GPU count (2 or more), smallest first."""
-    out = []
-    for n in sorted({n for n in gpu_counts if n >= 2}):
-        t, d = suggest_split(n, t_rate, d_rate)
-        out.append((n, t, d, split_tok_s(t, d, t_rate, d_rate)))
-    return out
 
 
 def _drafter_main(cfg: RunConfig, me: Rank, resume_from: Path | None, drafter_group, share_group, provenance) -> int:

@@ -43,7 +43,11 @@ for part in ${PART:-warm 27b}; do
             --set data.path=\"$DATA\" "${W[@]}" 2>&1 | grep -v Warning | tail -n 20 ;;
     27b) python3 -m dflash.commands.estimate --config "$CFG" --set topology.target_gpus=[\"0\"] \
            --set topology.drafter_gpus=[\"1\"] --from-nvml > "$OUT/estimate_27b_1t1d.txt" 2>&1
-         train q36-1t1d --target-gpus 0 --drafter-gpus 1 --fresh --max-steps 75 ;;
+         train q36-1t1d --target-gpus 0 --drafter-gpus 1 --fresh --max-steps 75
+         for gpu in 95GiB 139GiB; do  # which layout of 8 GPUs trains fastest at the busy rates just measured
+           python3 -m dflash.commands.estimate --config "$CFG" --gpu-memory $gpu --rates-from runs/q36-1t1d \
+             | sed -n '/^pace/,/^fastest/p' | tee "$OUT/layouts_$gpu.txt"
+         done ;;
     coloc) MIN_STEPS=20 train q36-coloc2 --colocated-gpus 0,1 --fresh --max-steps 30 --set train.save_every=15
            MIN_STEPS=20 train q36-coloc1 --colocated-gpus 0 --fresh --max-steps 30 --set train.save_every=15
            python3 - "$OUT" <<'PY'

@@ -36,7 +36,7 @@ train() {  # name, extra args...: one dflash-train run, its log, NVML every 250 
   python3 bench/pace_summary.py "runs/$name" --min-steps "${MIN_STEPS:-60}" --out "$OUT/pace_$name.json"
 }
 
-for part in ${PART:-warm 27b}; do
+for part in ${PART:-warm 27b}; do (  # a subshell each: one part's CFG, DATA and COMMON never reach the next
   echo "=== $part $(date +%T)"
   case $part in
     warm) python3 -m dflash.commands.train --config "$CFG" --target-gpus 0 --drafter-gpus 1 --warm-cache \
@@ -62,4 +62,4 @@ PY
         train q3-8b-1t1d --fresh --max-steps 75 --set data.token_budget=16384 --set data.max_batch_size=16 ;;
     *) echo "unknown PART $part (warm, 27b, coloc, 8b)"; exit 2 ;;
   esac
-done
+) || exit; done

@@ -341,10 +341,10 @@ class RunConfig(_Strict):
 
     def target_hash(self) -> str:
         """Hash of what decides the target's compiled graphs and the batch shapes a run compiles for (the
-        compile-cache manifest): target path and dtype, target.compile, and the batching knobs (sizes 1 and the
-        bucket widths are graphs of their own)."""
+        compile-cache manifest): target path and dtype, target.compile, the dataset (its lengths place the bucket
+        edges) and the batching knobs (warm-cache runs one batch of each shape class they make)."""
         key = {"target": self.target.path, "dtype": self.target.dtype, "compile": self.target.compile,
-               "batches": [self.data.token_budget, self.data.max_batch_size, self.data.num_buckets]}
+               "batches": [self.data.path, self.data.token_budget, self.data.max_batch_size, self.data.num_buckets]}
         return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
 
 

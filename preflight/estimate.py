@@ -18,7 +18,7 @@ import re
 
 from dflash.config import load_config, parse_overrides
 from dflash.errors import DflashError
-from dflash.memory.fit import Estimate, estimate, layout_pace, role_gpus
+from dflash.memory.fit import Estimate, estimate, role_gpus
 from dflash.memory.parts import roles
 from preflight.facts.run import target_custom_code
 from preflight.nvml import GpuInfo, NvmlGpuInfo, NvmlUnavailable, resolve_gpu, visible_gpus
@@ -109,11 +109,7 @@ def run_estimate(
         gpus = sorted({g for role in roles(cfg) for g in role_gpus(cfg, role)})
         gpu_bytes = nvml_gpu_bytes(gpus, gpu_info)
     busy = parse_rates(rates, rates_from) if rates or rates_from else None
-    est = estimate(cfg, cuda, gpu_bytes, source=config_path)
-    if busy is not None:
-        est.rates = {"target": busy[0], "drafter": busy[1]}
-        est.pace = layout_pace(est.layouts, *busy)
-    return est, cuda_source
+    return estimate(cfg, cuda, gpu_bytes, source=config_path, rates=busy), cuda_source
 
 
 def parse_rates(rates: str | None, rates_from: str | None) -> tuple[float, float]:

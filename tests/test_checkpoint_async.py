@@ -63,8 +63,34 @@ def test_a_reservation_covers_exactly_the_tensors_a_snapshot_copies():
     assert host.ready() < 0.01 and host.reserve_s is None
 
 
+def test_a_save_from_reserved_buffers_writes_the_bytes_of_a_save_from_the_live_state(tmp_path, monkeypatch):
+    """Buffers reserved ahead (here unpinned: this machine has no CUDA driver to pin with) hold one tensor each, so the
+    checkpoint's files are byte for byte those a save from the live tensors writes (a shared block would have put the
+    weights into optimizer.pt too)."""
+    from dflash.train.trainer import Trainer
+
+    cfg, _ = tiny_config(tmp_path, max_steps=2)
+    trainer = Trainer.colocated(cfg, None, log=lambda *a, **k: None)
+    trainer.train_step(next(trainer.step_batches())[2])  # the optimizer has its state
+    model, opt = trainer.drafter, trainer.optimizer
+    host = ckpt.HostCopies()
+    specs = [(("weights", k), v) for k, v in model.state_dict().items()] + ckpt._tensors("optimizer", opt.state_dict())
+    empty = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *a, pin_memory=False, **kw: empty(*a, **kw))
+    host._pin([(key, t.shape, t.dtype) for key, t in specs])
+    monkeypatch.setattr(torch, "empty", empty)
+    assert host.reserve_s is not None and len(host._buffers) == len(specs)
+    state = {"step": 1, "rng_cpu": torch.get_rng_state()}
+    meta = {"path": "data", "samples": 1, "fingerprint": "f"}
+    reserved = ckpt.write_checkpoint(tmp_path / "a", ckpt.snapshot(1, model, opt, dict(state), host), cfg, meta, 1)
+    assert all(host._buffers[("weights", k)].untyped_storage().nbytes() == v.nbytes for k, v in model.state_dict().items())
+    live = ckpt.write_checkpoint(tmp_path / "b", ckpt.snapshot(1, model, opt, dict(state)), cfg, meta, 1)
+    fa, fb = _files(reserved), _files(live)
+    assert fa.keys() == fb.keys() and [k for k in fa if fa[k] != fb[k] and k != rundir.META_NAME] == []
+
+
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (cudaHostRegister)")
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (pinned host memory)")
 def test_on_cuda_the_first_snapshot_copies_into_the_reserved_pinned_block():
     model, opt = _adam_after_one_step("cuda")
     host = ckpt.HostCopies()

@@ -549,17 +549,23 @@ def test_cli_prints_which_layouts_fit(capsys):
 def test_pace_of_each_layout_from_busy_rates():
     """dflash.memory.pace: one GPU running both roles adds their times; the users' 27B job measured co-located on
     one H200 at 8.1K tok/s, the rule at the split run's busy rates (target 9.8K, drafter 41K) says 7.9K."""
-    from dflash.memory.fit import layout_pace
     from dflash.memory.pace import colocated_tok_s
 
     assert colocated_tok_s(9_800, 41_000) == pytest.approx(7_909, abs=1)
     assert colocated_tok_s(0, 41_000) == 0.0
     cfg = load_config(REPO / "configs/qwen3.6-27b-5t3d.toml")
-    pace = layout_pace(estimate(cfg, "12.8", 139 * GiB).layouts, 9_800, 41_000)
-    assert [(p.layout, p.gpus, p.description, round(p.tok_per_s)) for p in pace] == [
-        ("colocated", 1, "co-located", 7_909), ("colocated-dp", 8, "co-located data parallel", 63_276),
-        ("split", 8, "split 5 target + 3 drafter", 49_000),
-        ("split", 8, "split 6 target + 2 drafter (the best split of these GPUs)", 58_800)]
+    pace = estimate(cfg, "12.8", 139 * GiB, rates=(9_800, 41_000)).pace
+    assert [(p.layout, p.gpus, p.description, round(p.tok_per_s), p.fits) for p in pace] == [
+        ("colocated", 1, "co-located", 7_909, True), ("colocated-dp", 8, "co-located data parallel", 63_276, True),
+        ("split", 8, "split 5 target + 3 drafter", 49_000, True),
+        ("split", 8, "split 6 target + 2 drafter (the best split of 8 GPUs)", 58_800, True)]
+    # No topology named (a 1 + 1 split of the config): the best split of the data-parallel count is still priced, and
+    # judged for memory as its own layout (80 GB: co-located does not fit, 6 + 2 does).
+    one_one = cfg.model_copy(update={"topology": cfg.topology.model_copy(update={"target_gpus": [], "drafter_gpus": []})})
+    pace = {p.description: p for p in estimate(one_one, "12.8", 80 * GiB, rates=(12_500, 41_000)).pace}
+    assert pace["co-located data parallel"].fits is False and pace["split 1 target + 1 drafter"].gpus == 2
+    best = pace["split 6 target + 2 drafter (the best split of 8 GPUs)"]
+    assert (best.gpus, round(best.tok_per_s), best.fits) == (8, 75_000, True)
 
 
 def test_cli_says_which_layout_is_fastest_at_given_rates_and_refuses_bad_rates(capsys, tmp_path):
@@ -569,7 +575,7 @@ def test_cli_says_which_layout_is_fastest_at_given_rates_and_refuses_bad_rates(c
     assert "fastest on 8 GPUs that fits: co-located data parallel, 63,276 tok/s" in out
     code, out, err = estimate_cli(capsys, "--config", config, "--gpu-memory", "95GiB", "--rates", "9800, 41000")
     assert "DOES NOT FIT co-located data parallel on 8 GPUs: 63,276 tok/s" in out  # too big for 95 GiB: not chosen
-    assert "fastest on 8 GPUs that fits: split 6 target + 2 drafter (the best split of these GPUs), 58,800 tok/s" in out
+    assert "fastest on 8 GPUs that fits: split 6 target + 2 drafter (the best split of 8 GPUs), 58,800 tok/s" in out
     for bad in ("abc", "1,2,3", "0,41000", "nan,5", "12.5k"):
         code, out, err = estimate_cli(capsys, "--config", config, "--rates", bad)
         assert code == 2 and out == "" and len(err.strip().splitlines()) == 1 and "--rates" in err, (bad, err)

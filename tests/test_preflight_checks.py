@@ -516,7 +516,7 @@ def test_compile_cache_mismatch_warns_naming_field(tmp_path):
     ctx.config = ctx.config.model_copy(update={"drafter": ctx.config.drafter.model_copy(update={"block_size": 16})})
     r = check_compile_cache(ctx)  # the manifest was written for block_size 32
     assert r.status == "warn" and "drafter_hash" in r.summary
-    for change in ({"target": {"compile": False}}, {"data": {"max_batch_size": 1}}):  # the target's graphs, B = 1
+    for change in ({"target": {"compile": False}}, {"data": {"max_batch_size": 1}}, {"data": {"path": "other"}}):
         ctx = make_ctx(tmp_path)
         section, fields = next(iter(change.items()))
         ctx.config = ctx.config.model_copy(update={section: getattr(ctx.config, section).model_copy(update=fields)})

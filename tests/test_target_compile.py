@@ -140,9 +140,18 @@ def test_a_compiled_hybrid_layer_runs_no_convolution(folders):
         targets.update(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
         return gm.forward
 
-    model = compile_target(load_target(folders["hybrid"], "float32", "cpu"), backend=backend)
+    model = compile_target(load_target(folders["hybrid"], "bfloat16", "cpu"), backend=backend)
     _features(model, torch.randint(0, 256, (2, 20)), [0, 1], False)
     assert targets and not [t for t in targets if "conv" in t.lower()], sorted(targets)
+    # Called eagerly (a layer whose compilation failed), the layer's conv is transformers' own, bit for bit.
+    from transformers.models.qwen3_5 import modeling_qwen3_5
+
+    from dflash.models.target import _implementation, linear_attention_kernels
+
+    conv = next(k["causal_conv1d_fn"] for m in model.modules() if (k := linear_attention_kernels(m)))
+    x, w = torch.randn(2, 8, 30).bfloat16(), torch.randn(8, 4).bfloat16()
+    reference = inspect.unwrap(_implementation(modeling_qwen3_5.causal_conv1d_fn))
+    assert torch.equal(conv(x, w, None, activation="silu"), reference(x, w, None, activation="silu"))
 
 
 def test_compiling_twice_keeps_one_wrapper(folders):
@@ -198,7 +207,8 @@ def test_the_hub_kernel_path_compiles_and_matches(folders):
     assert torch.allclose(ctx, ref_ctx, atol=1e-4) and torch.allclose(last, ref_last, atol=1e-4)
     from dflash.models.target import causal_conv1d_shifts  # the wrapper's transformers fallback, made traceable
 
-    assert {linear_attention_kernels(m).get("causal_conv1d_fn") for m in model.modules()} >= {causal_conv1d_shifts}
+    convs = {linear_attention_kernels(m).get("causal_conv1d_fn") for m in model.modules()} - {None}
+    assert convs and all(getattr(c, "__wrapped__", None) is causal_conv1d_shifts for c in convs)
 
 
 def test_a_compiler_failure_falls_back_to_eager_with_one_warning(folders):

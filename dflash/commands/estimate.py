@@ -81,8 +81,10 @@ def format_pace(est: Estimate) -> list[str]:
                      f"{p.tok_per_s:,.0f} tok/s{extra}")
     n = max(p.gpus for p in est.pace)
     best = max((p for p in est.pace if p.gpus == n and p.fits is not False), key=lambda p: p.tok_per_s, default=None)
-    if best is not None:
-        lines.append(f"fastest on {n} GPUs{' that fits' if best.fits else ''}: {best.description}, "
+    if best is None:
+        lines.append(f"no layout of {n} GPUs fits GPUs of {_gib(est.gpu_bytes)} GiB")
+    else:
+        lines.append(f"fastest on {n} GPUs{' that fits' if best.fits else ' (no GPU size given)'}: {best.description}, "
                      f"{best.tok_per_s:,.0f} tok/s")
     return lines
 

@@ -195,44 +195,54 @@ def layout_fits(cfg: RunConfig, shape: TargetShape, cuda: str, gpu_bytes: int | 
              ("split", t + d, f"split: {t} target + {d} drafter GPUs", with_topology(cfg, target=t, drafter=d))]
     out = []
     for layout, gpus, text, case in cases:
-        need, modes = {}, {}
-        for role in roles(case):
-            mode = cfg.train.recompute
-            if role == "target":
-                mode = "off" if mode == "auto" else mode
-            elif mode == "auto" and gpu_bytes is not None:
-                mode, _ = choose_recompute(case, role, cuda, gpu_bytes, cal, shape)
-            elif mode == "auto":
-                mode = "off"
-            need[role] = sum(p.bytes for p in role_parts(with_recompute(case, mode), shape, role, cuda, cal))
-            modes[role] = mode
-        fits = None if gpu_bytes is None else all(v <= gpu_bytes for v in need.values())
+        need, modes, fits = _judge(case, cfg.train.recompute, shape, cuda, gpu_bytes, cal)
         out.append(LayoutFit(layout=layout, gpus=gpus, description=text, need_bytes=need, recompute=modes, fits=fits,
                              split=(t, d) if layout == "split" else None))
     return out
 
 
-def layout_pace(layouts: list[LayoutFit], target_tok_s: float, drafter_tok_s: float) -> list[LayoutPace]:
-    """The tokens/s of each layout at the given busy rates (``dflash.memory.pace``), and for the split's GPU count the
-    best split too when it is not the configured one."""
+def _judge(case: RunConfig, recompute: str, shape: TargetShape, cuda: str, gpu_bytes: int | None,
+           cal: Calibration) -> tuple[dict[str, int], dict[str, str], bool | None]:
+    """(bytes per role, recompute mode per role, whether every role fits gpu_bytes) of one layout's config."""
+    need, modes = {}, {}
+    for role in roles(case):
+        mode = recompute
+        if role == "target":
+            mode = "off" if mode == "auto" else mode
+        elif mode == "auto" and gpu_bytes is not None:
+            mode, _ = choose_recompute(case, role, cuda, gpu_bytes, cal, shape)
+        elif mode == "auto":
+            mode = "off"
+        need[role] = sum(p.bytes for p in role_parts(with_recompute(case, mode), shape, role, cuda, cal))
+        modes[role] = mode
+    return need, modes, None if gpu_bytes is None else all(v <= gpu_bytes for v in need.values())
+
+
+def layout_pace(cfg: RunConfig, shape: TargetShape, cuda: str, gpu_bytes: int | None, layouts: list[LayoutFit],
+                target_tok_s: float, drafter_tok_s: float, cal: Calibration = DEFAULT_CALIBRATION) -> list[LayoutPace]:
+    """The tokens/s of each layout at the given busy rates (``dflash.memory.pace``), plus the best split of the
+    data-parallel layout's GPU count when the config does not name it (its memory judged as a layout's is)."""
     from dflash.memory.pace import colocated_tok_s, split_tok_s, suggest_split
 
     one = colocated_tok_s(target_tok_s, drafter_tok_s)
-    out = []
+    out, splits = [], set()
     for lay in layouts:
         if lay.layout == "split":
             t, d = lay.split
+            splits.add((t, d))
             out.append(LayoutPace(layout="split", gpus=lay.gpus, description=f"split {t} target + {d} drafter",
                                   tok_per_s=split_tok_s(t, d, target_tok_s, drafter_tok_s), fits=lay.fits))
-            bt, bd = suggest_split(lay.gpus, target_tok_s, drafter_tok_s) if lay.gpus >= 2 else (t, d)
-            if (bt, bd) != (t, d):
-                out.append(LayoutPace(layout="split", gpus=lay.gpus, description=f"split {bt} target + {bd} drafter "
-                                      "(the best split of these GPUs)", tok_per_s=split_tok_s(bt, bd, target_tok_s,
-                                      drafter_tok_s), fits=lay.fits))
         else:
             name = "co-located data parallel" if lay.layout == "colocated-dp" else "co-located"
             out.append(LayoutPace(layout=lay.layout, gpus=lay.gpus, description=name, tok_per_s=one * lay.gpus,
                                   fits=lay.fits))
+    n = max(lay.gpus for lay in layouts)
+    if n >= 2:
+        t, d = suggest_split(n, target_tok_s, drafter_tok_s)
+        if (t, d) not in splits:
+            fits = _judge(with_topology(cfg, target=t, drafter=d), cfg.train.recompute, shape, cuda, gpu_bytes, cal)[2]
+            out.append(LayoutPace(layout="split", gpus=n, description=f"split {t} target + {d} drafter (the best split "
+                                  f"of {n} GPUs)", tok_per_s=split_tok_s(t, d, target_tok_s, drafter_tok_s), fits=fits))
     return out
 
 
@@ -254,8 +264,10 @@ def estimate(
     gpu_bytes: int | None,
     cal: Calibration = DEFAULT_CALIBRATION,
     source: str = "",
+    rates: tuple[float, float] | None = None,
 ) -> Estimate:
-    """Per-role component table, totals, headroom and the largest settings that fit."""
+    """Per-role component table, totals, headroom and the largest settings that fit; with `rates` (busy tok/s per GPU
+    of a target and a drafter) each layout's pace."""
     if gpu_bytes is not None and gpu_bytes <= 0:
         raise MemoryModelError(f"GPU memory must be positive, got {gpu_bytes} bytes")
     cal.context_bytes(cuda)  # unknown CUDA major: fail before any work
@@ -290,6 +302,8 @@ def estimate(
         f") x block {cfg.drafter.block_size} = {w.queries_per_seq} queries per sequence, {w.queries} in the batch, "
         f"{w.loss_tokens} through the lm_head; {recompute_note}"
     )
+    layouts = layout_fits(original, shape, cuda, gpu_bytes, cal)
+    pace = layout_pace(original, shape, cuda, gpu_bytes, layouts, *rates, cal) if rates else []
     return Estimate(config=source, target=target, cuda=cuda, gpu_bytes=gpu_bytes, workload=w, assumption=assumption,
-                    roles=out, limits=limits, calibration=asdict(cal),
-                    layouts=layout_fits(original, shape, cuda, gpu_bytes, cal))
+                    roles=out, limits=limits, calibration=asdict(cal), layouts=layouts,
+                    rates={"target": rates[0], "drafter": rates[1]} if rates else None, pace=pace)

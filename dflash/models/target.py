@@ -341,12 +341,19 @@ def _kernels_uncompiled(forward: FunctionType) -> FunctionType:
 
 
 def _traceable(name: str, kernel: Callable) -> Callable:
-    """`kernel` (as dispatched), or for transformers' own causal conv1d (a depthwise F.conv1d: on CUDA a generic kernel, 6.5% of a
-    compiled Qwen3.6-27B forward) the same function written as shifted multiply-adds the compiler fuses."""
+    """`kernel` (as dispatched), or for transformers' own causal conv1d (a depthwise F.conv1d: on CUDA a generic
+    kernel, 6.5% of a compiled Qwen3.6-27B forward) the same function written as shifted multiply-adds the compiler
+    fuses, while compiling."""
     implementation = inspect.unwrap(_implementation(kernel))
-    if name == "causal_conv1d_fn" and getattr(implementation, "__module__", "").startswith("transformers."):
-        return causal_conv1d_shifts
-    return _dispatched(kernel)
+    eager = _dispatched(kernel)
+    if name != "causal_conv1d_fn" or not getattr(implementation, "__module__", "").startswith("transformers."):
+        return eager
+
+    @functools.wraps(causal_conv1d_shifts)
+    def conv(*args, **kwargs):  # a layer that fell back to eager keeps transformers' conv (no float32 temporaries)
+        return causal_conv1d_shifts(*args, **kwargs) if torch.compiler.is_compiling() else eager(*args, **kwargs)
+
+    return conv
 
 
 def causal_conv1d_shifts(hidden_states: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,

@@ -26,7 +26,6 @@ import os
 import shutil
 import threading
 import time
-import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -134,8 +133,9 @@ class HostCopies:
     copying into pinned memory is not). One snapshot at a time: a save waits for the previous one's write first.
 
     ``reserve`` pins the buffers of a drafter's and optimizer's CUDA state ahead, on a thread, while training goes
-    on: one exact-size block registered with the driver (torch's pinned allocator would round every tensor up to a
-    power of two and pin it at the first save, ~13 s for a 27B-class drafter's 19.5 GB on an H200 host)."""
+    on: pinned at the first save instead, they stalled it ~13 s for a 27B-class drafter's 19.5 GB on an H200 host.
+    torch's pinned allocator rounds each buffer up to a power of two: the host memory held can reach about twice the
+    checkpoint's size."""
 
     def __init__(self):
         self._buffers: dict = {}
@@ -182,18 +182,17 @@ class HostCopies:
         return time.perf_counter() - t0
 
     def _pin(self, specs: list) -> None:
+        """Each buffer as its own pinned tensor (torch's pinned allocator, the one the first save would otherwise call
+        on the training thread): a buffer's storage is its tensor's alone, so a save writes the bytes a save on the
+        training thread writes."""
         t0 = time.perf_counter()
-        offsets, total = [], 0
-        for _, shape, dtype in specs:
-            offsets.append(total)
-            total += -(-shape.numel() * dtype.itemsize // 256) * 256  # each view 256-byte aligned
-        block = torch.empty(max(total, 1), dtype=torch.uint8)
-        if torch.cuda.cudart().cudaHostRegister(block.data_ptr(), block.numel(), 0) != 0:
-            return  # not pinnable here (a memlock limit): the first snapshot pins per tensor, as before
-        weakref.finalize(self, _unregister, block)  # unpinned before the block is freed
-        for (key, shape, dtype), offset in zip(specs, offsets):
-            view = block[offset:offset + shape.numel() * dtype.itemsize].view(dtype).view(shape)
-            self._buffers[key] = view
+        buffers = {}
+        try:
+            for key, shape, dtype in specs:
+                buffers[key] = torch.empty(shape, dtype=dtype, device="cpu", pin_memory=True)
+        except RuntimeError:  # host memory that cannot be pinned now: the first snapshot pins per tensor, as before
+            return
+        self._buffers.update(buffers)
         self.reserve_s = round(time.perf_counter() - t0, 3)
 
 
@@ -206,10 +205,6 @@ def _tensors(key, value) -> list[tuple]:
     if isinstance(value, (list, tuple)):
         return [kt for i, v in enumerate(value) for kt in _tensors((key, i), v)]
     return []
-
-
-def _unregister(block: torch.Tensor) -> None:
-    torch.cuda.cudart().cudaHostUnregister(block.data_ptr())
 
 
 def snapshot(step: int, drafter, optimizer, trainer_state: dict, host: HostCopies | None = None) -> Snapshot:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -88,6 +89,21 @@ def test_drafter_parameters_follow_public_layout(tiny_target):
         )
     }  # fmt: skip
     assert names == expected
+
+
+def test_the_drafter_is_built_on_the_device_in_use():
+    """Every tensor the drafter's constructor makes follows torch's default device (the trainer builds it on the GPU
+    it trains on, instead of drawing 1.7B parameters on the host and copying them): under a meta device context,
+    nothing lands on the CPU. The 27B preset's shapes."""
+    from dflash.config import load_config
+    from dflash.models.drafter import drafter_config_for_run
+    from dflash.models.target import load_target_config
+
+    cfg = load_config(Path(__file__).resolve().parents[1] / "configs/qwen3.6-27b-5t3d.toml")
+    with torch.device("meta"):
+        drafter = DFlashDrafter(drafter_config_for_run(cfg, load_target_config(cfg.target.path), 248070))
+    tensors = [*drafter.parameters(), *drafter.buffers()]
+    assert sum(t.numel() for t in tensors) > 1.7e9 and {t.device.type for t in tensors} == {"meta"}
 
 
 def test_drafter_forward_shape_and_no_leak_from_anchor(tiny_target):

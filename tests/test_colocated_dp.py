@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -13,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from dflash.runs import rundir
-from dflash.train.split import ranks_for
+from dflash.train.split import _watch, ranks_for
 from dflash.train.trainer import run
 from trainkit import REPO, WAIVE_SOURCE, metrics, tiny_config, train_cmd, write_toml
 
@@ -96,6 +97,35 @@ def test_resuming_mid_run_continues_the_same_losses(tmp_path, finished_dp_run):
     assert [r["step"] for r in got] == [4, 5, 6]
     for r in got:
         assert r["loss"] == pytest.approx(full[r["step"]], rel=1e-4), (r["step"], r["loss"], full[r["step"]])
+
+
+class Exited:
+    """A rank's process as the launcher sees it once it has exited with `code` (negative: killed by that signal)."""
+
+    def __init__(self, code: int):
+        self.returncode = code
+
+    def poll(self) -> int:
+        return self.returncode
+
+    def wait(self, timeout=None) -> int:
+        return self.returncode
+
+
+def test_the_launcher_names_the_killed_rank_not_the_peer_its_death_failed(tmp_path):
+    """kill -9 of rank 1 fails rank 0's next all-reduce over gloo (connection reset: exit 1 within a second); when
+    the launcher's next look finds both gone, the killed rank is the one it names, in its line and outcome.json."""
+    from dflash.config import config_from_dict
+
+    cfg = config_from_dict({"output_dir": str(tmp_path), "topology": {"colocated_gpus": ["0", "1"]}})
+    (tmp_path / "outcome.json").write_text(json.dumps({"ended": {"how": "crashed", "rank": 0, "detail": "gloo"}}))
+    lines = []
+    code = _watch(cfg, ranks_for(cfg), [Exited(1), Exited(-signal.SIGKILL)], log=lambda line, **_: lines.append(line))
+    assert code == 1
+    assert lines == ["rank 1 (colocated, GPU 1) was killed by SIGKILL; stopping the other 1 processes"]
+    ended = json.loads((tmp_path / "outcome.json").read_text())["ended"]
+    assert (ended["rank"], ended["role"], ended["gpu"], ended["detail"]) == (1, "colocated", "1",
+                                                                             "was killed by SIGKILL"), ended
 
 
 @pytest.mark.slow

@@ -95,15 +95,22 @@ def start_run(root: Path, layout, save_every: int, rows: int,
 def start_train(config: Path, run_dir: Path, rows: int, *args: str,
                 env: dict | None = None) -> tuple[subprocess.Popen, list[dict]]:
     """dflash-train `args` on a multi-process run config in a child process: (the launcher's process, ranks.json's
-    rows) once run_dir/metrics.jsonl holds `rows` rows."""
+    rows) once its launcher wrote ranks.json and run_dir/metrics.jsonl holds `rows` rows. (A resumed run's rows
+    count from 1: an earlier run's rows past the checkpoint are moved aside before its launcher starts.)"""
+    started = time.time_ns()
     proc = subprocess.Popen(train_cmd(config, *args), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, env=env)
-    path = run_dir / "metrics.jsonl"
+    ranks, path = run_dir / "ranks.json", run_dir / "metrics.jsonl"
+
+    def ready() -> bool:  # an earlier run's ranks.json and rows do not count
+        return (ranks.exists() and ranks.stat().st_mtime_ns >= started and path.exists()
+                and len(path.read_text().splitlines()) >= rows)
+
     deadline = time.time() + 180
-    while time.time() < deadline and not (path.exists() and len(path.read_text().splitlines()) >= rows):
+    while time.time() < deadline and not ready():
         assert proc.poll() is None, proc.stdout.read()
         time.sleep(0.1)
-    return proc, json.loads((run_dir / "ranks.json").read_text())
+    return proc, json.loads(ranks.read_text())
 
 
 def cancel_run(proc: subprocess.Popen, ranks: list[dict], timeout: float = 90) -> str:

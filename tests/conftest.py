@@ -22,8 +22,9 @@ import pytest
 
 # What starts another process. A test is marked e2e when its source, a helper of its module it calls or a fixture it
 # uses does this, so `pytest -m "not e2e"` is the inner loop (every in-process test, a fraction of the wall time).
-# (trainkit's train_cmd, train_main_here and Server count.)
-SPAWNS = re.compile(r"subprocess\.|Popen\(|torchrun|mp\.spawn|multiprocessing\.|train_cmd\(|train_main_here\(|\bServer\(")
+# (trainkit's train_cmd, train_main_here, start_run, start_train and Server count.)
+SPAWNS = re.compile(r"subprocess\.|Popen\(|torchrun|mp\.spawn|multiprocessing\.|train_cmd\(|train_main_here\(|"
+                    r"\bstart_run\(|\bstart_train\(|\bServer\(")
 
 
 def _source(obj) -> str:

@@ -6,16 +6,29 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
 from dflash.runs import rundir
-from dflash.train.split import ranks_for
+from dflash.train.split import _watch, ranks_for
 from dflash.train.trainer import run
-from trainkit import REPO, WAIVE_SOURCE, metrics, tiny_config, train_cmd, write_toml
+from trainkit import (
+    REPO,
+    WAIVE_SOURCE,
+    assert_ranks_gone,
+    cancel_run,
+    metrics,
+    start_run,
+    start_train,
+    tiny_config,
+    train_cmd,
+    write_toml,
+)
 
 
 def dp_raw(raw: dict, gpus=("0", "1")) -> dict:
@@ -96,6 +109,90 @@ def test_resuming_mid_run_continues_the_same_losses(tmp_path, finished_dp_run):
     assert [r["step"] for r in got] == [4, 5, 6]
     for r in got:
         assert r["loss"] == pytest.approx(full[r["step"]], rel=1e-4), (r["step"], r["loss"], full[r["step"]])
+
+
+class Exited:
+    """A rank's process as the launcher sees it once it has exited with `code` (negative: killed by that signal)."""
+
+    def __init__(self, code: int):
+        self.returncode = code
+
+    def poll(self) -> int:
+        return self.returncode
+
+    def wait(self, timeout=None) -> int:
+        return self.returncode
+
+
+def test_the_launcher_names_the_killed_rank_not_the_peer_its_death_failed(tmp_path):
+    """kill -9 of rank 1 fails rank 0's next all-reduce over gloo (connection reset: exit 1 within a second); when
+    the launcher's next look finds both gone, the killed rank is the one it names, in its line and outcome.json."""
+    from dflash.config import config_from_dict
+
+    cfg = config_from_dict({"output_dir": str(tmp_path), "topology": {"colocated_gpus": ["0", "1"]}})
+    (tmp_path / "outcome.json").write_text(json.dumps({"ended": {"how": "crashed", "rank": 0, "detail": "gloo"}}))
+    lines = []
+    code = _watch(cfg, ranks_for(cfg), [Exited(1), Exited(-signal.SIGKILL)], log=lambda line, **_: lines.append(line))
+    assert code == 1
+    assert lines == ["rank 1 (colocated, GPU 1) was killed by SIGKILL; stopping the other 1 processes"]
+    ended = json.loads((tmp_path / "outcome.json").read_text())["ended"]
+    assert (ended["rank"], ended["role"], ended["gpu"], ended["detail"]) == (1, "colocated", "1",
+                                                                             "was killed by SIGKILL"), ended
+
+
+def test_killing_a_rank_ends_the_run_with_a_clear_message(tmp_path):
+    """kill -9 of rank 1 (not the one that saves) mid-run: the launcher names it, stops rank 0, exits 1; the last
+    checkpoint loads and a resume from it carries on from its step."""
+    proc, run_dir, ranks = start_run(tmp_path, dp_raw, save_every=3, rows=4)
+    dead = ranks[1]
+    t0 = time.time()
+    os.kill(dead["pid"], signal.SIGKILL)
+    out, _ = proc.communicate(timeout=60)
+    assert time.time() - t0 < 60
+    assert proc.returncode == 1, out[-2000:]
+    assert f"rank 1 (colocated, GPU {dead['gpu']}) was killed by SIGKILL; stopping the other 1 processes" in out, \
+        out[-2000:]
+    assert_ranks_gone(ranks)
+    from dflash.models.drafter import DFlashDrafter
+
+    latest = rundir.list_checkpoints(run_dir)[-1]
+    rundir.verify_checkpoint(latest)  # sizes and sha256 of every file
+    DFlashDrafter.from_pretrained(latest / "drafter")  # still loadable
+    ended = json.loads((run_dir / "outcome.json").read_text())["ended"]
+    assert (ended["how"], ended["rank"], ended["role"], ended["gpu"]) == ("crashed", 1, "colocated", dead["gpu"]), ended
+    assert ended["detail"].startswith("was killed by SIGKILL"), ended
+
+    step = rundir.checkpoint_step(latest)
+    proc, ranks = start_train(run_dir.parent / "run.toml", run_dir, step + 1, "--resume", "latest")
+    out = cancel_run(proc, ranks)
+    assert proc.returncode == 75, out[-3000:]
+    assert f"resumed from {latest} at step {step}" in out, out[-3000:]
+    steps = [r["step"] for r in metrics(run_dir)]
+    assert steps == list(range(1, len(steps) + 1)) and len(steps) > step, steps  # the killed run's later rows moved aside
+
+
+def test_sigterm_to_every_process_stops_cleanly_with_a_checkpoint(tmp_path):
+    """A scheduler's cancel signals the launcher and both ranks at once: they agree on the step to stop at, rank 0
+    saves it, the run exits 75 (stopped, resumable); `--resume latest` goes on from exactly that step."""
+    proc, run_dir, ranks = start_run(tmp_path, dp_raw, save_every=1000, rows=3)
+    out = cancel_run(proc, ranks)
+    assert proc.returncode == 75, out[-3000:]
+    assert "stopped by SIGTERM" in out and (run_dir / "stopped.json").is_file(), out[-3000:]
+    assert_ranks_gone(ranks)
+    stopped = metrics(run_dir)[-1]["step"]
+    last = rundir.list_checkpoints(run_dir)[-1]
+    assert rundir.checkpoint_step(last) == stopped
+    rundir.verify_checkpoint(last)
+    ended = json.loads((run_dir / "outcome.json").read_text())["ended"]
+    assert (ended["how"], ended["step"]) == ("stopped", stopped), ended
+
+    proc, ranks = start_train(run_dir.parent / "run.toml", run_dir, stopped + 2, "--resume", "latest")
+    out = cancel_run(proc, ranks)
+    assert proc.returncode == 75, out[-3000:]
+    assert f"resumed from {last} at step {stopped}" in out, out[-3000:]
+    assert_ranks_gone(ranks)
+    steps = [r["step"] for r in metrics(run_dir)]
+    assert steps == list(range(1, len(steps) + 1)) and len(steps) >= stopped + 2, steps  # no gap, no repeat
 
 
 @pytest.mark.slow

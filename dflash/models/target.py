@@ -322,7 +322,9 @@ def compile_target(model: nn.Module, backend: str | None = None) -> nn.Module:
         for module in layer.modules():
             if linear_attention_kernels(module):
                 module.forward = MethodType(_kernels_uncompiled(_function_of(module.forward)), module)
-        layer.forward = MethodType(_compiled_layer_forward(_function_of(layer.forward), backend or COMPILE_BACKEND), layer)
+        kind = getattr(layer, "layer_type", None)  # hybrids: "linear_attention" / "full_attention" layers
+        layer.forward = MethodType(_compiled_layer_forward(_function_of(layer.forward), backend or COMPILE_BACKEND,
+                                                           kind), layer)
     model.dflash_compiled = True
     return model
 
@@ -430,9 +432,21 @@ def _opaque_delta_rule(kernel: Callable) -> Callable:
 _DELTA_RULE_OPS: list = []
 
 
+def _own_code(forward: FunctionType, kind: str | None) -> FunctionType:
+    """forward, or for a layer type a copy of it with a code object of its own: torch.compile keeps graphs (and
+    counts recompiles) per code object, so a hybrid's two layer types, which share their class's forward, would
+    otherwise guard on which submodules a layer holds and rebuild each other's graphs."""
+    if kind is None:
+        return forward
+    code = forward.__code__.replace(co_name=f"{forward.__name__}_{''.join(c if c.isalnum() else '_' for c in kind)}")
+    fn = FunctionType(code, forward.__globals__, code.co_name, forward.__defaults__, forward.__closure__)
+    fn.__kwdefaults__, fn.__dict__ = forward.__kwdefaults__, dict(forward.__dict__)
+    return fn
+
+
 @functools.cache
-def _compiled_layer_forward(forward: FunctionType, backend: str) -> Callable:
-    compiled = torch.compile(forward, backend=backend)
+def _compiled_layer_forward(forward: FunctionType, backend: str, kind: str | None = None) -> Callable:
+    compiled = torch.compile(_own_code(forward, kind), backend=backend)
     failed: list[str] = []  # once compilation fails, every layer of this class runs eager (said once)
 
     @functools.wraps(forward)

@@ -30,7 +30,8 @@ snapshot.json (keys sorted, a few kilobytes)::
 outcome.json::
 
     {"format": "dflash-outcome/1", "gate_id", "started_utc", "updated_utc", "start_step", "step",
-     "first_step_s", "to_first_step_s", "compiled_graphs": {"first_step", "last"}, "recompiles", "rows",
+     "first_step_s", "to_first_step_s", "compiled_graphs": {"first_step", "last"}, "recompiles", "recompile_causes",
+     "rows",
      "startup": {"target_s", "setup_s", "first_step_s", "launch_to_first_step_s"} (seconds; a phase absent if not run),
      "steady": {"tok_per_s", "target_tok_s_per_gpu", "drafter_tok_s_per_gpu", "drafter_wait_frac", "target_wait_frac"},
      "peak": {"gpus": {uuid: bytes used (NVML)}, "torch_allocated_bytes", "host_rss_bytes"},
@@ -210,12 +211,13 @@ SNAPSHOT_SCHEMA = {
 OUTCOME_SCHEMA = {
     "format": "str!", "gate_id": "any", "started_utc": "any", "updated_utc": "any", "start_step": "int", "step": "int",
     "first_step_s": "num", "to_first_step_s": "num", "compiled_graphs": {"first_step": "int", "last": "int"},
-    "recompiles": "int", "startup": ("map", "num"),
+    "recompiles": "int", "recompile_causes": ("list", "str!"), "startup": ("map", "num"),
     "rows": "int", "steady": ("map", "num"),
     "peak": {"gpus": ("map", "int"), "torch_allocated_bytes": "int", "host_rss_bytes": "int"},
     "last": {"loss": "num", "accept_len": "num"},
     "ended": {"how": "scalar", "step": "int", "detail": "any", "rank": "int", "role": "scalar", "gpu": "scalar"},
 }
+RECOMPILE_CAUSES = 50  # outcome.json keeps the causes of the last 50 recompiles
 CONFIG_DEPTH = 8  # sections nest this deep at most (the run config has two levels)
 _LEAVES = {"str": (str,), "int": (int,), "num": (int, float), "bool": (bool,), "scalar": (str, int, float, bool),
            "count": (int,)}
@@ -404,9 +406,11 @@ class Outcome:
         self.data["compiled_graphs"]["first_step"] = graphs
         self.write()
 
-    def recompiled(self, count: int) -> None:
-        """torch.compile built a graph past the first step (the trainer's count so far)."""
+    def recompiled(self, count: int, causes: list[str] = ()) -> None:
+        """torch.compile built a graph past the first step (the trainer's count so far, and what changed: the last
+        RECOMPILE_CAUSES of 'step N: function (file:line): failed guard')."""
         self.data["recompiles"] = count
+        self.data["recompile_causes"] = [*self.data.get("recompile_causes", []), *causes][-RECOMPILE_CAUSES:]
         self.write()
 
     def row(self, rec: dict) -> None:

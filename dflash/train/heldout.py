@@ -115,8 +115,13 @@ class HeldOut:
         try:
             with torch.no_grad():
                 out = self.teacher_forced(drafter, source, device, attn_backend)
-                if self.prompts:
-                    out.update(self.real(drafter, source.model))
+                if self.prompts:  # one row of a few tokens a call: uncompiled (each would be a graph of its own)
+                    compiled = bool(drafter.layers) and drafter.layers[0].compiled
+                    drafter.set_compile(False)
+                    try:
+                        out.update(self.real(drafter, source.model))
+                    finally:
+                        drafter.set_compile(compiled)
         finally:
             drafter.train(was_training)
         return out

@@ -32,11 +32,13 @@ import torch.distributed as dist
 from dflash.config import ConfigError, RunConfig, dump_config
 from dflash.data.batching import collate, prefetch, to_device
 from dflash.data.plan import RunError, restore_position, schedule
+from dflash.models.attention import backend_for, compiled_on
 from dflash.models.drafter import DFlashDrafter, drafter_config_for_run, start_compile_workers
 from dflash.models.fp8 import fp8_problem
 from dflash.runs import checkpoint as ckpt
 from dflash.runs import rundir
 from dflash.runs.records import Outcome, process_age_s
+from dflash.train import compiled
 from dflash.train.heldout import BEST_KEY
 from dflash.train.loss import read_metrics
 from dflash.train.step import (
@@ -124,7 +126,7 @@ class Trainer:
             self.log = lambda *_, **__: None  # rank 0 of the drafter group speaks for all
         self.out = Path(cfg.output_dir)
         self.device = run_device(cfg)
-        self.attn_backend = "flex" if self.device.type == "cuda" else "sdpa"
+        self.attn_backend = backend_for(self.device)
         torch.manual_seed(cfg.train.seed)
 
         self.dataset, self.sampler, self.total_steps = schedule(cfg, self.world)
@@ -137,7 +139,10 @@ class Trainer:
         self.drafter.to(self.device, torch.float32)
         self.recompute, self.recompute_why = self._choose_recompute()
         self.drafter.set_recompute(self.recompute)
-        self.drafter.set_compile(cfg.train.compile and self.device.type == "cuda")
+        self.drafter.set_compile(cfg.train.compile and compiled_on(self.device))
+        if cfg.train.compile and compiled_on(self.device):
+            compiled.strict()  # a recompile limit ends the run in one line, never an eager fallback
+        self.watch = compiled.RecompileWatch()
         problem = fp8_problem(cfg.train.fp8, self.device)  # a GPU without fp8 tensor cores
         if problem:
             raise ConfigError(problem)
@@ -259,16 +264,21 @@ class Trainer:
         # second fp32 copy beside the buckets); a bare drafter frees them until backward needs them again.
         self.optimizer.zero_grad(set_to_none=self.model is self.drafter)
         raws = []
-        for i, (k, batch) in enumerate(mine):
-            batch = to_device(batch, self.device)
-            features = self.source.features(k, batch)
-            last = i == len(mine) - 1
-            sync = self.model.no_sync() if self.model is not self.drafter and not last else contextlib.nullcontext()
-            with sync:
-                loss, m = micro_step(self.model, self.embed_w, self.head_w, batch, features, self.cfg, self.device,
-                                     self.attn_backend, k)
-                (loss / len(mine)).backward()
-            raws.append(m)
+        try:
+            for i, (k, batch) in enumerate(mine):
+                batch = to_device(batch, self.device)
+                features = self.source.features(k, batch)
+                last = i == len(mine) - 1
+                sync = self.model.no_sync() if self.model is not self.drafter and not last else contextlib.nullcontext()
+                with sync:
+                    loss, m = micro_step(self.model, self.embed_w, self.head_w, batch, features, self.cfg,
+                                         self.device, self.attn_backend, k)
+                    (loss / len(mine)).backward()
+                raws.append(m)
+        except Exception as e:
+            if compiled.is_limit_hit(e):  # never on into eager code: one line, nothing saved from this step
+                raise compiled.limit_error(self.step + 1, self.watch) from None
+            raise
         norm = grad_norm(self.drafter)
         # The step's one read of its results: every batch's metrics and the norm, once backward is queued and before
         # the update is: a diverged step never updates, and the update's kernels run while the host prepares the
@@ -457,13 +467,16 @@ class Trainer:
 
     def _note_recompiles(self) -> None:
         """Graphs torch.compile built since the last look, once the first step is done: a new shape class (a warm
-        run builds none past its first step). One line each time, counted in the metrics and outcome.json."""
+        run builds none past its first step). One line each time, with the function and the guard that failed for
+        each recompile, counted in the metrics and outcome.json (which keeps the causes too)."""
         graphs = compiled_graphs()
+        causes = [f"{fn} ({where}): {guard}" for fn, where, guard in self.watch.new()]
         if self.graphs is not None and graphs > self.graphs:
             self.recompiles += 1
-            self.log(f"recompiled after step {self.step}: {graphs} graphs (was {self.graphs})")
+            because = f"; {'; '.join(causes)}" if causes else ""
+            self.log(f"recompiled after step {self.step}: {graphs} graphs (was {self.graphs}){because}")
             if self.outcome:
-                self.outcome.recompiled(self.recompiles)
+                self.outcome.recompiled(self.recompiles, [f"step {self.step}: {c}" for c in causes])
         self.graphs = graphs
 
     def _next(self, stream):
@@ -610,9 +623,7 @@ def _best_value(out: Path) -> float | None:
 
 def compiled_graphs() -> int:
     """Graphs torch.compile has built in this process so far (a number that grows with every recompile)."""
-    from torch._dynamo.utils import counters
-
-    return int(counters["stats"]["unique_graphs"])
+    return compiled.graphs()
 
 
 def _nvml_used_gib(device: torch.device, role: str) -> dict:
@@ -671,41 +682,56 @@ def run(cfg: RunConfig, resume_from: Path | None, log=print, progress: bool | No
         return Trainer.colocated(cfg, resume_from, log, provenance).run(progress)
 
 
-def warm_batches(sampler) -> list[list[int]]:
-    """The batches `--warm-cache` runs: one of each shape class the run's batches fall in, first seen in epoch 0.
+def warm_batches(sampler) -> list[tuple[str, list[int]]]:
+    """The batches `--warm-cache` runs, [(shape class, indices)]: each class of batch the plan makes, at both ends.
 
-    torch.compile builds a graph per class, not per shape: the target's layers and the drafter's pieces mark the
-    batch and sequence sizes dynamic, but dynamo specialises a size of 1, so a single-row batch is its own class.
-    Taken: the first batch of two rows or more, the first one after it of another shape (a graph first traced for
-    one shape may be rebuilt with dynamic sizes at the second), and the first single-row batch; each where the
-    buckets produce one (the batch sizes are the same in every epoch)."""
+    Every compiled piece (the target's layers by layer type, the drafter's projections and MLP, flex attention per
+    mask kind) reads the sizes that change from batch to batch (rows, length, anchors, tiles) as dynamic sizes or
+    tensors, so a graph serves a whole class, not one shape. What still splits a class: dynamo specialises a size
+    of 1 (a one-row batch: the last partial batch of a bucket, or a sample as long as the budget), and a size on
+    one side of a fixed one may be guarded (a batch with fewer context rows than the hidden width). So for batches
+    of two rows or more and for one-row batches, the batch with the most and the one with the fewest padded tokens
+    of epoch 0 (every epoch has the same batch sizes), and the one with the most rows."""
     lengths = sampler.lengths
-    picked: list[list[int]] = []
-    shapes: set[tuple[int, int]] = set()
-    for indices in sampler.epoch_batches(0):
-        shape = (len(indices), int(lengths[indices].max()))
-        rows = [len(b) for b in picked]
-        wanted = (shape[0] == 1 and 1 not in rows) or (shape[0] > 1 and sum(r > 1 for r in rows) < 2)
-        if wanted and shape not in shapes:
-            picked.append(list(indices))
-            shapes.add(shape)
-        if len(picked) == 3:
-            break
+    batches = sampler.epoch_batches(0)
+
+    def tokens(b):
+        return len(b) * int(lengths[b].max())
+
+    picked: list[tuple[str, list[int]]] = []
+    for name, group in (("rows >= 2", [b for b in batches if len(b) > 1]), ("one row", [b for b in batches
+                                                                                       if len(b) == 1])):
+        seen = set()
+        for b in (max(group, key=tokens), min(group, key=tokens), max(group, key=len)) if group else ():
+            shape = (len(b), int(lengths[b].max()))
+            if shape not in seen:
+                seen.add(shape)
+                picked.append((name, list(b)))
     return picked
 
 
 def warm_steps(trainer: Trainer, log=print) -> list[tuple[int, int]]:
-    """Train one step on each of warm_batches: the target (compiled with target.compile on CUDA) and the drafter
-    build their graphs for every shape class of the run. Returns the (rows, length) shapes run."""
+    """Train one step on each of warm_batches, and run each through the held-out evaluation's no-gradient math when
+    the run evaluates: the target (compiled with target.compile on CUDA) and the drafter build their graphs for
+    every shape class of the run. Returns the (rows, length) shapes run."""
     pad = pad_token_id(trainer.source.target_config)
-    shapes = []
-    for k, indices in enumerate(warm_batches(trainer.sampler)):
+    shapes, classes = [], []
+    t0 = time.perf_counter()
+    for k, (name, indices) in enumerate(warm_batches(trainer.sampler)):
         batch = collate(trainer.dataset, indices, pad)
         batch["sample_ids"] = torch.tensor(indices)
         trainer.train_step([(k, batch)])
+        if trainer.heldout is not None:
+            with torch.no_grad():
+                dev = to_device(batch, trainer.device)
+                micro_step(trainer.drafter, trainer.embed_w, trainer.head_w, dev, trainer.source.features(k, dev),
+                           trainer.cfg, trainer.device, trainer.attn_backend, k)
         shapes.append(tuple(batch["input_ids"].shape))
-    log(f"warm-cache: ran batches of {', '.join(f'{b} x {s}' for b, s in shapes)} tokens through the target and the "
-        f"drafter; {compiled_graphs()} compiled graph(s)")
+        classes += [name] if name not in classes else []
+    log(f"warm-cache: {len(classes)} shape class(es) ({', '.join(classes)}) in {len(shapes)} batches of "
+        f"{', '.join(f'{b} x {s}' for b, s in shapes)} tokens through the target and the drafter"
+        f"{' (and the held-out math)' if trainer.heldout is not None else ''}; {compiled_graphs()} compiled "
+        f"graph(s) in {time.perf_counter() - t0:.1f} s")
     return shapes
 
 

@@ -1,0 +1,110 @@
+"""A length mix under torch.compile: one graph per shape class from warm-up on, and a recompile limit that ends the run
+in one line instead of running flex attention eagerly.
+
+The drafter's compiled pieces and flex attention run compiled on the CPU here with dynamo's `aot_eager` backend:
+dynamo's guards, dynamic sizes and recompiles are the CUDA run's (inductor only generates the kernels; torch 2.10's
+inductor has no CPU flex backward). The GPU side is `pytest -m gpu` and bench/device_lengths.sh.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from dflash.data.synthetic import write_random_dataset, write_target
+from trainkit import TRAIN_TARGET, metrics, run_config, train_main_here, write_toml
+
+
+@pytest.fixture
+def compiled_on_cpu(monkeypatch):
+    """Compile the drafter and flex attention on the CPU (aot_eager), from a clean dynamo state, config restored."""
+    import dflash.models.attention as attention
+    import dflash.models.drafter as drafter
+
+    monkeypatch.setattr(attention, "FLEX_COMPILE_DEVICES", ("cuda", "cpu"))
+    monkeypatch.setattr(attention, "COMPILE_BACKEND", "aot_eager")
+    monkeypatch.setattr(attention, "_compiled_flex", {})
+    monkeypatch.setattr(drafter, "COMPILE_BACKEND", "aot_eager")
+    monkeypatch.setattr(drafter, "_compiled_fns", {})
+    torch._dynamo.reset()
+    with torch._dynamo.config.patch(fail_on_recompile_limit_hit=False):  # the trainer sets it: undone after
+        yield
+    torch._dynamo.reset()
+
+
+def _lognormal_run(root: Path, **train):
+    """The tiny preset on 400 lognormal-length samples (mean 48 tokens, sigma 0.6: 16 to 400 tokens), compiled."""
+    target = write_target(root / "tiny-target", TRAIN_TARGET)
+    data = write_random_dataset(root / "data", samples=400, length=48, vocab=128, sigma=0.6, max_length=400)
+    return run_config(root, target, data, compile=True, **train)
+
+
+def test_a_length_mix_builds_no_graph_after_warm_up(tmp_path, compiled_on_cpu):
+    """40 batches of 1 to 8 rows of 16..400 tokens: after --warm-cache's batches, torch's own graph counter and its
+    guard-failure record do not move, and the run's metrics count no recompile."""
+    _no_graph_after_warm_up(tmp_path, "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (inductor's Triton kernels)")
+def test_on_cuda_a_length_mix_builds_no_graph_after_warm_up(tmp_path):
+    """The same on CUDA with inductor, whose kernels and autotuning add guards of their own."""
+    torch._dynamo.reset()
+    _no_graph_after_warm_up(tmp_path, "cuda")
+
+
+def _no_graph_after_warm_up(tmp_path, device: str):
+    from torch._dynamo.utils import counters, guard_failures
+
+    from dflash.train.trainer import Trainer, warm_steps
+
+    cfg, raw = _lognormal_run(tmp_path, max_steps=40, save_every=1000)
+    if device != cfg.device:
+        from dflash.config import config_from_dict
+
+        cfg = config_from_dict({**raw, "device": device})
+    warm = Trainer.colocated(cfg, None, log=lambda *_: None)
+    assert warm.attn_backend == "flex" and warm.drafter.layers[0].compiled
+    shapes = warm_steps(warm)
+    assert any(b == 1 for b, _ in shapes) and any(b > 1 for b, _ in shapes), shapes  # both classes met
+    graphs, failures = counters["stats"]["unique_graphs"], sum(len(v) for v in guard_failures.values())
+    assert graphs >= 3  # the projection, the MLP block and flex attention, at least
+
+    trainer = Trainer.colocated(cfg, None, log=lambda *_: None)
+    Path(cfg.output_dir).mkdir()
+    assert trainer.run(progress=False) == 0
+    rows = metrics(Path(cfg.output_dir))
+    sizes = {len(b) for b in trainer.sampler.epoch_batches(0)}
+    assert len(rows) == 40 and min(sizes) == 1 and max(sizes) == 8, sizes
+    new = {c.co_name: v[-1] for c, v in guard_failures.items() if v}
+    assert counters["stats"]["unique_graphs"] == graphs, f"graphs {graphs} -> {counters['stats']['unique_graphs']}: {new}"
+    assert sum(len(v) for v in guard_failures.values()) == failures, new
+    assert {r["recompiles"] for r in rows} == {0}
+
+
+def test_a_recompile_limit_ends_the_run_in_one_line_with_its_checkpoints_intact(tmp_path, compiled_on_cpu, capsys):
+    """A limit of one graph per function: the first one-row batch (step 21 of this plan) would need flex attention's
+    second graph. The run stops there in one line naming the function and the guard, exit 1, nothing saved from the
+    step, the checkpoints of steps 10 and 20 verify, and outcome.json says crashed."""
+    from dflash.runs import rundir
+
+    cfg, raw = _lognormal_run(tmp_path, max_steps=40, save_every=10)
+    with torch._dynamo.config.patch(recompile_limit=1):
+        code = train_main_here(write_toml(raw, tmp_path / "run.toml"), "--fresh", "--waive", "model-source",
+                               "--reason", "tests")
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 1, err
+    line = err[-1]
+    assert line.startswith("dflash-train: error: step 21: torch.compile reached its recompile limit (1) for "
+                           "_flex_full (attention.py:"), line
+    assert "the run stopped instead of running it eagerly" in line and "train.compile = false" in line, line
+    out = Path(cfg.output_dir)
+    saved = rundir.list_checkpoints(out)
+    assert [rundir.checkpoint_step(p) for p in saved] == [10, 20]
+    assert all(rundir.checkpoint_problem(p, deep=True) is None for p in saved)
+    assert len(metrics(out)) == 20
+    outcome = json.loads((out / "outcome.json").read_text())
+    assert outcome["ended"]["how"] == "crashed" and outcome["ended"]["step"] == 20

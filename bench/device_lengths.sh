@@ -18,7 +18,7 @@ python3 -m pip install -q --upgrade --no-deps --no-index --target .cache/fla .wh
   && export PYTHONPATH="$PYTHONPATH:.cache/fla"
 source "$(dirname "$0")/device_waivers.sh"  # W=(--waive ... --reason ...)
 CFG=${CFG:-configs/qwen3.6-27b-5t3d.toml}
-STEPS=${STEPS:-160}; SAVE=${SAVE:-80}; REF_STEPS=${REF_STEPS:-40}
+STEPS=${STEPS:-160}; SAVE=${SAVE:-80}; REF_STEPS=${REF_STEPS:-40}  # keep_last 1: the 64 GiB disk holds 3 saves
 MIX=.cache/syn-lognormal-2826; UNI=.cache/syn-2816
 ONE_GPU=(--set 'topology.target_gpus=[]' --set 'topology.drafter_gpus=[]')
 
@@ -26,12 +26,14 @@ train() {  # name, data, steps, extra args...: one co-located dflash-train run, 
   local name=$1 data=$2 steps=$3; shift 3
   nvidia-smi --query-gpu=index,memory.used --format=csv,noheader,nounits -lms 250 > "$L/nvml_$name.csv" & local smi=$!
   python3 -m dflash.commands.train --config "$CFG" "${ONE_GPU[@]}" --set output_dir=\"runs/$name\" \
-    --set data.path=\"$data\" --set train.log_every=5 --set train.save_every=$SAVE --max-steps "$steps" --fresh \
+    --set data.path=\"$data\" --set train.log_every=5 --set train.save_every=$SAVE --set train.keep_last=1 \
+    --max-steps "$steps" --fresh \
     --no-progress "${W[@]}" "$@" 2>&1 | grep -av Warning > "$L/train_$name.log"
   echo "$name: dflash-train rc=${PIPESTATUS[0]} $(date +%T)" | tee -a "$L/progress.txt"
   kill $smi
   python3 -m dflash.commands.estimate --config "$CFG" "${ONE_GPU[@]}" --set data.path=\"$data\" > "$L/estimate_$name.txt" 2>&1
-  python3 bench/pace_summary.py "runs/$name" --min-steps 30 --out "$L/pace_$name.json" > "$L/pace_$name.txt" 2>&1
+  python3 bench/pace_summary.py "runs/$name" --min-steps 20 --out "$L/pace_$name.json" > "$L/pace_$name.txt" 2>&1
+  rm -rf "runs/$name/checkpoints"  # 19.3 GiB each: the next run needs the disk
 }
 
 for part in ${PART:-tests}; do
@@ -44,14 +46,15 @@ for part in ${PART:-tests}; do
              --vocab 248320
            python3 bench/make_synthetic.py --out "$UNI" --samples 1200 --length 2816 --vocab 248320
            rm -f "$L/progress.txt"
-           setsid nohup env PART=run bash "$0" > "$L/run.log" 2>&1 < /dev/null &
+           setsid nohup env PART=run SKIP_WARM="${SKIP_WARM:-}" STEPS=$STEPS REF_STEPS=$REF_STEPS bash "$0" \
+             > "$L/run.log" 2>&1 < /dev/null &
            sleep 2; echo "started: $L/run.log" ;;
     run) t0=$(date +%s)
-         python3 -m dflash.commands.train --config "$CFG" "${ONE_GPU[@]}" --set data.path=\"$MIX\" --warm-cache \
+         [ -n "${SKIP_WARM:-}" ] || python3 -m dflash.commands.train --config "$CFG" "${ONE_GPU[@]}" --set data.path=\"$MIX\" --warm-cache \
            "${W[@]}" 2>&1 | grep -av Warning > "$L/warm.log"
          echo "warm-cache rc=${PIPESTATUS[0]} $(( $(date +%s) - t0 )) s $(date +%T)" | tee -a "$L/progress.txt"
          train q36-mix "$MIX" "$STEPS"
-         train q36-uniform "$UNI" "$REF_STEPS" --set train.save_every=20
+         train q36-uniform "$UNI" "$REF_STEPS" --set train.save_every=$(( REF_STEPS / 2 ))
          echo "all done $(date +%T)" | tee -a "$L/progress.txt" ;;
     poll) cat "$L/progress.txt" 2>/dev/null; tail -n 4 "$L/warm.log" 2>/dev/null
           for f in "$L"/train_*.log; do [ -f "$f" ] && { echo "--- $f"; grep -a "recompil\|error\|Error" "$f" | head -5

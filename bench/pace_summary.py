@@ -83,7 +83,10 @@ def gpu_memory(snap: dict, outcome: dict) -> list[dict]:
         roles = gpu.get("roles") or []
         if not roles:
             continue
-        estimate = max((predicted.get(r) or 0 for r in roles), default=0) or None
+        if {"target", "drafter"} <= set(roles) and predicted.get("colocated"):  # one GPU holding both: its own row
+            estimate = predicted["colocated"]
+        else:
+            estimate = max((predicted.get(r) or 0 for r in roles), default=0) or None
         peak = peaks.get(gpu.get("uuid"))
         row = {"index": gpu.get("index"), "roles": roles, "nvml_peak_gib": gib(peak), "estimate_gib": gib(estimate)}
         if peak and estimate:

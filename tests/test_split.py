@@ -314,3 +314,17 @@ def test_a_worker_started_by_hand_refuses_without_this_runs_gate(tmp_path):
                          capture_output=True, text=True, env=env, timeout=120)
     assert out.returncode != 0
     assert "no passing preflight report of this run" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_the_pace_summary_prices_a_co_located_gpu_by_its_own_estimate():
+    """A GPU holding target and drafter (preflight's roles ["target", "drafter"]) is set against the memory model's
+    co-located row, not against no estimate (it printed 'estimate None' for the users' co-located run)."""
+    from bench.pace_summary import gpu_memory
+
+    snap = {"memory": {"roles": {"colocated": {"bytes": 111 * 2**30}, "target": {"bytes": 60 * 2**30}}},
+            "gpus": {"devices": [{"index": 0, "uuid": "GPU-a", "roles": ["target", "drafter"]},
+                                 {"index": 1, "uuid": "GPU-b", "roles": ["target"]}, {"index": 2, "uuid": "GPU-c"}]}}
+    outcome = {"peak": {"gpus": {"GPU-a": 108 * 2**30, "GPU-b": 50 * 2**30}}}
+    rows = gpu_memory(snap, outcome)
+    assert [(r["index"], r["estimate_gib"], r["nvml_peak_gib"]) for r in rows] == [(0, 111.0, 108.0), (1, 60.0, 50.0)]
+    assert rows[0]["estimate_error"] == round(111 / 108 - 1, 4)

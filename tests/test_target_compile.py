@@ -154,6 +154,17 @@ def test_a_compiled_hybrid_layer_runs_no_convolution(folders):
     assert torch.equal(conv(x, w, None, activation="silu"), reference(x, w, None, activation="silu"))
 
 
+def test_a_hybrids_layer_types_compile_as_functions_of_their_own(folders):
+    """torch.compile keeps graphs and counts recompiles per code object: the hybrid's linear-attention and full-attention
+    layers get one each (sharing their class's would guard on which submodule a layer holds); a dense model's one."""
+    hybrid = compile_target(load_target(folders["hybrid"], "float32", "cpu"), backend="eager")
+    codes = {layer.forward.__wrapped__.__code__.co_name for layer in hybrid.model.layers}
+    assert codes == {"forward_input_layernorm_linear_attn_mlp_post_attention_layernorm",
+                     "forward_input_layernorm_mlp_post_attention_layernorm_self_attn"}, codes
+    dense = compile_target(load_target(folders["dense"], "float32", "cpu"), backend="eager")
+    assert {layer.forward.__wrapped__.__code__.co_name for layer in dense.model.layers} == {"forward"}
+
+
 def test_compiling_twice_keeps_one_wrapper(folders):
     model = compile_target(load_target(folders["dense"], "float32", "cpu"), backend="eager")
     forwards = [layer.forward.__func__ for layer in model.model.layers]

@@ -318,11 +318,13 @@ def compile_target(model: nn.Module, backend: str | None = None) -> nn.Module:
     """
     if getattr(model, "dflash_compiled", False):
         return model
-    for layer in decoder_of(model).layers:
+    layers = decoder_of(model).layers
+    kinds = [layer_kind(layer) for layer in layers]
+    for layer, kind in zip(layers, kinds):
         for module in layer.modules():
             if linear_attention_kernels(module):
                 module.forward = MethodType(_kernels_uncompiled(_function_of(module.forward)), module)
-        kind = getattr(layer, "layer_type", None)  # hybrids: "linear_attention" / "full_attention" layers
+        kind = kind if len(set(kinds)) > 1 else None  # a hybrid's layer types: a compiled function each
         layer.forward = MethodType(_compiled_layer_forward(_function_of(layer.forward), backend or COMPILE_BACKEND,
                                                            kind), layer)
     model.dflash_compiled = True
@@ -432,6 +434,12 @@ def _opaque_delta_rule(kernel: Callable) -> Callable:
 _DELTA_RULE_OPS: list = []
 
 
+def layer_kind(layer: nn.Module) -> str:
+    """What a decoder layer holds, by its children's names: a hybrid's linear-attention layers ('linear_attn') and
+    full-attention layers ('self_attn') differ, every layer of a dense model is the same kind."""
+    return "_".join(sorted(name for name, _ in layer.named_children()))
+
+
 def _own_code(forward: FunctionType, kind: str | None) -> FunctionType:
     """forward, or for a layer type a copy of it with a code object of its own: torch.compile keeps graphs (and
     counts recompiles) per code object, so a hybrid's two layer types, which share their class's forward, would
@@ -446,10 +454,11 @@ def _own_code(forward: FunctionType, kind: str | None) -> FunctionType:
 
 @functools.cache
 def _compiled_layer_forward(forward: FunctionType, backend: str, kind: str | None = None) -> Callable:
-    compiled = torch.compile(_own_code(forward, kind), backend=backend)
+    own = _own_code(forward, kind)
+    compiled = torch.compile(own, backend=backend)
     failed: list[str] = []  # once compilation fails, every layer of this class runs eager (said once)
 
-    @functools.wraps(forward)
+    @functools.wraps(own)
     def layer_forward(self, hidden_states, *args, **kwargs):
         if not failed:
             _mark_batch_dims(hidden_states, hidden_states.shape[:2], (args, kwargs))

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import json
 import math
 import os
@@ -42,7 +43,9 @@ from dflash.train import compiled
 from dflash.train.heldout import BEST_KEY
 from dflash.train.loss import read_metrics
 from dflash.train.step import (
+    CachedTarget,
     FeatureSource,
+    LocalTarget,
     average_metrics,
     build_optimizer,
     clip_and_step,
@@ -372,8 +375,11 @@ class Trainer:
         self.graphs, self.recompiles = None, 0  # compiled graphs after the first step; graphs built after it
         self.steady_rows = []  # this process's metrics rows past the first window (which compiles): the summary's
         try:
-            pending = self._next(stream) if self.step < self.total_steps else None
             window = {"t0": time.perf_counter(), "tokens": 0}
+            if self.primes():  # every shape class traced now: no graph is built after the first step
+                warm_steps(self, lambda line: self.log(line.replace("warm-cache:", "compile:", 1)))
+                self.startup["prime_s"] = round(time.perf_counter() - window["t0"], 1)
+            pending = self._next(stream) if self.step < self.total_steps else None
             first_step = self.step + 1
             first_window = True
             stopping = False
@@ -464,6 +470,12 @@ class Trainer:
                 with contextlib.suppress(OSError):
                     metrics_file.close()
         return self._finish(stop, stopping)
+
+    def primes(self) -> bool:
+        """Whether the run traces its shape classes before the first step: a compiled drafter fed by a target in this
+        process (a split run's drafter ranks get their features in batch order from the target ranks)."""
+        return self.step < self.total_steps and self.drafter.layers[0].compiled and \
+            isinstance(self.source, LocalTarget)
 
     def _note_recompiles(self) -> None:
         """Graphs torch.compile built since the last look, once the first step is done: a new shape class (a warm
@@ -711,21 +723,30 @@ def warm_batches(sampler) -> list[tuple[str, list[int]]]:
 
 
 def warm_steps(trainer: Trainer, log=print) -> list[tuple[int, int]]:
-    """Train one step on each of warm_batches, and run each through the held-out evaluation's no-gradient math when
-    the run evaluates: the target (compiled with target.compile on CUDA) and the drafter build their graphs for
-    every shape class of the run. Returns the (rows, length) shapes run."""
+    """Run each of warm_batches through the target and the drafter, forward and backward (and through the held-out
+    evaluation's no-gradient math when the run evaluates), gradients dropped, no update: dynamo traces a graph for
+    every shape class of the run in this process. Its graphs live in the process (the kernels inductor compiles are
+    cached on disk, which makes another process's trace quick), so `--warm-cache` runs this and every compiled run
+    runs it again before its first step. Returns the (rows, length) shapes run."""
     pad = pad_token_id(trainer.source.target_config)
+    features = trainer.source.features
+    if isinstance(trainer.source, CachedTarget):
+        features = functools.partial(LocalTarget.features, trainer.source)  # never into the feature cache
     shapes, classes = [], []
     t0 = time.perf_counter()
     for k, (name, indices) in enumerate(warm_batches(trainer.sampler)):
         batch = collate(trainer.dataset, indices, pad)
         batch["sample_ids"] = torch.tensor(indices)
-        trainer.train_step([(k, batch)])
+        batch = to_device(batch, trainer.device)
+        context = features(k, batch)
+        loss, _ = micro_step(trainer.drafter, trainer.embed_w, trainer.head_w, batch, context, trainer.cfg,
+                             trainer.device, trainer.attn_backend, k)
+        loss.backward()
+        trainer.optimizer.zero_grad(set_to_none=trainer.model is trainer.drafter)
         if trainer.heldout is not None:
             with torch.no_grad():
-                dev = to_device(batch, trainer.device)
-                micro_step(trainer.drafter, trainer.embed_w, trainer.head_w, dev, trainer.source.features(k, dev),
-                           trainer.cfg, trainer.device, trainer.attn_backend, k)
+                micro_step(trainer.drafter, trainer.embed_w, trainer.head_w, batch, context, trainer.cfg,
+                           trainer.device, trainer.attn_backend, k)
         shapes.append(tuple(batch["input_ids"].shape))
         classes += [name] if name not in classes else []
     log(f"warm-cache: {len(classes)} shape class(es) ({', '.join(classes)}) in {len(shapes)} batches of "

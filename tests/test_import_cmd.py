@@ -21,7 +21,7 @@ import pyarrow as pa
 import pytest
 
 from dflash.commands.data import data_main
-from dflash.data.identity import read_manifest
+from dflash.data.identity import DatasetError, read_manifest
 from dflash.data.shards import ShardDataset
 from dflash.data.synthetic import word_text
 from trainkit import chat_target, tiny_config
@@ -165,6 +165,13 @@ def test_a_killed_import_resumes_with_nothing_lost_or_twice(tmp_path, target, ca
     proc.wait()
     done = len(read_manifest(out)[0]["import"]["done"])
     assert 3 <= done < 101, "the import finished before it could be killed"
+    # the half dataset never trains: the trainer's reader and preflight's dataset check refuse it, naming the fix
+    with pytest.raises(DatasetError, match=r"dflash-data import did not finish writing .* rerun the same dflash-data "
+                       r"import command: it resumes and finishes"):
+        ShardDataset(out)
+    refused = _check(tmp_path, target, out)
+    assert refused.status == "fail" and "dflash-data import did not finish writing" in refused.summary, refused.summary
+    assert "rerun the same dflash-data import command" in refused.fix
     run = subprocess.run(_import_cmd(src, target, out), cwd=REPO, capture_output=True, text=True)
     assert run.returncode == 0, run.stderr
     assert f"{done} shard(s) already done (resuming)" in run.stdout
@@ -172,6 +179,72 @@ def test_a_killed_import_resumes_with_nothing_lost_or_twice(tmp_path, target, ca
         assert (out / name).read_bytes() == (ref / name).read_bytes(), name
     assert (out / "skipped.jsonl").read_text() == (ref / "skipped.jsonl").read_text()
     assert read_manifest(out)[0]["import"]["totals"] == read_manifest(ref)[0]["import"]["totals"]
+    assert ShardDataset(out).num_samples == ShardDataset(ref).num_samples == 4000
+    assert _check(tmp_path, target, out).status == "pass"
+
+
+def _check(tmp_path: Path, target: Path, data: Path, deep: bool = False):
+    """Preflight's `dataset` check on `data` for a run on `target` (facts gathered from the real folder)."""
+    from preflight.checks.dataset import check_dataset
+    from preflight.facts.dataset import dataset
+    from preflight.facts.run import target_shape
+
+    cfg, _ = tiny_config(tmp_path, max_steps=3, save_every=3)
+    cfg = cfg.model_copy(update={"target": cfg.target.model_copy(update={"path": str(target)}),
+                                 "data": cfg.data.model_copy(update={"path": str(data)})})
+    shape, error = target_shape(cfg)
+    return check_dataset(SimpleNamespace(config=cfg, config_path="run.toml", dataset=dataset(cfg, deep=deep),
+                                         target_shape=shape, target_error=error))
+
+
+def test_edited_manifest_counts_are_refused_by_preflight_and_the_trainer(tmp_path, target, capsys):
+    from dflash.data.identity import seal, write_manifest
+
+    out = tmp_path / "out"
+    assert dflash_data(capsys, "import", write_rows(tmp_path / "c.jsonl", 30), "--target", target, "--out", out,
+                       "--shard-size", 12, "--workers", 1, "--no-progress")[0] == 0
+    good = read_manifest(out)[0]
+    assert good["complete"]["samples"] == 30 and _check(tmp_path, target, out).status == "pass"
+    assert "complete; shard sizes match manifest.json" in _check(tmp_path, target, out).summary
+    edited = json.loads(json.dumps(good))
+    edited["shards"]["shard-00001.arrow"]["samples"] = 1200  # by hand: the checksum no longer matches
+    write_manifest(out, edited)
+    with pytest.raises(DatasetError, match=r"manifest.json was edited after it was written .*; restore manifest.json, "
+                       r"or recount it from the shards with dflash-data manifest"):
+        ShardDataset(out)
+    r = _check(tmp_path, target, out)
+    assert r.status == "fail" and "manifest.json was edited after it was written" in r.summary
+    write_manifest(out, seal(edited))  # edited and resealed: the counts still disagree with the shards' own
+    with pytest.raises(DatasetError, match=r"shard-00001.arrow holds 12 samples but manifest.json records 1200"):
+        ShardDataset(out)
+    assert "shard-00001.arrow holds 12 samples but manifest.json records 1200" in _check(tmp_path, target, out).summary
+    edited["complete"] = dict(good["complete"], tokens=good["complete"]["tokens"] + 1)  # the totals alone
+    edited["shards"] = good["shards"]
+    write_manifest(out, edited)
+    assert "completion checksum differs" in _check(tmp_path, target, out).summary
+    code, lines, err = dflash_data(capsys, "manifest", out, "--target", target)  # the fix the message names
+    assert code == 0, err
+    assert ShardDataset(out).num_samples == 30 and _check(tmp_path, target, out).status == "pass"
+
+
+def test_an_import_manifest_without_its_completion_record_is_refused(tmp_path, target, capsys):
+    """What a kill between the last shard and the record leaves (and what an import of an older version left)."""
+    from dflash.data.identity import write_manifest
+
+    out = tmp_path / "out"
+    assert dflash_data(capsys, "import", write_rows(tmp_path / "c.jsonl", 30), "--target", target, "--out", out,
+                       "--workers", 1, "--no-progress")[0] == 0
+    manifest = read_manifest(out)[0]
+    del manifest["complete"]
+    write_manifest(out, manifest)
+    with pytest.raises(DatasetError, match="dflash-data import did not finish writing"):
+        ShardDataset(out)
+    code, _, err = dflash_data(capsys, "manifest", out, "--target", target)  # never stamps a half import whole
+    assert code == 2 and "rerun the same dflash-data import command" in err[-1], err
+    code, lines, err = dflash_data(capsys, "import", tmp_path / "c.jsonl", "--target", target, "--out", out,
+                                   "--workers", 1, "--no-progress")  # the fix: resumes, nothing to redo, seals
+    assert code == 0 and "1 shard(s) already done (resuming)" in lines[0], err
+    assert ShardDataset(out).num_samples == 30
 
 
 @pytest.mark.slow

@@ -8,7 +8,9 @@ processes renders and tokenizes chunks of rows (dflash.data.conversations); the 
 (bounded memory: a few chunks in flight plus the shard being filled), writes each shard atomically,
 appends its rejected rows to ``skipped.jsonl`` and records the shard in ``manifest.json``. A rerun
 with the same sources (sha256) and settings keeps the finished shards and continues: no row twice
-(skipped.jsonl is cut back to the length the manifest recorded). Other settings are refused.
+(skipped.jsonl is cut back to the length the manifest recorded). Other settings are refused. The manifest gets its
+completion record (``dflash.data.identity.seal``) only at the very end: until then preflight and the trainer refuse
+the folder, so a kill half-way never trains on part of the data.
 
 Shards carry two optional columns after input_ids/loss_mask: ``id`` (the row's id, or
 ``<file>:<line>`` when it has none) and ``turns`` (assistant turns of the conversation). Readers
@@ -30,7 +32,16 @@ from pathlib import Path
 import numpy as np
 
 from dflash.data.conversations import FORMATS, Renderer, RowError, SourceRow, decode_row, iter_source, row_format, row_messages
-from dflash.data.identity import MANIFEST_NAME, SHARD_GLOB, compare_targets, read_manifest, shard_records, write_manifest
+from dflash.data.identity import (
+    COMPLETE,
+    MANIFEST_NAME,
+    SHARD_GLOB,
+    compare_targets,
+    read_manifest,
+    seal,
+    shard_records,
+    write_manifest,
+)
 from dflash.errors import DflashError
 
 SHARD_NAME = "shard-{:05d}.arrow"
@@ -278,6 +289,7 @@ def import_conversations(s: ImportSettings, log=print, progress: bool | None = N
     key = _settings_key(s, records, _sha(tokenizer.chat_template))
     manifest = _resumable(out, key, fp)
     manifest["sources"] = records
+    manifest.pop(COMPLETE, None)  # not whole again until this run seals it (a kill from here on leaves it unsealed)
     out.mkdir(parents=True, exist_ok=True)
     _cut_skipped(out, manifest)
     write_manifest(out, manifest)
@@ -410,7 +422,7 @@ def _summary(out: Path, manifest: dict, seconds: float, log) -> dict:
     t = totals(manifest)
     n_dup, examples = duplicate_ids(out, manifest)
     manifest["import"]["totals"] = {**t, "duplicate_ids": n_dup}
-    write_manifest(out, manifest)
+    write_manifest(out, seal(manifest))  # the completion record, last: only now may preflight and the trainer use it
     log(f"{out}: {t['samples']:,} samples, {t['tokens']:,} tokens ({t['masked_tokens'] / max(t['tokens'], 1):.1%} "
         f"masked) from {t['rows']:,} rows in {len(manifest['shards'])} shard(s), {seconds:.0f} s")
     left_out = [f"{t[k]:,} {what}" for k, what in (("malformed", "malformed"), ("no_assistant", "without an assistant "

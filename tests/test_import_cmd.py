@@ -268,3 +268,72 @@ def test_preflight_dataset_check_and_training_accept_imported_data(tmp_path, tar
     assert "sizes and sha256 match manifest.json; built for this target" in result.summary
     assert run(cfg, None, log=lambda *_: None, progress=False) == 0
     assert np.isfinite(json.loads((Path(cfg.output_dir) / "metrics.jsonl").read_text().splitlines()[-1])["loss"])
+
+
+def _pool_workers() -> list[int]:
+    """Pids of this process's children: the import's tokenizing workers while it runs in this process."""
+    pids = []
+    for task in os.listdir("/proc/self/task"):
+        try:
+            pids += [int(p) for p in Path(f"/proc/self/task/{task}/children").read_text().split()]
+        except OSError:
+            pass
+    return pids
+
+
+class _WorkerKiller:
+    """Kills the import's workers with SIGKILL, as the OOM killer does: `times` kills, one every `every_s` once the
+    first shard is written (`out`'s manifest lists it)."""
+
+    def __init__(self, out: Path, times: int, every_s: float):
+        import threading
+
+        self.out, self.times, self.every_s, self.killed = out, times, every_s, 0
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while not self.stop.is_set() and self.killed < self.times:
+            manifest = read_manifest(self.out)[0] if self.out.is_dir() else None
+            workers = _pool_workers()
+            if manifest and manifest.get("import", {}).get("done") and workers:
+                try:
+                    os.kill(workers[0], signal.SIGKILL)
+                    self.killed += 1
+                except ProcessLookupError:
+                    pass
+                self.stop.wait(self.every_s)
+            self.stop.wait(0.01)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.stop.set()
+        self.thread.join()
+
+
+@pytest.mark.slow
+@pytest.mark.e2e  # the import forks its workers
+def test_a_killed_worker_is_replaced_and_repeated_deaths_end_the_import_in_one_line(tmp_path, target, capsys):
+    src = write_rows(tmp_path / "c.jsonl", 6000)
+    args = ("import", src, "--target", target, "--shard-size", 40, "--workers", 2, "--no-progress")
+    with _WorkerKiller(tmp_path / "once", times=1, every_s=0) as killer:  # one death: its chunks go again
+        code, lines, err = dflash_data(capsys, *args, "--out", tmp_path / "once")
+    assert killer.killed == 1, "the import finished before a worker could be killed"
+    assert code == 0, err
+    assert any(line.startswith("  a tokenizing worker died") for line in lines)
+    assert ShardDataset(tmp_path / "once").num_samples == 6000
+
+    out = tmp_path / "out"
+    with _WorkerKiller(out, times=50, every_s=0.05):  # the same chunks in flight at two deaths: the import ends
+        code, lines, err = dflash_data(capsys, *args, "--out", out)
+    assert code == 1 and len(err) == 1, err
+    assert err[0].startswith("dflash-data: error: a tokenizing worker died twice while c.jsonl lines ") and \
+        err[0].endswith("rerun the same command to resume (fewer --workers use less memory)"), err
+    assert not _pool_workers()  # no worker left behind
+    code, lines, err = dflash_data(capsys, *args, "--out", out)  # the fix: resumes, nothing twice
+    assert code == 0, err
+    for name in read_manifest(tmp_path / "once")[0]["shards"]:
+        assert (out / name).read_bytes() == (tmp_path / "once" / name).read_bytes(), name

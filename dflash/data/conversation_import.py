@@ -26,6 +26,7 @@ import os
 import time
 from collections import deque
 from collections.abc import Iterator
+from concurrent.futures import Future
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -99,6 +100,25 @@ def _init_worker(tokenizer_dir: str, settings: dict, formats: list[str]) -> None
     tok = load_target_tokenizer(tokenizer_dir)  # the parent loaded it first: checked there
     _WORKER.update(renderer=Renderer(tok, settings["thinking"], settings["last_turn_only"]),
                    settings=settings, formats=formats, names=[Path(p).name for p in settings["sources"]])
+
+
+def _init_pool_worker(parent: int, *args) -> None:
+    """A worker process of the pool: it dies with the import (Linux: PR_SET_PDEATHSIG), so a kill -9 of the parent
+    leaves no orphan printing BrokenPipeError tracebacks, and leaves Ctrl-C to the parent."""
+    import signal
+    import sys
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if sys.platform == "linux":
+        import ctypes
+
+        try:
+            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
+        except (OSError, AttributeError):
+            pass
+    if os.getppid() != parent:  # the import died before the line above took effect
+        os._exit(1)
+    _init_worker(*args)
 
 
 def _row_messages(row: SourceRow, file: int) -> tuple[str, list[dict], list | None]:
@@ -247,17 +267,97 @@ def _chunks(rows, done: set, chunk_size: int) -> Iterator[tuple[int, list]]:
         yield current, chunk
 
 
-def _ordered(pool, chunks: Iterator, depth: int) -> Iterator[tuple[int, int, list[Result]]]:
-    """(shard, rows in the chunk, results) in order; at most `depth` chunks in flight (bounded memory)."""
-    pending: deque = deque()
+class WorkerLost(DflashError):
+    """A tokenizing worker died (killed: the OOM killer, a signal) twice while one chunk was in flight (exit 1)."""
+
+
+class _Workers:
+    """The tokenizing processes (concurrent.futures, so a worker that dies breaks the pool instead of hanging it:
+    its chunk would never come back from a multiprocessing.Pool). A broken pool is replaced and every chunk in
+    flight sent again; a chunk in flight at two deaths ends the import (WorkerLost, naming its rows)."""
+
+    def __init__(self, workers: int, initargs: tuple, log):
+        import sys
+        from concurrent.futures import ProcessPoolExecutor
+
+        self._make = lambda: ProcessPoolExecutor(workers, multiprocessing.get_context(
+            "fork" if sys.platform == "linux" else "spawn"), initializer=_init_pool_worker,
+            initargs=(os.getpid(), *initargs))
+        self.executor, self.log = self._make(), log
+
+    def submit(self, chunk: list) -> Future:
+        """The chunk's future; one holding BrokenProcessPool when the pool broke already (seen at its result)."""
+        from concurrent.futures.process import BrokenProcessPool
+
+        try:
+            return self.executor.submit(process_chunk, chunk)
+        except BrokenProcessPool as e:
+            broken: Future = Future()
+            broken.set_exception(e)
+            return broken
+
+    def restart(self) -> None:
+        self.executor.shutdown(wait=True, cancel_futures=True)
+        self.executor = self._make()
+
+    def close(self) -> None:
+        """Stop at once (the end, an error or Ctrl-C): chunks still queued are dropped, the workers killed."""
+        processes = dict(getattr(self.executor, "_processes", None) or {})  # no public handle on them
+        self.executor.shutdown(wait=False, cancel_futures=True)
+        for proc in processes.values():
+            if proc.is_alive():
+                proc.kill()
+            proc.join()
+
+
+def _rows_of(chunk: list, sources: list[Path]) -> str:
+    (first_file, first), (last_file, last) = chunk[0], chunk[-1]
+    if first_file == last_file:
+        return f"{sources[first_file].name} lines {first.line}-{last.line}"
+    return f"{sources[first_file].name} line {first.line} to {sources[last_file].name} line {last.line}"
+
+
+def _ordered(pool: _Workers | None, chunks: Iterator, depth: int,
+             sources: list[Path]) -> Iterator[tuple[int, int, list[Result]]]:
+    """(shard, rows in the chunk, results) in order; at most `depth` chunks in flight (bounded memory).
+
+    A worker lost (BrokenProcessPool) restarts the pool and sends every chunk in flight again, once per chunk."""
+    from concurrent.futures.process import BrokenProcessPool
+
+    if pool is None:
+        for shard, chunk in chunks:
+            yield shard, len(chunk), process_chunk(chunk)
+        return
+    pending: deque = deque()  # [shard, chunk, future, deaths seen while in flight]
+
+    def result_of_first() -> tuple[int, int, list[Result]]:
+        while True:
+            shard, chunk, future, _ = pending[0]
+            try:
+                results = future.result()
+            except BrokenProcessPool:
+                for job in pending:
+                    job[3] += 1
+                worst = next((job for job in pending if job[3] > 1), None)
+                if worst is not None:
+                    raise WorkerLost(f"a tokenizing worker died twice while {_rows_of(worst[1], sources)} were in "
+                                     "flight (killed: out of memory?); the finished shards are kept: rerun the same "
+                                     "command to resume (fewer --workers use less memory)") from None
+                pool.log(f"  a tokenizing worker died (killed: out of memory?); restarting the workers and sending "
+                         f"{len(pending)} chunk(s) in flight again")
+                pool.restart()
+                for job in pending:
+                    job[2] = pool.submit(job[1])
+                continue
+            pending.popleft()
+            return shard, len(chunk), results
+
     for shard, chunk in chunks:
-        pending.append((shard, len(chunk), pool.apply_async(process_chunk, (chunk,)) if pool else chunk))
-        while len(pending) > depth or (pool is None and pending):
-            s, n, job = pending.popleft()
-            yield s, n, job.get() if pool else process_chunk(job)
+        pending.append([shard, chunk, pool.submit(chunk), 0])
+        while len(pending) > depth:
+            yield result_of_first()
     while pending:
-        s, n, job = pending.popleft()
-        yield s, n, job.get()
+        yield result_of_first()
 
 
 @dataclass
@@ -305,13 +405,12 @@ def import_conversations(s: ImportSettings, log=print, progress: bool | None = N
     pool = None
     try:
         if workers > 1:
-            ctx = multiprocessing.get_context("fork" if sys.platform == "linux" else "spawn")
-            pool = ctx.Pool(workers, _init_worker, (str(tokenizer_dir), settings, formats))
+            pool = _Workers(workers, (str(tokenizer_dir), settings, formats), log)
         else:
             _init_worker(str(tokenizer_dir), settings, formats)
         chunks = _chunks(plan_rows(sources, s.shard_size), done, s.chunk_size)
         current: _Shard | None = None
-        for shard, n, results in _ordered(pool, chunks, depth=4 * workers):
+        for shard, n, results in _ordered(pool, chunks, 4 * workers, sources):
             if current is None or shard != current.index:
                 if current is not None:
                     tokens += _commit(out, manifest, current, sources, log, progress)
@@ -325,8 +424,7 @@ def import_conversations(s: ImportSettings, log=print, progress: bool | None = N
     finally:
         bar.close()
         if pool is not None:
-            pool.terminate()
-            pool.join()
+            pool.close()
     return _summary(out, manifest, time.perf_counter() - t0, log)
 
 

@@ -318,3 +318,122 @@ def test_the_client_loads_without_torch():
             "print([m for m in ('torch', 'transformers') if m in sys.modules])")
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+# ---------------------------------------------------------------- a loopback server that misbehaves on purpose
+
+
+class _Faulty(http.server.BaseHTTPRequestHandler):
+    """Answers each chat request by what its last user message asks for: `hang` (never answers), `drip` (a byte a
+    second), `junk` (not JSON), `string-message`, `string-usage`, `nested` (JSON nested 100,000 deep), `surrogate`
+    (a lone \\ud800 in the reply), `big` (a 50 MB reply), `busy` (429 with Retry-After: 1, then fine), else fine."""
+
+    protocol_version = "HTTP/1.1"
+    busy_seen: set = set()
+
+    def _send(self, body: bytes, status: int = 200, headers: dict | None = None) -> None:
+        self.send_response(status)
+        for k, v in {"Content-Type": "application/json", "Content-Length": str(len(body)), **(headers or {})}.items():
+            self.send_header(k, v)
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        ask = body["messages"][-1]["content"].split()[0]
+        ok = {"choices": [{"finish_reason": "stop", "message": {"role": "assistant", "content": f"fresh {ask}"}}],
+              "usage": {"completion_tokens": 2}}
+        try:
+            if ask == "hang":
+                time.sleep(30)
+            elif ask == "drip":
+                self.send_response(200)
+                self.send_header("Content-Length", "100000")
+                self.end_headers()
+                for _ in range(30):
+                    self.wfile.write(b" ")
+                    self.wfile.flush()
+                    time.sleep(1)
+            elif ask == "junk":
+                self._send(b'{"choices": [{"mess')
+            elif ask == "string-message":
+                self._send(json.dumps({"choices": [{"message": "fresh"}], "usage": "none"}).encode())
+            elif ask == "string-usage":
+                self._send(json.dumps({**ok, "usage": "none"}).encode())
+            elif ask == "nested":
+                self._send(b"[" * 100_000 + b"]" * 100_000)
+            elif ask == "surrogate":
+                self._send(json.dumps(ok).replace("fresh", "\\ud800fresh").encode())
+            elif ask == "big":
+                self._send(json.dumps({**ok, "pad": "x" * 50_000_000}).encode())
+            elif ask == "busy" and body["messages"][-1]["content"] not in self.busy_seen:
+                self.busy_seen.add(body["messages"][-1]["content"])
+                self._send(b'{"error": "busy"}', 429, {"Retry-After": "1"})
+            else:
+                self._send(json.dumps(ok).encode())
+        except (BrokenPipeError, ConnectionResetError):  # the client cut it: what a timeout does
+            pass
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def faulty():
+    _Faulty.busy_seen = set()
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Faulty)
+    httpd.daemon_threads = True
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{httpd.server_port}"
+    httpd.shutdown()
+    httpd.server_close()
+
+
+def _ask(rid: str, what: str) -> dict:
+    return {"id": rid, "messages": [{"role": "user", "content": f"{what} {rid}"}, {"role": "assistant", "content": ORIGINAL}]}
+
+
+def test_a_hanging_and_a_dripping_conversation_are_skipped_not_a_server_down(faulty, tmp_path):
+    """--timeout bounds the whole request: a server sending a byte a second is cut too; each is sent once more,
+    then skipped with its reason, and the run goes on to exit 0."""
+    conv = _write_jsonl(tmp_path / "conv.jsonl", [_ask("h", "hang"), _ask("d", "drip"),
+                                                   *[_ask(f"g{i}", "fine") for i in range(6)]])
+    out = tmp_path / "regen.jsonl"
+    t0 = time.monotonic()
+    summary = rg.run(conv, out, [faulty], rg.Settings(timeout_s=1.0, retries=3), concurrency=4, progress=False)
+    seconds = time.monotonic() - t0
+    assert summary.stopped is None and (summary.regenerated, summary.skipped) == (6, 2)
+    assert seconds < 6, f"{seconds:.1f} s: the deadline is not per request"
+    assert sorted(r["id"] for r in _rows(out)) == [f"g{i}" for i in range(6)]
+    skipped = {r["id"]: r["reason"] for r in _rows(out.with_name("skipped.jsonl"))}
+    assert set(skipped) == {"h", "d"}
+    for reason in skipped.values():
+        assert reason.endswith("no whole answer within --timeout 1 s (2 times)"), reason
+
+
+def test_retry_after_is_honoured_up_to_a_cap(faulty):
+    slept: list[float] = []
+    pool = rg.ServerPool([faulty])
+    reply = rg.complete(pool, [{"role": "user", "content": "busy 1"}], rg.Settings(), sleep=slept.append)
+    assert reply.message["content"] == "fresh busy" and slept == [1.0]
+    assert rg.retry_after_s("99999") == rg.RETRY_AFTER_MAX_S and rg.retry_after_s("soon") is None
+    assert rg.retry_after_s("Wed, 21 Oct 2015 07:28:00 GMT") == 0.0  # a date in the past: now
+
+
+def test_odd_replies_are_per_row_reasons_never_a_traceback(faulty, tmp_path):
+    rows = [_ask(w, w) for w in ("junk", "string-message", "string-usage", "nested", "surrogate", "big", "fine")]
+    conv = _write_jsonl(tmp_path / "conv.jsonl", [*rows, '{"id": "in-sur", "messages": [{"role": "user", "content": '
+                                                  '"\\ud800 q"}, {"role": "assistant", "content": "a"}]}'])
+    out = tmp_path / "regen.jsonl"
+    p = _regenerate("--input", conv, "--server", faulty, "--out", out, "--retries", 1, "--max-tokens", 64,
+                    "--concurrency", 4)
+    assert p.returncode == 0 and "Traceback" not in p.stderr, p.stderr
+    assert sorted(r["id"] for r in _rows(out)) == ["fine", "string-usage"]
+    skipped = {r["id"]: r["reason"] for r in _rows(out.with_name("skipped.jsonl"))}
+    assert skipped["junk"].startswith("failed after 2 attempts: ") and "an answer that is not JSON (Unterminated" \
+        in skipped["junk"]
+    assert skipped["string-message"].endswith("an answer without choices[0].message")
+    assert skipped["nested"].endswith("an answer that is not JSON (nested too deeply for the JSON parser)")
+    assert skipped["surrogate"].endswith("an answer with a lone surrogate (e.g. \\ud800) that UTF-8 cannot write")
+    assert "an answer of more than 1,052,672 bytes" in skipped["big"]
+    assert skipped["in-sur"] == "a lone surrogate (e.g. \\ud800) that UTF-8 cannot write"

@@ -54,7 +54,7 @@ def _report(summary, out: Path) -> None:
               help="conversations in flight at once")
 @click.option("--temperature", type=click.FloatRange(0.0, 2.0), default=0.0, show_default=True, help="0 = greedy")
 @click.option("--max-tokens", type=click.IntRange(min=1), default=4096, show_default=True,
-              help="completion tokens per reply")
+              help="completion tokens per reply (an answer with more, or bigger than they can make, is refused)")
 @click.option("--turns", type=click.Choice(["all", "last"]), default="all", show_default=True,
               help="all: every assistant turn, in order, on the regenerated history; last: only the final one")
 @click.option("--thinking", type=click.Choice(["keep", "off"]), default="keep", show_default=True,
@@ -63,7 +63,8 @@ def _report(summary, out: Path) -> None:
 @click.option("--retries", type=click.IntRange(0, 20), default=5, show_default=True,
               help="further attempts per reply, with exponential backoff, on another server when there is one")
 @click.option("--timeout", "timeout_s", type=click.FloatRange(min=1.0), default=600.0, show_default=True,
-              help="seconds per request")
+              help="seconds per request, in total (connection to last byte); a conversation that hits it is sent "
+              "once more, then skipped")
 @click.option("--no-progress", is_flag=True, help="no progress bar")
 def regenerate_command(input_path, servers, out, model, concurrency, temperature, max_tokens, turns, thinking, seed,
                        retries, timeout_s, no_progress) -> None:

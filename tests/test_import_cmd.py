@@ -337,3 +337,50 @@ def test_a_killed_worker_is_replaced_and_repeated_deaths_end_the_import_in_one_l
     assert code == 0, err
     for name in read_manifest(tmp_path / "once")[0]["shards"]:
         assert (out / name).read_bytes() == (tmp_path / "once" / name).read_bytes(), name
+
+
+def test_a_fifo_or_a_device_as_a_source_is_one_line_exit_2_before_any_read(tmp_path, target, capsys):
+    fifo = tmp_path / "chats.jsonl"
+    os.mkfifo(fifo)  # opening it would block until a writer comes: the import must not open it
+    for source in (fifo, Path("/dev/zero")):
+        code, out, err = dflash_data(capsys, "import", source, "--target", target, "--out", tmp_path / "o")
+        assert code == 2 and out == []
+        assert err == [f"dflash-data: error: {source}: not a regular file (a FIFO, a device or a socket); give a "
+                       ".jsonl, .json or .parquet file"]
+    assert not (tmp_path / "o").exists()
+
+
+def test_a_corrupt_parquet_page_is_one_line_naming_the_file(tmp_path, target, capsys):
+    import pyarrow.parquet as pq
+
+    rows = [{"id": f"p{i}", "messages": conversation(i)} for i in range(3000)]
+    path = tmp_path / "m.parquet"
+    pq.write_table(pa.Table.from_pylist(rows), path, compression="snappy", row_group_size=1024)
+    meta = pq.ParquetFile(path).metadata
+    column = meta.row_group(1).column(1)  # the messages of rows 1,025-2,048: a data page in the middle
+    data = bytearray(path.read_bytes())
+    start = column.data_page_offset + 64
+    data[start:start + 256] = bytes(256)  # the footer stays intact: the file opens, the page does not decode
+    path.write_bytes(bytes(data))
+    code, out, err = dflash_data(capsys, "import", path, "--target", target, "--out", tmp_path / "o", "--workers", 1,
+                                 "--shard-size", 500, "--no-progress")
+    assert code == 2 and len(err) == 1, err
+    assert err[0].startswith(f"dflash-data: error: {path}: corrupt Parquet data after row 1,024 (")
+    assert err[0].endswith("restore or re-export the file (finished shards are kept: rerun to resume)")
+    with pytest.raises(DatasetError, match="did not finish"):  # the two shards before it never train alone
+        ShardDataset(tmp_path / "o")
+
+
+def test_each_row_is_read_by_its_own_format_and_a_malformed_row_keeps_its_id(tmp_path, target, capsys):
+    both = {"id": "both", "messages": conversation(0), "conversations": [{"from": "human", "value": "w1"}]}
+    share = {"id": "share", "conversations": [{"from": "human", "value": "w1 w2"}, {"from": "gpt", "value": "w3"}]}
+    bad = {"id": "bad-1", "messages": [{"role": "robot", "content": "w1"}]}
+    src = tmp_path / "c.jsonl"
+    src.write_text("".join(json.dumps(r) + "\n" for r in (both, share, {"id": "m1", "messages": conversation(1)}, bad)))
+    code, _, err = dflash_data(capsys, "import", src, "--target", target, "--out", tmp_path / "o", "--workers", 1,
+                               "--no-progress")
+    assert code == 0, err
+    ids = pa.ipc.open_file(str(tmp_path / "o" / "shard-00000.arrow")).read_all().column("id").to_pylist()
+    assert ids == ["both", "share", "m1"]  # the first row held both keys: the rest are not judged by it
+    skipped = [json.loads(line) for line in (tmp_path / "o" / "skipped.jsonl").read_text().splitlines()]
+    assert [(s["id"], s["kind"]) for s in skipped] == [("bad-1", "malformed")]

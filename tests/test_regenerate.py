@@ -78,7 +78,7 @@ def test_every_assistant_turn_regenerated_and_a_rerun_does_nothing_twice(server,
                                  {"role": "user", "content": "What is the capital of France?"}]
     replies = [m["content"] for msgs in rows.values() for m in msgs if m["role"] == "assistant"]
     assert len(replies) == 4 and all(r and not r.startswith(ORIGINAL) for r in replies)
-    skipped = _rows(out.with_name("skipped.jsonl"))
+    skipped = _rows(rg.skipped_path(out))
     assert [(s["line"], s["id"]) for s in skipped] == [(3, None), (5, "no-reply"), (6, "conv-1")]
     assert skipped[0]["reason"].startswith("not JSON") and skipped[1]["reason"] == "no assistant turn to regenerate"
     assert skipped[2]["reason"] == "duplicate id (also at line 2)"
@@ -87,7 +87,7 @@ def test_every_assistant_turn_regenerated_and_a_rerun_does_nothing_twice(server,
     again = _regenerate("--input", conv, "--server", server.url, "--out", out, "--max-tokens", 6)
     assert again.returncode == 0, again.stderr
     assert "regenerated 0 conversations" in again.stdout and "3 already done, 3 skipped" in again.stdout
-    assert out.read_bytes() == before and _rows(out.with_name("skipped.jsonl")) == skipped
+    assert out.read_bytes() == before and _rows(rg.skipped_path(out)) == skipped
 
 
 @pytest.mark.slow
@@ -124,7 +124,7 @@ def test_a_server_killed_mid_run_loses_nothing(server, smollm2_path, tmp_path):
     assert run.returncode == 0, stderr
     ids = [r["id"] for r in _rows(out)]
     assert sorted(ids) == sorted(f"conv-{i}" for i in range(8)), stdout  # nothing lost, nothing twice
-    assert not out.with_name("skipped.jsonl").read_text()
+    assert not rg.skipped_path(out).read_text()
 
     dead = _regenerate("--input", conv, "--server", server.url, "--server", doomed.url, "--out", out)
     assert dead.returncode == 2 and dead.stderr.startswith(f"dflash-data: error: server {doomed.url} is unreachable")
@@ -143,7 +143,7 @@ def test_a_run_whose_first_conversations_all_fail_stops(server, tmp_path):
     assert p.stderr.splitlines()[-1].startswith(f"dflash-data: error: stopped: the first {rg.FAILED_FIRST_LIMIT} "
                                                 f"conversations all failed (last: {server.url} answered HTTP 4")
     assert "check --model and --server" in p.stderr and not out.read_text()
-    skipped = _rows(out.with_name("skipped.jsonl"))
+    skipped = _rows(rg.skipped_path(out))
     assert rg.FAILED_FIRST_LIMIT <= len(skipped) <= rg.FAILED_FIRST_LIMIT + 2  # and those already in flight
     assert all("answered HTTP 400" in s["reason"] for s in skipped)
 
@@ -165,8 +165,8 @@ def test_the_input_is_never_the_output(tmp_path):
     conv = _write_jsonl(tmp_path / "conv.jsonl", [_chat(0)])
     p = _regenerate("--input", conv, "--server", "http://127.0.0.1:9", "--out", tmp_path / "." / "conv.jsonl")
     assert p.returncode == 2 and "is the input file; give another --out" in p.stderr
-    with pytest.raises(UsageError, match="skipped.jsonl beside --out"):
-        rg.check_paths(_write_jsonl(tmp_path / "skipped.jsonl", []), tmp_path / "out.jsonl")
+    with pytest.raises(UsageError, match="the skipped file beside --out .*out.skipped.jsonl is the input file"):
+        rg.check_paths(_write_jsonl(tmp_path / "out.skipped.jsonl", []), tmp_path / "out.jsonl")
     with pytest.raises(UsageError, match="is a folder"):
         rg.check_paths(conv, tmp_path)
     assert conv.read_text() == json.dumps(_chat(0)) + "\n"
@@ -180,7 +180,7 @@ def test_every_server_down_mid_run_stops_and_keeps_what_is_done(tmp_path):
     summary = rg.run(conv, out, [f"http://127.0.0.1:{free_port()}"], settings, concurrency=2, progress=False)
     assert summary.stopped.startswith("every server is down (last: http://127.0.0.1:") and summary.stopped.endswith("restart one")
     assert (summary.regenerated, summary.already_done, summary.skipped) == (0, 1, 0)
-    assert len(_rows(out)) == 1 and not out.with_name("skipped.jsonl").read_text()
+    assert len(_rows(out)) == 1 and not rg.skipped_path(out).read_text()
 
 
 def test_both_formats_become_openai_messages():
@@ -247,7 +247,7 @@ def test_tool_definitions_are_sent_and_kept(tmp_path):
         httpd.shutdown()
         httpd.server_close()
     assert (summary.regenerated, summary.skipped) == (3, 1)
-    assert _rows(out.with_name("skipped.jsonl"))[0]["reason"] == "`tools` is a string that is not JSON"
+    assert _rows(rg.skipped_path(out))[0]["reason"] == "`tools` is a string that is not JSON"
     asked = {b["messages"][0]["content"]: b.get("tools") for b in _Recorder.bodies}
     assert len(_Recorder.bodies) == 4 and asked == {"Give me fact number 0 about the sea.": tools, "q": tools,
                                                    "Give me fact number 2 about the sea.": None}
@@ -405,7 +405,7 @@ def test_a_hanging_and_a_dripping_conversation_are_skipped_not_a_server_down(fau
     assert summary.stopped is None and (summary.regenerated, summary.skipped) == (6, 2)
     assert seconds < 6, f"{seconds:.1f} s: the deadline is not per request"
     assert sorted(r["id"] for r in _rows(out)) == [f"g{i}" for i in range(6)]
-    skipped = {r["id"]: r["reason"] for r in _rows(out.with_name("skipped.jsonl"))}
+    skipped = {r["id"]: r["reason"] for r in _rows(rg.skipped_path(out))}
     assert set(skipped) == {"h", "d"}
     for reason in skipped.values():
         assert reason.endswith("no whole answer within --timeout 1 s (2 times)"), reason
@@ -429,7 +429,7 @@ def test_odd_replies_are_per_row_reasons_never_a_traceback(faulty, tmp_path):
                     "--concurrency", 4)
     assert p.returncode == 0 and "Traceback" not in p.stderr, p.stderr
     assert sorted(r["id"] for r in _rows(out)) == ["fine", "string-usage"]
-    skipped = {r["id"]: r["reason"] for r in _rows(out.with_name("skipped.jsonl"))}
+    skipped = {r["id"]: r["reason"] for r in _rows(rg.skipped_path(out))}
     assert skipped["junk"].startswith("failed after 2 attempts: ") and "an answer that is not JSON (Unterminated" \
         in skipped["junk"]
     assert skipped["string-message"].endswith("an answer without choices[0].message")
@@ -437,3 +437,66 @@ def test_odd_replies_are_per_row_reasons_never_a_traceback(faulty, tmp_path):
     assert skipped["surrogate"].endswith("an answer with a lone surrogate (e.g. \\ud800) that UTF-8 cannot write")
     assert "an answer of more than 1,052,672 bytes" in skipped["big"]
     assert skipped["in-sur"] == "a lone surrogate (e.g. \\ud800) that UTF-8 cannot write"
+
+
+def test_special_files_are_refused_before_anything_is_read(tmp_path):
+    import os
+
+    conv = _write_jsonl(tmp_path / "conv.jsonl", [_chat(0)])
+    fifo = tmp_path / "fifo.jsonl"
+    os.mkfifo(fifo)
+    for args, says in (
+        (("--input", fifo, "--out", tmp_path / "o.jsonl"), f"--input {fifo} is a FIFO"),
+        (("--input", "/dev/zero", "--out", tmp_path / "o.jsonl"), "--input /dev/zero is a device"),
+        (("--input", conv, "--out", fifo), f"--out {fifo} is a FIFO"),
+        (("--input", conv, "--out", "/dev/stdout"), "--out /dev/stdout is a"),  # a pipe or a terminal: never written
+    ):
+        p = _regenerate(*args, "--server", "http://127.0.0.1:9", timeout=20)
+        assert p.returncode == 2 and len(p.stderr.splitlines()) == 1, p.stderr
+        assert p.stderr.startswith(f"dflash-data: error: {says}") and "not a regular file" in p.stderr, p.stderr
+    assert not (tmp_path / "o.jsonl").exists()
+
+
+def test_a_second_run_on_the_same_out_is_refused_naming_the_first(faulty, tmp_path):
+    conv = _write_jsonl(tmp_path / "conv.jsonl", [_ask("h", "hang"), *[_ask(f"g{i}", "fine") for i in range(3)]])
+    out = tmp_path / "regen.jsonl"
+    cmd = [str(BIN / "dflash-data"), "regenerate", "--no-progress", "--input", str(conv), "--server", faulty,
+           "--out", str(out), "--timeout", "20", "--retries", "0"]
+    first = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 30
+        while not (out.exists() and len(_rows(out)) == 3) and time.monotonic() < deadline:
+            time.sleep(0.05)  # the first run is then waiting on the hanging conversation, holding the lock
+        p = _regenerate("--input", conv, "--server", faulty, "--out", out)
+        assert p.returncode == 2 and len(p.stderr.splitlines()) == 1, p.stderr
+        assert p.stderr.startswith(f"dflash-data: error: --out {out} is being written by another dflash-data "
+                                   f"regenerate (pid {first.pid} on ")
+        assert sorted(r["id"] for r in _rows(out)) == ["g0", "g1", "g2"]  # nothing written twice
+    finally:
+        first.kill()
+        first.wait()
+    summary = rg.run(conv, out, [faulty], rg.Settings(timeout_s=1, retries=0), concurrency=2, progress=False)
+    assert (summary.already_done, summary.skipped) == (3, 1)  # the lock of a killed run is free again
+
+
+def test_the_readme_workflow_in_one_folder_keeps_both_skipped_files(faulty, tmp_path, capsys):
+    """regenerate --out DIR/regen.jsonl, then import DIR/regen.jsonl --out DIR: each command's skipped file stays."""
+    from dflash.commands.data import data_main
+    from trainkit import chat_target
+
+    target = chat_target(tmp_path / "target", "qwen3")
+    folder = tmp_path / "data"
+    folder.mkdir()
+    conv = _write_jsonl(tmp_path / "conv.jsonl", [_ask("j", "junk"), *[_ask(f"g{i}", "fine") for i in range(3)]])
+    out = folder / "regen.jsonl"
+    summary = rg.run(conv, out, [faulty], rg.Settings(retries=0), concurrency=2, progress=False)
+    assert (summary.regenerated, summary.skipped) == (3, 1)
+    regen_skipped = rg.skipped_path(out).read_bytes()
+    assert rg.skipped_path(out) == folder / "regen.skipped.jsonl" and b'"id": "j"' in regen_skipped
+    with pytest.raises(SystemExit) as e:
+        data_main(["import", str(out), "--target", str(target), "--out", str(folder), "--workers", "1", "--no-progress"])
+    assert e.value.code == 0, capsys.readouterr().err
+    assert rg.skipped_path(out).read_bytes() == regen_skipped
+    from dflash.data.shards import ShardDataset
+
+    assert ShardDataset(folder).num_samples == 3

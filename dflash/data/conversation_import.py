@@ -121,10 +121,13 @@ def _init_pool_worker(parent: int, *args) -> None:
     _init_worker(*args)
 
 
-def _row_messages(row: SourceRow, file: int) -> tuple[str, list[dict], list | None]:
+def _row_messages(row: SourceRow, file: int, res: Result) -> tuple[list[dict], list | None]:
+    """The row's messages and tools; its id lands in `res` first, so a malformed row is logged under it too."""
     value = decode_row(row)
-    rid, messages, tools = row_messages(value, _WORKER["formats"][file])
-    return (rid if rid is not None else f"{_WORKER['names'][file]}:{row.line}"), messages, tools
+    rid = value.get("id")
+    res.rid = str(rid) if rid is not None else f"{_WORKER['names'][file]}:{row.line}"
+    _, messages, tools = row_messages(value, _WORKER["formats"][file])  # "auto": this row's own format
+    return messages, tools
 
 
 def process_chunk(chunk: list[tuple[int, SourceRow]]) -> list[Result]:
@@ -135,7 +138,7 @@ def process_chunk(chunk: list[tuple[int, SourceRow]]) -> list[Result]:
         res = Result(row.line, file)
         results.append(res)
         try:
-            res.rid, messages, tools = _row_messages(row, file)
+            messages, tools = _row_messages(row, file, res)
             messages = renderer.prepare(messages)
             res.turns = sum(m["role"] == "assistant" for m in messages)
             if not res.turns:
@@ -172,7 +175,8 @@ def _finish(res: Result, ids: np.ndarray, mask: np.ndarray, s: dict) -> None:
 
 
 def detect_format(path: Path, forced: str) -> str:
-    """The row format of one file: `forced`, else the first decodable row's ('messages' when none tells)."""
+    """The row format of one file as recorded and logged: `forced`, else the first decodable row's ('messages' when
+    none tells). Rows are read by their own format all the same (import passes "auto" to the workers)."""
     if forced != "auto":
         return forced
     for n, row in enumerate(iter_source(path)):
@@ -217,6 +221,10 @@ def _resumable(out: Path, key: dict, target: dict) -> dict:
         if stray:
             raise ConversationImportError(f"{out}: holds {len(stray)} shard(s) but no {MANIFEST_NAME}, so a resume cannot tell "
                                "which rows they hold; use another --out")
+        if out.is_dir() and (out / SKIPPED).is_file() and (out / SKIPPED).stat().st_size:
+            raise ConversationImportError(f"{out / SKIPPED}: already there, not written by an import into {out} (an older "
+                                          "regenerate's?); import never rewrites a file it did not create: move it "
+                                          "aside or use another --out")
         return {"target": target, "settings": key, "sources": [], "shards": {}, "import": {"done": {}}}
     old = manifest.get("settings") or {}
     differ = [k for k in key if old.get(k) != key[k]]
@@ -379,6 +387,10 @@ def import_conversations(s: ImportSettings, log=print, progress: bool | None = N
     if s.overlong not in OVERLONG:
         raise ConversationImportError(f"--overlong {s.overlong!r}: use truncate or drop")
     sources = [Path(p) for p in s.sources]
+    for p in sources:
+        if not p.is_file():  # a FIFO would block, /dev/zero never end: refused before anything is read
+            raise ConversationImportError(f"{p}: not a regular file (a FIFO, a device or a socket); give a .jsonl, "
+                                          ".json or .parquet file")
     formats = [detect_format(p, s.fmt) for p in sources]  # a file that is no JSON/Parquet fails here
     out = Path(s.out)
     if out.exists() and not out.is_dir():
@@ -398,6 +410,7 @@ def import_conversations(s: ImportSettings, log=print, progress: bool | None = N
         + (f", {len(done)} shard(s) already done (resuming)" if done else "")
         + f"; template of {s.target}" + (" (renders reasoning)" if renderer.reasoning else ""))
     settings = {**asdict(s), "sources": [str(p) for p in sources], "out": str(out)}
+    formats = [s.fmt] * len(sources) if s.fmt == "auto" else formats  # each row judged on its own
     workers = s.workers or os.cpu_count() or 1
     progress = sys.stderr.isatty() if progress is None else progress
     bar = tqdm(unit=" rows", desc="import", disable=not progress, dynamic_ncols=True)

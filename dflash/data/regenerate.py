@@ -9,8 +9,11 @@ always imports) and optional `tools`, read as a stream. Output: JSONL in the Ope
 appended and flushed as soon as it is done (completion order, not input order); an assistant turn keeps the
 server's `reasoning_content` when it returns one. A rerun skips the ids already in the output, so a run stopped
 anywhere (a server killed, Ctrl-C) loses nothing and writes nothing twice. What could not be done in this run (a
-malformed line, a conversation that failed after every retry) goes to `skipped.jsonl` beside the output, with the
-line number and the reason; a rerun tries those again.
+malformed line, a conversation that failed after every retry) goes to `<out stem>.skipped.jsonl` beside the output
+(`regen.jsonl` -> `regen.skipped.jsonl`: never import's `skipped.jsonl` in the same folder), with the line number and
+the reason; a rerun tries those again. One run writes an output at a time: it holds an flock on `.<out name>.lock`
+beside it, and a second run on the same --out is refused in one line naming the first. Input and output must be
+regular files (a FIFO, /dev/zero or /dev/stdout is refused before anything is read).
 
 Requests go to the least-loaded live server (ties in turn); a failed request is retried with exponential
 backoff (or the server's Retry-After, up to RETRY_AFTER_MAX_S) on another server when there is one. `--timeout`
@@ -23,6 +26,7 @@ no torch, no tokenizer): it runs in the training environment while the server ru
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import os
@@ -34,11 +38,11 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dflash.data.conversations import ROLES, SHAREGPT_ROLES, RowError, row_tools
+from dflash.data.conversations import ROLES, SHAREGPT_ROLES, RowError, row_format, row_tools
 from dflash.data.jsonl import JsonLineError, binary_lines, decode_json
 from dflash.errors import DflashError, UsageError
 
-SKIPPED_NAME = "skipped.jsonl"  # beside --out: what this run could not do, with the reason
+SKIPPED_SUFFIX = ".skipped.jsonl"  # <out stem> + this, beside --out: what this run could not do, with the reason
 CHAT_PATH = "/v1/chat/completions"
 MODELS_PATH = "/v1/models"
 PROBE_TIMEOUT_S = 10.0  # the start-of-run reachability check, per server
@@ -160,9 +164,10 @@ def _tools(row: dict) -> list | None:
 
 
 def _messages(row: dict) -> list[dict]:
-    if "messages" in row:
+    fmt = row_format(row)  # import's rule, per row: `messages` when a row holds both
+    if fmt == "messages":
         messages = _openai(row["messages"])
-    elif "conversations" in row:
+    elif fmt == "sharegpt":
         messages = _sharegpt(row["conversations"])
     else:
         raise BadRow("no `messages` (OpenAI) or `conversations` (ShareGPT) list")
@@ -242,19 +247,84 @@ def count_rows(path: Path) -> int:
 
 
 def skipped_path(out: Path) -> Path:
-    return Path(out).with_name(SKIPPED_NAME)
+    out = Path(out)
+    return out.with_name(out.stem + SKIPPED_SUFFIX)
+
+
+def _special(path: Path) -> str | None:
+    """'a FIFO', 'a device', 'a socket'... when `path` exists and is not a regular file (nor a folder), else None."""
+    import stat
+
+    try:
+        mode = path.stat().st_mode
+    except OSError:
+        return None
+    if stat.S_ISREG(mode) or stat.S_ISDIR(mode):
+        return None
+    return ("a FIFO" if stat.S_ISFIFO(mode) else "a socket" if stat.S_ISSOCK(mode)
+            else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "not a regular file")
 
 
 def check_paths(input_path: Path, out: Path) -> None:
-    """Refuse an --out that would overwrite the input (or make skipped.jsonl do it) or that is a folder."""
+    """Refuse what is not a regular file (a FIFO, a device, /dev/stdout), an --out that would overwrite the input (or
+    make its skipped file do it) or that is a folder; before anything is read."""
     input_path, out = Path(input_path), Path(out)
+    for path, what in ((input_path, "--input"), (out, "--out"), (skipped_path(out), "its skipped file")):
+        kind = _special(path)
+        if kind:
+            raise UsageError(f"{what} {path} is {kind}, not a regular file; give a .jsonl file path")
     if out.is_dir():
         raise UsageError(f"--out {out} is a folder; give a .jsonl file path")
-    if out.name == SKIPPED_NAME:
-        raise UsageError(f"--out {out}: {SKIPPED_NAME} is where failures go; give another file name")
-    for path, what in ((out, "--out"), (skipped_path(out), f"{SKIPPED_NAME} beside --out")):
+    for path, what in ((out, "--out"), (skipped_path(out), "the skipped file beside --out")):
         if path.resolve() == input_path.resolve() or (path.exists() and os.path.samefile(path, input_path)):
             raise UsageError(f"{what} {path} is the input file; give another --out (regenerate never overwrites its input)")
+
+
+class OutputBusy(UsageError):
+    """Another regenerate run writes this --out (exit 2)."""
+
+
+class OutputLock:
+    """The --out's exclusive lock: an flock on ``.<out name>.lock`` beside it, holding the owner (pid, host, time).
+
+    The kernel frees it when the process dies, however it dies; `release` removes the file."""
+
+    def __init__(self, out: Path):
+        import fcntl
+        import socket
+
+        self.path = Path(out).with_name(f".{Path(out).name}.lock")
+        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            try:
+                owner = json.loads(os.pread(self.fd, 4096, 0) or b"{}")
+            except ValueError:
+                owner = {}
+            os.close(self.fd)
+            who = (f"pid {owner.get('pid')} on {owner.get('host')} since {owner.get('time')}"
+                   if isinstance(owner, dict) and owner.get("pid") else "a run that is still starting")
+            raise OutputBusy(f"--out {out} is being written by another dflash-data regenerate ({who}); wait for it "
+                             "to finish or stop it (a rerun then continues), or give another --out") from None
+        owner = {"pid": os.getpid(), "host": socket.gethostname(), "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+        os.ftruncate(self.fd, 0)
+        os.pwrite(self.fd, (json.dumps(owner) + "\n").encode(), 0)
+
+    def release(self) -> None:
+        if self.fd >= 0:
+            try:
+                self.path.unlink()
+            except OSError:
+                pass
+            os.close(self.fd)
+            self.fd = -1
+
+    def __enter__(self) -> OutputLock:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
 
 
 def finished_ids(out: Path) -> set[str]:
@@ -651,19 +721,22 @@ class _Run:
 
 
 def run(input_path: Path, out: Path, urls: list[str], settings: Settings, concurrency: int = 64,
-        progress: bool | None = None) -> Summary:
-    """Regenerate every conversation of `input_path` not yet in `out`; see the module docstring."""
+        progress: bool | None = None, locked: bool = False) -> Summary:
+    """Regenerate every conversation of `input_path` not yet in `out`; see the module docstring. `locked`: the
+    caller holds the OutputLock of `out` already (else this takes it)."""
     from tqdm import tqdm
 
     input_path, out = Path(input_path), Path(out)
     check_paths(input_path, out)
     total = count_rows(input_path)
-    done = finished_ids(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     pool = ServerPool(urls)
-    with (open(out, "a", encoding="utf-8") as out_f, open(skipped_path(out), "w", encoding="utf-8", errors="backslashreplace") as skip_f,
+    with (contextlib.nullcontext() if locked else OutputLock(out),
+          open(out, "a", encoding="utf-8") as out_f,
+          open(skipped_path(out), "w", encoding="utf-8", errors="backslashreplace") as skip_f,
           tqdm(total=total, unit="conv", desc="regenerate", disable=None if progress is None else not progress,
                dynamic_ncols=True) as bar):
+        done = finished_ids(out)  # under the lock: it may cut a torn last line
         job = _Run(out_f, skip_f, pool, settings, bar)
         executor = ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="regenerate")
         try:

@@ -384,3 +384,18 @@ def test_each_row_is_read_by_its_own_format_and_a_malformed_row_keeps_its_id(tmp
     assert ids == ["both", "share", "m1"]  # the first row held both keys: the rest are not judged by it
     skipped = [json.loads(line) for line in (tmp_path / "o" / "skipped.jsonl").read_text().splitlines()]
     assert [(s["id"], s["kind"]) for s in skipped] == [("bad-1", "malformed")]
+
+
+def test_a_lone_surrogate_in_a_row_is_a_malformed_row_not_a_traceback(tmp_path, target, capsys):
+    src = tmp_path / "c.jsonl"
+    src.write_text('{"id": "s1", "messages": [{"role": "user", "content": "w1 \\ud800"}, {"role": "assistant", '
+                   '"content": "w3"}]}\n{"id": "s\\udc00", "messages": [{"role": "user", "content": "w1"}, {"role": '
+                   '"assistant", "content": "w3"}]}\n' + json.dumps({"id": "ok", "messages": conversation(0)}) + "\n")
+    code, _, err = dflash_data(capsys, "import", src, "--target", target, "--out", tmp_path / "o", "--workers", 1,
+                               "--no-progress")
+    assert code == 0, err
+    skipped = [json.loads(line) for line in (tmp_path / "o" / "skipped.jsonl").read_text().splitlines()]
+    assert [(s["id"], s["reason"]) for s in skipped] == [
+        ("s1", "its text holds a lone surrogate ('\\ud800'), not valid Unicode"),
+        ("s\udc00", "its id holds a lone surrogate ('\\udc00'), not valid Unicode")]
+    assert ShardDataset(tmp_path / "o").num_samples == 1

@@ -145,6 +145,7 @@ def process_chunk(chunk: list[tuple[int, SourceRow]]) -> list[Result]:
                 res.kind, res.reason = "no_assistant", "no assistant message"
                 continue
             text, row_spans = renderer.spans(messages, tools)
+            _check_unicode(text, res.rid)
         except RowError as e:
             res.kind, res.reason = "malformed", str(e)
             continue
@@ -155,6 +156,15 @@ def process_chunk(chunk: list[tuple[int, SourceRow]]) -> list[Result]:
         for res, (ids, mask) in zip(kept, renderer.encode_batch(texts, spans)):
             _finish(res, ids, mask, _WORKER["settings"])
     return results
+
+
+def _check_unicode(text: str, rid: str) -> None:
+    """RowError for a lone surrogate (JSON's "\\ud800" decodes to one): no tokenizer or Arrow string takes it."""
+    for what, value in (("text", text), ("id", rid)):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise RowError(f"its {what} holds a lone surrogate ({value[e.start]!a}), not valid Unicode") from None
 
 
 def _finish(res: Result, ids: np.ndarray, mask: np.ndarray, s: dict) -> None:

@@ -51,7 +51,7 @@ BACKOFF_MAX_S = 30.0  # ... up to this
 FAILED_FIRST_LIMIT = 8  # this many failed conversations before any succeeds stop the run (wrong --model, wrong URL)
 TIMEOUT_RETRIES = 1  # a request that hit --timeout is sent once more, then the conversation is skipped
 RETRY_AFTER_MAX_S = 60.0  # a server's Retry-After is honoured up to this many seconds
-DOWN_AFTER_FAILURES = 16  # a server whose last this many requests all failed (timeouts, torn or junk answers) is down
+DOWN_AFTER_FAILURES = 16  # a server whose last this many requests all failed (timeouts, junk) is avoided while others answer
 REPLY_BYTES_PER_TOKEN = 64  # an answer may hold at most this many bytes per --max-tokens token ...
 REPLY_BYTES_SLACK = 1 << 20  # ... plus this much (JSON, reasoning, tool calls): memory stays bounded per reply
 
@@ -354,17 +354,19 @@ def finished_ids(out: Path) -> set[str]:
 class ServerPool:
     """The servers and their requests in flight: each request goes to the least-loaded live server, ties in turn.
 
-    A server whose last request failed to connect, or whose last DOWN_AFTER_FAILURES requests all failed (timed
-    out, torn, junk), is down until a later request succeeds; down servers are used only while every server is down.
-    One slow or odd conversation never takes a server down. `stop()` makes every later request raise RunStopped.
+    A server whose last request failed to connect is down until a later request succeeds; down servers are used
+    only while every server is down, and every server down stops the run. A server whose last DOWN_AFTER_FAILURES
+    requests all failed otherwise (timed out, torn, junk) is only avoided while another one answers: slow or odd
+    conversations are those rows' failures, never a reason to stop. `stop()` makes every later request raise
+    RunStopped at once.
     """
 
     def __init__(self, urls: list[str]):
         self.urls = list(dict.fromkeys(urls))
         self._lock = threading.Lock()
         self._busy = dict.fromkeys(self.urls, 0)
-        self._failing = dict.fromkeys(self.urls, False)
-        self._failures = dict.fromkeys(self.urls, 0)  # requests failed in a row (connected)
+        self._failing = dict.fromkeys(self.urls, False)  # its last request found no connection
+        self._failures = dict.fromkeys(self.urls, 0)  # requests failed in a row on a connection
         self._turn = 0
         self.served: Counter = Counter()
         self.retries = 0  # requests sent again after a failure
@@ -373,7 +375,8 @@ class ServerPool:
     def acquire(self, avoid: str | None = None) -> str:
         """The server for the next request (not `avoid` when another one is live)."""
         with self._lock:
-            live = [u for u in self.urls if not self._failing[u]] or list(self.urls)
+            live = ([u for u in self.urls if not self._failing[u] and self._failures[u] < DOWN_AFTER_FAILURES]
+                    or [u for u in self.urls if not self._failing[u]] or list(self.urls))
             if len(live) > 1 and avoid in live:
                 live.remove(avoid)
             self._turn += 1
@@ -388,7 +391,7 @@ class ServerPool:
         with self._lock:
             self._busy[url] -= 1
             self._failures[url] = 0 if answered else self._failures[url] + connected
-            self._failing[url] = not connected or self._failures[url] >= DOWN_AFTER_FAILURES
+            self._failing[url] = not connected
             self.served[url] += answered
 
     def count_retry(self) -> None:

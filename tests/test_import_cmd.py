@@ -146,6 +146,14 @@ def _import_cmd(src: Path, target: Path, out: Path, *extra: str) -> list[str]:
             str(target), "--out", str(out), "--shard-size", "40", "--no-progress", *extra]
 
 
+def _alive(pid: int) -> bool:
+    """Running (a zombie waiting for its reaper is dead)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
 @pytest.mark.slow
 def test_a_killed_import_resumes_with_nothing_lost_or_twice(tmp_path, target, capsys):
     src = write_rows(tmp_path / "c.jsonl", 4000, ["not json"] * 3)
@@ -153,16 +161,28 @@ def test_a_killed_import_resumes_with_nothing_lost_or_twice(tmp_path, target, ca
     assert dflash_data(capsys, "import", src, "--target", target, "--out", ref, "--shard-size", 40, "--workers", 1,
                        "--no-progress")[0] == 0
     out = tmp_path / "out"
+    stderr = open(tmp_path / "stderr.txt", "w")
     proc = subprocess.Popen(_import_cmd(src, target, out, "--workers", "2"), cwd=REPO, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, start_new_session=True)
+                            stderr=stderr, start_new_session=True)
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and proc.poll() is None:
         manifest, _ = read_manifest(out) if out.is_dir() else (None, None)
         if manifest and len(manifest.get("import", {}).get("done", {})) >= 3:
             break
         time.sleep(0.05)
-    os.killpg(proc.pid, signal.SIGKILL)
+    workers = [int(c) for t in os.listdir(f"/proc/{proc.pid}/task")
+               for c in Path(f"/proc/{proc.pid}/task/{t}/children").read_text().split()]
+    os.kill(proc.pid, signal.SIGKILL)  # the parent alone, as the OOM killer does: its workers must not linger
     proc.wait()
+    deadline = time.monotonic() + 10
+    while any(map(_alive, workers)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    alive = [w for w in workers if _alive(w)]
+    if alive:
+        os.killpg(proc.pid, signal.SIGKILL)
+    stderr.close()
+    assert workers and not alive, f"orphaned workers {alive} outlived the import"
+    assert "Traceback" not in (tmp_path / "stderr.txt").read_text()
     done = len(read_manifest(out)[0]["import"]["done"])
     assert 3 <= done < 101, "the import finished before it could be killed"
     # the half dataset never trains: the trainer's reader and preflight's dataset check refuse it, naming the fix

@@ -1,5 +1,5 @@
 """CPU smoke runs of the measurement scripts (bench/train_step.py, bench/memory_calibration.py, bench/data_check.py,
-bench/target_rate.py, bench/fp8_matmul.py)."""
+bench/target_rate.py, bench/fp8_matmul.py, bench/regenerate_faults.py)."""
 
 from __future__ import annotations
 
@@ -113,3 +113,13 @@ def test_bench_set_refuses_what_dflash_train_refuses_in_its_words(tmp_path, pair
     said = train.stderr.strip().splitlines()[-1].partition("error: ")[2]
     assert said and train.returncode == 2, train.stderr[-2000:]
     assert (bench.returncode, bench.stderr.strip().splitlines()[-1]) == (2, f"train_step: error: {said}")
+
+
+@pytest.mark.slow
+def test_regenerate_faults_bench_finishes_with_every_id_accounted_for(tmp_path):
+    out = tmp_path / "faults.json"
+    proc = _run(["bench/regenerate_faults.py", "--rows", "100", "--timeout", "1", "--retries", "1", "--concurrency",
+                 "16", "--json", str(out)], tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    figures = json.loads(out.read_text())
+    assert all(figures["checks"].values()) and (figures["written"], figures["skipped"]) == (95, 5)

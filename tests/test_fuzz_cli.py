@@ -651,3 +651,32 @@ def test_diff_of_a_snapshot_one_format_version_older_shows_absent_fields(run_rec
     out, err = capsys.readouterr()
     assert e.value.code == 1 and err == "", err
     assert "compile cache  absent -> warm (300 kB; torch 2.10.0+cu128" in out, out
+
+
+def test_regenerate_reply_parser_on_a_reply_mutated_one_field_at_a_time_is_never_a_traceback():
+    """Each field of a real chat.completion answer (sglang's shape, with reasoning and a tool call), at every depth:
+    removed, null, a string, a lone surrogate, -1, True, 10^30, [], {}, deep nesting. `parse_reply` gives a Reply
+    that writes as UTF-8 JSON, or ValueError with a one-line reason: the per-row reason regenerate logs."""
+    from dflash.data import regenerate as rg
+
+    reply = {"id": "chatcmpl-1", "object": "chat.completion", "model": "m",
+             "choices": [{"index": 0, "finish_reason": "stop", "message": {
+                 "role": "assistant", "content": "4.", "reasoning_content": "2+2",
+                 "tool_calls": [{"id": "t1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}}],
+             "usage": {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8}}
+    nested: list = []
+    for _ in range(5000):
+        nested = [nested]
+    odd = [REMOVED, None, "x", "\ud800", -1, True, 10**30, [], {}, nested]
+    judged = 0
+    for path in field_paths(reply):
+        for value in odd:
+            try:
+                got = rg.parse_reply(mutated(reply, path, value), max_tokens=64)
+            except ValueError as e:
+                assert str(e) and "\n" not in str(e), (path, value)
+            else:
+                json.dumps(got.message, ensure_ascii=False).encode("utf-8")
+                assert isinstance(got.completion_tokens, int) and got.completion_tokens >= 0
+            judged += 1
+    assert judged > 200

@@ -76,6 +76,7 @@ def statuses(out: str) -> dict[str, str]:
     (["--profile", "train-cu128", "--waive", "gpu-memroy", "--reason", "x"], "--waive gpu-memroy: unknown check id"),
     (["--profile", "train-cu128", "--waive", "disk"], "1 --waive but 0 --reason"),
     (["--profile", "train-cu128", "--resume", "--fresh"], "--resume and --fresh exclude each other"),
+    (["--profile", "train-cu128", "--set", "data.token_budget=64"], "--set overrides a run config field: give --config"),
     ([], "Missing option '--profile'"),
 ])
 def test_usage_errors_exit_2_with_one_line(capsys, args, message):
@@ -116,6 +117,17 @@ def test_no_driver_fails_gpu_checks_exit_1(capsys, tmp_path):
     checks = {c["id"]: c for c in json.loads(out)["checks"]}
     for i in ("gpu-visibility", "gpu-memory", "gpu-processes"):
         assert checks[i]["status"] == "fail" and checks[i]["summary"] == "no NVIDIA driver (NVML not found)"
+
+
+def test_set_overrides_a_config_field_as_in_every_command(capsys, tmp_path):
+    """--set data.token_budget=64: the 300-token sample no longer fits a batch; a bad --set is one line, exit 2."""
+    config = str(write_run(tmp_path, device="cpu"))
+    args = ("--profile", "train-cu128", "--json", "--nvml-fake", "none", "--config", config)
+    code, out, _ = run(capsys, *args, "--set", "data.token_budget=64")
+    dataset = next(c for c in json.loads(out)["checks"] if c["id"] == "dataset")
+    assert code == 1 and dataset["status"] == "fail" and "> token_budget 64" in dataset["summary"]
+    code, _, err = run(capsys, *args, "--set", "data.token_budgt=64")
+    assert code == 2 and err.count("\n") == 1 and "data.token_budgt" in err
 
 
 def test_cpu_run_skips_gpu_checks(capsys, tmp_path):

@@ -294,3 +294,15 @@ def test_chitchat_split_is_by_conversation_and_deterministic():
     assert np.mean([h in seen for h in held]) < 0.05
     share = np.mean([is_held_out(f"conv-{i}") for i in range(4000)])
     assert 0.03 < share < 0.08
+
+
+def test_a_fifo_or_a_device_as_prompts_is_refused_before_it_is_read(tmp_path):
+    import os
+
+    from dflash.data.prompts import PromptError
+
+    fifo = tmp_path / "prompts.txt"
+    os.mkfifo(fifo)  # reading it would block until a writer comes
+    for path in (fifo, "/dev/zero"):
+        with pytest.raises(PromptError, match="not a regular file"):
+            load_prompts(str(path))

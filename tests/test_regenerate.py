@@ -78,7 +78,7 @@ def test_every_assistant_turn_regenerated_and_a_rerun_does_nothing_twice(server,
                                  {"role": "user", "content": "What is the capital of France?"}]
     replies = [m["content"] for msgs in rows.values() for m in msgs if m["role"] == "assistant"]
     assert len(replies) == 4 and all(r and not r.startswith(ORIGINAL) for r in replies)
-    skipped = _rows(out.with_name("skipped.jsonl"))
+    skipped = _rows(rg.skipped_path(out))
     assert [(s["line"], s["id"]) for s in skipped] == [(3, None), (5, "no-reply"), (6, "conv-1")]
     assert skipped[0]["reason"].startswith("not JSON") and skipped[1]["reason"] == "no assistant turn to regenerate"
     assert skipped[2]["reason"] == "duplicate id (also at line 2)"
@@ -87,7 +87,7 @@ def test_every_assistant_turn_regenerated_and_a_rerun_does_nothing_twice(server,
     again = _regenerate("--input", conv, "--server", server.url, "--out", out, "--max-tokens", 6)
     assert again.returncode == 0, again.stderr
     assert "regenerated 0 conversations" in again.stdout and "3 already done, 3 skipped" in again.stdout
-    assert out.read_bytes() == before and _rows(out.with_name("skipped.jsonl")) == skipped
+    assert out.read_bytes() == before and _rows(rg.skipped_path(out)) == skipped
 
 
 @pytest.mark.slow
@@ -124,7 +124,7 @@ def test_a_server_killed_mid_run_loses_nothing(server, smollm2_path, tmp_path):
     assert run.returncode == 0, stderr
     ids = [r["id"] for r in _rows(out)]
     assert sorted(ids) == sorted(f"conv-{i}" for i in range(8)), stdout  # nothing lost, nothing twice
-    assert not out.with_name("skipped.jsonl").read_text()
+    assert not rg.skipped_path(out).read_text()
 
     dead = _regenerate("--input", conv, "--server", server.url, "--server", doomed.url, "--out", out)
     assert dead.returncode == 2 and dead.stderr.startswith(f"dflash-data: error: server {doomed.url} is unreachable")
@@ -143,7 +143,7 @@ def test_a_run_whose_first_conversations_all_fail_stops(server, tmp_path):
     assert p.stderr.splitlines()[-1].startswith(f"dflash-data: error: stopped: the first {rg.FAILED_FIRST_LIMIT} "
                                                 f"conversations all failed (last: {server.url} answered HTTP 4")
     assert "check --model and --server" in p.stderr and not out.read_text()
-    skipped = _rows(out.with_name("skipped.jsonl"))
+    skipped = _rows(rg.skipped_path(out))
     assert rg.FAILED_FIRST_LIMIT <= len(skipped) <= rg.FAILED_FIRST_LIMIT + 2  # and those already in flight
     assert all("answered HTTP 400" in s["reason"] for s in skipped)
 
@@ -165,8 +165,8 @@ def test_the_input_is_never_the_output(tmp_path):
     conv = _write_jsonl(tmp_path / "conv.jsonl", [_chat(0)])
     p = _regenerate("--input", conv, "--server", "http://127.0.0.1:9", "--out", tmp_path / "." / "conv.jsonl")
     assert p.returncode == 2 and "is the input file; give another --out" in p.stderr
-    with pytest.raises(UsageError, match="skipped.jsonl beside --out"):
-        rg.check_paths(_write_jsonl(tmp_path / "skipped.jsonl", []), tmp_path / "out.jsonl")
+    with pytest.raises(UsageError, match="the skipped file beside --out .*out.skipped.jsonl is the input file"):
+        rg.check_paths(_write_jsonl(tmp_path / "out.skipped.jsonl", []), tmp_path / "out.jsonl")
     with pytest.raises(UsageError, match="is a folder"):
         rg.check_paths(conv, tmp_path)
     assert conv.read_text() == json.dumps(_chat(0)) + "\n"
@@ -180,7 +180,7 @@ def test_every_server_down_mid_run_stops_and_keeps_what_is_done(tmp_path):
     summary = rg.run(conv, out, [f"http://127.0.0.1:{free_port()}"], settings, concurrency=2, progress=False)
     assert summary.stopped.startswith("every server is down (last: http://127.0.0.1:") and summary.stopped.endswith("restart one")
     assert (summary.regenerated, summary.already_done, summary.skipped) == (0, 1, 0)
-    assert len(_rows(out)) == 1 and not out.with_name("skipped.jsonl").read_text()
+    assert len(_rows(out)) == 1 and not rg.skipped_path(out).read_text()
 
 
 def test_both_formats_become_openai_messages():
@@ -247,7 +247,7 @@ def test_tool_definitions_are_sent_and_kept(tmp_path):
         httpd.shutdown()
         httpd.server_close()
     assert (summary.regenerated, summary.skipped) == (3, 1)
-    assert _rows(out.with_name("skipped.jsonl"))[0]["reason"] == "`tools` is a string that is not JSON"
+    assert _rows(rg.skipped_path(out))[0]["reason"] == "`tools` is a string that is not JSON"
     asked = {b["messages"][0]["content"]: b.get("tools") for b in _Recorder.bodies}
     assert len(_Recorder.bodies) == 4 and asked == {"Give me fact number 0 about the sea.": tools, "q": tools,
                                                    "Give me fact number 2 about the sea.": None}
@@ -318,3 +318,185 @@ def test_the_client_loads_without_torch():
             "print([m for m in ('torch', 'transformers') if m in sys.modules])")
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+# ---------------------------------------------------------------- a loopback server that misbehaves on purpose
+
+
+class _Faulty(http.server.BaseHTTPRequestHandler):
+    """Answers each chat request by what its last user message asks for: `hang` (never answers), `drip` (a byte a
+    second), `junk` (not JSON), `string-message`, `string-usage`, `nested` (JSON nested 100,000 deep), `surrogate`
+    (a lone \\ud800 in the reply), `big` (a 50 MB reply), `busy` (429 with Retry-After: 1, then fine), else fine."""
+
+    protocol_version = "HTTP/1.1"
+    busy_seen: set = set()
+
+    def _send(self, body: bytes, status: int = 200, headers: dict | None = None) -> None:
+        self.send_response(status)
+        for k, v in {"Content-Type": "application/json", "Content-Length": str(len(body)), **(headers or {})}.items():
+            self.send_header(k, v)
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        ask = body["messages"][-1]["content"].split()[0]
+        ok = {"choices": [{"finish_reason": "stop", "message": {"role": "assistant", "content": f"fresh {ask}"}}],
+              "usage": {"completion_tokens": 2}}
+        try:
+            if ask == "hang":
+                time.sleep(30)
+            elif ask == "drip":
+                self.send_response(200)
+                self.send_header("Content-Length", "100000")
+                self.end_headers()
+                for _ in range(30):
+                    self.wfile.write(b" ")
+                    self.wfile.flush()
+                    time.sleep(1)
+            elif ask == "junk":
+                self._send(b'{"choices": [{"mess')
+            elif ask == "string-message":
+                self._send(json.dumps({"choices": [{"message": "fresh"}], "usage": "none"}).encode())
+            elif ask == "string-usage":
+                self._send(json.dumps({**ok, "usage": "none"}).encode())
+            elif ask == "nested":
+                self._send(b"[" * 100_000 + b"]" * 100_000)
+            elif ask == "surrogate":
+                self._send(json.dumps(ok).replace("fresh", "\\ud800fresh").encode())
+            elif ask == "big":
+                self._send(json.dumps({**ok, "pad": "x" * 50_000_000}).encode())
+            elif ask == "busy" and body["messages"][-1]["content"] not in self.busy_seen:
+                self.busy_seen.add(body["messages"][-1]["content"])
+                self._send(b'{"error": "busy"}', 429, {"Retry-After": "1"})
+            else:
+                self._send(json.dumps(ok).encode())
+        except (BrokenPipeError, ConnectionResetError):  # the client cut it: what a timeout does
+            pass
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def faulty():
+    _Faulty.busy_seen = set()
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Faulty)
+    httpd.daemon_threads = True
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{httpd.server_port}"
+    httpd.shutdown()
+    httpd.server_close()
+
+
+def _ask(rid: str, what: str) -> dict:
+    return {"id": rid, "messages": [{"role": "user", "content": f"{what} {rid}"}, {"role": "assistant", "content": ORIGINAL}]}
+
+
+def test_a_hanging_and_a_dripping_conversation_are_skipped_not_a_server_down(faulty, tmp_path):
+    """--timeout bounds the whole request: a server sending a byte a second is cut too; each is sent once more,
+    then skipped with its reason, and the run goes on to exit 0."""
+    conv = _write_jsonl(tmp_path / "conv.jsonl", [_ask("h", "hang"), _ask("d", "drip"),
+                                                   *[_ask(f"g{i}", "fine") for i in range(6)]])
+    out = tmp_path / "regen.jsonl"
+    t0 = time.monotonic()
+    summary = rg.run(conv, out, [faulty], rg.Settings(timeout_s=1.0, retries=3), concurrency=4, progress=False)
+    seconds = time.monotonic() - t0
+    assert summary.stopped is None and (summary.regenerated, summary.skipped) == (6, 2)
+    assert seconds < 6, f"{seconds:.1f} s: the deadline is not per request"
+    assert sorted(r["id"] for r in _rows(out)) == [f"g{i}" for i in range(6)]
+    skipped = {r["id"]: r["reason"] for r in _rows(rg.skipped_path(out))}
+    assert set(skipped) == {"h", "d"}
+    for reason in skipped.values():
+        assert reason.endswith("no whole answer within --timeout 1 s (2 times)"), reason
+
+
+def test_retry_after_is_honoured_up_to_a_cap(faulty):
+    slept: list[float] = []
+    pool = rg.ServerPool([faulty])
+    reply = rg.complete(pool, [{"role": "user", "content": "busy 1"}], rg.Settings(), sleep=slept.append)
+    assert reply.message["content"] == "fresh busy" and slept == [1.0]
+    assert rg.retry_after_s("99999") == rg.RETRY_AFTER_MAX_S and rg.retry_after_s("soon") is None
+    assert rg.retry_after_s("Wed, 21 Oct 2015 07:28:00 GMT") == 0.0  # a date in the past: now
+
+
+def test_odd_replies_are_per_row_reasons_never_a_traceback(faulty, tmp_path):
+    rows = [_ask(w, w) for w in ("junk", "string-message", "string-usage", "nested", "surrogate", "big", "fine")]
+    conv = _write_jsonl(tmp_path / "conv.jsonl", [*rows, '{"id": "in-sur", "messages": [{"role": "user", "content": '
+                                                  '"\\ud800 q"}, {"role": "assistant", "content": "a"}]}'])
+    out = tmp_path / "regen.jsonl"
+    p = _regenerate("--input", conv, "--server", faulty, "--out", out, "--retries", 1, "--max-tokens", 64,
+                    "--concurrency", 4)
+    assert p.returncode == 0 and "Traceback" not in p.stderr, p.stderr
+    assert sorted(r["id"] for r in _rows(out)) == ["fine", "string-usage"]
+    skipped = {r["id"]: r["reason"] for r in _rows(rg.skipped_path(out))}
+    assert skipped["junk"].startswith("failed after 2 attempts: ") and "an answer that is not JSON (Unterminated" \
+        in skipped["junk"]
+    assert skipped["string-message"].endswith("an answer without choices[0].message")
+    assert skipped["nested"].endswith("an answer that is not JSON (nested too deeply for the JSON parser)")
+    assert skipped["surrogate"].endswith("an answer with a lone surrogate (e.g. \\ud800) that UTF-8 cannot write")
+    assert "an answer of more than 1,052,672 bytes" in skipped["big"]
+    assert skipped["in-sur"] == "a lone surrogate (e.g. \\ud800) that UTF-8 cannot write"
+
+
+def test_special_files_are_refused_before_anything_is_read(tmp_path):
+    import os
+
+    conv = _write_jsonl(tmp_path / "conv.jsonl", [_chat(0)])
+    fifo = tmp_path / "fifo.jsonl"
+    os.mkfifo(fifo)
+    for args, says in (
+        (("--input", fifo, "--out", tmp_path / "o.jsonl"), f"--input {fifo} is a FIFO"),
+        (("--input", "/dev/zero", "--out", tmp_path / "o.jsonl"), "--input /dev/zero is a device"),
+        (("--input", conv, "--out", fifo), f"--out {fifo} is a FIFO"),
+        (("--input", conv, "--out", "/dev/stdout"), "--out /dev/stdout is a"),  # a pipe or a terminal: never written
+    ):
+        p = _regenerate(*args, "--server", "http://127.0.0.1:9", timeout=20)
+        assert p.returncode == 2 and len(p.stderr.splitlines()) == 1, p.stderr
+        assert p.stderr.startswith(f"dflash-data: error: {says}") and "not a regular file" in p.stderr, p.stderr
+    assert not (tmp_path / "o.jsonl").exists()
+
+
+def test_a_second_run_on_the_same_out_is_refused_naming_the_first(faulty, tmp_path):
+    conv = _write_jsonl(tmp_path / "conv.jsonl", [_ask("h", "hang"), *[_ask(f"g{i}", "fine") for i in range(3)]])
+    out = tmp_path / "regen.jsonl"
+    cmd = [str(BIN / "dflash-data"), "regenerate", "--no-progress", "--input", str(conv), "--server", faulty,
+           "--out", str(out), "--timeout", "20", "--retries", "0"]
+    first = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 30
+        while not (out.exists() and len(_rows(out)) == 3) and time.monotonic() < deadline:
+            time.sleep(0.05)  # the first run is then waiting on the hanging conversation, holding the lock
+        p = _regenerate("--input", conv, "--server", faulty, "--out", out)
+        assert p.returncode == 2 and len(p.stderr.splitlines()) == 1, p.stderr
+        assert p.stderr.startswith(f"dflash-data: error: --out {out} is being written by another dflash-data "
+                                   f"regenerate (pid {first.pid} on ")
+        assert sorted(r["id"] for r in _rows(out)) == ["g0", "g1", "g2"]  # nothing written twice
+    finally:
+        first.kill()
+        first.wait()
+    summary = rg.run(conv, out, [faulty], rg.Settings(timeout_s=1, retries=0), concurrency=2, progress=False)
+    assert (summary.already_done, summary.skipped) == (3, 1)  # the lock of a killed run is free again
+
+
+def test_the_readme_workflow_in_one_folder_keeps_both_skipped_files(faulty, tmp_path, capsys):
+    """regenerate --out DIR/regen.jsonl, then import DIR/regen.jsonl --out DIR: each command's skipped file stays."""
+    from dflash.commands.data import data_main
+    from trainkit import chat_target
+
+    target = chat_target(tmp_path / "target", "qwen3")
+    folder = tmp_path / "data"
+    folder.mkdir()
+    conv = _write_jsonl(tmp_path / "conv.jsonl", [_ask("j", "junk"), *[_ask(f"g{i}", "fine") for i in range(3)]])
+    out = folder / "regen.jsonl"
+    summary = rg.run(conv, out, [faulty], rg.Settings(retries=0), concurrency=2, progress=False)
+    assert (summary.regenerated, summary.skipped) == (3, 1)
+    regen_skipped = rg.skipped_path(out).read_bytes()
+    assert rg.skipped_path(out) == folder / "regen.skipped.jsonl" and b'"id": "j"' in regen_skipped
+    with pytest.raises(SystemExit) as e:
+        data_main(["import", str(out), "--target", str(target), "--out", str(folder), "--workers", "1", "--no-progress"])
+    assert e.value.code == 0, capsys.readouterr().err
+    assert rg.skipped_path(out).read_bytes() == regen_skipped
+    from dflash.data.shards import ShardDataset
+
+    assert ShardDataset(folder).num_samples == 3

@@ -391,7 +391,8 @@ def _flip_middle(file: Path, n: int = 64) -> None:
     file.write_bytes(bytes(data))
 
 
-@pytest.mark.parametrize("case", ["id >= vocab", "all-zero loss_mask", "1-token samples", "64 flipped bytes"])
+@pytest.mark.parametrize("case", ["id >= vocab", "all-zero loss_mask", "1-token samples", "64 flipped bytes",
+                                  "an import killed half-way"])
 def test_data_the_run_cannot_learn_from_stops_at_the_gate(tmp_path, case):
     """Each passed preflight before, then crashed in step 1 or "trained" with exit 0; now the dataset check fails."""
     from dflash.data.identity import shard_records, target_fingerprint, write_manifest
@@ -411,10 +412,15 @@ def test_data_the_run_cannot_learn_from_stops_at_the_gate(tmp_path, case):
         for shard in shards:
             write_shard(shard, [[5]] * 4, [[1]] * 4)
         expect = "nothing to learn: no sample has two consecutive loss_mask = 1 tokens"
-    else:
+    elif case == "64 flipped bytes":
         write_manifest(data, {"target": target_fingerprint(cfg.target.path), "shards": shard_records(shards)})
         _flip_middle(shards[1])
         expect = "shard-00001.arrow content differs from its sha256 in manifest.json"
+    else:  # what a killed dflash-data import leaves: its resume state, no completion record
+        write_manifest(data, {"target": target_fingerprint(cfg.target.path), "shards": shard_records(shards),
+                              "settings": {}, "import": {"done": {}}})
+        expect = (f"dflash-data import did not finish writing {data} (no completion record in manifest.json: killed "
+                  "half-way?)")
     config = write_toml(raw, tmp_path / "run.toml")
     out = subprocess.run(train_cmd(config, "--fresh", "--verify-data"), cwd=REPO, capture_output=True, text=True)
     assert out.returncode == 1, out.stdout + out.stderr

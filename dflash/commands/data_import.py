@@ -5,9 +5,10 @@ lines `dflash-data stats` prints.
     uv run dflash-data import sharegpt.json tools.parquet --target smollm2 --out data/mine --last-turn-only
     uv run dflash-data stats data/chats      # + masked fraction, assistant tokens and turns per row
 
-Exit codes: 0 imported (malformed rows go to OUT/skipped.jsonl and do not fail the import), 2 bad input
-(a file that is no JSON/JSONL/Parquet, a target without a chat template, an --out imported with other
-settings). Rerun the same command to resume an interrupted import.
+Exit codes: 0 imported (malformed rows go to OUT/skipped.jsonl and do not fail the import), 1 a tokenizing
+worker died twice with the same rows in flight (one death is survived), 2 bad input (a file that is no
+JSON/JSONL/Parquet, a target without a chat template, an --out imported with other settings). Rerun the same
+command to resume an interrupted import.
 """
 
 from __future__ import annotations

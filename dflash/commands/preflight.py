@@ -4,6 +4,7 @@
     uv run dflash-preflight --profile train-cu128 --config RUN.toml     # + GPUs, run dir, dataset, disk
     uv run dflash-preflight --profile train-cu128 --json --waive env-drift --reason "vendor image"
     uv run dflash-preflight --profile train-cu128 --config RUN.toml --resume --verify-data   # + every sha256
+    uv run dflash-preflight --profile train-cu128 --config RUN.toml --set data.token_budget=45056   # as dflash-train
 
 Exit codes: 0 no check failed (warnings allowed), 1 a check failed, 2 usage error.
 This process never imports torch and never creates a CUDA context (GPUs are read via NVML).
@@ -35,10 +36,12 @@ EXIT_OK, EXIT_FAIL = 0, 1  # a usage error (click.UsageError) exits 2 through ru
 @click.option("--fresh", is_flag=True, help="the run will start over even if checkpoints exist")
 @click.option("--verify-data", is_flag=True, help="also hash every dataset shard, and the checkpoint --resume would "
               "load, against the sha256 recorded when they were written (reads every byte; without it: sizes)")
+@click.option("--set", "sets", multiple=True, metavar="KEY=VALUE", help="override a config field, as dflash-train "
+              "--set does, e.g. data.token_budget=45056 (needs --config)")
 @click.option("--nvml-fake", metavar="JSON|none", hidden=True, help="replay a recorded NVML snapshot (tests)")
-def command(profile_name, config_path, as_json, waive, reason, resume, fresh, verify_data, nvml_fake) -> int:
+def command(profile_name, config_path, as_json, waive, reason, resume, fresh, verify_data, sets, nvml_fake) -> int:
     """Check the environment profile NAME (and a run config) before training."""
-    from dflash.config import ConfigError, load_config
+    from dflash.config import ConfigError, load_config, parse_overrides
     from preflight.gate import build_report, validate_waivers
     from preflight.nvml import FakeGpuInfo
     from preflight.profiles import ENVS_DIR, profile_names
@@ -55,10 +58,12 @@ def command(profile_name, config_path, as_json, waive, reason, resume, fresh, ve
         waivers = validate_waivers(dict(zip(waive, reason)))
     except ValueError as e:
         raise click.UsageError(str(e)) from None
+    if sets and config_path is None:
+        raise click.UsageError("--set overrides a run config field: give --config RUN.toml with it")
     cfg = None
     if config_path is not None:
         try:
-            cfg = load_config(config_path)
+            cfg = load_config(config_path, parse_overrides(sets))
         except ConfigError as e:
             raise click.UsageError(str(e)) from None
     gpu_info = None

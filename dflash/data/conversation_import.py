@@ -8,7 +8,9 @@ processes renders and tokenizes chunks of rows (dflash.data.conversations); the 
 (bounded memory: a few chunks in flight plus the shard being filled), writes each shard atomically,
 appends its rejected rows to ``skipped.jsonl`` and records the shard in ``manifest.json``. A rerun
 with the same sources (sha256) and settings keeps the finished shards and continues: no row twice
-(skipped.jsonl is cut back to the length the manifest recorded). Other settings are refused.
+(skipped.jsonl is cut back to the length the manifest recorded). Other settings are refused. The manifest gets its
+completion record (``dflash.data.identity.seal``) only at the very end: until then preflight and the trainer refuse
+the folder, so a kill half-way never trains on part of the data.
 
 Shards carry two optional columns after input_ids/loss_mask: ``id`` (the row's id, or
 ``<file>:<line>`` when it has none) and ``turns`` (assistant turns of the conversation). Readers
@@ -24,13 +26,23 @@ import os
 import time
 from collections import deque
 from collections.abc import Iterator
+from concurrent.futures import Future
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
 
 from dflash.data.conversations import FORMATS, Renderer, RowError, SourceRow, decode_row, iter_source, row_format, row_messages
-from dflash.data.identity import MANIFEST_NAME, SHARD_GLOB, compare_targets, read_manifest, shard_records, write_manifest
+from dflash.data.identity import (
+    COMPLETE,
+    MANIFEST_NAME,
+    SHARD_GLOB,
+    compare_targets,
+    read_manifest,
+    seal,
+    shard_records,
+    write_manifest,
+)
 from dflash.errors import DflashError
 
 SHARD_NAME = "shard-{:05d}.arrow"
@@ -90,10 +102,32 @@ def _init_worker(tokenizer_dir: str, settings: dict, formats: list[str]) -> None
                    settings=settings, formats=formats, names=[Path(p).name for p in settings["sources"]])
 
 
-def _row_messages(row: SourceRow, file: int) -> tuple[str, list[dict], list | None]:
+def _init_pool_worker(parent: int, *args) -> None:
+    """A worker process of the pool: it dies with the import (Linux: PR_SET_PDEATHSIG), so a kill -9 of the parent
+    leaves no orphan printing BrokenPipeError tracebacks, and leaves Ctrl-C to the parent."""
+    import signal
+    import sys
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if sys.platform == "linux":
+        import ctypes
+
+        try:
+            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
+        except (OSError, AttributeError):
+            pass
+    if os.getppid() != parent:  # the import died before the line above took effect
+        os._exit(1)
+    _init_worker(*args)
+
+
+def _row_messages(row: SourceRow, file: int, res: Result) -> tuple[list[dict], list | None]:
+    """The row's messages and tools; its id lands in `res` first, so a malformed row is logged under it too."""
     value = decode_row(row)
-    rid, messages, tools = row_messages(value, _WORKER["formats"][file])
-    return (rid if rid is not None else f"{_WORKER['names'][file]}:{row.line}"), messages, tools
+    rid = value.get("id")
+    res.rid = str(rid) if rid is not None else f"{_WORKER['names'][file]}:{row.line}"
+    _, messages, tools = row_messages(value, _WORKER["formats"][file])  # "auto": this row's own format
+    return messages, tools
 
 
 def process_chunk(chunk: list[tuple[int, SourceRow]]) -> list[Result]:
@@ -104,13 +138,14 @@ def process_chunk(chunk: list[tuple[int, SourceRow]]) -> list[Result]:
         res = Result(row.line, file)
         results.append(res)
         try:
-            res.rid, messages, tools = _row_messages(row, file)
+            messages, tools = _row_messages(row, file, res)
             messages = renderer.prepare(messages)
             res.turns = sum(m["role"] == "assistant" for m in messages)
             if not res.turns:
                 res.kind, res.reason = "no_assistant", "no assistant message"
                 continue
             text, row_spans = renderer.spans(messages, tools)
+            _check_unicode(text, res.rid)
         except RowError as e:
             res.kind, res.reason = "malformed", str(e)
             continue
@@ -121,6 +156,15 @@ def process_chunk(chunk: list[tuple[int, SourceRow]]) -> list[Result]:
         for res, (ids, mask) in zip(kept, renderer.encode_batch(texts, spans)):
             _finish(res, ids, mask, _WORKER["settings"])
     return results
+
+
+def _check_unicode(text: str, rid: str) -> None:
+    """RowError for a lone surrogate (JSON's "\\ud800" decodes to one): no tokenizer or Arrow string takes it."""
+    for what, value in (("text", text), ("id", rid)):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise RowError(f"its {what} holds a lone surrogate ({value[e.start]!a}), not valid Unicode") from None
 
 
 def _finish(res: Result, ids: np.ndarray, mask: np.ndarray, s: dict) -> None:
@@ -141,7 +185,8 @@ def _finish(res: Result, ids: np.ndarray, mask: np.ndarray, s: dict) -> None:
 
 
 def detect_format(path: Path, forced: str) -> str:
-    """The row format of one file: `forced`, else the first decodable row's ('messages' when none tells)."""
+    """The row format of one file as recorded and logged: `forced`, else the first decodable row's ('messages' when
+    none tells). Rows are read by their own format all the same (import passes "auto" to the workers)."""
     if forced != "auto":
         return forced
     for n, row in enumerate(iter_source(path)):
@@ -186,6 +231,10 @@ def _resumable(out: Path, key: dict, target: dict) -> dict:
         if stray:
             raise ConversationImportError(f"{out}: holds {len(stray)} shard(s) but no {MANIFEST_NAME}, so a resume cannot tell "
                                "which rows they hold; use another --out")
+        if out.is_dir() and (out / SKIPPED).is_file() and (out / SKIPPED).stat().st_size:
+            raise ConversationImportError(f"{out / SKIPPED}: already there, not written by an import into {out} (an older "
+                                          "regenerate's?); import never rewrites a file it did not create: move it "
+                                          "aside or use another --out")
         return {"target": target, "settings": key, "sources": [], "shards": {}, "import": {"done": {}}}
     old = manifest.get("settings") or {}
     differ = [k for k in key if old.get(k) != key[k]]
@@ -236,17 +285,97 @@ def _chunks(rows, done: set, chunk_size: int) -> Iterator[tuple[int, list]]:
         yield current, chunk
 
 
-def _ordered(pool, chunks: Iterator, depth: int) -> Iterator[tuple[int, int, list[Result]]]:
-    """(shard, rows in the chunk, results) in order; at most `depth` chunks in flight (bounded memory)."""
-    pending: deque = deque()
+class WorkerLost(DflashError):
+    """A tokenizing worker died (killed: the OOM killer, a signal) twice while one chunk was in flight (exit 1)."""
+
+
+class _Workers:
+    """The tokenizing processes (concurrent.futures, so a worker that dies breaks the pool instead of hanging it:
+    its chunk would never come back from a multiprocessing.Pool). A broken pool is replaced and every chunk in
+    flight sent again; a chunk in flight at two deaths ends the import (WorkerLost, naming its rows)."""
+
+    def __init__(self, workers: int, initargs: tuple, log):
+        import sys
+        from concurrent.futures import ProcessPoolExecutor
+
+        self._make = lambda: ProcessPoolExecutor(workers, multiprocessing.get_context(
+            "fork" if sys.platform == "linux" else "spawn"), initializer=_init_pool_worker,
+            initargs=(os.getpid(), *initargs))
+        self.executor, self.log = self._make(), log
+
+    def submit(self, chunk: list) -> Future:
+        """The chunk's future; one holding BrokenProcessPool when the pool broke already (seen at its result)."""
+        from concurrent.futures.process import BrokenProcessPool
+
+        try:
+            return self.executor.submit(process_chunk, chunk)
+        except BrokenProcessPool as e:
+            broken: Future = Future()
+            broken.set_exception(e)
+            return broken
+
+    def restart(self) -> None:
+        self.executor.shutdown(wait=True, cancel_futures=True)
+        self.executor = self._make()
+
+    def close(self) -> None:
+        """Stop at once (the end, an error or Ctrl-C): chunks still queued are dropped, the workers killed."""
+        processes = dict(getattr(self.executor, "_processes", None) or {})  # no public handle on them
+        self.executor.shutdown(wait=False, cancel_futures=True)
+        for proc in processes.values():
+            if proc.is_alive():
+                proc.kill()
+            proc.join()
+
+
+def _rows_of(chunk: list, sources: list[Path]) -> str:
+    (first_file, first), (last_file, last) = chunk[0], chunk[-1]
+    if first_file == last_file:
+        return f"{sources[first_file].name} lines {first.line}-{last.line}"
+    return f"{sources[first_file].name} line {first.line} to {sources[last_file].name} line {last.line}"
+
+
+def _ordered(pool: _Workers | None, chunks: Iterator, depth: int,
+             sources: list[Path]) -> Iterator[tuple[int, int, list[Result]]]:
+    """(shard, rows in the chunk, results) in order; at most `depth` chunks in flight (bounded memory).
+
+    A worker lost (BrokenProcessPool) restarts the pool and sends every chunk in flight again, once per chunk."""
+    from concurrent.futures.process import BrokenProcessPool
+
+    if pool is None:
+        for shard, chunk in chunks:
+            yield shard, len(chunk), process_chunk(chunk)
+        return
+    pending: deque = deque()  # [shard, chunk, future, deaths seen while in flight]
+
+    def result_of_first() -> tuple[int, int, list[Result]]:
+        while True:
+            shard, chunk, future, _ = pending[0]
+            try:
+                results = future.result()
+            except BrokenProcessPool:
+                for job in pending:
+                    job[3] += 1
+                worst = next((job for job in pending if job[3] > 1), None)
+                if worst is not None:
+                    raise WorkerLost(f"a tokenizing worker died twice while {_rows_of(worst[1], sources)} were in "
+                                     "flight (killed: out of memory?); the finished shards are kept: rerun the same "
+                                     "command to resume (fewer --workers use less memory)") from None
+                pool.log(f"  a tokenizing worker died (killed: out of memory?); restarting the workers and sending "
+                         f"{len(pending)} chunk(s) in flight again")
+                pool.restart()
+                for job in pending:
+                    job[2] = pool.submit(job[1])
+                continue
+            pending.popleft()
+            return shard, len(chunk), results
+
     for shard, chunk in chunks:
-        pending.append((shard, len(chunk), pool.apply_async(process_chunk, (chunk,)) if pool else chunk))
-        while len(pending) > depth or (pool is None and pending):
-            s, n, job = pending.popleft()
-            yield s, n, job.get() if pool else process_chunk(job)
+        pending.append([shard, chunk, pool.submit(chunk), 0])
+        while len(pending) > depth:
+            yield result_of_first()
     while pending:
-        s, n, job = pending.popleft()
-        yield s, n, job.get()
+        yield result_of_first()
 
 
 @dataclass
@@ -268,6 +397,10 @@ def import_conversations(s: ImportSettings, log=print, progress: bool | None = N
     if s.overlong not in OVERLONG:
         raise ConversationImportError(f"--overlong {s.overlong!r}: use truncate or drop")
     sources = [Path(p) for p in s.sources]
+    for p in sources:
+        if not p.is_file():  # a FIFO would block, /dev/zero never end: refused before anything is read
+            raise ConversationImportError(f"{p}: not a regular file (a FIFO, a device or a socket); give a .jsonl, "
+                                          ".json or .parquet file")
     formats = [detect_format(p, s.fmt) for p in sources]  # a file that is no JSON/Parquet fails here
     out = Path(s.out)
     if out.exists() and not out.is_dir():
@@ -278,6 +411,7 @@ def import_conversations(s: ImportSettings, log=print, progress: bool | None = N
     key = _settings_key(s, records, _sha(tokenizer.chat_template))
     manifest = _resumable(out, key, fp)
     manifest["sources"] = records
+    manifest.pop(COMPLETE, None)  # not whole again until this run seals it (a kill from here on leaves it unsealed)
     out.mkdir(parents=True, exist_ok=True)
     _cut_skipped(out, manifest)
     write_manifest(out, manifest)
@@ -286,6 +420,7 @@ def import_conversations(s: ImportSettings, log=print, progress: bool | None = N
         + (f", {len(done)} shard(s) already done (resuming)" if done else "")
         + f"; template of {s.target}" + (" (renders reasoning)" if renderer.reasoning else ""))
     settings = {**asdict(s), "sources": [str(p) for p in sources], "out": str(out)}
+    formats = [s.fmt] * len(sources) if s.fmt == "auto" else formats  # each row judged on its own
     workers = s.workers or os.cpu_count() or 1
     progress = sys.stderr.isatty() if progress is None else progress
     bar = tqdm(unit=" rows", desc="import", disable=not progress, dynamic_ncols=True)
@@ -293,13 +428,12 @@ def import_conversations(s: ImportSettings, log=print, progress: bool | None = N
     pool = None
     try:
         if workers > 1:
-            ctx = multiprocessing.get_context("fork" if sys.platform == "linux" else "spawn")
-            pool = ctx.Pool(workers, _init_worker, (str(tokenizer_dir), settings, formats))
+            pool = _Workers(workers, (str(tokenizer_dir), settings, formats), log)
         else:
             _init_worker(str(tokenizer_dir), settings, formats)
         chunks = _chunks(plan_rows(sources, s.shard_size), done, s.chunk_size)
         current: _Shard | None = None
-        for shard, n, results in _ordered(pool, chunks, depth=4 * workers):
+        for shard, n, results in _ordered(pool, chunks, 4 * workers, sources):
             if current is None or shard != current.index:
                 if current is not None:
                     tokens += _commit(out, manifest, current, sources, log, progress)
@@ -313,8 +447,7 @@ def import_conversations(s: ImportSettings, log=print, progress: bool | None = N
     finally:
         bar.close()
         if pool is not None:
-            pool.terminate()
-            pool.join()
+            pool.close()
     return _summary(out, manifest, time.perf_counter() - t0, log)
 
 
@@ -410,7 +543,7 @@ def _summary(out: Path, manifest: dict, seconds: float, log) -> dict:
     t = totals(manifest)
     n_dup, examples = duplicate_ids(out, manifest)
     manifest["import"]["totals"] = {**t, "duplicate_ids": n_dup}
-    write_manifest(out, manifest)
+    write_manifest(out, seal(manifest))  # the completion record, last: only now may preflight and the trainer use it
     log(f"{out}: {t['samples']:,} samples, {t['tokens']:,} tokens ({t['masked_tokens'] / max(t['tokens'], 1):.1%} "
         f"masked) from {t['rows']:,} rows in {len(manifest['shards'])} shard(s), {seconds:.0f} s")
     left_out = [f"{t[k]:,} {what}" for k, what in (("malformed", "malformed"), ("no_assistant", "without an assistant "

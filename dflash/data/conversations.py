@@ -181,7 +181,15 @@ def _iter_parquet(path: Path) -> Iterator[SourceRow]:
         raise ConversationError(f"{path}: no 'conversations' or 'messages' column (columns: {', '.join(names)}); "
                                 "give ShareGPT or OpenAI-messages rows")
     row = 0
-    for batch in pf.iter_batches(batch_size=_PARQUET_BATCH, columns=columns):
+    batches = pf.iter_batches(batch_size=_PARQUET_BATCH, columns=columns)
+    while True:
+        try:
+            batch = next(batches, None)
+        except (pa.ArrowException, OSError) as e:  # a corrupt page behind an intact footer
+            raise ConversationError(f"{path}: corrupt Parquet data after row {row:,} ({str(e).splitlines()[0][:160]}); "
+                                    "restore or re-export the file (finished shards are kept: rerun to resume)") from None
+        if batch is None:
+            return
         for value in batch.to_pylist():
             row += 1
             yield SourceRow(row, value=value)
@@ -192,12 +200,13 @@ def _iter_parquet(path: Path) -> Iterator[SourceRow]:
 
 
 def row_format(value: object) -> str | None:
-    """'sharegpt', 'messages' or None (neither column) for one decoded row."""
+    """'messages', 'sharegpt' or None (neither column) for one decoded row, judged on that row alone; a row holding
+    both reads as OpenAI `messages` (the richer form: reasoning, tool calls), in import and regenerate alike."""
     if isinstance(value, dict):
-        if value.get("conversations") is not None:
-            return "sharegpt"
         if value.get("messages") is not None:
             return "messages"
+        if value.get("conversations") is not None:
+            return "sharegpt"
     return None
 
 

@@ -7,7 +7,14 @@ The manifest ``manifest.json`` that ``dflash-data prepare``/``import``/``merge``
 
     {"target": {"vocab_size", "model_type", "num_layers", "hidden", "tokenizer_sha256"} | null,
      "shards": {"shard-00000.arrow": {"bytes": int, "sha256": hex, "samples": int, "tokens": int, ...}},
-     ... what wrote it: "settings" (prepare, import), "merged_from" (merge)}
+     ... what wrote it: "settings" (prepare, import), "merged_from" (merge),
+     "complete": {"shards", "samples", "tokens", "sha256"}}
+
+``complete`` is the completion record: the last thing a writer puts there, in one atomic write, when every shard is
+written (``seal``). Its ``sha256`` covers the totals and every shard's samples, tokens, bytes and sha256. A manifest
+of ``import`` or ``prepare`` without it is a dataset whose writer did not finish (killed half-way): ``whole_problem``
+says so, and preflight's `dataset` check and the trainer's ``ShardDataset`` both refuse it, and any recorded count
+that disagrees with the shards' own row and token counts (read from the Arrow metadata and offsets, no data).
 
 ``target_fingerprint`` says what data built for a target must match (its vocabulary and tokenizer files);
 ``value_stats`` reads a shard's token id range, loss_mask range and learnable positions vectorised, which
@@ -154,6 +161,66 @@ def write_manifest(folder: str | Path, manifest: dict) -> None:
     tmp = folder / f".{MANIFEST_NAME}.{os.getpid()}.tmp"
     tmp.write_text(json.dumps(manifest, indent=2) + "\n")
     os.replace(tmp, folder / MANIFEST_NAME)
+
+
+COMPLETE = "complete"  # the key of the completion record
+_SEALED = ("samples", "tokens", "bytes", "sha256")  # what the record's checksum covers, per shard
+
+
+def _seal_sha256(manifest: dict, totals: dict) -> str:
+    shards = manifest.get("shards") if isinstance(manifest.get("shards"), dict) else {}
+    covered = {"totals": totals, "shards": {n: {k: r.get(k) for k in _SEALED} if isinstance(r, dict) else r
+                                            for n, r in sorted(shards.items())}}
+    return hashlib.sha256(json.dumps(covered, sort_keys=True).encode()).hexdigest()
+
+
+def seal(manifest: dict) -> dict:
+    """Set the completion record: shard count, samples, tokens over ``manifest["shards"]`` (each shard records
+    samples, tokens, bytes, sha256) and the checksum over them. Writers call it last, then write_manifest."""
+    shards = manifest["shards"]
+    totals = {"shards": len(shards), "samples": sum(int(r["samples"]) for r in shards.values()),
+              "tokens": sum(int(r["tokens"]) for r in shards.values())}
+    manifest[COMPLETE] = {**totals, "sha256": _seal_sha256(manifest, totals)}
+    return manifest
+
+
+def unfinished_writer(manifest: dict) -> str | None:
+    """'import' or 'prepare' when that command wrote this manifest and has not sealed it, else None."""
+    if isinstance(manifest.get(COMPLETE), dict):
+        return None
+    return "import" if "import" in manifest else "prepare" if "settings" in manifest else None
+
+
+def whole_problem(folder: str | Path, manifest: dict, counted: dict[str, tuple[int, int]]) -> tuple[str, str] | None:
+    """(why the dataset in `folder` is not whole, the fix); None when it is.
+
+    `counted`: {shard name: (rows, tokens)} as the reader counted them from the shards themselves. Refused: a
+    manifest of import/prepare without its completion record, a record whose checksum does not match (edited), and
+    any shard or total whose recorded samples/tokens differ from the counted ones.
+    """
+    writer = unfinished_writer(manifest)
+    if writer:
+        return (f"dflash-data {writer} did not finish writing {folder} (no completion record in {MANIFEST_NAME}: "
+                "killed half-way?)", f"rerun the same dflash-data {writer} command: it resumes and finishes")
+    recount = (f"restore {MANIFEST_NAME}, or recount it from the shards with dflash-data manifest {folder} "
+               "--target TARGET")
+    record = manifest.get(COMPLETE)
+    if record is not None:
+        totals = {k: record.get(k) for k in ("shards", "samples", "tokens")} if isinstance(record, dict) else {}
+        if not isinstance(record, dict) or record.get("sha256") != _seal_sha256(manifest, totals):
+            return f"{folder}/{MANIFEST_NAME} was edited after it was written (its completion checksum differs)", recount
+    shards = manifest.get("shards") if isinstance(manifest.get("shards"), dict) else {}
+    for name, (rows, tokens) in counted.items():
+        rec = shards.get(name)
+        for what, have in (("samples", rows), ("tokens", tokens)):
+            if isinstance(rec, dict) and what in rec and rec[what] != have:
+                return f"{folder}/{name} holds {have:,} {what} but {MANIFEST_NAME} records {rec[what]!r}", recount
+    if record is not None:
+        rows, tokens = sum(r for r, _ in counted.values()), sum(t for _, t in counted.values())
+        if (totals["samples"], totals["tokens"]) != (rows, tokens):
+            return (f"the shards of {folder} hold {rows:,} samples and {tokens:,} tokens but {MANIFEST_NAME} records "
+                    f"{totals['samples']:,} and {totals['tokens']:,}", recount)
+    return None
 
 
 def shard_records(paths: Iterable[str | Path]) -> dict[str, dict]:

@@ -38,14 +38,17 @@ from pathlib import Path
 
 from dflash.config import ConfigError
 from dflash.data.identity import (
+    COMPLETE,
     MANIFEST_NAME,
     SHARD_GLOB,
     DatasetError,
     ValueStats,
     compare_targets,
     read_manifest,
+    seal,
     shard_records,
     target_fingerprint,
+    unfinished_writer,
     value_stats,
 )
 from dflash.data.identity import write_manifest as write_manifest
@@ -281,12 +284,15 @@ def prepare(s: PrepareSettings, log=print, progress: bool | None = None) -> dict
     todo = [p for p in plan if not _done(out, manifest, *p)]
     done_prompts = sum(end - start for _, start, end in plan) - sum(end - start for _, start, end in todo)
     if not todo:
+        if unfinished_writer(manifest):  # every shard written, the record not (killed at the very end, or older)
+            write_manifest(out, seal(manifest))
         log(f"{out}: all {len(plan)} shard(s) already prepared ({len(prompts)} prompts); nothing to do")
         return manifest
     log(f"prepare: {len(prompts)} prompts from {s.prompts}, {len(plan)} shard(s) of {s.shard_size}"
         + (f", {len(plan) - len(todo)} already done (resuming)" if len(todo) < len(plan) else "")
         + f"; greedy completions of up to {s.max_new_tokens} tokens with {s.engine}")
     out.mkdir(parents=True, exist_ok=True)
+    manifest.pop(COMPLETE, None)  # not whole until every shard is written
     write_manifest(out, manifest)
     engine = (SglangEngine if s.engine == "sglang" else TransformersEngine)(model_path, s.device)
     eos_ids = eos_ids_of(getattr(engine, "model", None), tokenizer)
@@ -311,6 +317,7 @@ def prepare(s: PrepareSettings, log=print, progress: bool | None = None) -> dict
                 log(f"  {name}: prompts {start}-{end - 1}, {n_new} completion tokens ({rate:.0f} tok/s)")
     finally:
         bar.close()
+    write_manifest(out, seal(manifest))  # the completion record, last
     total = sum(e["samples"] for e in manifest["shards"].values())
     log(f"{out}: {total} samples in {len(manifest['shards'])} shard(s); "
         f"{new_tokens} tokens generated in {time.perf_counter() - t0:.0f} s")
@@ -440,10 +447,12 @@ def merge(inputs: list[Path], out: Path, overwrite: bool = False, log=print) -> 
         manifest = {
             "merged_from": entries,
             "target": known[0][1] if known and len(known) == len(sources) else None,
-            "shards": {dst.name: {"bytes": dst.stat().st_size, "sha256": digest, "from": str(shard)}
-                       for (_, shard, dst), digest in zip(jobs, digests)},
+            "shards": {dst.name: {"bytes": dst.stat().st_size, "sha256": digest, "from": str(shard),
+                                  "samples": ds.counts[shard.name][0], "tokens": ds.counts[shard.name][1]}
+                       for (_, shard, dst), digest, ds in zip(jobs, digests, (ds for _, ds in sources
+                                                                             for _ in ds.shards))},
         }
-        write_manifest(tmp, manifest)
+        write_manifest(tmp, seal(manifest))
         merged = ShardDataset(tmp)  # the result must open as one dataset
         if out.exists() or out.is_symlink():
             aside = _aside(out, "replaced")
@@ -475,15 +484,17 @@ def shard_values(path: Path) -> ValueStats:
 
 
 def record_manifest(path: Path, target: str, log=print) -> dict:
-    """Record in `path`/manifest.json the target the data was built for and every shard's size and sha256.
+    """Record in `path`/manifest.json the target the data was built for and every shard's size, sha256, samples
+    and tokens (counted from the shards), sealed with the completion record (``dflash.data.identity.seal``).
 
     For data written by other tools (or by an older version). Refused when a token id does not fit the
     target's vocabulary, when the manifest already names another target, or when a shard differs from
-    the sha256 the manifest recorded (restore it, or move manifest.json aside to record the new content).
+    the sha256 the manifest recorded (restore it, or move manifest.json aside to record the new content), or
+    when import or prepare wrote the folder and did not finish (rerun that command instead).
     """
     path = Path(path)
     try:
-        ds = ShardDataset(path)
+        ds = ShardDataset(path, whole=False)  # this command recounts what the manifest says
     except DatasetError as e:
         raise PrepareError(f"manifest: {e}") from None
     fp = _fingerprint(target)
@@ -491,6 +502,10 @@ def record_manifest(path: Path, target: str, log=print) -> dict:
     if problem:
         raise PrepareError(f"{path / MANIFEST}: {problem}; move the folder aside or use another --out")
     manifest = manifest or {}
+    writer = unfinished_writer(manifest)
+    if writer:
+        raise PrepareError(f"manifest: dflash-data {writer} did not finish writing {path} (no completion record); "
+                           f"rerun the same dflash-data {writer} command: it resumes and finishes")
     recorded_target = manifest.get("target")
     if isinstance(recorded_target, dict):
         bad, _ = compare_targets(recorded_target, fp)
@@ -511,8 +526,9 @@ def record_manifest(path: Path, target: str, log=print) -> dict:
         raise PrepareError(f"manifest: {', '.join(changed)} differ(s) from the sha256 {MANIFEST} recorded; restore "
                            f"the shard(s), or move {MANIFEST} aside to record the new content")
     manifest["target"] = fp
-    manifest["shards"] = {n: {**(old.get(n) if isinstance(old.get(n), dict) else {}), **r} for n, r in records.items()}
-    write_manifest(path, manifest)
+    manifest["shards"] = {n: {**(old.get(n) if isinstance(old.get(n), dict) else {}), **r,
+                              "samples": ds.counts[n][0], "tokens": ds.counts[n][1]} for n, r in records.items()}
+    write_manifest(path, seal(manifest))
     log(f"{path / MANIFEST}: {len(records)} shard(s), {ds.num_samples} samples, {ds.num_tokens} tokens; target "
         f"{target} (vocab {fp['vocab_size']:,}); token ids {stats.min_id}..{stats.max_id}")
     return manifest

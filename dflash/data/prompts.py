@@ -69,7 +69,11 @@ def chitchat_prompts(held_out: bool) -> list[str]:
 
 
 def file_prompts(path: Path) -> list[str]:
-    """Prompts of a .txt (one per line) or .jsonl file; lines end at "\\n" only (dflash.data.jsonl)."""
+    """Prompts of a .txt (one per line) or .jsonl file; lines end at "\\n" only (dflash.data.jsonl). A path that is
+    not a regular file (a FIFO would block, /dev/zero never end) is refused before it is read."""
+    if path.exists() and not path.is_file():
+        raise PromptError(f"{path}: not a regular file (a folder, a FIFO or a device); give a .txt/.jsonl file, "
+                          "'chitchat' or 'held-out'")
     try:
         text = path.read_bytes().decode("utf-8")
     except FileNotFoundError:

@@ -9,40 +9,51 @@ always imports) and optional `tools`, read as a stream. Output: JSONL in the Ope
 appended and flushed as soon as it is done (completion order, not input order); an assistant turn keeps the
 server's `reasoning_content` when it returns one. A rerun skips the ids already in the output, so a run stopped
 anywhere (a server killed, Ctrl-C) loses nothing and writes nothing twice. What could not be done in this run (a
-malformed line, a conversation that failed after every retry) goes to `skipped.jsonl` beside the output, with the
-line number and the reason; a rerun tries those again.
+malformed line, a conversation that failed after every retry) goes to `<out stem>.skipped.jsonl` beside the output
+(`regen.jsonl` -> `regen.skipped.jsonl`: never import's `skipped.jsonl` in the same folder), with the line number and
+the reason; a rerun tries those again. One run writes an output at a time: it holds an flock on `.<out name>.lock`
+beside it, and a second run on the same --out is refused in one line naming the first. Input and output must be
+regular files (a FIFO, /dev/zero or /dev/stdout is refused before anything is read).
 
 Requests go to the least-loaded live server (ties in turn); a failed request is retried with exponential
-backoff on another server when there is one. The client is plain HTTP (urllib, threads; no torch, no tokenizer):
-it runs in the training environment while the server runs in the infer-cu130 profile's.
+backoff (or the server's Retry-After, up to RETRY_AFTER_MAX_S) on another server when there is one. `--timeout`
+bounds each request in total, connection to last byte: a conversation that hits it is sent once more, then
+skipped; only refused connections, or a server's requests failing many times in a row, mark a server down. An
+answer of any other shape (junk, torn, nested too deeply, wrong types, a lone surrogate, bigger than --max-tokens
+allows) is a failed attempt with its reason, never a traceback. The client is plain HTTP (http.client, threads;
+no torch, no tokenizer): it runs in the training environment while the server runs in the infer-cu130 profile's.
 """
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import os
 import random
 import threading
 import time
-import urllib.error
-import urllib.request
 from collections import Counter
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dflash.data.conversations import ROLES, SHAREGPT_ROLES, RowError, row_tools
+from dflash.data.conversations import ROLES, SHAREGPT_ROLES, RowError, row_format, row_tools
 from dflash.data.jsonl import JsonLineError, binary_lines, decode_json
 from dflash.errors import DflashError, UsageError
 
-SKIPPED_NAME = "skipped.jsonl"  # beside --out: what this run could not do, with the reason
+SKIPPED_SUFFIX = ".skipped.jsonl"  # <out stem> + this, beside --out: what this run could not do, with the reason
 CHAT_PATH = "/v1/chat/completions"
 MODELS_PATH = "/v1/models"
 PROBE_TIMEOUT_S = 10.0  # the start-of-run reachability check, per server
 BACKOFF_BASE_S = 0.5  # first retry waits ~0.5 s, then doubles (with jitter) ...
 BACKOFF_MAX_S = 30.0  # ... up to this
 FAILED_FIRST_LIMIT = 8  # this many failed conversations before any succeeds stop the run (wrong --model, wrong URL)
+TIMEOUT_RETRIES = 1  # a request that hit --timeout is sent once more, then the conversation is skipped
+RETRY_AFTER_MAX_S = 60.0  # a server's Retry-After is honoured up to this many seconds
+DOWN_AFTER_FAILURES = 16  # a server whose last this many requests all failed (timeouts, junk) is avoided while others answer
+REPLY_BYTES_PER_TOKEN = 64  # an answer may hold at most this many bytes per --max-tokens token ...
+REPLY_BYTES_SLACK = 1 << 20  # ... plus this much (JSON, reasoning, tool calls): memory stays bounded per reply
 
 
 class RegenerateError(DflashError):
@@ -72,7 +83,7 @@ class Settings:
     thinking: str = "keep"  # keep: the template's default; off: chat_template_kwargs enable_thinking=false
     seed: int | None = None  # sent with every request when given
     retries: int = 5  # further attempts per reply after a failure
-    timeout_s: float = 600.0  # per request
+    timeout_s: float = 600.0  # per request, in total: connection, the server's work and the whole answer
 
 
 @dataclass(frozen=True)
@@ -153,15 +164,28 @@ def _tools(row: dict) -> list | None:
 
 
 def _messages(row: dict) -> list[dict]:
-    if "messages" in row:
+    fmt = row_format(row)  # import's rule, per row: `messages` when a row holds both
+    if fmt == "messages":
         messages = _openai(row["messages"])
-    elif "conversations" in row:
+    elif fmt == "sharegpt":
         messages = _sharegpt(row["conversations"])
     else:
         raise BadRow("no `messages` (OpenAI) or `conversations` (ShareGPT) list")
     if not any(m["role"] == "assistant" for m in messages):
         raise BadRow("no assistant turn to regenerate")
     return messages
+
+
+def _unwritable(value) -> str | None:
+    """Why `value` cannot be written as one UTF-8 JSON line (a lone surrogate such as \\ud800 in a string, nesting
+    too deep for the encoder), else None."""
+    try:
+        json.dumps(value, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        return "a lone surrogate (e.g. \\ud800) that UTF-8 cannot write"
+    except RecursionError:
+        return "nesting too deep to write"
+    return None
 
 
 def parse_row(text: str, lineno: int) -> Conversation:
@@ -178,6 +202,11 @@ def parse_row(text: str, lineno: int) -> Conversation:
     rid = row.get("id", f"line-{lineno}")
     if not isinstance(rid, (str, int)) or isinstance(rid, bool):
         raise BadRow("`id` is not a string or an integer")
+    unwritable = _unwritable(row)
+    if unwritable:  # its output could never be written
+        e = BadRow(unwritable)
+        e.rid = None if _unwritable(rid) else str(rid)
+        raise e
     try:
         return Conversation(str(rid), _messages(row), _tools(row))
     except BadRow as e:
@@ -218,19 +247,84 @@ def count_rows(path: Path) -> int:
 
 
 def skipped_path(out: Path) -> Path:
-    return Path(out).with_name(SKIPPED_NAME)
+    out = Path(out)
+    return out.with_name(out.stem + SKIPPED_SUFFIX)
+
+
+def _special(path: Path) -> str | None:
+    """'a FIFO', 'a device', 'a socket'... when `path` exists and is not a regular file (nor a folder), else None."""
+    import stat
+
+    try:
+        mode = path.stat().st_mode
+    except OSError:
+        return None
+    if stat.S_ISREG(mode) or stat.S_ISDIR(mode):
+        return None
+    return ("a FIFO" if stat.S_ISFIFO(mode) else "a socket" if stat.S_ISSOCK(mode)
+            else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "not a regular file")
 
 
 def check_paths(input_path: Path, out: Path) -> None:
-    """Refuse an --out that would overwrite the input (or make skipped.jsonl do it) or that is a folder."""
+    """Refuse what is not a regular file (a FIFO, a device, /dev/stdout), an --out that would overwrite the input (or
+    make its skipped file do it) or that is a folder; before anything is read."""
     input_path, out = Path(input_path), Path(out)
+    for path, what in ((input_path, "--input"), (out, "--out"), (skipped_path(out), "its skipped file")):
+        kind = _special(path)
+        if kind:
+            raise UsageError(f"{what} {path} is {kind}, not a regular file; give a .jsonl file path")
     if out.is_dir():
         raise UsageError(f"--out {out} is a folder; give a .jsonl file path")
-    if out.name == SKIPPED_NAME:
-        raise UsageError(f"--out {out}: {SKIPPED_NAME} is where failures go; give another file name")
-    for path, what in ((out, "--out"), (skipped_path(out), f"{SKIPPED_NAME} beside --out")):
+    for path, what in ((out, "--out"), (skipped_path(out), "the skipped file beside --out")):
         if path.resolve() == input_path.resolve() or (path.exists() and os.path.samefile(path, input_path)):
             raise UsageError(f"{what} {path} is the input file; give another --out (regenerate never overwrites its input)")
+
+
+class OutputBusy(UsageError):
+    """Another regenerate run writes this --out (exit 2)."""
+
+
+class OutputLock:
+    """The --out's exclusive lock: an flock on ``.<out name>.lock`` beside it, holding the owner (pid, host, time).
+
+    The kernel frees it when the process dies, however it dies; `release` removes the file."""
+
+    def __init__(self, out: Path):
+        import fcntl
+        import socket
+
+        self.path = Path(out).with_name(f".{Path(out).name}.lock")
+        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            try:
+                owner = json.loads(os.pread(self.fd, 4096, 0) or b"{}")
+            except ValueError:
+                owner = {}
+            os.close(self.fd)
+            who = (f"pid {owner.get('pid')} on {owner.get('host')} since {owner.get('time')}"
+                   if isinstance(owner, dict) and owner.get("pid") else "a run that is still starting")
+            raise OutputBusy(f"--out {out} is being written by another dflash-data regenerate ({who}); wait for it "
+                             "to finish or stop it (a rerun then continues), or give another --out") from None
+        owner = {"pid": os.getpid(), "host": socket.gethostname(), "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+        os.ftruncate(self.fd, 0)
+        os.pwrite(self.fd, (json.dumps(owner) + "\n").encode(), 0)
+
+    def release(self) -> None:
+        if self.fd >= 0:
+            try:
+                self.path.unlink()
+            except OSError:
+                pass
+            os.close(self.fd)
+            self.fd = -1
+
+    def __enter__(self) -> OutputLock:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
 
 
 def finished_ids(out: Path) -> set[str]:
@@ -261,14 +355,18 @@ class ServerPool:
     """The servers and their requests in flight: each request goes to the least-loaded live server, ties in turn.
 
     A server whose last request failed to connect is down until a later request succeeds; down servers are used
-    only while every server is down. `stop()` makes every later request raise RunStopped at once.
+    only while every server is down, and every server down stops the run. A server whose last DOWN_AFTER_FAILURES
+    requests all failed otherwise (timed out, torn, junk) is only avoided while another one answers: slow or odd
+    conversations are those rows' failures, never a reason to stop. `stop()` makes every later request raise
+    RunStopped at once.
     """
 
     def __init__(self, urls: list[str]):
         self.urls = list(dict.fromkeys(urls))
         self._lock = threading.Lock()
         self._busy = dict.fromkeys(self.urls, 0)
-        self._failing = dict.fromkeys(self.urls, False)
+        self._failing = dict.fromkeys(self.urls, False)  # its last request found no connection
+        self._failures = dict.fromkeys(self.urls, 0)  # requests failed in a row on a connection
         self._turn = 0
         self.served: Counter = Counter()
         self.retries = 0  # requests sent again after a failure
@@ -277,7 +375,8 @@ class ServerPool:
     def acquire(self, avoid: str | None = None) -> str:
         """The server for the next request (not `avoid` when another one is live)."""
         with self._lock:
-            live = [u for u in self.urls if not self._failing[u]] or list(self.urls)
+            live = ([u for u in self.urls if not self._failing[u] and self._failures[u] < DOWN_AFTER_FAILURES]
+                    or [u for u in self.urls if not self._failing[u]] or list(self.urls))
             if len(live) > 1 and avoid in live:
                 live.remove(avoid)
             self._turn += 1
@@ -287,8 +386,11 @@ class ServerPool:
             return url
 
     def release(self, url: str, connected: bool, answered: bool = False) -> None:
+        """One request to `url` ended: `connected` False when no connection was made (refused, unreachable),
+        `answered` True when it gave a usable reply."""
         with self._lock:
             self._busy[url] -= 1
+            self._failures[url] = 0 if answered else self._failures[url] + connected
             self._failing[url] = not connected
             self.served[url] += answered
 
@@ -304,19 +406,113 @@ class ServerPool:
         self.stopped = self.stopped or reason
 
 
-def _http_json(url: str, body: dict | None, timeout: float):
-    data = None if body is None else json.dumps(body).encode()
-    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(request, timeout=timeout) as response:
-        return json.loads(response.read())
+class Unreachable(OSError):
+    """No connection to the server (refused, unreachable, no route): the server is down."""
 
 
-def _answer_text(e: urllib.error.HTTPError) -> str:
-    """The first 200 characters of an error answer's body, on one line ('' when it cannot be read)."""
+class RequestTimeout(OSError):
+    """No whole answer within the request's deadline (a hanging conversation, a server dripping bytes)."""
+
+
+class HttpAnswer(Exception):
+    """An HTTP error answer: its status, the first 200 characters of its body, and its Retry-After in seconds."""
+
+    def __init__(self, code: int, text: str, retry_after: float | None):
+        super().__init__(f"HTTP {code}: {text}")
+        self.code, self.text, self.retry_after = code, text, retry_after
+
+
+def retry_after_s(value: str | None) -> float | None:
+    """A Retry-After header (seconds, or an HTTP date) as seconds from now, capped at RETRY_AFTER_MAX_S; None if
+    absent or unreadable."""
+    if not value:
+        return None
+    value = value.strip()
     try:
-        return " ".join(e.read().decode("utf-8", "replace").split())[:200]
-    except (OSError, http.client.HTTPException):
-        return ""
+        seconds = float(value)
+    except ValueError:
+        from email.utils import parsedate_to_datetime
+
+        try:
+            seconds = parsedate_to_datetime(value).timestamp() - time.time()
+        except (TypeError, ValueError, IndexError, OverflowError):
+            return None
+    if seconds != seconds:  # NaN
+        return None
+    return min(max(seconds, 0.0), RETRY_AFTER_MAX_S)
+
+
+def http_request(url: str, body: dict | None, deadline_s: float, max_bytes: int) -> bytes:
+    """POST `body` as JSON (GET when None) and return the answer's body, all within `deadline_s` seconds in total.
+
+    A timer cuts the socket at the deadline, so neither a hanging server nor one sending a byte a second outlives
+    it (RequestTimeout); an answer over `max_bytes` is refused as it streams in (ValueError); no connection is
+    Unreachable; an HTTP error status is HttpAnswer; a torn answer is OSError or http.client.HTTPException.
+    """
+    import socket
+    import urllib.parse
+
+    parts = urllib.parse.urlsplit(url)
+    conn_type = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
+    conn = conn_type(parts.hostname, parts.port, timeout=deadline_s)
+    expired = threading.Event()
+
+    def cut() -> None:
+        expired.set()
+        sock = conn.sock
+        if sock is not None:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)  # wakes the read blocked on it
+            except OSError:
+                pass
+
+    timer = threading.Timer(deadline_s, cut)
+    timer.daemon = True
+    timer.start()
+    try:
+        try:
+            conn.connect()
+        except OSError as e:
+            if expired.is_set() or isinstance(e, TimeoutError):
+                raise RequestTimeout(f"no connection within --timeout {deadline_s:g} s") from None
+            raise Unreachable(_reason(e)) from None
+        data = None if body is None else json.dumps(body).encode()
+        path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+        headers = {"Content-Type": "application/json", "Connection": "close"}
+        conn.request("GET" if data is None else "POST", path, body=data, headers=headers)
+        response = conn.getresponse()
+        chunks, size = [], 0
+        while chunk := response.read(1 << 16):
+            size += len(chunk)
+            if size > max_bytes:
+                raise ValueError(f"an answer of more than {max_bytes:,} bytes (refused as it arrived: more than "
+                                 "--max-tokens can make)")
+            chunks.append(chunk)
+        if expired.is_set():  # the cut socket reads as the end of the answer
+            raise RequestTimeout(f"no whole answer within --timeout {deadline_s:g} s")
+        if response.length:  # http.client leaves what Content-Length promised and never came
+            raise http.client.IncompleteRead(b"".join(chunks), response.length)
+        answer = b"".join(chunks)
+        if response.status >= 400:
+            text = " ".join(answer[:400].decode("utf-8", "replace").split())[:200]
+            raise HttpAnswer(response.status, text, retry_after_s(response.getheader("Retry-After")))
+        return answer
+    except (OSError, http.client.HTTPException) as e:
+        if expired.is_set() or isinstance(e, TimeoutError):  # the timer, or the socket's own timeout, at the deadline
+            raise RequestTimeout(f"no whole answer within --timeout {deadline_s:g} s") from None
+        raise
+    finally:
+        timer.cancel()
+        conn.close()
+
+
+def _http_json(url: str, body: dict | None, timeout: float, max_bytes: int = REPLY_BYTES_SLACK):
+    """The answer decoded as JSON; ValueError (one line) for one that is not (torn, junk, nested too deeply)."""
+    answer = http_request(url, body, timeout, max_bytes)
+    try:
+        return decode_json(answer)
+    except JsonLineError as e:
+        raise ValueError(f"an answer that is not JSON ({e})") from None
 
 
 def _reason(e: BaseException) -> str:
@@ -331,8 +527,8 @@ def probe(urls: list[str], timeout: float = PROBE_TIMEOUT_S) -> list[str]:
     for url in urls:
         try:
             listed = _http_json(url + MODELS_PATH, None, timeout)
-            ids = [m["id"] for m in listed.get("data", []) if isinstance(m, dict) and "id" in m]
-        except urllib.error.HTTPError:  # it answers; it just lists no models
+            ids = [m["id"] for m in listed.get("data", []) if isinstance(m, dict) and isinstance(m.get("id"), str)]
+        except HttpAnswer:  # it answers; it just lists no models
             ids = []
         except (OSError, http.client.HTTPException) as e:
             raise UsageError(f"server {url} is unreachable ({_reason(e)}); start it (README: Your data) or "
@@ -357,24 +553,37 @@ def request_body(messages: list[dict], settings: Settings, tools: list | None = 
     return body
 
 
-def parse_reply(data) -> Reply:
-    """A chat.completion answer -> the assistant message to keep; ValueError for an answer without one."""
-    try:
-        choice = data["choices"][0]
-        message = choice["message"]
-    except (KeyError, IndexError, TypeError):
-        raise ValueError("an answer without choices[0].message") from None
+def parse_reply(data, max_tokens: int | None = None) -> Reply:
+    """A chat.completion answer -> the assistant message to keep; ValueError (the reason, one line) for any answer
+    that is not that shape: no choices[0].message, fields of the wrong type, a lone surrogate, more completion
+    tokens than `max_tokens`."""
+    choices = data.get("choices") if isinstance(data, dict) else None
+    choice = choices[0] if isinstance(choices, list) and choices else None
+    message = choice.get("message") if isinstance(choice, dict) else None
+    if not isinstance(message, dict):
+        raise ValueError("an answer without choices[0].message")
     content, tool_calls = message.get("content"), message.get("tool_calls")
+    if tool_calls is not None and not isinstance(tool_calls, list):
+        raise ValueError("an answer whose tool_calls is not a list")
     if not isinstance(content, str) and not tool_calls:
         raise ValueError("an answer whose message has no content")
     out = {"role": "assistant", "content": content if isinstance(content, str) else ""}
     reasoning = message.get("reasoning_content") or message.get("reasoning")
+    if reasoning and not isinstance(reasoning, str):
+        raise ValueError("an answer whose reasoning_content is not a string")
     if reasoning:
         out["reasoning_content"] = reasoning
     if tool_calls:
         out["tool_calls"] = tool_calls
-    usage = data.get("usage") or {}
-    return Reply(out, int(usage.get("completion_tokens") or 0), choice.get("finish_reason") == "length")
+    unwritable = _unwritable(out)
+    if unwritable:
+        raise ValueError(f"an answer with {unwritable}")
+    usage = data.get("usage") if isinstance(data.get("usage"), dict) else {}
+    tokens = usage.get("completion_tokens")
+    tokens = tokens if isinstance(tokens, int) and not isinstance(tokens, bool) and tokens >= 0 else 0
+    if max_tokens is not None and tokens > max_tokens:
+        raise ValueError(f"an answer of {tokens:,} completion tokens > --max-tokens {max_tokens:,}")
+    return Reply(out, tokens, choice.get("finish_reason") == "length")
 
 
 def backoff_s(attempt: int) -> float:
@@ -382,34 +591,45 @@ def backoff_s(attempt: int) -> float:
     return min(BACKOFF_MAX_S, BACKOFF_BASE_S * 2 ** (attempt - 1)) * random.uniform(0.5, 1.0)
 
 
+def reply_bytes(max_tokens: int) -> int:
+    """The largest answer body accepted for `max_tokens` (bounded memory per reply)."""
+    return REPLY_BYTES_SLACK + REPLY_BYTES_PER_TOKEN * max_tokens
+
+
 def complete(pool: ServerPool, messages: list[dict], settings: Settings, sleep=time.sleep,
              tools: list | None = None) -> Reply:
-    """One reply to `messages`, retried with backoff over the pool's servers.
+    """One reply to `messages`, retried with backoff (or the server's Retry-After) over the pool's servers.
 
-    RowFailed: a 4xx answer (the request itself is wrong) or every attempt spent while some server lives.
-    RunStopped: every attempt spent and every server down, or the pool stopped.
+    RowFailed: a 4xx answer (the request itself is wrong), --timeout hit twice, or every attempt spent while some
+    server lives. RunStopped: every attempt spent and every server down, or the pool stopped.
     """
-    body, last, avoid = request_body(messages, settings, tools), "no attempt", None
+    body, last, avoid, wait_s, timeouts = request_body(messages, settings, tools), "no attempt", None, None, 0
     for attempt in range(settings.retries + 1):
         if pool.stopped:
             raise RunStopped(pool.stopped)
         if attempt:
             pool.count_retry()
-            sleep(backoff_s(attempt))
-        url = pool.acquire(avoid)
+            sleep(backoff_s(attempt) if wait_s is None else wait_s)
+        url, wait_s = pool.acquire(avoid), None
         try:
-            reply = parse_reply(_http_json(url + CHAT_PATH, body, settings.timeout_s))
-        except urllib.error.HTTPError as e:
+            data = _http_json(url + CHAT_PATH, body, settings.timeout_s, reply_bytes(settings.max_tokens))
+            reply = parse_reply(data, settings.max_tokens)
+        except HttpAnswer as e:
             pool.release(url, connected=True)
-            last, avoid = f"{url} answered HTTP {e.code}: {_answer_text(e)}", url
+            last, avoid, wait_s = f"{url} answered HTTP {e.code}: {e.text}", url, e.retry_after
             if 400 <= e.code < 500 and e.code not in (408, 429):  # the request itself is wrong: no retry helps
                 raise RowFailed(last) from None
-        except (OSError, http.client.HTTPException) as e:  # refused, reset, timed out (URLError is an OSError)
+        except Unreachable as e:  # refused, no route: this server is down
             pool.release(url, connected=False)
             last, avoid = f"{url}: {_reason(e)}", url
-        except ValueError as e:
+        except RequestTimeout as e:  # this conversation, not the server: sent once more, then skipped
             pool.release(url, connected=True)
-            last, avoid = f"{url}: {e}", url
+            last, avoid, timeouts = f"{url}: {e}", url, timeouts + 1
+            if timeouts > TIMEOUT_RETRIES:
+                raise RowFailed(f"{last} ({timeouts} times)") from None
+        except (OSError, http.client.HTTPException, ValueError) as e:  # a torn or junk answer
+            pool.release(url, connected=True)
+            last, avoid = f"{url}: {_reason(e)}", url
         else:
             pool.release(url, connected=True, answered=True)
             return reply
@@ -504,19 +724,22 @@ class _Run:
 
 
 def run(input_path: Path, out: Path, urls: list[str], settings: Settings, concurrency: int = 64,
-        progress: bool | None = None) -> Summary:
-    """Regenerate every conversation of `input_path` not yet in `out`; see the module docstring."""
+        progress: bool | None = None, locked: bool = False) -> Summary:
+    """Regenerate every conversation of `input_path` not yet in `out`; see the module docstring. `locked`: the
+    caller holds the OutputLock of `out` already (else this takes it)."""
     from tqdm import tqdm
 
     input_path, out = Path(input_path), Path(out)
     check_paths(input_path, out)
     total = count_rows(input_path)
-    done = finished_ids(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     pool = ServerPool(urls)
-    with (open(out, "a", encoding="utf-8") as out_f, open(skipped_path(out), "w", encoding="utf-8") as skip_f,
+    with (contextlib.nullcontext() if locked else OutputLock(out),
+          open(out, "a", encoding="utf-8") as out_f,
+          open(skipped_path(out), "w", encoding="utf-8", errors="backslashreplace") as skip_f,
           tqdm(total=total, unit="conv", desc="regenerate", disable=None if progress is None else not progress,
                dynamic_ncols=True) as bar):
+        done = finished_ids(out)  # under the lock: it may cut a torn last line
         job = _Run(out_f, skip_f, pool, settings, bar)
         executor = ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="regenerate")
         try:

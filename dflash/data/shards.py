@@ -12,7 +12,16 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
-from dflash.data.identity import _MAX_READ_ALLOC, COLUMNS, DatasetError, _one_line, dataset_fingerprint, shard_files
+from dflash.data.identity import (
+    _MAX_READ_ALLOC,
+    COLUMNS,
+    DatasetError,
+    _one_line,
+    dataset_fingerprint,
+    read_manifest,
+    shard_files,
+    whole_problem,
+)
 
 # ---------------------------------------------------------------------------------------------
 # Writing
@@ -203,24 +212,39 @@ class ShardDataset:
 
     ``get(i)`` returns ``(input_ids int64, loss_mask int8)`` numpy arrays (copies, safe to keep).
     Pickling reopens the folder, so the dataset can be sent to DataLoader worker processes.
+    A folder whose manifest.json says it is not whole (``dflash.data.identity.whole_problem``: a writer killed
+    half-way, counts that disagree with the shards) is refused, unless ``whole=False`` (the commands that repair it).
     """
 
-    def __init__(self, path: str | Path):
-        self.path = Path(path)
+    def __init__(self, path: str | Path, whole: bool = True):
+        self.path, self.whole = Path(path), whole
         self.shards = self._list_shards(self.path)
         self._maps: list[pa.MemoryMappedFile] = []
         self._parts: list[ShardBatch] = []
         part_lengths: list[np.ndarray] = []
         described: list[tuple[str, int, int]] = []
+        self.counts: dict[str, tuple[int, int]] = {}  # shard name -> (samples, tokens), from the shards themselves
         for shard in self.shards:
-            rows = self._open_shard(shard, part_lengths)
+            rows, tokens = self._open_shard(shard, part_lengths)
             described.append((shard.name, shard.stat().st_size, rows))
+            self.counts[shard.name] = (rows, tokens)
         self.lengths = (np.concatenate(part_lengths) if part_lengths else np.zeros(0, np.int64)).astype(np.int32)
         if self.lengths.size == 0:
             raise DatasetError(f"{self.path}: the shards hold no samples; write some with dflash.data.shards.write_shard")
+        if whole and self.path.is_dir():
+            self._check_whole()
         # global index of each part's first row, for get(i)
         self._starts = np.cumsum([0] + [p.offsets.size - 1 for p in self._parts])
         self.fingerprint = dataset_fingerprint(described)
+
+    def _check_whole(self) -> None:
+        """Refuse a folder its manifest says is not whole: the rule preflight's `dataset` check applies."""
+        manifest, unreadable = read_manifest(self.path)
+        if unreadable:
+            raise DatasetError(f"{self.path}: {unreadable}; restore it, or rewrite it with dflash-data manifest")
+        problem = whole_problem(self.path, manifest, self.counts) if manifest is not None else None
+        if problem:
+            raise DatasetError("; ".join(problem))
 
     @staticmethod
     def _list_shards(path: Path) -> list[Path]:
@@ -231,7 +255,7 @@ class ShardDataset:
             raise DatasetError(f"{path}: no *.arrow shards in this folder; write them with dflash.data.shards.write_shard")
         return shards
 
-    def _open_shard(self, shard: Path, part_lengths: list[np.ndarray]) -> int:
+    def _open_shard(self, shard: Path, part_lengths: list[np.ndarray]) -> tuple[int, int]:
         opened = open_shard(shard)
         mismatch = opened.mask_mismatch()
         if mismatch is not None:
@@ -240,7 +264,8 @@ class ShardDataset:
         self._parts += opened.batches
         part_lengths += [b.lengths for b in opened.batches]
         self._maps.append(opened.mapped)
-        return sum(b.lengths.size for b in opened.batches)
+        return (sum(b.lengths.size for b in opened.batches),
+                sum(int(b.offsets[-1] - b.offsets[0]) for b in opened.batches))
 
     def __len__(self) -> int:
         return int(self.lengths.size)
@@ -265,10 +290,10 @@ class ShardDataset:
         return ids.astype(np.int64), mask.astype(np.int8)
 
     def __getstate__(self) -> dict:
-        return {"path": str(self.path)}
+        return {"path": str(self.path), "whole": self.whole}
 
     def __setstate__(self, state: dict) -> None:
-        self.__init__(state["path"])
+        self.__init__(state["path"], state.get("whole", True))
 
     def __repr__(self) -> str:
         return f"ShardDataset({str(self.path)!r}, shards={len(self.shards)}, samples={self.num_samples:,})"

@@ -67,7 +67,7 @@ def check_dataset(ctx: Context) -> CheckResult:
 def _dataset_contents(ctx: Context, data: dict) -> tuple[list[tuple[str, str]], list[tuple[str, str | None]], str]:
     """(failures, warnings, what was verified) about what the shards hold: the manifest's shard records and
     target fingerprint, token ids against the run's vocabulary, loss_mask values, something to learn."""
-    from dflash.data.identity import compare_targets
+    from dflash.data.identity import compare_targets, whole_problem
 
     ds, cfg = ctx.dataset, ctx.config
     fails: list[tuple[str, str]] = []
@@ -88,6 +88,10 @@ def _dataset_contents(ctx: Context, data: dict) -> tuple[list[tuple[str, str]], 
         warns.append(("no manifest.json: the target the data was built for and the shard hashes are unknown (ids "
                       "checked against the run's vocabulary only)", stamp))
     if manifest is not None:
+        unwhole = whole_problem(ds.path, manifest, {s.name: (s.rows, s.tokens) for s in ds.shards})
+        if unwhole:
+            fails.append(unwhole)
+            data["whole"] = unwhole[0]
         records = manifest.get("shards") if isinstance(manifest.get("shards"), dict) else {}
         recorded = {n: r for n, r in records.items() if isinstance(r, dict) and "bytes" in r}
         on_disk = {s.name: s for s in ds.shards}
@@ -103,7 +107,8 @@ def _dataset_contents(ctx: Context, data: dict) -> tuple[list[tuple[str, str]], 
                              if n in recorded and recorded[n].get("sha256") and s.sha256 != recorded[n]["sha256"]]
                 if unhashed:
                     warns.append((f"no sha256 recorded for {listing(unhashed, 3)}", stamp))
-            said.append(f"shard {'sizes and sha256' if ds.deep else 'sizes'} match manifest.json")
+            said.append(("complete; " if isinstance(manifest.get("complete"), dict) and not unwhole else "")
+                        + f"shard {'sizes and sha256' if ds.deep else 'sizes'} match manifest.json")
         else:
             warns.append(("manifest.json records no shard sizes or hashes (written by an older version)", stamp))
         if problems:

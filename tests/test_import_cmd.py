@@ -291,13 +291,20 @@ def test_preflight_dataset_check_and_training_accept_imported_data(tmp_path, tar
 
 
 def _pool_workers() -> list[int]:
-    """Pids of this process's children: the import's tokenizing workers while it runs in this process."""
-    pids = []
+    """Pids of the import's tokenizing workers while it runs in this process: children forked from it (they carry its
+    command line), never another child of the test session (a fixture's server, multiprocessing's resource tracker)."""
+    pids, mine = [], Path("/proc/self/cmdline").read_bytes()
     for task in os.listdir("/proc/self/task"):
         try:
-            pids += [int(p) for p in Path(f"/proc/self/task/{task}/children").read_text().split()]
+            children = [int(p) for p in Path(f"/proc/self/task/{task}/children").read_text().split()]
         except OSError:
-            pass
+            continue
+        for pid in children:
+            try:
+                if Path(f"/proc/{pid}/cmdline").read_bytes() == mine:
+                    pids.append(pid)
+            except OSError:
+                pass
     return pids
 
 

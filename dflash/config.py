@@ -151,6 +151,13 @@ class TrainConfig(_Strict):
     )
     gamma: float = Field(10.0, ge=1e-6, description="slot weight decay: slot k weighs exp(-(k-1)/gamma) (at least "
                          "1e-6, which already weights slot 1 alone; near 1e-38 gamma is 0 in float32 and the loss nan)")
+    slot_weights: Literal["gamma", "cap", "dpace", "auf"] = Field(
+        "gamma", description="per-slot loss weight: gamma (the exp decay alone); cap, dpace, auf multiply the decay by a "
+        "detached factor from the drafter's own predictions: cap prod_{j<=k} ((1-a) q_j + a), dpace its suffix sum "
+        "(arXiv 2605.18810), auf 1 up to the first wrong top-1 inclusive (arXiv 2607.01893); docs/training.md",
+    )
+    cap_alpha: float = Field(0.5, ge=0.0, le=1.0, description="a of slot_weights cap and dpace: each slot's factor is "
+                             "(1-a) x the drafter's probability of its label + a (1 = gamma alone)")
     kl_weight: float = Field(0.0, ge=0.0, le=1.0, description="share of the soft-label KL in the loss (0 = pure CE)")
     lr: float = Field(6e-4, gt=0, le=1.0, description="peak learning rate")
     warmup_ratio: float = Field(0.04, ge=0.0, lt=1.0, description="share of steps with linear warmup")

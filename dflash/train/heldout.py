@@ -169,7 +169,7 @@ def local_features(source, batch: dict, device):
 def batch_sums(drafter, embed_VH, head_VH, batch: dict, features, cfg, device, attn_backend: str, index: int) -> dict:
     """Sums of one held-out batch (so batches and ranks merge exactly): the training step's math, no gradient."""
 
-    from dflash.train.loss import block_inputs, read_metrics, sample_anchors, slot_weights
+    from dflash.train.loss import block_inputs, read_metrics, sample_anchors
     from dflash.train.step import anchor_generator, micro_step
 
     loss, m = micro_step(drafter, embed_VH, head_VH, batch, features, cfg, device, attn_backend, index)
@@ -181,7 +181,7 @@ def batch_sums(drafter, embed_VH, head_VH, batch: dict, features, cfg, device, a
     _, _, label_valid_BQ, _ = block_inputs(batch["input_ids"], anchors_BA, bs, drafter.config.mask_token_id,
                                            loss_mask_BS=batch["loss_mask"], valid_BA=valid_BA)
     B, A = anchors_BA.shape
-    weight_sum = float((slot_weights(bs, cfg.train.gamma).to(device).repeat(A)[None, :] * label_valid_BQ).sum())
+    weight_sum = m.pop("weight_sum")  # sum of the loss's slot weights (train.slot_weights: they read the drafter)
     slot_tokens = label_valid_BQ.view(B, A, bs)[:, :, 1:].sum(dim=(0, 1)).tolist()
     return {
         "loss": float(loss.detach()) * weight_sum, "ce": m["ce"] * weight_sum, "weight": weight_sum,

@@ -122,11 +122,12 @@ def test_acceptance_length_from_logits():
 
 
 # With soft labels the floor is the target's own entropy, so the blended loss falls less far.
-@pytest.mark.parametrize("kl_weight, ratio", [(0.0, 0.6), (0.5, 0.75)])
-def test_loss_falls_over_30_steps(tiny_target, kl_weight, ratio):
+# The users' recipe (soft labels + cap, through the run config) trains too.
+@pytest.mark.parametrize("kl_weight, ratio, weighting", [(0.0, 0.6, "gamma"), (0.5, 0.75, "gamma"), (0.5, 0.75, "cap")])
+def test_loss_falls_over_30_steps(tiny_target, kl_weight, ratio, weighting):
     cfg = config_from_dict(
         {"drafter": {"num_layers": 1, "block_size": 4},
-         "train": {"max_anchors": 8, "gamma": 4.0, "kl_weight": kl_weight, "loss_chunk": 16}}
+         "train": {"max_anchors": 8, "gamma": 4.0, "kl_weight": kl_weight, "loss_chunk": 16, "slot_weights": weighting}}
     )  # fmt: skip
     torch.manual_seed(0)
     dcfg = drafter_config_from_target(tiny_target.config, 1, 4, mask_token_id=255)
@@ -149,6 +150,12 @@ def test_loss_falls_over_30_steps(tiny_target, kl_weight, ratio):
         losses.append(loss.item())
     (metrics,) = read_metrics([metrics])
     assert metrics["anchors"] == 16 and len(metrics["acc_slot"]) == 3
+    gamma_cfg = cfg.model_copy(deep=True)
+    gamma_cfg.train.slot_weights = "gamma"
+    _, gamma_metrics = train_step_math(drafter, tiny_target, batch, gamma_cfg, torch.Generator().manual_seed(29), "sdpa")
+    gamma_sum = read_metrics([gamma_metrics])[0]["weight_sum"]
+    if weighting == "cap":  # every factor is below 1: the same anchors weigh less
+        assert 0.1 * gamma_sum < metrics["weight_sum"] < gamma_sum
     first, last = sum(losses[:3]) / 3, sum(losses[-3:]) / 3
     assert last < ratio * first, f"loss did not fall clearly: first {first:.3f}, last {last:.3f}"
 

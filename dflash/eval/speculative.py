@@ -106,6 +106,11 @@ class Decoder:
     @torch.no_grad()
     def draft(self, ctx_SF: torch.Tensor, last: int, block_size: int) -> list[int]:
         """The drafter's tokens for slots 1..B-1 of a block anchored at n = len(ctx) (slot 0 = last)."""
+        return self.draft_logits(ctx_SF, last, block_size).argmax(dim=-1).tolist()
+
+    @torch.no_grad()
+    def draft_logits(self, ctx_SF: torch.Tensor, last: int, block_size: int) -> torch.Tensor:
+        """The drafter's logits [B-1, V] for slots 1..B-1 of a block anchored at n = len(ctx) (slot 0 = last)."""
         d = self.drafter
         n = ctx_SF.shape[0]
         block = torch.full((1, block_size), d.config.mask_token_id, device=self.device)
@@ -116,7 +121,7 @@ class Decoder:
         ctx_pos = torch.arange(n, device=self.device)[None]
         q_pos = torch.arange(n, n + block_size, device=self.device)[None]
         hidden_QH = d(ctx_SF[None], noise_BQH, ctx_pos, q_pos, attn)[0, 1:]
-        return (hidden_QH.to(self.head_w.dtype) @ self.head_w.T).argmax(dim=-1).tolist()
+        return hidden_QH.to(self.head_w.dtype) @ self.head_w.T
 
     @torch.no_grad()
     def speculative(self, prompt: list[int], max_new: int, block_size: int) -> tuple[list[int], list[int]]:

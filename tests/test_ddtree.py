@@ -155,3 +155,31 @@ def test_hybrid_layers_are_not_tree_verifiable():
         config = Config()
 
     assert "linear_attention" in tree_verifiable(Model())
+
+
+def test_cli_prints_a_tau_per_budget_beside_the_linear_one(root, tmp_path):
+    import json
+
+    from click.testing import CliRunner
+
+    from dflash.commands.eval import eval_command
+
+    target = chat_target(root, "llama")
+    model, tok = load_eval_target(str(target), "cpu")
+    _decoder(model, tok).drafter.save_pretrained(tmp_path / "run" / "drafter")
+    prompts = tmp_path / "p.txt"
+    prompts.write_text(f"{word_text(4)}\n{word_text(5, 3)}\n")
+    out = tmp_path / "r.json"
+    args = ["--target", str(target), "--drafter", str(tmp_path / "run"), "--prompts", str(prompts),
+            "--max-new-tokens", "12", "--json", str(out)]
+    res = CliRunner().invoke(eval_command, [*args, "--ddtree", "4,8"])
+    assert res.exit_code == 0, res.output
+    lines = [line for line in res.output.splitlines() if "ddtree budget" in line]
+    assert len(lines) == 2 and "ddtree budget    4 (verified): mean acceptance length" in lines[0], res.output
+    assert "(linear " in lines[1] and "4.0 nodes per round" in lines[0] and lines[1].endswith("lossless")
+    report = json.loads(out.read_text())
+    assert [t["budget"] for t in report["ddtree"]] == [4, 8] and all(t["lossless"] for t in report["ddtree"])
+    assert sum(report["ddtree"][0]["histogram"].values()) == report["ddtree"][0]["rounds"] > 0
+
+    res = CliRunner().invoke(eval_command, [*args, "--ddtree", "16,0"])
+    assert res.exit_code == 2 and "--ddtree '16,0': give node budgets as integers 1..4096" in res.output

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -26,7 +27,7 @@ import torch.nn.functional as F
 
 from dflash.data.prepare import eos_ids_of
 from dflash.data.prompts import prompts_within
-from dflash.eval.results import EvalError, EvalReport
+from dflash.eval.results import EvalError, EvalReport, TreeReport
 from dflash.models.attention import build_layer_masks
 from dflash.models.drafter import DFlashDrafter
 from dflash.models.target import target_embed_and_head
@@ -175,9 +176,12 @@ def _sync(device: torch.device) -> None:
 
 
 def evaluate_drafters(target, tokenizer, drafters: dict[str, DFlashDrafter], prompts: list[str],
-                      block_size: int | None, max_new_tokens: int, log=print, progress: bool | None = None
-                      ) -> dict[str, EvalReport]:
-    """Reports per drafter on the same prompts; target-only greedy runs once and is the reference."""
+                      block_size: int | None, max_new_tokens: int, log=print, progress: bool | None = None,
+                      ddtree: list[int] | None = None, ddtree_mode: str = "auto") -> dict[str, EvalReport]:
+    """Reports per drafter on the same prompts; target-only greedy runs once and is the reference.
+
+    ddtree: node budgets for DDTree decoding beside the linear one (dflash.eval.ddtree); ddtree_mode auto verifies
+    the tree where the target takes a tree mask and computes the walk elsewhere, or force verified | computed."""
     import sys
 
     from tqdm import tqdm
@@ -227,8 +231,58 @@ def evaluate_drafters(target, tokenizer, drafters: dict[str, DFlashDrafter], pro
         report.spec_tok_s = round(ref_tokens / max(spec_time, 1e-9), 1)
         report.target_tok_s = round(ref_tokens / max(base_time, 1e-9), 1)
         report.speedup = round(report.spec_tok_s / max(report.target_tok_s, 1e-9), 2)
+        for budget in ddtree or []:
+            report.ddtree.append(asdict(tree_report(dec, prompt_ids, reference, bs, budget, max_new_tokens,
+                                                    ddtree_mode, report.target_tok_s, ref_tokens, progress)))
         reports[name] = report
     return reports
+
+
+def tree_mode(target, mode: str = "auto") -> str:
+    """verified where the target's attention takes a tree mask (dflash.eval.ddtree.tree_verifiable), else computed."""
+    from dflash.eval.ddtree import tree_verifiable
+
+    why = tree_verifiable(target)
+    if mode == "verified" and why:
+        raise EvalError(f"--ddtree: this target cannot verify a tree in one forward ({why}); its walk is computed")
+    return mode if mode != "auto" else ("computed" if why else "verified")
+
+
+def tree_report(dec: Decoder, prompt_ids: list[list[int]], reference: list, block_size: int, budget: int,
+                max_new_tokens: int, mode: str, target_tok_s: float, ref_tokens: int, progress: bool = False
+                ) -> TreeReport:
+    """DDTree decoding of every prompt at one budget, checked against target-only greedy as the linear one is."""
+    from tqdm import tqdm
+
+    from dflash.eval.ddtree import ddtree_decode
+
+    mode = tree_mode(dec.target, mode)
+    r = TreeReport(budget, mode)
+    accepts, nodes, spent = [], [], 0.0
+    for i, ids in enumerate(tqdm(prompt_ids, desc=f"ddtree {budget} ({mode})", unit="prompt", disable=not progress,
+                                 dynamic_ncols=True)):
+        _sync(dec.device)
+        t0 = time.perf_counter()
+        tokens, acc, n = ddtree_decode(dec, ids, max_new_tokens, block_size, budget, verified=mode == "verified")
+        _sync(dec.device)
+        spent += time.perf_counter() - t0
+        accepts += acc
+        nodes += n
+        ref, margins = reference[i]
+        found = check_output(dec, ids, tokens, ref, margins)
+        if found and found[0] == "tie":
+            r.ties.append(f"prompt {i}: differs from target-only greedy at {found[1]} (a tie)")
+        elif found:
+            r.lossless = False
+            r.mismatches.append(f"prompt {i}: output differs from target-only greedy at {found[1]}")
+    r.rounds = len(accepts)
+    r.mean_accept_len = round(sum(accepts) / max(1, len(accepts)), 3)
+    r.histogram = dict(sorted(Counter(accepts).items()))
+    r.nodes_per_round = round(sum(nodes) / max(1, len(nodes)), 1)
+    if mode == "verified":
+        r.tok_s = round(ref_tokens / max(spent, 1e-9), 1)
+        r.speedup = round(r.tok_s / max(target_tok_s, 1e-9), 2)
+    return r
 
 
 def _short(e: BaseException, limit: int = 200) -> str:

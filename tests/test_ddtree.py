@@ -183,3 +183,21 @@ def test_cli_prints_a_tau_per_budget_beside_the_linear_one(root, tmp_path):
 
     res = CliRunner().invoke(eval_command, [*args, "--ddtree", "16,0"])
     assert res.exit_code == 2 and "--ddtree '16,0': give node budgets as integers 1..4096" in res.output
+
+
+def test_a_hybrid_target_gets_both_acceptances_computed_and_lossless(root):
+    """A tiny random Qwen3.5-family hybrid (3 of 4 layers Gated DeltaNet): no tree mask and no cache roll-back, so the
+    linear and the tree acceptance are both computed by greedy decoding, labelled so, and still checked lossless."""
+    from dflash.data.synthetic import WORD_TOKENIZER_IDS, hybrid_target_config, write_target
+    from dflash.eval.speculative import evaluate_drafters
+
+    folder = write_target(root / "tiny-hybrid", hybrid_target_config(**WORD_TOKENIZER_IDS), tokenizer=True,
+                          head_scale=8.0)
+    model, tok = load_eval_target(str(folder), "cpu")
+    assert "linear_attention" in tree_verifiable(model)
+    prompts = [word_text(6), word_text(5, 3)]
+    r = evaluate_drafters(model, tok, {"d": _decoder(model, tok).drafter}, prompts, None, 12, progress=False,
+                          ddtree=[8])["d"]
+    assert r.linear_mode == "computed" and r.lossless and r.verify_steps > 0
+    (t,) = r.ddtree
+    assert t["mode"] == "computed" and t["lossless"] and t["tok_s"] == 0 and t["nodes_per_round"] == 8.0

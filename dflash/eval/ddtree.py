@@ -97,6 +97,12 @@ def ancestor_mask(tree: Tree) -> torch.Tensor:
     return mask
 
 
+def cache_rolls_back(target) -> bool:
+    """Every layer is attention, whose KV cache can drop rejected drafts (a Gated DeltaNet state cannot)."""
+    types = set(getattr(target.config, "layer_types", None) or ["full_attention"])
+    return types <= {"full_attention", "sliding_attention"}
+
+
 def tree_verifiable(target) -> str | None:
     """None when the target's attention takes a tree mask here, else why not (then the walk is computed)."""
     c = target.config
@@ -163,9 +169,7 @@ def ddtree_decode(dec, prompt: list[int], max_new: int, block_size: int, budget:
     """Tokens, the acceptance length of every round, and the tree's node count of every round (greedy, batch 1).
 
     tree_of(logp_KV, drafted top-1 tokens) -> Tree replaces the budgeted tree (tests: a chain)."""
-    from transformers import DynamicCache
-
-    cache = DynamicCache()
+    cache = dec.new_cache()
     logits, ctx_SF = dec._forward(prompt, cache, last_only=True)
     tokens = [int(logits[-1].argmax())]
     accept, nodes = [], []

@@ -114,8 +114,12 @@ def print_report(r: EvalReport, log=print) -> None:
     for k in range(1, r.block_size + 1):
         n = r.histogram.get(k, 0)
         log(f"  accept {k:>3}: {n:>6}  {'#' * round(40 * n / top)}")
-    log(f"  tokens/s: speculative {r.spec_tok_s:.1f} vs target-only greedy {r.target_tok_s:.1f} "
-        f"({r.speedup:.2f}x; batch 1, target KV cache)")
+    if r.linear_mode == "computed":
+        log("  acceptance computed from the target's greedy path, not verified (the target's cache cannot roll back: "
+            "a hybrid); no speed")
+    else:
+        log(f"  tokens/s: speculative {r.spec_tok_s:.1f} vs target-only greedy {r.target_tok_s:.1f} "
+            f"({r.speedup:.2f}x; batch 1, target KV cache)")
     if r.lossless and r.ties:
         log(f"  lossless: identical to target-only greedy decoding up to ties: {len(r.ties)} of {r.prompts} prompts "
             "differ, every token still the target's greedy choice within one ulp of its top logit")

@@ -48,6 +48,7 @@ class EvalReport:
     mismatches: list = field(default_factory=list)  # one line per prompt whose output differs
     ties: list = field(default_factory=list)  # prompts that differ, every token still a greedy choice within one ulp
     ddtree: list = field(default_factory=list)  # one TreeReport (as a dict) per --ddtree budget, same prompts
+    linear_mode: str = "verified"  # computed on targets whose cache cannot roll back (hybrids): dflash.eval.ddtree
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2)

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 
 from dflash.data.prepare import eos_ids_of
 from dflash.data.prompts import prompts_within
+from dflash.eval.ddtree import cache_rolls_back
 from dflash.eval.results import EvalError, EvalReport, TreeReport
 from dflash.models.attention import build_layer_masks
 from dflash.models.drafter import DFlashDrafter
@@ -57,6 +58,12 @@ class Decoder:
         # Logits closer than this relative gap are a tie at the target's precision (one bf16 ulp: 2^-7 of the value).
         self.tie_eps = torch.finfo(self.head_w.dtype).eps
 
+    def new_cache(self):
+        """An empty KV cache shaped by the target's config (a hybrid's Gated DeltaNet layers keep their state there)."""
+        from transformers import DynamicCache
+
+        return DynamicCache(config=self.target.config)
+
     def _forward(self, ids: list[int], cache, last_only: bool = False):
         from_ids = torch.tensor([ids], device=self.device)
         out = self.target(input_ids=from_ids, past_key_values=cache, use_cache=True,
@@ -79,9 +86,7 @@ class Decoder:
     @torch.no_grad()
     def greedy(self, prompt: list[int], max_new: int) -> tuple[list[int], list[float]]:
         """Target-only greedy tokens and the top-2 logit margin behind each (for mismatch reports)."""
-        from transformers import DynamicCache
-
-        cache = DynamicCache()
+        cache = self.new_cache()
         logits, _ = self._forward(prompt, cache, last_only=True)
         tokens, margins = [], []
         while True:
@@ -127,9 +132,7 @@ class Decoder:
     @torch.no_grad()
     def speculative(self, prompt: list[int], max_new: int, block_size: int) -> tuple[list[int], list[int]]:
         """Speculative greedy tokens and the acceptance length of every verify step."""
-        from transformers import DynamicCache
-
-        cache = DynamicCache()
+        cache = self.new_cache()
         logits, ctx_SF = self._forward(prompt, cache, last_only=True)
         tokens = [int(logits[-1].argmax())]
         accept = []
@@ -206,13 +209,15 @@ def evaluate_drafters(target, tokenizer, drafters: dict[str, DFlashDrafter], pro
         check_pair(target, drafter)
         bs = block_size or drafter.config.block_size
         dec = Decoder(target, drafter, eos_ids)
-        report = EvalReport(name, len(prompts), bs, max_new_tokens)
+        report = EvalReport(name, len(prompts), bs, max_new_tokens,
+                            linear_mode="verified" if cache_rolls_back(target) else "computed")
+        linear = Decoder.speculative if report.linear_mode == "verified" else computed_linear
         accepts, spec_time = [], 0.0
         for i, ids in enumerate(tqdm(prompt_ids, desc=f"speculative ({name})", unit="prompt",
                                      disable=not progress, dynamic_ncols=True)):
             _sync(device)
             t0 = time.perf_counter()
-            tokens, acc = dec.speculative(ids, max_new_tokens, bs)
+            tokens, acc = linear(dec, ids, max_new_tokens, bs)
             _sync(device)
             spec_time += time.perf_counter() - t0
             accepts += acc
@@ -236,6 +241,16 @@ def evaluate_drafters(target, tokenizer, drafters: dict[str, DFlashDrafter], pro
                                                     ddtree_mode, report.target_tok_s, ref_tokens, progress)))
         reports[name] = report
     return reports
+
+
+def computed_linear(dec: Decoder, prompt: list[int], max_new: int, block_size: int) -> tuple[list[int], list[int]]:
+    """Linear speculative decoding's tokens and acceptance where the target's cache cannot roll back (a hybrid's
+    recurrent state): the walk of the one-chain tree, computed by greedy decoding (dflash.eval.ddtree)."""
+    from dflash.eval.ddtree import chain_tree, ddtree_decode
+
+    tokens, accept, _ = ddtree_decode(dec, prompt, max_new, block_size, 1, verified=False,
+                                      tree_of=lambda _logp, top1: chain_tree(top1))
+    return tokens, accept
 
 
 def tree_mode(target, mode: str = "auto") -> str:

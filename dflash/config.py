@@ -263,6 +263,9 @@ class EvalConfig(_Strict):
                               "loss_mask=1) is also decoded speculatively against the target, checked lossless "
                               "(the dflash-eval loop, batch 1); 0 = teacher-forced numbers only")
     max_new_tokens: int = Field(32, ge=1, le=MAX_TOKENS, description="tokens generated per real-decoding prompt")
+    ddtree_budget: int = Field(0, ge=0, le=4096, description="also DDTree decoding of the real_prompts at this many "
+                               "tree nodes (arXiv 2604.12989; dflash.eval.ddtree), checked lossless: "
+                               "heldout_ddtree_accept_len; 0 = off; needs real_prompts")
     export: Literal["best", "last"] = Field(
         "best", description="which weights the finished run exports to <output_dir>/drafter: the best held-out "
         "checkpoint (checkpoints/best), or the last step; without held-out evaluation always the last",
@@ -279,6 +282,8 @@ class EvalConfig(_Strict):
         if self.path and self.holdout:
             raise ValueError("give eval.path (a held-out dataset) or eval.holdout (samples taken out of data.path), "
                              "not both")
+        if self.ddtree_budget and not self.real_prompts:
+            raise ValueError("eval.ddtree_budget decodes the eval.real_prompts: set real_prompts >= 1 too")
         return self
 
 

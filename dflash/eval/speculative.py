@@ -180,11 +180,13 @@ def _sync(device: torch.device) -> None:
 
 def evaluate_drafters(target, tokenizer, drafters: dict[str, DFlashDrafter], prompts: list[str],
                       block_size: int | None, max_new_tokens: int, log=print, progress: bool | None = None,
-                      ddtree: list[int] | None = None, ddtree_mode: str = "auto") -> dict[str, EvalReport]:
+                      ddtree: list[int] | None = None, ddtree_mode: str = "auto", ddtree_drafters: set | None = None
+                      ) -> dict[str, EvalReport]:
     """Reports per drafter on the same prompts; target-only greedy runs once and is the reference.
 
     ddtree: node budgets for DDTree decoding beside the linear one (dflash.eval.ddtree); ddtree_mode auto verifies
-    the tree where the target takes a tree mask and computes the walk elsewhere, or force verified | computed."""
+    the tree where the target takes a tree mask and computes the walk elsewhere, or force verified | computed;
+    ddtree_drafters: the names it runs for (None = all)."""
     import sys
 
     from tqdm import tqdm
@@ -236,7 +238,7 @@ def evaluate_drafters(target, tokenizer, drafters: dict[str, DFlashDrafter], pro
         report.spec_tok_s = round(ref_tokens / max(spec_time, 1e-9), 1)
         report.target_tok_s = round(ref_tokens / max(base_time, 1e-9), 1)
         report.speedup = round(report.spec_tok_s / max(report.target_tok_s, 1e-9), 2)
-        for budget in ddtree or []:
+        for budget in (ddtree or []) if ddtree_drafters is None or name in ddtree_drafters else []:
             report.ddtree.append(asdict(tree_report(dec, prompt_ids, reference, bs, budget, max_new_tokens,
                                                     ddtree_mode, report.target_tok_s, ref_tokens, progress)))
         reports[name] = report

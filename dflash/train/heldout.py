@@ -139,7 +139,8 @@ class HeldOut:
         return finish_sums(total)
 
     def real(self, drafter, target) -> dict:
-        from dflash.eval.speculative import Decoder, check_output
+        from dflash.eval.ddtree import cache_rolls_back
+        from dflash.eval.speculative import Decoder, check_output, computed_linear, tree_report
 
         eos = eos_ids(target)
         n_new = self.cfg.eval.max_new_tokens
@@ -147,14 +148,22 @@ class HeldOut:
             base = Decoder(target, None, eos)
             self._reference = [base.greedy(p, n_new) for p in self.prompts]
         dec = Decoder(target, drafter, eos)
+        linear = Decoder.speculative if cache_rolls_back(target) else computed_linear  # a hybrid: computed
         accepts, lossless = [], True
         for prompt, (ref, margins) in zip(self.prompts, self._reference):
-            tokens, acc = dec.speculative(prompt, n_new, drafter.config.block_size)
+            tokens, acc = linear(dec, prompt, n_new, drafter.config.block_size)
             accepts += acc
             found = check_output(dec, prompt, tokens, ref, margins)
             lossless &= found is None or found[0] == "tie"  # a tie-break of (near-)equal logits is not a lossy decoder
-        return {"heldout_real_accept_len": sum(accepts) / max(1, len(accepts)), "heldout_real_lossless": lossless,
-                "heldout_real_prompts": len(self.prompts), "heldout_real_verify_steps": len(accepts)}
+        out = {"heldout_real_accept_len": sum(accepts) / max(1, len(accepts)), "heldout_real_lossless": lossless,
+               "heldout_real_prompts": len(self.prompts), "heldout_real_verify_steps": len(accepts)}
+        budget = self.cfg.eval.ddtree_budget
+        if budget:
+            tree = tree_report(dec, self.prompts, self._reference, drafter.config.block_size, budget, n_new, "auto",
+                               0.0, 0)
+            out.update(heldout_ddtree_accept_len=tree.mean_accept_len, heldout_ddtree_budget=budget,
+                       heldout_ddtree_lossless=tree.lossless, heldout_ddtree_mode=tree.mode)
+        return out
 
 
 def local_features(source, batch: dict, device):

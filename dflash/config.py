@@ -151,6 +151,13 @@ class TrainConfig(_Strict):
     )
     gamma: float = Field(10.0, ge=1e-6, description="slot weight decay: slot k weighs exp(-(k-1)/gamma) (at least "
                          "1e-6, which already weights slot 1 alone; near 1e-38 gamma is 0 in float32 and the loss nan)")
+    slot_weights: Literal["gamma", "cap", "dpace", "auf"] = Field(
+        "gamma", description="per-slot loss weight: gamma (the exp decay alone); cap, dpace, auf multiply the decay by a "
+        "detached factor from the drafter's own predictions: cap prod_{j<=k} ((1-a) q_j + a), dpace its suffix sum "
+        "(arXiv 2605.18810), auf 1 up to the first wrong top-1 inclusive (arXiv 2607.01893); docs/training.md",
+    )
+    cap_alpha: float = Field(0.5, ge=0.0, le=1.0, description="a of slot_weights cap and dpace: each slot's factor is "
+                             "(1-a) x the drafter's probability of its label + a (1 = gamma alone)")
     kl_weight: float = Field(0.0, ge=0.0, le=1.0, description="share of the soft-label KL in the loss (0 = pure CE)")
     lr: float = Field(6e-4, gt=0, le=1.0, description="peak learning rate")
     warmup_ratio: float = Field(0.04, ge=0.0, lt=1.0, description="share of steps with linear warmup")
@@ -256,6 +263,9 @@ class EvalConfig(_Strict):
                               "loss_mask=1) is also decoded speculatively against the target, checked lossless "
                               "(the dflash-eval loop, batch 1); 0 = teacher-forced numbers only")
     max_new_tokens: int = Field(32, ge=1, le=MAX_TOKENS, description="tokens generated per real-decoding prompt")
+    ddtree_budget: int = Field(0, ge=0, le=4096, description="also DDTree decoding of the real_prompts at this many "
+                               "tree nodes (arXiv 2604.12989; dflash.eval.ddtree), checked lossless: "
+                               "heldout_ddtree_accept_len; 0 = off; needs real_prompts")
     export: Literal["best", "last"] = Field(
         "best", description="which weights the finished run exports to <output_dir>/drafter: the best held-out "
         "checkpoint (checkpoints/best), or the last step; without held-out evaluation always the last",
@@ -272,6 +282,8 @@ class EvalConfig(_Strict):
         if self.path and self.holdout:
             raise ValueError("give eval.path (a held-out dataset) or eval.holdout (samples taken out of data.path), "
                              "not both")
+        if self.ddtree_budget and not self.real_prompts:
+            raise ValueError("eval.ddtree_budget decodes the eval.real_prompts: set real_prompts >= 1 too")
         return self
 
 

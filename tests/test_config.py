@@ -139,3 +139,13 @@ def test_topology_names_its_layout_and_the_gpus_that_train():
 ])
 def test_colocated_data_parallel_refuses_what_one_process_only_does(raw, says):
     assert says in refused({**raw, "topology": {"colocated_gpus": ["0", "1"]}})
+
+
+def test_ddtree_budget_needs_real_prompts_and_slot_weights_name_their_values():
+    with pytest.raises(ConfigError, match="eval.ddtree_budget decodes the eval.real_prompts: set real_prompts >= 1"):
+        config_from_dict({"eval": {"holdout": 4, "ddtree_budget": 16}})
+    assert config_from_dict({"eval": {"holdout": 4, "real_prompts": 2, "ddtree_budget": 16}}).eval.ddtree_budget == 16
+    with pytest.raises(ConfigError, match="train.slot_weights: Input should be 'gamma', 'cap', 'dpace' or 'auf'"):
+        config_from_dict({"train": {"slot_weights": "CAP"}})
+    with pytest.raises(ConfigError, match="train.cap_alpha: Input should be less than or equal to 1"):
+        config_from_dict({"train": {"cap_alpha": 1.5}})

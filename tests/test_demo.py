@@ -49,6 +49,8 @@ def test_pipeline_on_a_tiny_target(tmp_path, monkeypatch, capsys):
     reports = json.loads((tmp_path / "run" / "demo-eval.json").read_text())
     assert [r["name"] for r in reports] == ["untrained", "trained"]
     assert all(r["lossless"] for r in reports)
+    assert reports[0]["ddtree"] == [] and [t["budget"] for t in reports[1]["ddtree"]] == [demo.DDTREE_BUDGET]
+    assert reports[1]["ddtree"][0]["lossless"] and f"(DDTree, {demo.DDTREE_BUDGET} nodes: " in out
     assert (tmp_path / "run" / "drafter" / "model.safetensors").is_file()
     assert (tmp_path / "cache" / "demo").is_dir()  # data cached for the next run
 

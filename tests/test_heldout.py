@@ -31,7 +31,7 @@ from dflash.train.trainer import Trainer, run
 from trainkit import WAIVE_SOURCE, tiny_config, train_main_here, write_toml
 
 REPO = Path(__file__).resolve().parent.parent
-EVAL = {"holdout": 8, "every": 4, "real_prompts": 2, "max_new_tokens": 8}
+EVAL = {"holdout": 8, "every": 4, "real_prompts": 2, "max_new_tokens": 8, "ddtree_budget": 6}
 
 
 def rows(run_dir: Path) -> list[dict]:
@@ -95,6 +95,16 @@ def test_heldout_numbers_equal_a_separate_eval_of_the_same_checkpoint(evaluated)
         lossless &= tokens == base.greedy(p, EVAL["max_new_tokens"])[0]
     assert last["heldout_real_accept_len"] == pytest.approx(sum(accepts) / len(accepts))
     assert last["heldout_real_lossless"] is True and lossless
+    # and DDTree decoding of the same prompts at eval.ddtree_budget nodes, as dflash-eval --ddtree 6 does it
+    from dflash.eval.ddtree import ddtree_decode
+
+    tree_accepts = []
+    for p in prompts:
+        tokens, acc, nodes = ddtree_decode(spec, p, EVAL["max_new_tokens"], 4, 6)
+        tree_accepts += acc
+        assert tokens == base.greedy(p, EVAL["max_new_tokens"])[0] and set(nodes) == {6}
+    assert last["heldout_ddtree_accept_len"] == pytest.approx(sum(tree_accepts) / len(tree_accepts), abs=1e-3)
+    assert last["heldout_ddtree_lossless"] is True and last["heldout_ddtree_mode"] == "verified"
 
 
 def test_heldout_samples_are_never_trained_on(evaluated):

@@ -122,11 +122,12 @@ def test_acceptance_length_from_logits():
 
 
 # With soft labels the floor is the target's own entropy, so the blended loss falls less far.
-@pytest.mark.parametrize("kl_weight, ratio", [(0.0, 0.6), (0.5, 0.75)])
-def test_loss_falls_over_30_steps(tiny_target, kl_weight, ratio):
+# The users' recipe (soft labels + cap, through the run config) trains too.
+@pytest.mark.parametrize("kl_weight, ratio, weighting", [(0.0, 0.6, "gamma"), (0.5, 0.75, "gamma"), (0.5, 0.75, "cap")])
+def test_loss_falls_over_30_steps(tiny_target, kl_weight, ratio, weighting):
     cfg = config_from_dict(
         {"drafter": {"num_layers": 1, "block_size": 4},
-         "train": {"max_anchors": 8, "gamma": 4.0, "kl_weight": kl_weight, "loss_chunk": 16}}
+         "train": {"max_anchors": 8, "gamma": 4.0, "kl_weight": kl_weight, "loss_chunk": 16, "slot_weights": weighting}}
     )  # fmt: skip
     torch.manual_seed(0)
     dcfg = drafter_config_from_target(tiny_target.config, 1, 4, mask_token_id=255)
@@ -149,6 +150,12 @@ def test_loss_falls_over_30_steps(tiny_target, kl_weight, ratio):
         losses.append(loss.item())
     (metrics,) = read_metrics([metrics])
     assert metrics["anchors"] == 16 and len(metrics["acc_slot"]) == 3
+    gamma_cfg = cfg.model_copy(deep=True)
+    gamma_cfg.train.slot_weights = "gamma"
+    _, gamma_metrics = train_step_math(drafter, tiny_target, batch, gamma_cfg, torch.Generator().manual_seed(29), "sdpa")
+    gamma_sum = read_metrics([gamma_metrics])[0]["weight_sum"]
+    if weighting == "cap":  # every factor is below 1: the same anchors weigh less
+        assert 0.1 * gamma_sum < metrics["weight_sum"] < gamma_sum
     first, last = sum(losses[:3]) / 3, sum(losses[-3:]) / 3
     assert last < ratio * first, f"loss did not fall clearly: first {first:.3f}, last {last:.3f}"
 
@@ -226,3 +233,105 @@ def test_weight_0_rows_add_exactly_nothing_whatever_they_hold():
         out.append((loss.detach(), h.grad[0, : -bs]))
     assert torch.isfinite(out[1][0]) and torch.equal(out[0][0], out[1][0])
     assert torch.equal(out[0][1], out[1][1])
+
+
+def _direct_slot_factors(ce, correct, valid, kind, a):
+    """train.slot_weights' factors, slot by slot with plain loops over one block's scored slots (lists in, list out)."""
+    K = len(ce)
+    if kind == "gamma":
+        return [1.0] * K
+    if kind == "auf":  # 1 while every earlier valid slot is the drafter's top-1; the first wrong slot is kept
+        out, alive = [], True
+        for k in range(K):
+            out.append(1.0 if alive else 0.0)
+            if valid[k] and not correct[k]:
+                alive = False
+        return out
+    prefix, p = [], 1.0
+    for k in range(K):
+        if valid[k]:
+            p *= (1 - a) * math.exp(-ce[k]) + a
+        prefix.append(p)
+    if kind == "cap":
+        return prefix
+    return [sum(prefix[m] for m in range(k, K) if valid[m]) for k in range(K)]  # dpace
+
+
+def _weighted_case(seed=5):
+    g = torch.Generator().manual_seed(seed)
+    B, A, bs, H, V = 2, 3, 5, 16, 12
+    head = torch.randn(V, H, generator=g, dtype=torch.float64)
+    hidden = torch.randn(B, A * bs, H, generator=g, dtype=torch.float64)
+    target_hidden = torch.randn(B, A * bs, H, generator=g, dtype=torch.float64)
+    labels = (hidden @ head.T).argmax(-1)  # every slot the drafter's top-1 ...
+    labels[0, 3] = (labels[0, 3] + 1) % V  # ... but these: block 0 fails at slot 3, block 2 at slot 1
+    labels[0, 11] = (labels[0, 11] + 1) % V
+    labels[1, 7] = (labels[1, 7] + 3) % V
+    weight = slot_weights(bs, 3.0).double().repeat(A)[None].expand(B, -1).clone()
+    weight[1, -bs:] = 0  # a padding block
+    weight[1, 2] = 0  # a slot off the loss mask inside a block
+    return hidden, target_hidden, head, labels, weight, bs
+
+
+def _direct_weighted_loss(hidden, target_hidden, head, labels, weight, bs, kind, a, kl_weight):
+    """sum w*((1-kl) CE + kl KL) / sum w with w = gamma weight x the direct factors (detached), over slots 1..bs-1."""
+    B, Q, _ = hidden.shape
+    logits = hidden @ head.T
+    logp = logits.log_softmax(-1)
+    ce = -logp.gather(-1, labels[..., None])[..., 0]
+    kl = (target_hidden @ head.T).log_softmax(-1)
+    kl = (kl.exp() * (kl - logp)).sum(-1)
+    correct = logits.argmax(-1) == labels
+    w = torch.zeros(B, Q, dtype=torch.float64)
+    for b in range(B):
+        for j in range(Q // bs):
+            s = slice(j * bs + 1, (j + 1) * bs)
+            valid = (weight[b, s] > 0).tolist()
+            f = _direct_slot_factors(ce[b, s].tolist(), correct[b, s].tolist(), valid, kind, a)
+            w[b, s] = weight[b, s] * torch.tensor(f, dtype=torch.float64)
+    per_token = (1 - kl_weight) * ce + kl_weight * kl
+    return (w * per_token).sum() / w.sum(), w
+
+
+@pytest.mark.parametrize("kind", ["cap", "dpace", "auf"])
+@pytest.mark.parametrize("kl_weight, chunk", [(0.0, 3), (0.5, 1000)])
+def test_slot_weightings_match_their_direct_formula(kind, kl_weight, chunk):
+    """Each train.slot_weights option against its formula written slot by slot: loss, gradient (the weights are
+    detached: no gradient flows through them) and the reported weight sum, on a block that fails mid-way, a padding
+    block and a slot off the loss mask."""
+    hidden, target_hidden, head, labels, weight, bs = _weighted_case()
+    h1, h2 = hidden.clone().requires_grad_(True), hidden.clone().requires_grad_(True)
+    loss, m = dflash_loss(h1, head, labels, weight, bs, chunk, target_hidden, kl_weight, slot_weighting=kind,
+                          cap_alpha=0.3)
+    ref, w_detached = _direct_weighted_loss(hidden, target_hidden, head, labels, weight, bs, kind, 0.3, kl_weight)
+    assert abs(loss.item() - ref.item()) < 1e-12, f"{kind}: loss {loss.item()} vs direct {ref.item()}"
+    # gradient of the direct loss with its weights held fixed
+    logp = (h2 @ head.T).log_softmax(-1)
+    ce = -logp.gather(-1, labels[..., None])[..., 0]
+    t_logp = (target_hidden @ head.T).log_softmax(-1)
+    kl = (t_logp.exp() * (t_logp - logp)).sum(-1)
+    ((w_detached * ((1 - kl_weight) * ce + kl_weight * kl)).sum() / w_detached.sum()).backward()
+    loss.backward()
+    diff = (h1.grad - h2.grad).abs().max().item()
+    assert diff < 1e-12, f"{kind}: grad max abs diff {diff:.3e}"
+    (m,) = read_metrics([m])
+    assert m["weight_sum"] == pytest.approx(w_detached.sum().item(), rel=1e-12)
+    if kind == "auf":  # block 0 keeps slots 1..3 (slot 3 is its first failure), drops slot 4
+        assert w_detached[0, 1:5].tolist() == pytest.approx([1.0, math.exp(-1 / 3), math.exp(-2 / 3), 0.0], rel=1e-6)
+    assert w_detached[:, ::bs].abs().max() == 0 and h1.grad[:, ::bs].abs().max() == 0
+
+
+def test_gamma_weighting_is_the_default_path_bit_for_bit():
+    hidden, target_hidden, head, labels, weight, bs = _weighted_case()
+    a, _ = dflash_loss(hidden, head, labels, weight, bs, 4, target_hidden, 0.5)
+    b, _ = dflash_loss(hidden, head, labels, weight, bs, 4, target_hidden, 0.5, slot_weighting="gamma", cap_alpha=0.1)
+    assert torch.equal(a, b)
+    with pytest.raises(ValueError, match="slot_weights 'cpa': use one of gamma, cap, dpace, auf"):
+        dflash_loss(hidden, head, labels, weight, bs, 4, slot_weighting="cpa")
+
+
+def test_cap_alpha_1_is_gamma_alone():
+    hidden, target_hidden, head, labels, weight, bs = _weighted_case()
+    a, _ = dflash_loss(hidden, head, labels, weight, bs, 4)
+    b, _ = dflash_loss(hidden, head, labels, weight, bs, 4, slot_weighting="cap", cap_alpha=1.0)
+    assert abs(a.item() - b.item()) < 1e-12

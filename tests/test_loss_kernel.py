@@ -17,7 +17,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 
 
-def _case(dtype, kl_weight, chunk, block_v):
+def _case(dtype, kl_weight, chunk, block_v, kind="gamma"):
     import dflash.train.loss_kernel as kernel
     from dflash.train.loss import dflash_loss, read_metrics, slot_weights
 
@@ -34,7 +34,8 @@ def _case(dtype, kl_weight, chunk, block_v):
     out = []
     for fused in (True, False):
         h = hidden.clone().requires_grad_(True)
-        loss, metrics = dflash_loss(h, head, labels, weight, bs, chunk, target_hidden, kl_weight, fused=fused)
+        loss, metrics = dflash_loss(h, head, labels, weight, bs, chunk, target_hidden, kl_weight, fused=fused,
+                                    slot_weighting=kind)
         loss.backward()
         out.append((loss.detach().double(), h.grad.double(), read_metrics([metrics])[0]))
     (loss_f, grad_f, m_f), (loss_r, grad_r, m_r) = out
@@ -47,10 +48,11 @@ def _case(dtype, kl_weight, chunk, block_v):
     for key in ("acc", "acc_slot", "accept_len", "blocks", "tokens"):
         assert m_f[key] == m_r[key], f"{key}: fused {m_f[key]} vs reference {m_r[key]}"
     assert m_f["acc"] > 0
-    for key in ("ce", "kl"):
+    for key in ("ce", "kl", "weight_sum"):
         assert abs(m_f[key] - m_r[key]) <= tol * max(1.0, abs(m_r[key])), (key, m_f[key], m_r[key])
     with torch.no_grad():  # the no-gradient path (evaluation)
-        loss_ng, _ = dflash_loss(hidden, head, labels, weight, bs, chunk, target_hidden, kl_weight, fused=True)
+        loss_ng, _ = dflash_loss(hidden, head, labels, weight, bs, chunk, target_hidden, kl_weight, fused=True,
+                                 slot_weighting=kind)
     assert abs(loss_ng.double() - loss_r) <= tol * max(1.0, abs(loss_r))
 
 
@@ -64,6 +66,10 @@ def _interpreter_checks():
         _case(torch.float32, kl_weight, 7, block_v=64)  # one iteration holding the whole row
         _case(torch.bfloat16, kl_weight, 7, block_v=16)
         n += 2
+    for kind in ("cap", "dpace", "auf"):  # train.slot_weights: the kernel's per-row CE and argmax feed the factors
+        _case(torch.float64, 0.5, 5, block_v=16, kind=kind)
+        _case(torch.float32, 0.0, 7, block_v=64, kind=kind)
+        n += 2
     print(f"fused == reference in {n} cases")
 
 
@@ -74,13 +80,13 @@ def test_fused_loss_kernel_equals_reference_under_triton_interpreter():
     code = "import sys; sys.path.insert(0, 'tests'); import test_loss_kernel as t; t._interpreter_checks()"
     r = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    assert "fused == reference in 15 cases" in r.stdout
+    assert "fused == reference in 21 cases" in r.stdout
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (compiled Triton kernel)")
-@pytest.mark.parametrize("kl_weight", [0.0, 0.5])
-def test_fused_loss_on_cuda_matches_reference_at_a_real_vocabulary(kl_weight):
+@pytest.mark.parametrize("kl_weight, kind", [(0.0, "gamma"), (0.5, "gamma"), (0.5, "cap"), (0.0, "dpace"), (0.0, "auf")])
+def test_fused_loss_on_cuda_matches_reference_at_a_real_vocabulary(kl_weight, kind):
     """bf16 on the GPU, Qwen3's vocabulary (151936 = 37 loop iterations of 4096 + a partial one)."""
     from dflash.train.loss import dflash_loss, read_metrics, slot_weights
 
@@ -94,7 +100,8 @@ def test_fused_loss_on_cuda_matches_reference_at_a_real_vocabulary(kl_weight):
     out = {}
     for fused in (True, False):
         h = hidden.clone().requires_grad_(True)
-        loss, m = dflash_loss(h, head, labels, weight, bs, 100, target_hidden, kl_weight, fused=fused)
+        loss, m = dflash_loss(h, head, labels, weight, bs, 100, target_hidden, kl_weight, fused=fused,
+                              slot_weighting=kind)
         loss.backward()
         out[fused] = (float(loss), h.grad.float(), read_metrics([m])[0])
     assert out[True][0] == pytest.approx(out[False][0], rel=1e-4)

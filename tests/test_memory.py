@@ -219,6 +219,19 @@ def test_soft_labels_add_last_hidden_state_and_kl_buffers(tiny):
                                           abs=2)
 
 
+def test_acceptance_slot_weights_add_their_fp32_row_vectors(tiny):
+    """train.slot_weights cap/dpace/auf keep per-row CE, factors, weights and a scale ([M] fp32 each; a fifth, the
+    per-row KL, with soft labels): 4 x 4 bytes per lm_head row, in the loss inputs part."""
+    rows = workload(tiny).loss_tokens
+    for kl in (0.0, 0.5):
+        base = tiny.model_copy(deep=True)
+        base.train.kl_weight = kl
+        cap = base.model_copy(deep=True)
+        cap.train.slot_weights = "cap"
+        extra = role_need_bytes(cap, "drafter", "12.8", cal=HAND) - role_need_bytes(base, "drafter", "12.8", cal=HAND)
+        assert extra == pytest.approx(1.05 * 4 * rows * (5 if kl else 4), abs=2)
+
+
 def test_cuda13_costs_its_calibrated_context_more(tiny):
     diff = role_need_bytes(tiny, "drafter", "13.0", cal=HAND) - role_need_bytes(tiny, "drafter", "12.8", cal=HAND)
     assert diff == int(0.7 * GiB) - int(0.5 * GiB)

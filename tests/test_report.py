@@ -43,7 +43,7 @@ def assert_complete(page: Path, text: str) -> None:
 def finished(tmp_path_factory):
     root = tmp_path_factory.mktemp("finished")
     _, raw = tiny_config(root, max_steps=6, save_every=100)
-    raw["eval"] = {"holdout": 8, "every": 3}
+    raw["eval"] = {"holdout": 8, "every": 3, "real_prompts": 1, "max_new_tokens": 4, "ddtree_budget": 4}
     cfg = config_from_dict(raw)
     assert run(cfg, None, log=lambda *_: None, progress=False) == 0
     return Path(cfg.output_dir)
@@ -56,6 +56,7 @@ def test_report_of_a_finished_run(finished, capsys):
     assert "finished at step 6" in text and "8 samples of" in text
     assert "no GPU memory data: a CPU run" not in text  # said inside the PNG, not as a failure
     assert "co-located on cpu" in text
+    assert "last heldout_ddtree_accept_len" in text and "LOSSLESS CHECK" not in text
 
 
 def test_report_of_a_running_then_killed_run_and_two_runs_overlaid(finished, tmp_path, capsys):

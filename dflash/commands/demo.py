@@ -5,7 +5,8 @@
 3. preflight the in-process gate, cpu mode (the same checks a GPU run passes)
 4. train     a 1-layer DFlash drafter (configs/demo-cpu.toml) against the frozen target
 5. evaluate  trained vs untrained drafter (same shapes) on held-out chitchat prompts:
-             speculative decoding, mean acceptance length, checked lossless; then dflash-report
+             speculative decoding, mean acceptance length (and DDTree's at DDTREE_BUDGET nodes for the
+             trained one), checked lossless; then dflash-report
              writes the run's HTML report and plots (its path is the last line)
 
 During training, [eval] measures the drafter on the target's completions of other held-out
@@ -28,6 +29,7 @@ MAX_NEW_TOKENS = 48  # completion tokens per training prompt, at most
 EVAL_PROMPTS = 8  # held-out prompts
 EVAL_MAX_NEW_TOKENS = 32  # tokens generated per held-out prompt
 HELD_OUT_SPEC = "held-out"  # chitchat conversations never used for training
+DDTREE_BUDGET = 16  # DDTree node budget the trained drafter is also measured at (dflash.eval.ddtree)
 HELDOUT_SAMPLES = 16  # held-out completions the trainer evaluates on ([eval] in configs/demo-cpu.toml)
 STAGES = 5
 
@@ -121,23 +123,25 @@ def _locked_pipeline(cfg, target: Path, target_spec: str, eval_prompts: str, n_e
     torch.manual_seed(cfg.train.seed)
     untrained = DFlashDrafter(trained.config).eval()  # same shapes, the trainer's initialisation
     reports = evaluate_drafters(model, tokenizer, {"untrained": untrained, "trained": trained},
-                                load_prompts(eval_prompts, n_eval), None, eval_max_new_tokens, log)
+                                load_prompts(eval_prompts, n_eval), None, eval_max_new_tokens, log,
+                                ddtree=[DDTREE_BUDGET], ddtree_drafters={"trained"})
     for r in reports.values():
         print_report(r, log)
     before, after = reports["untrained"], reports["trained"]
-    log(f"\nheld-out acceptance length: trained {after.mean_accept_len:.2f} vs untrained "
-        f"{before.mean_accept_len:.2f} (block {after.block_size}; {n_eval} prompts x "
-        f"{eval_max_new_tokens} tokens); the demo took {time.perf_counter() - t0:.0f} s")
+    (tree,) = after.ddtree
+    log(f"\nheld-out acceptance length: trained {after.mean_accept_len:.2f} (DDTree, {tree['budget']} nodes: "
+        f"{tree['mean_accept_len']:.2f}) vs untrained {before.mean_accept_len:.2f} (block {after.block_size}; "
+        f"{n_eval} prompts x {eval_max_new_tokens} tokens); the demo took {time.perf_counter() - t0:.0f} s")
     (Path(cfg.output_dir) / "demo-eval.json").write_text(
         "[" + ",\n".join(r.to_json() for r in reports.values()) + "]\n")
     from dflash.runs.html_report import write_report
 
     page = write_report([cfg.output_dir])
-    if not (before.lossless and after.lossless):
+    if not (before.lossless and after.lossless and tree["lossless"]):
         log("demo: FAILED: speculative decoding did not reproduce target-only greedy decoding")
         log(f"report: {page}")
         return 1
     log(f"evaluate it again: uv run dflash-eval --target {target_spec} --drafter {cfg.output_dir} "
-        f"--prompts {eval_prompts} --limit {n_eval} --max-new-tokens {eval_max_new_tokens}")
+        f"--prompts {eval_prompts} --limit {n_eval} --max-new-tokens {eval_max_new_tokens} --ddtree {DDTREE_BUDGET}")
     log(f"report (plots of the run; uv run dflash-report {cfg.output_dir} writes it again): {page}")
     return 0

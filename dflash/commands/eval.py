@@ -1,6 +1,7 @@
 """dflash-eval: lossless speculative decoding with a trained drafter against target-only greedy decoding.
 
     uv run dflash-eval --target smollm2 --drafter runs/demo --prompts held-out --limit 16
+    uv run dflash-eval --drafter runs/demo --ddtree 16,32,64,128   # DDTree acceptance per node budget beside it
 """
 
 from __future__ import annotations
@@ -24,17 +25,20 @@ from dflash.errors import Command, run_cli
 @click.option("--limit", type=click.IntRange(min=1), default=16, show_default=True, help="first N prompts")
 @click.option("--device", default="cpu", show_default=True, help="cpu or cuda (cuda:N)")
 @click.option("--json", "json_out", type=click.Path(dir_okay=False, path_type=Path), help="also write the report here")
-def eval_command(target, drafter, prompts, block_size, max_new_tokens, limit, device, json_out) -> None:
+@click.option("--ddtree", metavar="BUDGETS", help="also DDTree decoding (arXiv 2604.12989) at these node budgets, "
+              "e.g. 16,32,64,128: acceptance per budget beside the linear one")
+def eval_command(target, drafter, prompts, block_size, max_new_tokens, limit, device, json_out, ddtree) -> None:
     """Acceptance length of a drafter against its target (greedy speculative decoding, checked lossless)."""
     from dflash.eval.evaluate import evaluate, print_report
 
     if json_out and not json_out.absolute().parent.is_dir():
         raise click.UsageError(f"--json {json_out}: the folder {json_out.absolute().parent} does not exist")
-    report = evaluate(target, drafter, prompts, block_size, max_new_tokens, limit, device, log=click.echo)
+    report = evaluate(target, drafter, prompts, block_size, max_new_tokens, limit, device, log=click.echo,
+                      ddtree=ddtree)
     print_report(report, log=click.echo)
     if json_out:
         json_out.write_text(report.to_json())
-    if not report.lossless:
+    if not report.lossless or not all(t["lossless"] for t in report.ddtree):
         sys.exit(1)
 
 

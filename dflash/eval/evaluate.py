@@ -79,6 +79,34 @@ def check_device(device: str) -> None:
         raise EvalError(f"--device {device!r}: use cpu or cuda (cuda:N for one GPU)")
 
 
+MAX_TREE_BUDGET = 4096  # nodes of one DDTree round (one target forward over them all)
+
+
+def parse_budgets(text: str) -> list[int]:
+    """--ddtree 16,32,64,128: node budgets, each 1..MAX_TREE_BUDGET, in the order given."""
+    try:
+        budgets = [int(part) for part in text.split(",")]
+    except ValueError:
+        budgets = []
+    if not budgets or not all(1 <= b <= MAX_TREE_BUDGET for b in budgets):
+        raise EvalError(f"--ddtree {text!r}: give node budgets as integers 1..{MAX_TREE_BUDGET} separated by commas, "
+                        "e.g. 16,32,64,128")
+    return budgets
+
+
+def print_tree_reports(r: EvalReport, log=print) -> None:
+    for t in r.ddtree:
+        speed = (f", {t['tok_s']:.1f} tok/s ({t['speedup']:.2f}x)" if t["mode"] == "verified"
+                 else " (computed from the target's greedy path, not verified; no speed)")
+        verdict = "lossless" if t["lossless"] else f"NOT LOSSLESS ({len(t['mismatches'])} prompts differ)"
+        log(f"  ddtree budget {t['budget']:>4} ({t['mode']}): mean acceptance length {t['mean_accept_len']:.3f} "
+            f"(linear {r.mean_accept_len:.3f}) over {t['rounds']} rounds, {t['nodes_per_round']:.1f} nodes per "
+            f"round{speed}; {verdict}")
+        log("    accept " + " ".join(f"{k}:{n}" for k, n in t["histogram"].items()))
+        for line in t["mismatches"][:3]:
+            log(f"    {line}")
+
+
 def print_report(r: EvalReport, log=print) -> None:
     log(f"[{r.name}] {r.prompts} prompts, block {r.block_size}, up to {r.max_new_tokens} new tokens: "
         f"mean acceptance length {r.mean_accept_len:.3f} over {r.verify_steps} verify steps")
@@ -86,8 +114,12 @@ def print_report(r: EvalReport, log=print) -> None:
     for k in range(1, r.block_size + 1):
         n = r.histogram.get(k, 0)
         log(f"  accept {k:>3}: {n:>6}  {'#' * round(40 * n / top)}")
-    log(f"  tokens/s: speculative {r.spec_tok_s:.1f} vs target-only greedy {r.target_tok_s:.1f} "
-        f"({r.speedup:.2f}x; batch 1, target KV cache)")
+    if r.linear_mode == "computed":
+        log("  acceptance computed from the target's greedy path, not verified (the target's cache cannot roll back: "
+            "a hybrid); no speed")
+    else:
+        log(f"  tokens/s: speculative {r.spec_tok_s:.1f} vs target-only greedy {r.target_tok_s:.1f} "
+            f"({r.speedup:.2f}x; batch 1, target KV cache)")
     if r.lossless and r.ties:
         log(f"  lossless: identical to target-only greedy decoding up to ties: {len(r.ties)} of {r.prompts} prompts "
             "differ, every token still the target's greedy choice within one ulp of its top logit")
@@ -99,12 +131,15 @@ def print_report(r: EvalReport, log=print) -> None:
         log(f"  NOT LOSSLESS: {len(r.mismatches)} of {r.prompts} prompts differ from target-only greedy")
         for line in r.mismatches[:5]:
             log(f"    {line}")
+    print_tree_reports(r, log)
 
 
 def evaluate(target: str, drafter: Path, prompts: str, block_size: int | None, max_new_tokens: int,
-             limit: int | None, device: str = "cpu", log=print) -> EvalReport:
-    """dflash-eval: one drafter (folder or run dir) on the given prompts; the inputs are checked before torch loads."""
+             limit: int | None, device: str = "cpu", log=print, ddtree: str | None = None) -> EvalReport:
+    """dflash-eval: one drafter (folder or run dir) on the given prompts; the inputs are checked before torch loads.
+    ddtree: "16,32,..." node budgets of DDTree decoding beside the linear one."""
     check_device(device)
+    budgets = parse_budgets(ddtree) if ddtree else None
     folder = find_drafter_folder(drafter)
     check_drafter_files(folder)
     check_target(target)
@@ -115,4 +150,5 @@ def evaluate(target: str, drafter: Path, prompts: str, block_size: int | None, m
     model, tokenizer = load_eval_target(target, device, log)
     log(f"eval: drafter {folder} ({d.config.num_hidden_layers} layers, trained block {d.config.block_size}) on "
         f"{len(texts)} prompts from {prompts}")
-    return evaluate_drafters(model, tokenizer, {str(folder): d}, texts, block_size, max_new_tokens, log)[str(folder)]
+    return evaluate_drafters(model, tokenizer, {str(folder): d}, texts, block_size, max_new_tokens, log,
+                             ddtree=budgets)[str(folder)]

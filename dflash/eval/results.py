@@ -15,6 +15,23 @@ class EvalError(DflashError):
 
 
 @dataclass
+class TreeReport:
+    """DDTree decoding at one node budget (dflash.eval.ddtree) on the same prompts as the linear report."""
+
+    budget: int
+    mode: str  # "verified" (one target forward per round under a tree mask) or "computed" (the walk by greedy decoding)
+    rounds: int = 0
+    mean_accept_len: float = 0.0
+    histogram: dict = field(default_factory=dict)  # acceptance length -> rounds
+    nodes_per_round: float = 0.0
+    tok_s: float = 0.0  # verified only: a computed walk's speed means nothing
+    speedup: float = 0.0
+    lossless: bool = True
+    mismatches: list = field(default_factory=list)
+    ties: list = field(default_factory=list)
+
+
+@dataclass
 class EvalReport:
     name: str
     prompts: int
@@ -30,6 +47,8 @@ class EvalReport:
     lossless: bool = True
     mismatches: list = field(default_factory=list)  # one line per prompt whose output differs
     ties: list = field(default_factory=list)  # prompts that differ, every token still a greedy choice within one ulp
+    ddtree: list = field(default_factory=list)  # one TreeReport (as a dict) per --ddtree budget, same prompts
+    linear_mode: str = "verified"  # computed on targets whose cache cannot roll back (hybrids): dflash.eval.ddtree
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2)

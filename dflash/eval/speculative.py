@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -26,7 +27,8 @@ import torch.nn.functional as F
 
 from dflash.data.prepare import eos_ids_of
 from dflash.data.prompts import prompts_within
-from dflash.eval.results import EvalError, EvalReport
+from dflash.eval.ddtree import cache_rolls_back
+from dflash.eval.results import EvalError, EvalReport, TreeReport
 from dflash.models.attention import build_layer_masks
 from dflash.models.drafter import DFlashDrafter
 from dflash.models.target import target_embed_and_head
@@ -56,6 +58,12 @@ class Decoder:
         # Logits closer than this relative gap are a tie at the target's precision (one bf16 ulp: 2^-7 of the value).
         self.tie_eps = torch.finfo(self.head_w.dtype).eps
 
+    def new_cache(self):
+        """An empty KV cache shaped by the target's config (a hybrid's Gated DeltaNet layers keep their state there)."""
+        from transformers import DynamicCache
+
+        return DynamicCache(config=self.target.config)
+
     def _forward(self, ids: list[int], cache, last_only: bool = False):
         from_ids = torch.tensor([ids], device=self.device)
         out = self.target(input_ids=from_ids, past_key_values=cache, use_cache=True,
@@ -78,9 +86,7 @@ class Decoder:
     @torch.no_grad()
     def greedy(self, prompt: list[int], max_new: int) -> tuple[list[int], list[float]]:
         """Target-only greedy tokens and the top-2 logit margin behind each (for mismatch reports)."""
-        from transformers import DynamicCache
-
-        cache = DynamicCache()
+        cache = self.new_cache()
         logits, _ = self._forward(prompt, cache, last_only=True)
         tokens, margins = [], []
         while True:
@@ -106,6 +112,11 @@ class Decoder:
     @torch.no_grad()
     def draft(self, ctx_SF: torch.Tensor, last: int, block_size: int) -> list[int]:
         """The drafter's tokens for slots 1..B-1 of a block anchored at n = len(ctx) (slot 0 = last)."""
+        return self.draft_logits(ctx_SF, last, block_size).argmax(dim=-1).tolist()
+
+    @torch.no_grad()
+    def draft_logits(self, ctx_SF: torch.Tensor, last: int, block_size: int) -> torch.Tensor:
+        """The drafter's logits [B-1, V] for slots 1..B-1 of a block anchored at n = len(ctx) (slot 0 = last)."""
         d = self.drafter
         n = ctx_SF.shape[0]
         block = torch.full((1, block_size), d.config.mask_token_id, device=self.device)
@@ -116,14 +127,12 @@ class Decoder:
         ctx_pos = torch.arange(n, device=self.device)[None]
         q_pos = torch.arange(n, n + block_size, device=self.device)[None]
         hidden_QH = d(ctx_SF[None], noise_BQH, ctx_pos, q_pos, attn)[0, 1:]
-        return (hidden_QH.to(self.head_w.dtype) @ self.head_w.T).argmax(dim=-1).tolist()
+        return hidden_QH.to(self.head_w.dtype) @ self.head_w.T
 
     @torch.no_grad()
     def speculative(self, prompt: list[int], max_new: int, block_size: int) -> tuple[list[int], list[int]]:
         """Speculative greedy tokens and the acceptance length of every verify step."""
-        from transformers import DynamicCache
-
-        cache = DynamicCache()
+        cache = self.new_cache()
         logits, ctx_SF = self._forward(prompt, cache, last_only=True)
         tokens = [int(logits[-1].argmax())]
         accept = []
@@ -170,9 +179,14 @@ def _sync(device: torch.device) -> None:
 
 
 def evaluate_drafters(target, tokenizer, drafters: dict[str, DFlashDrafter], prompts: list[str],
-                      block_size: int | None, max_new_tokens: int, log=print, progress: bool | None = None
+                      block_size: int | None, max_new_tokens: int, log=print, progress: bool | None = None,
+                      ddtree: list[int] | None = None, ddtree_mode: str = "auto", ddtree_drafters: set | None = None
                       ) -> dict[str, EvalReport]:
-    """Reports per drafter on the same prompts; target-only greedy runs once and is the reference."""
+    """Reports per drafter on the same prompts; target-only greedy runs once and is the reference.
+
+    ddtree: node budgets for DDTree decoding beside the linear one (dflash.eval.ddtree); ddtree_mode auto verifies
+    the tree where the target takes a tree mask and computes the walk elsewhere, or force verified | computed;
+    ddtree_drafters: the names it runs for (None = all)."""
     import sys
 
     from tqdm import tqdm
@@ -197,13 +211,15 @@ def evaluate_drafters(target, tokenizer, drafters: dict[str, DFlashDrafter], pro
         check_pair(target, drafter)
         bs = block_size or drafter.config.block_size
         dec = Decoder(target, drafter, eos_ids)
-        report = EvalReport(name, len(prompts), bs, max_new_tokens)
+        report = EvalReport(name, len(prompts), bs, max_new_tokens,
+                            linear_mode="verified" if cache_rolls_back(target) else "computed")
+        linear = Decoder.speculative if report.linear_mode == "verified" else computed_linear
         accepts, spec_time = [], 0.0
         for i, ids in enumerate(tqdm(prompt_ids, desc=f"speculative ({name})", unit="prompt",
                                      disable=not progress, dynamic_ncols=True)):
             _sync(device)
             t0 = time.perf_counter()
-            tokens, acc = dec.speculative(ids, max_new_tokens, bs)
+            tokens, acc = linear(dec, ids, max_new_tokens, bs)
             _sync(device)
             spec_time += time.perf_counter() - t0
             accepts += acc
@@ -222,8 +238,68 @@ def evaluate_drafters(target, tokenizer, drafters: dict[str, DFlashDrafter], pro
         report.spec_tok_s = round(ref_tokens / max(spec_time, 1e-9), 1)
         report.target_tok_s = round(ref_tokens / max(base_time, 1e-9), 1)
         report.speedup = round(report.spec_tok_s / max(report.target_tok_s, 1e-9), 2)
+        for budget in (ddtree or []) if ddtree_drafters is None or name in ddtree_drafters else []:
+            report.ddtree.append(asdict(tree_report(dec, prompt_ids, reference, bs, budget, max_new_tokens,
+                                                    ddtree_mode, report.target_tok_s, ref_tokens, progress)))
         reports[name] = report
     return reports
+
+
+def computed_linear(dec: Decoder, prompt: list[int], max_new: int, block_size: int) -> tuple[list[int], list[int]]:
+    """Linear speculative decoding's tokens and acceptance where the target's cache cannot roll back (a hybrid's
+    recurrent state): the walk of the one-chain tree, computed by greedy decoding (dflash.eval.ddtree)."""
+    from dflash.eval.ddtree import chain_tree, ddtree_decode
+
+    tokens, accept, _ = ddtree_decode(dec, prompt, max_new, block_size, 1, verified=False,
+                                      tree_of=lambda _logp, top1: chain_tree(top1))
+    return tokens, accept
+
+
+def tree_mode(target, mode: str = "auto") -> str:
+    """verified where the target's attention takes a tree mask (dflash.eval.ddtree.tree_verifiable), else computed."""
+    from dflash.eval.ddtree import tree_verifiable
+
+    why = tree_verifiable(target)
+    if mode == "verified" and why:
+        raise EvalError(f"--ddtree: this target cannot verify a tree in one forward ({why}); its walk is computed")
+    return mode if mode != "auto" else ("computed" if why else "verified")
+
+
+def tree_report(dec: Decoder, prompt_ids: list[list[int]], reference: list, block_size: int, budget: int,
+                max_new_tokens: int, mode: str, target_tok_s: float, ref_tokens: int, progress: bool = False
+                ) -> TreeReport:
+    """DDTree decoding of every prompt at one budget, checked against target-only greedy as the linear one is."""
+    from tqdm import tqdm
+
+    from dflash.eval.ddtree import ddtree_decode
+
+    mode = tree_mode(dec.target, mode)
+    r = TreeReport(budget, mode)
+    accepts, nodes, spent = [], [], 0.0
+    for i, ids in enumerate(tqdm(prompt_ids, desc=f"ddtree {budget} ({mode})", unit="prompt", disable=not progress,
+                                 dynamic_ncols=True)):
+        _sync(dec.device)
+        t0 = time.perf_counter()
+        tokens, acc, n = ddtree_decode(dec, ids, max_new_tokens, block_size, budget, verified=mode == "verified")
+        _sync(dec.device)
+        spent += time.perf_counter() - t0
+        accepts += acc
+        nodes += n
+        ref, margins = reference[i]
+        found = check_output(dec, ids, tokens, ref, margins)
+        if found and found[0] == "tie":
+            r.ties.append(f"prompt {i}: differs from target-only greedy at {found[1]} (a tie)")
+        elif found:
+            r.lossless = False
+            r.mismatches.append(f"prompt {i}: output differs from target-only greedy at {found[1]}")
+    r.rounds = len(accepts)
+    r.mean_accept_len = round(sum(accepts) / max(1, len(accepts)), 3)
+    r.histogram = dict(sorted(Counter(accepts).items()))
+    r.nodes_per_round = round(sum(nodes) / max(1, len(nodes)), 1)
+    if mode == "verified":
+        r.tok_s = round(ref_tokens / max(spent, 1e-9), 1)
+        r.speedup = round(r.tok_s / max(target_tok_s, 1e-9), 2)
+    return r
 
 
 def _short(e: BaseException, limit: int = 200) -> str:

@@ -361,6 +361,10 @@ def _drafter_step_parts(cfg: RunConfig, shape: TargetShape, w: Workload, cal: Ca
     # forward pass and kept for backward; with soft labels the target's last hidden state is
     # gathered per query [Q, H] and then selected [M, H].
     loss_inputs = 2 * BF16 * m * h + (BF16 * (w.queries + m) * h if kl else 0)
+    # train.slot_weights other than gamma: per-row CE (and KL) kept for the factors, the factors, the weights and
+    # the gradient scale, fp32 [M] each (dflash.train.loss.acceptance_weights); the gradient is scaled in place
+    weighted = cfg.train.slot_weights != "gamma"
+    loss_inputs += FP32 * m * (4 + kl) if weighted else 0
     chunk = int(w.loss_chunk * v * BF16 * (cal.loss_bf16_buffers + (cal.kl_bf16_buffers if kl else 0.0)))
     rope = BF16 * 2 * d * (2 * w.queries + 2 * w.tokens)  # cos+sin for queries, context, and [context; queries]
     backward = int(cal.backward_transient_layers * full_layer) + attn_ws
@@ -374,7 +378,8 @@ def _drafter_step_parts(cfg: RunConfig, shape: TargetShape, w: Workload, cal: Ca
         Part(f"layer activations ({n} layers x {layer / GiB:.2f} GiB, recompute {mode})", n * layer, "activation"),
         Part("final norm (fp32 pair + bf16 out)", (2 * FP32 + BF16) * w.queries * h + FP32 * w.queries, "activation"),
         Part(f"flex block mask ({w.sequences} seqs)", mask, "activation"),
-        Part(f"loss inputs ({m} lm_head rows: hidden + its gradient{', target hidden' if kl else ''})", loss_inputs,
+        Part(f"loss inputs ({m} lm_head rows: hidden + its gradient{', target hidden' if kl else ''}"
+             f"{', slot weight factors' if weighted else ''})", loss_inputs,
              "activation"),
         # The loss chunks live in the forward pass (the loss computes its gradient there), the
         # backward pass's transients after them: the peak holds the larger of the two.

@@ -184,7 +184,9 @@ def plot_loss(ax, runs):
 
 def plot_accept(ax, runs):
     _lines(ax, runs, [("accept_len", "simulated (train batches)"), ("heldout_accept_len", "held-out (simulated)"),
-                      ("heldout_real_accept_len", "held-out (real decoding)")], "no acceptance logged yet")
+                      ("heldout_real_accept_len", "held-out (real decoding)"),
+                      ("heldout_ddtree_accept_len", "held-out (DDTree real decoding, eval.ddtree_budget nodes)")],
+           "no acceptance logged yet")
     ax.set_ylabel("acceptance length (tokens per verify step)")
 
 
@@ -340,11 +342,11 @@ def essentials(run: Run) -> list[tuple[str, str]]:
         ("host", f"{host.get('hostname', '?')}, python {host.get('python', '?')}, git {host.get('git_commit') or '?'}"),
     ]
     last = run.rows[-1] if run.rows else {}
-    for key in ("loss", "accept_len", "heldout_accept_len", "heldout_real_accept_len"):
+    for key in ("loss", "accept_len", "heldout_accept_len", "heldout_real_accept_len", "heldout_ddtree_accept_len"):
         v = run.last(key)
         if isinstance(v, (int, float)):
             rows.append((f"last {key}", f"{v:.4f}"))
-    if last.get("heldout_real_lossless") is False:
+    if last.get("heldout_real_lossless") is False or last.get("heldout_ddtree_lossless") is False:
         rows.append(("LOSSLESS CHECK", "FAILED: speculative decoding differed from target-only greedy"))
     return rows
 

@@ -144,7 +144,8 @@ class HeldOut:
         return finish_sums(total)
 
     def real(self, drafter, target) -> dict:
-        from dflash.eval.speculative import Decoder, check_output
+        from dflash.eval.ddtree import cache_rolls_back
+        from dflash.eval.speculative import Decoder, check_output, computed_linear, tree_report
 
         eos = eos_ids(target)
         n_new = self.cfg.eval.max_new_tokens
@@ -152,14 +153,22 @@ class HeldOut:
             base = Decoder(target, None, eos)
             self._reference = [base.greedy(p, n_new) for p in self.prompts]
         dec = Decoder(target, drafter, eos)
+        linear = Decoder.speculative if cache_rolls_back(target) else computed_linear  # a hybrid: computed
         accepts, lossless = [], True
         for prompt, (ref, margins) in zip(self.prompts, self._reference):
-            tokens, acc = dec.speculative(prompt, n_new, drafter.config.block_size)
+            tokens, acc = linear(dec, prompt, n_new, drafter.config.block_size)
             accepts += acc
             found = check_output(dec, prompt, tokens, ref, margins)
             lossless &= found is None or found[0] == "tie"  # a tie-break of (near-)equal logits is not a lossy decoder
-        return {"heldout_real_accept_len": sum(accepts) / max(1, len(accepts)), "heldout_real_lossless": lossless,
-                "heldout_real_prompts": len(self.prompts), "heldout_real_verify_steps": len(accepts)}
+        out = {"heldout_real_accept_len": sum(accepts) / max(1, len(accepts)), "heldout_real_lossless": lossless,
+               "heldout_real_prompts": len(self.prompts), "heldout_real_verify_steps": len(accepts)}
+        budget = self.cfg.eval.ddtree_budget
+        if budget:
+            tree = tree_report(dec, self.prompts, self._reference, drafter.config.block_size, budget, n_new, "auto",
+                               0.0, 0)
+            out.update(heldout_ddtree_accept_len=tree.mean_accept_len, heldout_ddtree_budget=budget,
+                       heldout_ddtree_lossless=tree.lossless, heldout_ddtree_mode=tree.mode)
+        return out
 
 
 def local_features(source, batch: dict, device):
@@ -174,7 +183,7 @@ def local_features(source, batch: dict, device):
 def batch_sums(drafter, embed_VH, head_VH, batch: dict, features, cfg, device, attn_backend: str, index: int) -> dict:
     """Sums of one held-out batch (so batches and ranks merge exactly): the training step's math, no gradient."""
 
-    from dflash.train.loss import block_inputs, read_metrics, sample_anchors, slot_weights
+    from dflash.train.loss import block_inputs, read_metrics, sample_anchors
     from dflash.train.step import anchor_generator, micro_step
 
     loss, m = micro_step(drafter, embed_VH, head_VH, batch, features, cfg, device, attn_backend, index)
@@ -186,7 +195,7 @@ def batch_sums(drafter, embed_VH, head_VH, batch: dict, features, cfg, device, a
     _, _, label_valid_BQ, _ = block_inputs(batch["input_ids"], anchors_BA, bs, drafter.config.mask_token_id,
                                            loss_mask_BS=batch["loss_mask"], valid_BA=valid_BA)
     B, A = anchors_BA.shape
-    weight_sum = float((slot_weights(bs, cfg.train.gamma).to(device).repeat(A)[None, :] * label_valid_BQ).sum())
+    weight_sum = m.pop("weight_sum")  # sum of the loss's slot weights (train.slot_weights: they read the drafter)
     slot_tokens = label_valid_BQ.view(B, A, bs)[:, :, 1:].sum(dim=(0, 1)).tolist()
     return {
         "loss": float(loss.detach()) * weight_sum, "ce": m["ce"] * weight_sum, "weight": weight_sum,

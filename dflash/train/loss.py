@@ -2,7 +2,9 @@
 
 A step samples anchors among positions a with loss_mask[a] and loss_mask[a+1]; block j holds
 the real token at anchor_j in slot 0 and the mask token elsewhere; slot k predicts
-input_ids[anchor_j + k] with weight exp(-(k-1)/gamma) (slot 0: weight 0).
+input_ids[anchor_j + k] with weight exp(-(k-1)/gamma) (slot 0: weight 0). train.slot_weights other
+than "gamma" multiply that weight by a detached, acceptance-aware factor read from the drafter's
+own per-slot CE and top-1 (`acceptance_weights`: CAP, D-PACE, Spec-AUF).
 
 The loss never materialises [tokens, vocab] at once: `_ChunkedLMHeadLoss` walks the weighted
 tokens chunk by chunk through the frozen lm_head and, when a gradient is needed, computes the
@@ -130,41 +132,98 @@ def slot_weights(block_size: int, gamma: float, device: torch.device | str = "cp
     return torch.exp(-(k - 1) / gamma) * (k > 0)  # no `w[0] = 0.0`: a host scalar copied in waits for the GPU
 
 
+SLOT_WEIGHTINGS = ("gamma", "cap", "dpace", "auf")  # train.slot_weights; all but gamma: `acceptance_weights`
+
+
+@torch.no_grad()
+def acceptance_weights(ce_NK: torch.Tensor, correct_NK: torch.Tensor, valid_NK: torch.Tensor, kind: str,
+                       a: float) -> torch.Tensor:
+    """Detached per-slot factors [N, K] for N blocks' scored slots 1..K, from the drafter's own CE and top-1.
+
+    q_j = exp(-CE_j), the drafter's probability of slot j's label; f_j = (1 - a) q_j + a.
+    - "cap" (cumulative acceptance / confidence weighting; SpecForge's loss type
+      dpace-cumulative-confidence-only): slot k weighs P_k = prod_{j<=k} f_j.
+    - "dpace" (D-PACE, arXiv 2605.18810): slot k weighs sum_{m>=k} P_m, the suffix sum of those products.
+    - "auf" (Spec-AUF, accept-until-fail, arXiv 2607.01893): slot k weighs 1 while every slot before it is
+      the drafter's top-1, else 0; the first wrong slot is kept (inclusive: "the support through the first
+      predicted failure"), every later one dropped.
+    A slot that is not valid (past the sequence, off the loss mask, a padding anchor) is a no-op in the chain
+    (f = 1, counted right) and adds nothing to a suffix sum; its own weight is 0 anyway (weights multiply
+    the validity). The caller multiplies these factors into the gamma decay.
+    """
+    if kind == "auf":
+        ok_NK = (correct_NK | ~valid_NK).to(ce_NK.dtype)
+        return torch.cat([torch.ones_like(ok_NK[:, :1]), ok_NK[:, :-1].cumprod(dim=-1)], dim=-1)
+    f_NK = torch.where(valid_NK, (1.0 - a) * torch.exp(-ce_NK) + a, 1.0)
+    prefix_NK = f_NK.cumprod(dim=-1)
+    if kind == "cap":
+        return prefix_NK
+    if kind == "dpace":
+        return (prefix_NK * valid_NK).flip(-1).cumsum(dim=-1).flip(-1)
+    raise ValueError(f"slot_weights {kind!r}: use one of {', '.join(SLOT_WEIGHTINGS)}")
+
+
 class _ChunkedLMHeadLoss(torch.autograd.Function):
     """Sum over tokens of w * [(1-kl) * CE + kl * KL(target || drafter)], divided by `norm`.
 
-    Returns (loss, ce_sum, kl_sum, correct_M); only loss carries a gradient, to hidden_MH.
+    Returns (loss, ce_sum, kl_sum, correct_M, norm); only loss carries a gradient, to hidden_MH.
+    weighting (kind, a, slots per block): w = weight_M x `acceptance_weights`, known only once every row's CE
+    is; each row's gradient is formed with weight_M alone and scaled by the factor / norm after the pass
+    (the gradient is linear in a detached weight), so it stays one pass; norm = sum w, computed here.
     """
 
     @staticmethod
-    def forward(ctx, hidden_MH, head_VH, labels_M, weight_M, target_MH, kl_weight, chunk, norm, fused):
+    def forward(ctx, hidden_MH, head_VH, labels_M, weight_M, target_MH, kl_weight, chunk, norm, fused,
+                weighting=None):
         want_grad = ctx.needs_input_grad[0]
         chunk_loss = _chunk_loss_fused if fused else _chunk_loss
         grad_MH = torch.empty_like(hidden_MH) if want_grad else None
         ce_sum = hidden_MH.new_zeros((), dtype=_math_dtype(head_VH))
         kl_sum = torch.zeros_like(ce_sum)
         correct_M = torch.zeros_like(labels_M, dtype=torch.bool)
+        # with a weighting: per-row CE (and KL) kept for the factors ([M] floats, no [M, V])
+        ce_M = torch.zeros_like(weight_M) if weighting else None
+        kl_M = torch.zeros_like(weight_M) if weighting and target_MH is not None else None
         with torch.autocast(hidden_MH.device.type, enabled=False):
             for start in range(0, hidden_MH.shape[0], chunk):
                 sl = slice(start, start + chunk)
                 t_cH = target_MH[sl] if target_MH is not None else None
+                w_c = weight_M[sl] if weighting else weight_M[sl] / norm
                 ce_c, kl_c, correct_M[sl], grad_cH = chunk_loss(
-                    hidden_MH[sl], head_VH, labels_M[sl], weight_M[sl] / norm, t_cH, kl_weight, want_grad
+                    hidden_MH[sl], head_VH, labels_M[sl], w_c, t_cH, kl_weight, want_grad
                 )
-                ce_sum += (weight_M[sl] * ce_c).sum()
-                if kl_c is not None:
-                    kl_sum += (weight_M[sl] * kl_c).sum()
+                if weighting:
+                    ce_M[sl] = ce_c
+                    if kl_M is not None and kl_c is not None:
+                        kl_M[sl] = kl_c
+                else:
+                    ce_sum += (weight_M[sl] * ce_c).sum()
+                    if kl_c is not None:
+                        kl_sum += (weight_M[sl] * kl_c).sum()
                 if want_grad:
                     grad_MH[sl] = grad_cH
+        if weighting:
+            kind, a, slots = weighting
+            factor_M = acceptance_weights(ce_M.view(-1, slots), correct_M.view(-1, slots),
+                                          (weight_M > 0).view(-1, slots), kind, a).flatten()
+            w_M = weight_M * factor_M
+            norm = w_M.sum().clamp_min(1e-6)
+            ce_sum = (w_M * ce_M).sum()
+            if kl_M is not None:
+                kl_sum = (w_M * kl_M).sum()
+            if want_grad:
+                grad_MH.mul_((factor_M / norm)[:, None])  # in place: no second [M, H] buffer
+        else:
+            norm = norm.clone()
         ctx.save_for_backward(grad_MH)
-        ctx.mark_non_differentiable(ce_sum, kl_sum, correct_M)
+        ctx.mark_non_differentiable(ce_sum, kl_sum, correct_M, norm)
         loss = ((1.0 - kl_weight) * ce_sum + kl_weight * kl_sum) / norm
-        return loss, ce_sum, kl_sum, correct_M
+        return loss, ce_sum, kl_sum, correct_M, norm
 
     @staticmethod
-    def backward(ctx, g_loss, _g_ce, _g_kl, _g_correct):
+    def backward(ctx, g_loss, _g_ce, _g_kl, _g_correct, _g_norm):
         (grad_MH,) = ctx.saved_tensors
-        return grad_MH * g_loss.to(grad_MH.dtype), None, None, None, None, None, None, None, None
+        return grad_MH * g_loss.to(grad_MH.dtype), None, None, None, None, None, None, None, None, None
 
 
 def _math_dtype(head_VH: torch.Tensor) -> torch.dtype:
@@ -293,6 +352,8 @@ def dflash_loss(
     target_hidden_BQH: torch.Tensor | None = None,
     kl_weight: float = 0.0,
     fused: bool | None = None,
+    slot_weighting: str = "gamma",
+    cap_alpha: float = 0.5,
 ) -> tuple[torch.Tensor, dict]:
     """Weighted CE (blended with forward KL when kl_weight > 0) over the weighted tokens, and its metrics as
     device tensors (read them with `read_metrics`).
@@ -301,10 +362,14 @@ def dflash_loss(
     through the lm_head, `chunk` rows at a time; slot 0 (the given anchor) never counts, whatever its weight.
     Nothing here waits for the GPU: the rows are chosen by shape, not by reading which weights are > 0 (a
     weight-0 row costs its matmul and adds exactly 0). fused: the Triton kernel (None = on CUDA).
+    slot_weighting other than "gamma": w = weight_BQ x `acceptance_weights` (detached; cap_alpha is its a).
     """
     _check_loss_inputs(
         hidden_BQH, lm_head_weight, labels_BQ, weight_BQ, block_size, chunk, target_hidden_BQH, kl_weight
     )
+    if slot_weighting not in SLOT_WEIGHTINGS:
+        raise ValueError(f"slot_weights {slot_weighting!r}: use one of {', '.join(SLOT_WEIGHTINGS)}")
+    weighting = None if slot_weighting == "gamma" else (slot_weighting, float(cap_alpha), block_size - 1)
     B, Q, H = hidden_BQH.shape
     A = Q // block_size
 
@@ -321,14 +386,14 @@ def dflash_loss(
     keep_M1 = (weight_M > 0)[:, None]
     target_MH = torch.where(keep_M1, scored(target_hidden_BQH), 0) if use_kl else None
     labels_M = torch.where(weight_M > 0, scored(labels_BQ), 0)
-    loss, ce_sum, kl_sum, correct_M = _ChunkedLMHeadLoss.apply(
+    loss, ce_sum, kl_sum, correct_M, norm = _ChunkedLMHeadLoss.apply(
         torch.where(keep_M1, scored(hidden_BQH), 0), lm_head_weight, labels_M, weight_M, target_MH, float(kl_weight),
-        chunk, norm, fused,
+        chunk, norm, fused, weighting,
     )
     correct_BQ = torch.zeros(B, A, block_size, dtype=torch.bool, device=hidden_BQH.device)
     correct_BQ[:, :, 1:] = correct_M.view(B, A, block_size - 1)
     metrics = block_metric_tensors(correct_BQ.view(B, Q), weight_BQ > 0, block_size)
-    metrics.update(loss=loss.detach(), ce=ce_sum / norm, kl=kl_sum / norm)
+    metrics.update(loss=loss.detach(), ce=ce_sum / norm, kl=kl_sum / norm, weight_sum=norm)
     return loss, metrics
 
 
@@ -463,7 +528,8 @@ def drafter_step_math(
     weight_BQ = slot_weights(bs, tcfg.gamma, device).repeat(A)[None, :] * label_valid_BQ
     target_hidden_BQH = target_hidden_for_slots(last_BSH, query_pos_BQ) if want_last else None
     loss, metrics = dflash_loss(
-        hidden_BQH, head_VH, labels_BQ, weight_BQ, bs, tcfg.loss_chunk, target_hidden_BQH, tcfg.kl_weight
+        hidden_BQH, head_VH, labels_BQ, weight_BQ, bs, tcfg.loss_chunk, target_hidden_BQH, tcfg.kl_weight,
+        slot_weighting=tcfg.slot_weights, cap_alpha=tcfg.cap_alpha,
     )
     metrics["anchors"] = valid_BA.sum()
     return loss, metrics

@@ -559,6 +559,8 @@ class Trainer:
             if "heldout_real_accept_len" in rec:
                 line += (f" real {rec['heldout_real_accept_len']:.3f}"
                          + ("" if rec["heldout_real_lossless"] else " NOT LOSSLESS"))
+            if "heldout_ddtree_accept_len" in rec:
+                line += f" ddtree@{rec['heldout_ddtree_budget']} {rec['heldout_ddtree_accept_len']:.3f}"
         rates = self.source.rates_line(rec) if "tok_per_s" in rec else ""
         if rates:
             line += " " + rates

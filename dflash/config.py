@@ -266,6 +266,11 @@ class EvalConfig(_Strict):
     ddtree_budget: int = Field(0, ge=0, le=4096, description="also DDTree decoding of the real_prompts at this many "
                                "tree nodes (arXiv 2604.12989; dflash.eval.ddtree), checked lossless: "
                                "heldout_ddtree_accept_len; 0 = off; needs real_prompts")
+    best_by: Literal["linear", "ddtree"] = Field(
+        "linear", description="what checkpoints/best maximises: the held-out mean acceptance length of linear "
+        "drafting (heldout_accept_len), or of DDTree decoding at ddtree_budget nodes (heldout_ddtree_accept_len, "
+        "what a DDTree deployment gets); ddtree needs ddtree_budget",
+    )
     export: Literal["best", "last"] = Field(
         "best", description="which weights the finished run exports to <output_dir>/drafter: the best held-out "
         "checkpoint (checkpoints/best), or the last step; without held-out evaluation always the last",
@@ -284,6 +289,9 @@ class EvalConfig(_Strict):
                              "not both")
         if self.ddtree_budget and not self.real_prompts:
             raise ValueError("eval.ddtree_budget decodes the eval.real_prompts: set real_prompts >= 1 too")
+        if self.best_by == "ddtree" and not self.ddtree_budget:
+            raise ValueError("eval.best_by = 'ddtree' chooses by DDTree acceptance: set eval.ddtree_budget >= 1 "
+                             "(and real_prompts) too")
         return self
 
 

@@ -265,3 +265,22 @@ def test_eval_in_a_split_run_is_one_line(evaluated):
         config_from_dict(dict(raw, topology={"target_gpus": ["0"], "drafter_gpus": ["1"]}))
     with pytest.raises(ConfigError, match="not both"):
         config_from_dict(dict(raw, eval={"holdout": 4, "path": "x"}))
+
+
+def test_best_can_be_chosen_by_ddtree_acceptance(tmp_path):
+    """eval.best_by = "ddtree": checkpoints/best is the evaluation with the highest heldout_ddtree_accept_len (what a
+    DDTree deployment gets), and the run says so; without ddtree_budget the config is refused in one line."""
+    _, raw = tiny_config(tmp_path, max_steps=8, save_every=100, keep_last=1)
+    raw["eval"] = {**EVAL, "best_by": "ddtree"}
+    cfg = config_from_dict(raw)
+    lines = []
+    assert run(cfg, None, log=lines.append, progress=False) == 0
+    out = Path(cfg.output_dir)
+    evals = [r for r in rows(out) if "heldout_ddtree_accept_len" in r]
+    assert [r["step"] for r in evals] == [4, 8]
+    best_row = max(evals, key=lambda r: (r["heldout_ddtree_accept_len"], -r["step"]))
+    assert rundir.best_checkpoint(out).name == rundir.checkpoint_name(best_row["step"])
+    assert any("checkpoints/best by heldout_ddtree_accept_len" in line for line in lines)
+    with pytest.raises(ValueError, match="eval.best_by = 'ddtree' chooses by DDTree acceptance: set "
+                                         "eval.ddtree_budget >= 1"):
+        config_from_dict({**raw, "eval": {**EVAL, "ddtree_budget": 0, "best_by": "ddtree"}})

@@ -29,7 +29,12 @@ import numpy as np
 from dflash.data.plan import SubsetDataset
 
 BATCH_INDEX_OFFSET = 1 << 40  # anchor generator index of held-out batch i: never a training batch's index
-BEST_KEY = "heldout_accept_len"  # what checkpoints/best maximises
+BEST_KEYS = {"linear": "heldout_accept_len", "ddtree": "heldout_ddtree_accept_len"}  # eval.best_by -> metric
+
+
+def best_key(cfg) -> str:
+    """The held-out metric checkpoints/best maximises (eval.best_by)."""
+    return BEST_KEYS[cfg.eval.best_by]
 
 
 
@@ -104,7 +109,7 @@ class HeldOut:
         real = (f"; real decoding of {len(self.prompts)} prompts x {e.max_new_tokens} tokens" if self.prompts else "")
         return (f"held-out eval: {where}, {self.dataset.num_samples} samples in {len(self.batches)} batches, "
                 f"{'every ' + str(e.every) + ' steps and ' if e.every else ''}at the end{real}; "
-                f"checkpoints/best by {BEST_KEY}")
+                f"checkpoints/best by {best_key(self.cfg)}")
 
     def evaluate(self, drafter, source, device, attn_backend: str) -> dict:
         """heldout_* metrics of the drafter now (the drafter is left in train mode)."""

@@ -40,7 +40,7 @@ from dflash.runs import checkpoint as ckpt
 from dflash.runs import rundir
 from dflash.runs.records import Outcome, process_age_s
 from dflash.train import compiled
-from dflash.train.heldout import BEST_KEY
+from dflash.train.heldout import best_key
 from dflash.train.loss import read_metrics
 from dflash.train.step import (
     CachedTarget,
@@ -168,7 +168,8 @@ class Trainer:
         if resume_from is not None:
             self._resume(resume_from)
         self.heldout = self._heldout()
-        self.best = _best_value(self.out) if self.heldout is not None else None
+        self.best_key = best_key(cfg)
+        self.best = _best_value(self.out, self.best_key) if self.heldout is not None else None
         self.model = self.drafter
         if self.world > 1:  # one drafter rank has nothing to reduce: no DDP, no gradient buckets (1730M params: 6.4 GiB)
             from torch.nn.parallel import DistributedDataParallel as DDP
@@ -415,7 +416,7 @@ class Trainer:
                 # all ranks); a save's timings make a row on the logger alone and must not restart only its window.
                 restart = rec is not None
                 t_row = time.perf_counter()  # a save's stall counts in the next row's tok/s, as the steps' time does
-                better = held is not None and (self.best is None or held[BEST_KEY] > self.best)
+                better = held is not None and (self.best is None or held[self.best_key] > self.best)
                 if self.step % self.cfg.train.save_every == 0 or stopping or better:
                     last_save, times = self._save_if_logger(held, better)
                     if self.is_logger:
@@ -525,8 +526,8 @@ class Trainer:
 
     def _set_best(self, held: dict) -> None:
         previous = self.best  # checkpoints/best itself moves once the save is written (Trainer.save's `best`)
-        self.best = held[BEST_KEY]
-        self.log(f"best: {self.last_checkpoint.name} ({BEST_KEY} {self.best:.3f}"
+        self.best = held[self.best_key]
+        self.log(f"best: {self.last_checkpoint.name} ({self.best_key} {self.best:.3f}"
                  + (f", was {previous:.3f})" if previous is not None else ")"))
 
     def _record(self, m: dict, epoch: int, window: dict) -> dict:
@@ -625,13 +626,13 @@ class Trainer:
         return best
 
 
-def _best_value(out: Path) -> float | None:
+def _best_value(out: Path, key: str) -> float | None:
     """The held-out acceptance checkpoints/best was chosen by (a resumed run keeps beating it), or None."""
     best = rundir.best_checkpoint(out)
     if best is None:
         return None
     meta, _ = rundir.meta_or_problem(best)
-    value = ((meta or {}).get("heldout") or {}).get(BEST_KEY)
+    value = ((meta or {}).get("heldout") or {}).get(key)
     return float(value) if isinstance(value, (int, float)) else None
 
 

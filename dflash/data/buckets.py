@@ -24,7 +24,8 @@ class BucketBatchSampler:
     Each epoch: shuffle within groups, cut into batches, shuffle the batch order.
     """
 
-    def __init__(self, lengths: np.ndarray, token_budget: int, max_batch_size: int, num_buckets: int, seed: int):
+    def __init__(self, lengths: np.ndarray, token_budget: int, max_batch_size: int, num_buckets: int, seed: int,
+                 pack_remainders: bool = False):
         lengths = np.asarray(lengths, dtype=np.int64)
         if token_budget < 1 or max_batch_size < 1 or num_buckets < 1:
             raise ValueError("token_budget, max_batch_size and num_buckets must be >= 1")
@@ -50,10 +51,15 @@ class BucketBatchSampler:
         self._groups = [(order[s:e], int(k % (max_batch_size + 1))) for k, s, e in zip(keys, starts, ends)]
         self._group_bucket = (keys // (max_batch_size + 1)).astype(np.int64)
         self._bucket = bucket
+        self._packed: list[np.ndarray] = []  # pack_remainders: the groups' remainders, packed once across groups
+        if pack_remainders:
+            self._groups, rest = _split_remainders(self._groups, lengths)
+            self._packed = _pack(rest, lengths, token_budget, max_batch_size)
         sizes = []
         for idx, b in self._groups:
             full, rest = divmod(idx.size, b)
             sizes += [b] * full + ([rest] if rest else [])
+        sizes += [p.size for p in self._packed]
         self._batch_sizes = np.asarray(sizes)
         self.batches_per_epoch = int(self._batch_sizes.size)
         self.epoch, self.index = 0, 0
@@ -64,8 +70,11 @@ class BucketBatchSampler:
         rng = np.random.default_rng([self.seed, epoch])
         batches: list[list[int]] = []
         for idx, b in self._groups:
+            if idx.size == 0:  # every sample of it went to the packed batches
+                continue
             perm = rng.permutation(idx)
             batches += np.split(perm, range(b, perm.size, b)) if perm.size > b else [perm]
+        batches += self._packed
         order = rng.permutation(len(batches))
         return [batches[j].tolist() for j in order]
 
@@ -108,6 +117,7 @@ class BucketBatchSampler:
             member = self._bucket == bkt
             lens = self.lengths[member]
             batches = sum(-(-idx.size // b) for (idx, b), g in zip(self._groups, self._group_bucket) if g == bkt)
+            batches += sum(int(np.any(self._bucket[p] == bkt)) for p in self._packed) if self._packed else 0
             rows.append(
                 {
                     "bucket": bkt,
@@ -131,11 +141,38 @@ class BucketBatchSampler:
             )
         lines.append(
             f"{self.lengths.size:,} samples, {int(self.lengths.sum()):,} tokens; "
-            f"{self.batches_per_epoch:,} batches per epoch; sequences per batch "
+            f"{self.batches_per_epoch:,} batches per epoch"
+            f"{f' ({len(self._packed):,} of them packed from the buckets remainders)' if self._packed else ''}; "
+            f"sequences per batch "
             f"min {sizes.min()} / max {sizes.max()} / avg {sizes.mean():.1f} "
             f"(token_budget {self.token_budget:,}, max_batch_size {self.max_batch_size})"
         )
         return "\n".join(lines)
+
+
+def _split_remainders(groups, lengths: np.ndarray) -> tuple[list, np.ndarray]:
+    """Each group less its remainder (idx.size % batch size samples, its longest: the same ones every epoch, so the
+    packed batches and the count per epoch never change), and the remainders pooled."""
+    kept, rest = [], []
+    for idx, b in groups:
+        r = idx.size % b
+        by_length = idx[np.argsort(lengths[idx], kind="stable")]
+        kept.append((np.sort(by_length[: idx.size - r]), b))
+        rest.append(by_length[idx.size - r:])
+    return kept, np.concatenate(rest) if rest else np.zeros(0, dtype=np.int64)
+
+
+def _pack(indices: np.ndarray, lengths: np.ndarray, token_budget: int, max_batch_size: int) -> list[np.ndarray]:
+    """Batches of `indices` under the same rule as every batch (at most max_batch_size rows, rows x longest row <=
+    token_budget), longest first: each batch starts at the longest sample left and takes the next ones while they fit.
+    """
+    order = indices[np.argsort(-lengths[indices], kind="stable")]
+    out, start = [], 0
+    while start < order.size:
+        cap = min(max_batch_size, token_budget // int(lengths[order[start]]))
+        out.append(np.sort(order[start:start + cap]))
+        start += cap
+    return out
 
 
 def shard_batches(batches: list[list[int]], rank: int, world: int) -> list[list[int]]:

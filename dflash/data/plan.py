@@ -111,7 +111,7 @@ def schedule(cfg: RunConfig, drafter_ranks: int):
 
     dataset = training_dataset(cfg, ShardDataset(cfg.data.path))  # less [eval] holdout's samples
     sampler = BucketBatchSampler(dataset.lengths, cfg.data.token_budget, cfg.data.max_batch_size,
-                                 cfg.data.num_buckets, cfg.train.seed)
+                                 cfg.data.num_buckets, cfg.train.seed, cfg.data.pack_remainders)
     return dataset, sampler, total_steps(cfg, sampler.batches_per_epoch, cfg.train.grad_accum * drafter_ranks)
 
 

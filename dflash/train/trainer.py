@@ -744,7 +744,9 @@ def warm_steps(trainer: Trainer, log=print) -> list[tuple[int, int]]:
         context = features(k, batch)
         loss, _ = micro_step(trainer.drafter, trainer.embed_w, trainer.head_w, batch, context, trainer.cfg,
                              trainer.device, trainer.attn_backend, k)
-        loss.backward()
+        # the bare drafter, never through DDP's forward: its gradient hooks reduce nothing (no_sync says so twice)
+        with trainer.model.no_sync() if trainer.model is not trainer.drafter else contextlib.nullcontext():
+            loss.backward()
         trainer.optimizer.zero_grad(set_to_none=trainer.model is trainer.drafter)
         if trainer.heldout is not None:
             with torch.no_grad():

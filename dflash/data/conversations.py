@@ -278,7 +278,9 @@ def row_messages(value: dict, fmt: str) -> tuple[str | None, list[dict], list | 
     joined), `name` / `tool_call_id` / `reasoning_content` / `tool_calls` kept, tool-call arguments as given;
     `Renderer.prepare` turns them into what a chat template renders."""
     if fmt == "auto":
-        fmt = row_format(value) or "messages"
+        fmt = row_format(value)
+        if fmt is None:
+            raise RowError("no 'messages' (OpenAI) or 'conversations' (ShareGPT) list")
     key = "conversations" if fmt == "sharegpt" else "messages"
     turns = value.get(key)
     if not isinstance(turns, list) or not turns:

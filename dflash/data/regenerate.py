@@ -152,8 +152,8 @@ def parse_row(row: SourceRow) -> Conversation:
 
     A row without an id (or a null one) gets `line-<line>`, its line (JSONL, JSON array) or row number (Parquet):
     stable across reruns of the same input file. Regenerate's own rules, on top of import's: an id must be a string
-    or an integer (finished ids are matched on it), the row must be writable as one UTF-8 JSON line, and it needs
-    an assistant turn to regenerate.
+    or an integer (finished ids are matched on it), the row needs an assistant turn to regenerate, and what its output
+    line would hold (id, messages, tools) must be writable as UTF-8 JSON.
     """
     try:
         value = decode_row(row)
@@ -163,18 +163,16 @@ def parse_row(row: SourceRow) -> Conversation:
     rid = f"line-{row.line}" if rid is None else rid
     if not isinstance(rid, (str, int)) or isinstance(rid, bool):
         raise BadRow("`id` is not a string or an integer")
-    unwritable = _unwritable(value)
-    if unwritable:  # its output could never be written
-        e = BadRow(unwritable)
-        e.rid = None if _unwritable(rid) else str(rid)
-        raise e
     try:
         _, messages, tools = row_messages(value, "auto")  # row_format's rule: `messages` when a row holds both
         if not any(m["role"] == "assistant" for m in messages):
             raise RowError("no assistant turn to regenerate")
+        unwritable = _unwritable([rid, messages, tools])  # what its output would hold
+        if unwritable:
+            raise RowError(unwritable)
     except RowError as e:
         bad = BadRow(str(e))
-        bad.rid = str(rid)
+        bad.rid = None if _unwritable(rid) else str(rid)
         raise bad from None
     return Conversation(str(rid), messages, tools)
 

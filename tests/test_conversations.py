@@ -15,7 +15,16 @@ import json
 import numpy as np
 import pytest
 
-from dflash.data.conversations import ConversationError, Renderer, RowError, SourceRow, decode_row, iter_source, row_messages
+from dflash.data.conversations import (
+    ConversationError,
+    Renderer,
+    RowError,
+    SourceRow,
+    count_rows,
+    decode_row,
+    iter_source,
+    row_messages,
+)
 
 # A Qwen3-style template (the public format, written for this test): ChatML turns; a tools system block;
 # tool results inside a user turn; <think> blocks for the assistant turns after the last user message.
@@ -194,10 +203,10 @@ def test_files_stream_with_line_numbers(tmp_path):
     arr = tmp_path / "a.json"
     arr.write_text("[\n" + ",\n".join(json.dumps(r, indent=1) for r in rows) + "\n]\n")
     got = list(iter_source(arr))
-    assert [r.value["id"] for r in got] == [0, 1, 2] and [r.line for r in got] == [2, 11, 20]
+    assert [r.value["id"] for r in got] == [0, 1, 2] and [r.line for r in got] == [2, 11, 20] and count_rows(arr) == 3
     jl = tmp_path / "a.jsonl"
     jl.write_text(json.dumps(rows[0]) + "\n\n" + json.dumps(rows[1]) + "\n")
-    assert [r.line for r in iter_source(jl)] == [1, 3]
+    assert [r.line for r in iter_source(jl)] == [1, 3] and count_rows(jl) == 2
     cut = tmp_path / "cut.json"
     cut.write_text('[{"id": 1}, {"id": ')
     assert [r.error is not None for r in iter_source(cut)] == [False, True]
@@ -237,3 +246,4 @@ def test_parquet_rows(tmp_path):
     pq.write_table(pa.table({"id": ["a", "b", "c"], "conversations": conv}), tmp_path / "c.parquet")
     got = list(iter_source(tmp_path / "c.parquet"))
     assert [r.line for r in got] == [1, 2, 3] and row_messages(got[1].value, "auto")[0] == "b"
+    assert count_rows(tmp_path / "c.parquet") == 3

@@ -22,9 +22,10 @@ import pytest
 
 from dflash.commands.data import data_main
 from dflash.data.identity import DatasetError, read_manifest
+from dflash.data.regenerate import skipped_path
 from dflash.data.shards import ShardDataset
 from dflash.data.synthetic import word_text
-from trainkit import chat_target, tiny_config
+from trainkit import chat_target, stand_in_server, tiny_config
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -426,3 +427,75 @@ def test_a_lone_surrogate_in_a_row_is_a_malformed_row_not_a_traceback(tmp_path, 
         ("s1", "its text holds a lone surrogate ('\\ud800'), not valid Unicode"),
         ("s\udc00", "its id holds a lone surrogate ('\\udc00'), not valid Unicode")]
     assert ShardDataset(tmp_path / "o").num_samples == 1
+
+
+def _parts(*texts: str) -> list[dict]:
+    return [{"type": "text", "text": t} for t in texts]
+
+
+# The awkward rows, every content a list of parts (so one Parquet schema holds them all): (row, import's verdict).
+AWKWARD = [
+    ({"id": "both", "messages": [{"role": "user", "content": _parts("w1 w2")}, {"role": "assistant", "content": _parts("w3")}],
+      "conversations": [{"from": "robot", "value": "w4"}]}, None),  # both keys: read as `messages`
+    ({"id": "both-bad", "messages": [{"role": "developer", "content": _parts("w1")}, {"role": "assistant", "content": _parts("w3")}],
+      "conversations": [{"from": "human", "value": "w1"}, {"from": "gpt", "value": "w3"}]},
+     "message 0: unknown role 'developer' (use system, user, assistant, tool)"),
+    ({"id": "image", "messages": [{"role": "user", "content": [*_parts("w1"), {"type": "image_url", "image_url": {"url": "x"}}]},
+                                  {"role": "assistant", "content": _parts("w3")}]},
+     "message 0: content part 'image_url' is not text (only text parts are imported)"),
+    ({"id": "tool", "tools": [{"type": "function", "function": {"name": "moon", "parameters": {"type": "object"}}}],
+      "messages": [{"role": "user", "content": _parts("w1")},
+                   {"role": "assistant", "content": _parts(), "tool_calls": [
+                       {"id": "c1", "type": "function", "function": {"name": "moon", "arguments": '{"day": 3}'}}]},
+                   {"role": "tool", "tool_call_id": "c1", "content": _parts("w5")},
+                   {"role": "assistant", "content": _parts("w6 w7")}]}, None),
+    ({"id": "developer", "messages": [{"role": "developer", "content": _parts("w1")}, {"role": "user", "content": _parts("w2")},
+                                      {"role": "assistant", "content": _parts("w3")}]},
+     "message 0: unknown role 'developer' (use system, user, assistant, tool)"),
+    ({"id": "share", "conversations": [{"from": "human", "value": "w1 w2"}, {"from": "gpt", "value": "w3"}]}, None),
+]
+
+
+def _awkward_file(path: Path) -> Path:
+    rows = [row for row, _ in AWKWARD]
+    if path.suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        pq.write_table(pa.table({k: [r.get(k) for r in rows] for k in ("id", "messages", "conversations", "tools")}), path)
+    elif path.suffix == ".json":
+        path.write_text(json.dumps(rows, indent=1))
+    else:
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+@pytest.mark.parametrize("name", ["rows.jsonl", "rows.json", "rows.parquet"])
+def test_import_and_regenerate_give_every_row_one_verdict(tmp_path, target, capsys, name):
+    """Both commands read the same file through the one reader (dflash.data.conversations): the same rows kept, the
+    same rows refused with the same reason, in each container import accepts; regenerate's output imports whole."""
+    src = _awkward_file(tmp_path / name)
+    code, _, err = dflash_data(capsys, "import", src, "--target", target, "--out", tmp_path / "o", "--workers", 1,
+                               "--no-progress")
+    assert code == 0, err
+    kept = pa.ipc.open_file(str(tmp_path / "o" / "shard-00000.arrow")).read_all().column("id").to_pylist()
+    refused = {s["id"]: s["reason"] for s in map(json.loads, (tmp_path / "o" / "skipped.jsonl").read_text().splitlines())}
+    assert kept == [row["id"] for row, verdict in AWKWARD if verdict is None]
+    assert refused == {row["id"]: verdict for row, verdict in AWKWARD if verdict is not None}
+
+    regen = tmp_path / "regen.jsonl"
+    with stand_in_server() as (url, bodies):
+        code, out, err = dflash_data(capsys, "regenerate", "--input", src, "--server", url, "--out", regen, "--turns",
+                                     "last", "--no-progress")
+    assert code == 0, err
+    assert out[0].startswith(f"regenerated {len(kept)} conversations") and f"{len(refused)} skipped" in out[0]
+    rows = {r["id"]: r for r in map(json.loads, regen.read_text().splitlines())}
+    assert sorted(rows) == sorted(kept)
+    assert {s["id"]: s["reason"] for s in map(json.loads, skipped_path(regen).read_text().splitlines())} == refused
+    [tool] = [b for b in bodies if b.get("tools")]  # the tool call goes out as the server's API has it
+    assert tool["messages"][1]["tool_calls"][0]["function"]["arguments"] == '{"day": 3}'
+    assert [m["role"] for m in tool["messages"]] == ["user", "assistant", "tool"]
+
+    code, _, err = dflash_data(capsys, "import", regen, "--target", target, "--out", tmp_path / "again", "--workers", 1,
+                               "--no-progress")
+    assert code == 0 and not (tmp_path / "again" / "skipped.jsonl").exists(), err
+    assert ShardDataset(tmp_path / "again").num_samples == len(kept)

@@ -18,8 +18,9 @@ from pathlib import Path
 import pytest
 
 from dflash.data import regenerate as rg
+from dflash.data.conversations import ConversationError, SourceRow
 from dflash.errors import UsageError
-from trainkit import Server, free_port
+from trainkit import Server, free_port, stand_in_server
 
 REPO = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
@@ -34,6 +35,11 @@ def _write_jsonl(path: Path, rows: list) -> Path:
 def _regenerate(*args, timeout: float = 120) -> subprocess.CompletedProcess:
     cmd = [str(BIN / "dflash-data"), "regenerate", "--no-progress", *map(str, args)]
     return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout)
+
+
+def _parse(line: str, lineno: int = 1) -> rg.Conversation:
+    """regenerate's reading of one JSONL line (rg.parse_row of the row import's reader yields for it)."""
+    return rg.parse_row(SourceRow(lineno, raw=line))
 
 
 def _rows(path: Path) -> list[dict]:
@@ -80,7 +86,7 @@ def test_every_assistant_turn_regenerated_and_a_rerun_does_nothing_twice(server,
     assert len(replies) == 4 and all(r and not r.startswith(ORIGINAL) for r in replies)
     skipped = _rows(rg.skipped_path(out))
     assert [(s["line"], s["id"]) for s in skipped] == [(3, None), (5, "no-reply"), (6, "conv-1")]
-    assert skipped[0]["reason"].startswith("not JSON") and skipped[1]["reason"] == "no assistant turn to regenerate"
+    assert skipped[0]["reason"].startswith("not valid JSON") and skipped[1]["reason"] == "no assistant turn to regenerate"
     assert skipped[2]["reason"] == "duplicate id (also at line 2)"
 
     before = out.read_bytes()
@@ -169,6 +175,10 @@ def test_the_input_is_never_the_output(tmp_path):
         rg.check_paths(_write_jsonl(tmp_path / "out.skipped.jsonl", []), tmp_path / "out.jsonl")
     with pytest.raises(UsageError, match="is a folder"):
         rg.check_paths(conv, tmp_path)
+    notes = tmp_path / "notes.txt"
+    notes.write_text("hello\n")
+    with pytest.raises(ConversationError, match="notes.txt: neither JSON/JSONL nor Parquet"):  # before any server
+        rg.check_paths(notes, tmp_path / "out.jsonl")
     assert conv.read_text() == json.dumps(_chat(0)) + "\n"
 
 
@@ -186,11 +196,11 @@ def test_every_server_down_mid_run_stops_and_keeps_what_is_done(tmp_path):
 def test_both_formats_become_openai_messages():
     share = {"id": 7, "conversations": [{"from": "system", "value": "s"}, {"from": "human", "value": "q"},
                                         {"from": "gpt", "value": "a"}, {"from": "observation", "value": "t"}]}
-    assert rg.parse_row(json.dumps(share), 1) == rg.Conversation("7", [
+    assert _parse(json.dumps(share)) == rg.Conversation("7", [
         {"role": "system", "content": "s"}, {"role": "user", "content": "q"},
         {"role": "assistant", "content": "a"}, {"role": "tool", "content": "t"}])
     openai = {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a", "reasoning_content": "r"}]}
-    assert rg.parse_row(json.dumps(openai), 9) == rg.Conversation("line-9", openai["messages"])
+    assert _parse(json.dumps(openai), 9) == rg.Conversation("line-9", openai["messages"])
 
 
 def test_a_row_regenerate_reads_is_a_row_import_reads():
@@ -199,29 +209,10 @@ def test_a_row_regenerate_reads_is_a_row_import_reads():
 
     for who, role in SHAREGPT_ROLES.items():
         row = {"conversations": [{"from": who, "value": "x"}, {"from": "gpt", "value": "a"}]}
-        assert rg.parse_row(json.dumps(row), 1).messages[0]["role"] == role
+        assert _parse(json.dumps(row)).messages[0]["role"] == role
         assert row_messages(row, "sharegpt")[1][0]["role"] == role
-    with pytest.raises(rg.BadRow, match="messages\\[0\\] has no role of system, user, assistant, tool"):
-        rg.parse_row(json.dumps({"messages": [{"role": "developer", "content": "d"}, {"role": "assistant", "content": "a"}]}), 1)
-
-
-class _Recorder(http.server.BaseHTTPRequestHandler):
-    """A stand-in OpenAI server: answers every chat request with "fresh" and keeps the request bodies."""
-
-    bodies: list = []
-
-    def do_POST(self):
-        self.bodies.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
-        answer = json.dumps({"choices": [{"finish_reason": "stop", "message": {"role": "assistant", "content": "fresh"}}],
-                             "usage": {"completion_tokens": 1}}).encode()
-        self.send_response(200)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(answer)))
-        self.end_headers()
-        self.wfile.write(answer)
-
-    def log_message(self, *args):
-        pass
+    with pytest.raises(rg.BadRow, match="message 0: unknown role 'developer' \\(use system, user, assistant, tool\\)"):
+        _parse(json.dumps({"messages": [{"role": "developer", "content": "d"}, {"role": "assistant", "content": "a"}]}))
 
 
 def test_tool_definitions_are_sent_and_kept(tmp_path):
@@ -237,19 +228,12 @@ def test_tool_definitions_are_sent_and_kept(tmp_path):
         {**_chat(1), "tools": "{not json"},
         _chat(2)])
     out = tmp_path / "regen.jsonl"
-    _Recorder.bodies = []
-    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Recorder)
-    threading.Thread(target=httpd.serve_forever, daemon=True).start()
-    try:
-        summary = rg.run(conv, out, [f"http://127.0.0.1:{httpd.server_port}"], rg.Settings(max_tokens=4), concurrency=1,
-                         progress=False)
-    finally:
-        httpd.shutdown()
-        httpd.server_close()
+    with stand_in_server() as (url, bodies):
+        summary = rg.run(conv, out, [url], rg.Settings(max_tokens=4), concurrency=1, progress=False)
     assert (summary.regenerated, summary.skipped) == (3, 1)
     assert _rows(rg.skipped_path(out))[0]["reason"] == "`tools` is a string that is not JSON"
-    asked = {b["messages"][0]["content"]: b.get("tools") for b in _Recorder.bodies}
-    assert len(_Recorder.bodies) == 4 and asked == {"Give me fact number 0 about the sea.": tools, "q": tools,
+    asked = {b["messages"][0]["content"]: b.get("tools") for b in bodies}
+    assert len(bodies) == 4 and asked == {"Give me fact number 0 about the sea.": tools, "q": tools,
                                                    "Give me fact number 2 about the sea.": None}
     rows = {r["id"]: r for r in _rows(out)}
     assert rows["conv-0"]["tools"] == rows["share"]["tools"] == tools and "tools" not in rows["conv-2"]
@@ -258,23 +242,17 @@ def test_tool_definitions_are_sent_and_kept(tmp_path):
 
 
 @pytest.mark.parametrize("line, reason", [
-    ("[1, 2]", "not a JSON object"),
-    ('{"id": "x", "text": "hi"}', "no `messages` (OpenAI) or `conversations` (ShareGPT) list"),
-    ('{"conversations": [{"from": "bot", "value": "a"}]}', "conversations[0] is from 'bot'; expected one of"),
-    ('{"messages": [{"role": "user"}]}', "messages[0] has no string or list `content`"),
+    ("[1, 2]", "a row must be a JSON object, got list"),
+    ('{"id": "x", "text": "hi"}', "no 'messages' (OpenAI) or 'conversations' (ShareGPT) list"),
+    ('{"conversations": [{"from": "bot", "value": "a"}]}', "turn 0: unknown 'from' 'bot' (use human, gpt, system or tool)"),
+    ('{"messages": [{"role": "user", "content": 3}]}', "message 0: 'content' must be a string or a list of text parts"),
+    ('{"messages": [{"role": "user", "content": "q"}]}', "no assistant turn to regenerate"),
     ('{"id": [1], "messages": []}', "`id` is not a string or an integer"),
 ])
 def test_a_malformed_row_names_its_reason(line, reason):
     with pytest.raises(rg.BadRow) as e:
-        rg.parse_row(line, 1)
+        _parse(line)
     assert str(e.value).startswith(reason)
-
-
-def test_a_json_array_file_is_a_usage_error(tmp_path):
-    path = tmp_path / "conv.json"
-    path.write_text(json.dumps([_chat(0)]))
-    with pytest.raises(UsageError, match=r"is a JSON array; regenerate reads JSONL .* `jq -c"):
-        rg.count_rows(path)
 
 
 def test_a_torn_last_output_line_is_cut_off(tmp_path):

@@ -2,16 +2,19 @@
 ways a test runs the trainer: in this process (`run`), or as the real command in a child process (`train_cmd`,
 `train_main_here`; `start_run` for a long multi-process run a test then kills or stops), and a real
 OpenAI-compatible server of a target (`Server`; conftest's `server` fixture holds one with the embedded SmolLM2 for
-the session)."""
+the session), and a loopback stand-in for one inside the test process (`stand_in_server`)."""
 
 from __future__ import annotations
 
+import contextlib
+import http.server
 import json
 import os
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -146,6 +149,41 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def stand_in_server(reply: str = "fresh"):
+    """A loopback OpenAI-compatible stand-in, a thread of this process: lists one model (`stand-in`) and answers
+    every chat request with `reply`; yields (its URL, the request bodies it got, in order)."""
+    bodies: list[dict] = []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self._answer({"object": "list", "data": [{"id": "stand-in", "object": "model"}]})
+
+        def do_POST(self):
+            bodies.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
+            self._answer({"choices": [{"finish_reason": "stop", "message": {"role": "assistant", "content": reply}}],
+                          "usage": {"completion_tokens": 1}})
+
+        def _answer(self, value: dict) -> None:
+            answer = json.dumps(value).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(answer)))
+            self.end_headers()
+            self.wfile.write(answer)
+
+        def log_message(self, *args):
+            pass
+
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{httpd.server_port}", bodies
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
 
 
 class Server:

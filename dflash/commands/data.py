@@ -11,7 +11,7 @@ from pathlib import Path
 import click
 
 from dflash.commands.common import CONTEXT
-from dflash.commands.data_import import import_command, stats_lines
+from dflash.commands.data_import import import_command
 from dflash.commands.data_regenerate import regenerate_command
 from dflash.config import MAX_TOKENS
 from dflash.errors import Group, run_cli
@@ -36,6 +36,7 @@ def data_stats(path, token_budget, max_batch_size, num_buckets) -> None:
     import numpy as np
 
     from dflash.data.buckets import BucketBatchSampler
+    from dflash.data.import_stats import stats_lines
     from dflash.data.shards import ShardDataset
 
     ds = ShardDataset(path)

@@ -6,8 +6,8 @@
 
 Exit codes: 0 every conversation done or skipped with a reason (<out stem>.skipped.jsonl), 1 the run stopped early:
 every server went down mid-run, or the first conversations all failed (rerun the same command once fixed: finished
-ids are skipped), 2 bad input (a FIFO or a device for --input or --out), another run writing the same --out, or a
-server unreachable at start.
+ids are skipped), 2 bad input (a FIFO or a device for --input or --out, an input that is no JSONL, JSON array or
+Parquet), another run writing the same --out, or a server unreachable at start.
 """
 
 from __future__ import annotations
@@ -54,7 +54,8 @@ def _report(summary, out: Path) -> None:
 
 @click.command("regenerate", cls=Command, context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--input", "input_path", required=True, type=click.Path(exists=True, dir_okay=False, path_type=Path),
-              help="conversations JSONL: ShareGPT `conversations` or OpenAI `messages`, one a line")
+              help="conversations, as import reads them: JSONL, a JSON array or Parquet of ShareGPT `conversations` "
+              "or OpenAI `messages` rows")
 @click.option("--server", "servers", multiple=True, required=True, metavar="URL",
               help="an OpenAI-compatible server, e.g. http://127.0.0.1:30000 (repeat to spread the requests)")
 @click.option("--out", required=True, type=click.Path(dir_okay=False, path_type=Path),

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
-from dflash.data.conversations import FORMATS, Renderer, RowError, SourceRow, decode_row, iter_source, row_format, row_messages
+from dflash.data.conversations import FORMATS, Renderer, RowError, SourceRow, decode_row, detect_format, iter_source, row_messages
 from dflash.data.identity import (
     COMPLETE,
     MANIFEST_NAME,
@@ -182,23 +182,6 @@ def _finish(res: Result, ids: np.ndarray, mask: np.ndarray, s: dict) -> None:
 
 # ---------------------------------------------------------------------------------------------
 # Sources, settings, resume
-
-
-def detect_format(path: Path, forced: str) -> str:
-    """The row format of one file as recorded and logged: `forced`, else the first decodable row's ('messages' when
-    none tells). Rows are read by their own format all the same (import passes "auto" to the workers)."""
-    if forced != "auto":
-        return forced
-    for n, row in enumerate(iter_source(path)):
-        if n >= 100:
-            break
-        try:
-            fmt = row_format(decode_row(row))
-        except RowError:
-            continue
-        if fmt:
-            return fmt
-    return "messages"
 
 
 def source_records(paths: list[Path], formats: list[str]) -> list[dict]:

@@ -1,12 +1,16 @@
 """Conversation files -> the target's chat template -> token ids with an exact assistant loss mask.
 
-    from dflash.data.conversations import iter_source, row_messages, Renderer
-    for row in iter_source(Path("chats.jsonl")):          # streams: one row in memory at a time
-        ...
+    from dflash.data.conversations import iter_source, decode_row, row_messages, Renderer
     renderer = Renderer(tokenizer, thinking="keep")
-    ids, mask, turns = renderer.encode(messages)
+    for row in iter_source(Path("chats.jsonl")):          # streams: one row in memory at a time
+        rid, messages, tools = row_messages(decode_row(row), "auto")
+        text, spans = renderer.spans(renderer.prepare(messages), tools)
 
-Formats (detected per file from its first bytes and first row; ``fmt`` forces one):
+The one reader of conversation files: `dflash-data import` and `dflash-data regenerate` both read rows through
+`iter_source` -> `decode_row` -> `row_messages` (with `row_format` and `row_tools`), so a row gets one verdict from
+both commands, in every container, and a new container or row format is added in this file only.
+
+Formats (the container from a file's first bytes, the row format from each row alone, ``fmt`` forces one):
 
 - ShareGPT: ``{"id", "conversations": [{"from": "human"|"gpt"|"system"|"tool", "value": str}]}``;
 - OpenAI messages: ``{"id", "messages": [{"role": "system"|"user"|"assistant"|"tool", "content": str,
@@ -167,7 +171,21 @@ def _iter_json_array(path: Path) -> Iterator[SourceRow]:
             pos = end
 
 
-def _iter_parquet(path: Path) -> Iterator[SourceRow]:
+def count_rows(path: Path) -> int:
+    """The rows `iter_source` yields for `path` (a progress bar's total), read as a stream: the non-blank lines of a
+    JSONL file, the elements of a JSON array (decoded one at a time), a Parquet file's row count (its footer)."""
+    kind = sniff(path)
+    if kind == "parquet":
+        return _parquet_file(path)[0].metadata.num_rows
+    if kind == "json":
+        return sum(1 for _ in _iter_json_array(path))
+    with open(path, "rb") as f:
+        return sum(1 for _, raw in binary_lines(f) if raw.strip())
+
+
+def _parquet_file(path: Path):
+    """(the open pyarrow ParquetFile, the columns read); ConversationError for an unreadable file or one without a
+    `conversations` or `messages` column."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -180,6 +198,13 @@ def _iter_parquet(path: Path) -> Iterator[SourceRow]:
     if "conversations" not in columns and "messages" not in columns:
         raise ConversationError(f"{path}: no 'conversations' or 'messages' column (columns: {', '.join(names)}); "
                                 "give ShareGPT or OpenAI-messages rows")
+    return pf, columns
+
+
+def _iter_parquet(path: Path) -> Iterator[SourceRow]:
+    import pyarrow as pa
+
+    pf, columns = _parquet_file(path)
     row = 0
     batches = pf.iter_batches(batch_size=_PARQUET_BATCH, columns=columns)
     while True:
@@ -200,14 +225,34 @@ def _iter_parquet(path: Path) -> Iterator[SourceRow]:
 
 
 def row_format(value: object) -> str | None:
-    """'messages', 'sharegpt' or None (neither column) for one decoded row, judged on that row alone; a row holding
-    both reads as OpenAI `messages` (the richer form: reasoning, tool calls), in import and regenerate alike."""
+    """'messages', 'sharegpt' or None (neither column) for one decoded row, judged on that row alone.
+
+    The rule for a row holding both keys, the one place it is written: it reads as OpenAI `messages` (the richer
+    form: reasoning, tool calls, content parts) and its `conversations` is ignored, in import and regenerate alike;
+    a null key (a Parquet row's empty column) counts as absent."""
     if isinstance(value, dict):
         if value.get("messages") is not None:
             return "messages"
         if value.get("conversations") is not None:
             return "sharegpt"
     return None
+
+
+def detect_format(path: Path, forced: str) -> str:
+    """The row format of one file as recorded and logged: `forced`, else the first decodable row's ('messages' when
+    none tells). Rows are read by their own format all the same (import passes "auto" to the workers)."""
+    if forced != "auto":
+        return forced
+    for n, row in enumerate(iter_source(path)):
+        if n >= 100:
+            break
+        try:
+            fmt = row_format(decode_row(row))
+        except RowError:
+            continue
+        if fmt:
+            return fmt
+    return "messages"
 
 
 def decode_row(row: SourceRow) -> dict:
@@ -226,9 +271,16 @@ def decode_row(row: SourceRow) -> dict:
 
 
 def row_messages(value: dict, fmt: str) -> tuple[str | None, list[dict], list | None]:
-    """(id or None, messages in OpenAI form, tools or None) of one row of format `fmt` ('auto' detects)."""
+    """(id or None, messages in OpenAI form, tools or None) of one row of format `fmt` ('auto': `row_format`);
+    RowError with the reason for a row that is not a conversation (unknown role, a non-text content part...).
+
+    The messages are as an OpenAI-compatible server takes them (what regenerate sends): text content (text parts
+    joined), `name` / `tool_call_id` / `reasoning_content` / `tool_calls` kept, tool-call arguments as given;
+    `Renderer.prepare` turns them into what a chat template renders."""
     if fmt == "auto":
-        fmt = row_format(value) or "messages"
+        fmt = row_format(value)
+        if fmt is None:
+            raise RowError("no 'messages' (OpenAI) or 'conversations' (ShareGPT) list")
     key = "conversations" if fmt == "sharegpt" else "messages"
     turns = value.get(key)
     if not isinstance(turns, list) or not turns:
@@ -310,13 +362,21 @@ def _tool_calls(calls: object, i: int) -> list[dict]:
         fn = call.get("function") if isinstance(call, dict) else None
         if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
             raise RowError(f"message {i}: a tool call without function.name")
-        args = fn.get("arguments", {})
+        out.append({**call, "type": call.get("type", "function"), "function": dict(fn)})
+    return out
+
+
+def _template_calls(calls: list[dict]) -> list[dict]:
+    """Tool calls with JSON-string arguments decoded: templates write arguments themselves (tojson)."""
+    out = []
+    for call in calls:
+        args = call["function"].get("arguments", {})
         if isinstance(args, str):
             try:
-                args = decode_json(args)  # templates write arguments themselves (tojson)
+                args = decode_json(args)
             except JsonLineError:
                 pass
-        out.append({**call, "type": call.get("type", "function"), "function": {**fn, "arguments": args}})
+        out.append({**call, "function": {**call["function"], "arguments": args}})
     return out
 
 
@@ -438,11 +498,13 @@ class Renderer:
         return bool(text) and _sentinel(0) in text
 
     def prepare(self, messages: list[dict]) -> list[dict]:
-        """The messages as rendered: inline <think> moved to reasoning_content (templates that render it),
-        every reasoning removed with thinking='drop'."""
+        """The messages as rendered: tool-call arguments given as a JSON string decoded, inline <think> moved to
+        reasoning_content (templates that render it), every reasoning removed with thinking='drop'."""
         out = []
         for m in messages:
             m = dict(m)
+            if m.get("tool_calls"):
+                m["tool_calls"] = _template_calls(m["tool_calls"])
             if m["role"] == "assistant" and self.reasoning:
                 content = m.get("content") or ""
                 if not m.get("reasoning_content") and "</think>" in content:

@@ -2,18 +2,19 @@
 
     uv run dflash-data regenerate --input conv.jsonl --server http://127.0.0.1:30000 --out regen.jsonl
 
-Input: JSONL, one conversation a line, ShareGPT (`id`, `conversations`: [{from, value}]) or OpenAI
-(`id`, `messages`: [{role, content}]), with the roles `dflash-data import` reads (its tables, so a regenerated row
-always imports) and optional `tools`, read as a stream. Output: JSONL in the OpenAI form, `{"id", "messages",
-"tools"?}` (the tool definitions are sent with every request and kept), one line per finished conversation,
-appended and flushed as soon as it is done (completion order, not input order); an assistant turn keeps the
-server's `reasoning_content` when it returns one. A rerun skips the ids already in the output, so a run stopped
-anywhere (a server killed, Ctrl-C) loses nothing and writes nothing twice. What could not be done in this run (a
-malformed line, a conversation that failed after every retry) goes to `<out stem>.skipped.jsonl` beside the output
-(`regen.jsonl` -> `regen.skipped.jsonl`: never import's `skipped.jsonl` in the same folder), with the line number and
-the reason; a rerun tries those again. One run writes an output at a time: it holds an flock on `.<out name>.lock`
-beside it, and a second run on the same --out is refused in one line naming the first. Input and output must be
-regular files (a FIFO, /dev/zero or /dev/stdout is refused before anything is read).
+Input: what `dflash-data import` reads, through its reader (dflash.data.conversations: one verdict per row from
+both commands): JSONL, a JSON array or Parquet, ShareGPT (`id`, `conversations`: [{from, value}]) or OpenAI (`id`,
+`messages`: [{role, content}]) rows, with optional `tools`, read as a stream. Output: JSONL in the OpenAI form,
+`{"id", "messages", "tools"?}` (the tool definitions are sent with every request and kept), one line per finished
+conversation, appended and flushed as soon as it is done (completion order, not input order); an assistant turn
+keeps the server's `reasoning_content` when it returns one. A rerun skips the ids already in the output, so a run
+stopped anywhere (a server killed, Ctrl-C) loses nothing and writes nothing twice. What could not be done in this
+run (a malformed row, a conversation that failed after every retry) goes to `<out stem>.skipped.jsonl` beside the
+output (`regen.jsonl` -> `regen.skipped.jsonl`: never import's `skipped.jsonl` in the same folder), with the row's
+line (Parquet: its row number) and the reason; a rerun tries those again. One run writes an output at a time: it
+holds an flock on `.<out name>.lock` beside it, and a second run on the same --out is refused in one line naming
+the first. Input and output must be regular files (a FIFO, /dev/zero or /dev/stdout is refused before anything is
+read).
 
 Requests go to the least-loaded live server (ties in turn); a failed request is retried with exponential
 backoff (or the server's Retry-After, up to RETRY_AFTER_MAX_S) on another server when there is one. `--timeout`
@@ -38,8 +39,8 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dflash.data.conversations import ROLES, SHAREGPT_ROLES, RowError, row_format, row_tools
-from dflash.data.jsonl import JsonLineError, binary_lines, decode_json
+from dflash.data.conversations import RowError, SourceRow, count_rows, decode_row, iter_source, row_messages, sniff
+from dflash.data.jsonl import JsonLineError, decode_json
 from dflash.errors import DflashError, UsageError
 
 SKIPPED_SUFFIX = ".skipped.jsonl"  # <out stem> + this, beside --out: what this run could not do, with the reason
@@ -65,7 +66,7 @@ class RunStopped(RegenerateError):
 
 
 class BadRow(ValueError):
-    """One input line that is not a conversation we can regenerate; the message is the reason."""
+    """One input row that is not a conversation we can regenerate; the message is the reason."""
 
 
 class RowFailed(Exception):
@@ -130,52 +131,6 @@ def normalize_url(url: str) -> str:
     return base
 
 
-def _sharegpt(turns) -> list[dict]:
-    if not isinstance(turns, list):
-        raise BadRow("`conversations` is not a list")
-    out = []
-    for i, turn in enumerate(turns):
-        if not isinstance(turn, dict) or not isinstance(turn.get("value"), str):
-            raise BadRow(f"conversations[{i}] has no string `value`")
-        role = SHAREGPT_ROLES.get(str(turn.get("from", "")).lower())
-        if role is None:
-            raise BadRow(f"conversations[{i}] is from {turn.get('from')!r}; expected one of {', '.join(SHAREGPT_ROLES)}")
-        out.append({"role": role, "content": turn["value"]})
-    return out
-
-
-def _openai(messages) -> list[dict]:
-    if not isinstance(messages, list):
-        raise BadRow("`messages` is not a list")
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict) or m.get("role") not in ROLES:
-            raise BadRow(f"messages[{i}] has no role of {', '.join(ROLES)}")
-        if not isinstance(m.get("content"), (str, list)) and not (m["role"] == "assistant" and m.get("tool_calls")):
-            raise BadRow(f"messages[{i}] has no string or list `content`")
-    return messages
-
-
-def _tools(row: dict) -> list | None:
-    """The row's tool definitions, read by import's rule (dflash.data.conversations.row_tools)."""
-    try:
-        return row_tools(row)
-    except RowError as e:
-        raise BadRow(str(e)) from None
-
-
-def _messages(row: dict) -> list[dict]:
-    fmt = row_format(row)  # import's rule, per row: `messages` when a row holds both
-    if fmt == "messages":
-        messages = _openai(row["messages"])
-    elif fmt == "sharegpt":
-        messages = _sharegpt(row["conversations"])
-    else:
-        raise BadRow("no `messages` (OpenAI) or `conversations` (ShareGPT) list")
-    if not any(m["role"] == "assistant" for m in messages):
-        raise BadRow("no assistant turn to regenerate")
-    return messages
-
-
 def _unwritable(value) -> str | None:
     """Why `value` cannot be written as one UTF-8 JSON line (a lone surrogate such as \\ud800 in a string, nesting
     too deep for the encoder), else None."""
@@ -185,62 +140,53 @@ def _unwritable(value) -> str | None:
         return "a lone surrogate (e.g. \\ud800) that UTF-8 cannot write"
     except RecursionError:
         return "nesting too deep to write"
+    except TypeError as e:  # a Parquet binary or timestamp column
+        return f"a value JSON cannot hold ({e})"
     return None
 
 
-def parse_row(text: str, lineno: int) -> Conversation:
-    """One input line -> its Conversation; BadRow with the reason (and `.rid` when known) otherwise.
+def parse_row(row: SourceRow) -> Conversation:
+    """One source row -> its Conversation, read by import's reader (dflash.data.conversations: `decode_row`,
+    `row_messages`, `row_tools`, so a row regenerate reads is a row import reads, and the other way round); BadRow
+    with the reason (and `.rid` when known) otherwise.
 
-    A row without an id gets `line-<lineno>`: stable across reruns of the same input file.
+    A row without an id (or a null one) gets `line-<line>`, its line (JSONL, JSON array) or row number (Parquet):
+    stable across reruns of the same input file. Regenerate's own rules, on top of import's: an id must be a string
+    or an integer (finished ids are matched on it), the row needs an assistant turn to regenerate, and what its output
+    line would hold (id, messages, tools) must be writable as UTF-8 JSON.
     """
     try:
-        row = decode_json(text)
-    except JsonLineError as e:
-        raise BadRow(f"not JSON ({e})") from None
-    if not isinstance(row, dict):
-        raise BadRow("not a JSON object")
-    rid = row.get("id", f"line-{lineno}")
+        value = decode_row(row)
+    except RowError as e:
+        raise BadRow(str(e)) from None
+    rid = value.get("id")
+    rid = f"line-{row.line}" if rid is None else rid
     if not isinstance(rid, (str, int)) or isinstance(rid, bool):
         raise BadRow("`id` is not a string or an integer")
-    unwritable = _unwritable(row)
-    if unwritable:  # its output could never be written
-        e = BadRow(unwritable)
-        e.rid = None if _unwritable(rid) else str(rid)
-        raise e
     try:
-        return Conversation(str(rid), _messages(row), _tools(row))
-    except BadRow as e:
-        e.rid = str(rid)
-        raise
+        _, messages, tools = row_messages(value, "auto")  # row_format's rule: `messages` when a row holds both
+        if not any(m["role"] == "assistant" for m in messages):
+            raise RowError("no assistant turn to regenerate")
+        unwritable = _unwritable([rid, messages, tools])  # what its output would hold
+        if unwritable:
+            raise RowError(unwritable)
+    except RowError as e:
+        bad = BadRow(str(e))
+        bad.rid = None if _unwritable(rid) else str(rid)
+        raise bad from None
+    return Conversation(str(rid), messages, tools)
 
 
 def read_rows(path: Path):
-    """Stream (lineno, id, conversation, reason) for every non-blank line; a bad line has None and a reason."""
-    with open(path, "rb") as f:
-        for lineno, raw in binary_lines(f):  # lines end at "\n" only
-            if not raw.strip():
-                continue
-            try:
-                conv = parse_row(raw.decode("utf-8"), lineno)
-            except UnicodeDecodeError:
-                yield lineno, None, None, "not UTF-8"
-            except BadRow as e:
-                yield lineno, getattr(e, "rid", None), None, str(e)
-            else:
-                yield lineno, conv.id, conv, None
-
-
-def count_rows(path: Path) -> int:
-    """Non-blank lines (the progress bar's total), read as a stream; a JSON array file is a usage error."""
-    n = 0
-    with open(path, "rb") as f:
-        for raw in f:
-            if raw.strip():
-                if n == 0 and raw.lstrip().startswith(b"["):
-                    raise UsageError(f"{path} is a JSON array; regenerate reads JSONL (one conversation a line): "
-                                     f"convert it with `jq -c '.[]' {path} > {Path(path).stem}.jsonl`")
-                n += 1
-    return n
+    """Stream (line, id, conversation, reason) for every row of a JSONL file, a JSON array or a Parquet file
+    (import's `iter_source`); a bad row has None and a reason."""
+    for row in iter_source(path):
+        try:
+            conv = parse_row(row)
+        except BadRow as e:
+            yield row.line, getattr(e, "rid", None), None, str(e)
+        else:
+            yield row.line, conv.id, conv, None
 
 
 # ---------------------------------------------------------------- output
@@ -267,7 +213,8 @@ def _special(path: Path) -> str | None:
 
 def check_paths(input_path: Path, out: Path) -> None:
     """Refuse what is not a regular file (a FIFO, a device, /dev/stdout), an --out that would overwrite the input (or
-    make its skipped file do it) or that is a folder; before anything is read."""
+    make its skipped file do it) or that is a folder, and an input that is no JSONL, JSON array or Parquet file
+    (ConversationError, exit 2: its first bytes); before any row is read."""
     input_path, out = Path(input_path), Path(out)
     for path, what in ((input_path, "--input"), (out, "--out"), (skipped_path(out), "its skipped file")):
         kind = _special(path)
@@ -278,6 +225,7 @@ def check_paths(input_path: Path, out: Path) -> None:
     for path, what in ((out, "--out"), (skipped_path(out), "the skipped file beside --out")):
         if path.resolve() == input_path.resolve() or (path.exists() and os.path.samefile(path, input_path)):
             raise UsageError(f"{what} {path} is the input file; give another --out (regenerate never overwrites its input)")
+    sniff(input_path)
 
 
 class OutputBusy(UsageError):

@@ -36,7 +36,7 @@ if [ "${TORCHRUN_STEPS:-0}" -gt 0 ]; then
   # 3) the same 1+1 run started by torchrun: every rank goes through the collective preflight gate
   echo "=== 8B 1+1 torchrun $(date +%T)"
   watch_start nvml_8b_torchrun.csv
-  python3 -m torch.distributed.run --standalone --nproc-per-node 2 -m dflash.train.split \
+  python3 -m torch.distributed.run --standalone --nproc-per-node 2 -m dflash.commands.torchrun \
     --config configs/qwen3-8b-1t1d.toml --set output_dir=\"runs/qwen3-8b-torchrun\" \
     --set train.max_steps=${TORCHRUN_STEPS} --fresh "${W[@]}" 2>&1 | tee "$OUT/train_8b_torchrun.log" | grep -v Warning
   watch_stop nvml_8b_torchrun.csv

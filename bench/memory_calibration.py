@@ -1,4 +1,4 @@
-"""Measure each role's GPU memory peak for the memory model (dflash/memory.py) to be fitted against.
+"""Measure each role's GPU memory peak for the memory model (dflash/memory/parts.py) to be fitted against.
 
 Every (configuration, role) runs in a fresh subprocess, so peaks never mix:
 - target role: the frozen target (random init on the GPU from config.json) and three
@@ -22,7 +22,7 @@ Run (from the repository root; no install needed besides the packages):
 --budget-s stops launching workers once the next one would not finish in time (recorded as
 skipped); --timeout-s bounds each worker. The JSON is rewritten after every measurement.
 --fit reads a measurement file, prints each prediction error with the committed Calibration,
-then the fitted constants (paste them into dflash/memory.py's Calibration defaults).
+then the fitted constants (paste them into dflash/memory/parts.py's Calibration defaults).
 """
 
 from __future__ import annotations

@@ -143,25 +143,6 @@ def check_run(
     return Report.build(profile_name, checks, host), ctx
 
 
-def run_preflight(
-    cfg: RunConfig,
-    profile_name: str,
-    waivers: Mapping[str, str] | None = None,
-    resume_intent: str | None = None,
-    gpu_info: GpuInfo | None = None,
-    config_path: str | None = None,
-    gpu_override: dict[str, list[str]] | None = None,
-    write: bool = True,
-    verify_data: bool = False,
-) -> Report:
-    """Run preflight for a run and (write=True) write ``<output_dir>/preflight.json``; the caller refuses to start
-    unless ``ok``. The written report carries a fresh gate_id and the config's hash: split workers check both."""
-    report = build_report(profile_name, cfg, waivers, resume_intent, gpu_info, config_path, gpu_override, verify_data)
-    if write:
-        write_report(cfg, report)
-    return report
-
-
 def write_report(cfg: RunConfig, report: Report, ranks: list[dict] | None = None, ok: bool | None = None) -> Report:
     """Stamp the report with this run's identity (and the per-rank verdicts of a torchrun gate), write it atomically."""
     run = {"gate_id": uuid.uuid4().hex, "config_sha256": config_sha256(cfg),

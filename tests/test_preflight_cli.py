@@ -17,7 +17,7 @@ from dflash.config import config_from_dict
 from dflash.data.identity import shard_records, target_fingerprint, write_manifest
 from dflash.runs.rundir import CHECKPOINT_FILES, META_NAME
 from preflight.checks.registry import CHECK_IDS, NEEDS_CONFIG
-from preflight.gate import run_preflight
+from preflight.gate import run_gate
 from preflight.nvml import FakeGpuInfo
 from preflight.report import Report
 
@@ -270,19 +270,19 @@ def test_human_output_lines_fixes_verdict_and_no_colour_off_tty(capsys, tmp_path
 def test_gate_writes_report_and_validates_waivers(tmp_path):
     cfg = config_from_dict({"output_dir": str(tmp_path / "run"), "device": "cpu",
                             "data": {"path": str(tmp_path / "nodata")}})
-    report = run_preflight(cfg, "train-cu128", {"dataset": "data arrives later"}, None)
+    report = run_gate(cfg, {"dataset": "data arrives later"}).report
     saved = Report.model_validate_json((tmp_path / "run" / "preflight.json").read_text())
     assert saved == report
     ds = report.by_id("dataset")
     assert ds.status == "waived" and ds.data["waiver"]["status"] == "fail" and "does not exist" in ds.summary
     with pytest.raises(ValueError, match="unknown check id"):
-        run_preflight(cfg, "train-cu128", {"dataset-x": "typo"}, None)
+        run_gate(cfg, {"dataset-x": "typo"})
 
 
 def test_gate_fails_on_busy_gpus(tmp_path):
     cfg = config_from_dict({"output_dir": str(tmp_path / "run"), "data": {"path": str(tmp_path / "nodata")},
                             "topology": {"target_gpus": ["6"], "drafter_gpus": ["7"]}})
-    report = run_preflight(cfg, "train-cu128", {}, "fresh", gpu_info=FakeGpuInfo.from_json(FIXTURE))
+    report = run_gate(cfg, {}, "fresh", gpu_info=FakeGpuInfo.from_json(FIXTURE)).report
     assert not report.ok and report.by_id("gpu-processes").status == "fail"
 
 

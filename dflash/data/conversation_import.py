@@ -442,14 +442,14 @@ def _sha(text: str | None) -> str:
 
 def _load_target(target: str, log):
     """(tokenizer folder, tokenizer, target fingerprint); one-line errors for a missing or broken target."""
-    from dflash.config import ConfigError, resolve_target_dir
+    from dflash.config import ConfigError
     from dflash.data.identity import target_fingerprint
     from dflash.models import smollm2, smollm2_convert
     from dflash.models.target import load_target_tokenizer
 
-    if target != smollm2.NAME and not (resolve_target_dir(target) / "config.json").is_file():
-        raise ConversationImportError(f"--target {target}: no config.json there (expected a Hugging Face model folder or "
-                           "'smollm2')")
+    problem = smollm2.target_problem(target)
+    if problem:
+        raise ConversationImportError(problem)
     folder = smollm2_convert.resolve_target(target, log=log)
     tokenizer = load_target_tokenizer(folder)  # TargetError (one line) for custom code, missing or broken files
     try:

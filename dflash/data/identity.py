@@ -103,13 +103,12 @@ def target_fingerprint(target: str) -> dict:
     config.json (``dflash.memory.shape.load_target_shape``) and tokenizer files; ``tokenizer_sha256`` is None
     when there are none (the embedded smollm2 before its first conversion). Raises ConfigError.
     """
-    from dflash.config import resolve_target_dir
     from dflash.memory.shape import load_target_shape
     from dflash.models import smollm2
 
     shape = load_target_shape(target)
-    folder = smollm2.cached_folder() if target == smollm2.NAME else resolve_target_dir(target)
-    tok = tokenizer_sha256(folder) if folder.is_dir() and (target != smollm2.NAME or smollm2.is_converted()) else None
+    folder = smollm2.local_folder(target)
+    tok = tokenizer_sha256(folder) if folder.is_dir() and (not smollm2.is_embedded(target) or smollm2.is_converted()) else None
     return {"vocab_size": shape.vocab, "model_type": shape.model_type, "num_layers": shape.num_layers,
             "hidden": shape.hidden, "tokenizer_sha256": tok}
 

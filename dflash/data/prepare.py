@@ -253,14 +253,10 @@ def prepare(s: PrepareSettings, log=print, progress: bool | None = None) -> dict
     prompts = source[: s.limit]
     if not prompts:
         raise PrepareError(f"--prompts {s.prompts} --limit {s.limit}: no prompts selected")
-    if s.target == smollm2.NAME:
-        if not smollm2.is_converted():
-            smollm2.gguf_file()  # one line when the package is missing, before a conversion starts
-    elif not (Path(s.target) / "config.json").is_file():
-        raise PrepareError(
-            f"--target {s.target}: no config.json there (expected a Hugging Face model folder or 'smollm2')"
-        )
-    else:
+    problem = smollm2.target_problem(s.target)  # TargetNotFound, one line, when the package is missing
+    if problem:
+        raise PrepareError(problem)
+    if not smollm2.is_embedded(s.target):
         load_target_shape(s.target)  # a broken config.json is one line here
     out = Path(s.out)
     if out.exists() and not out.is_dir():

@@ -1,6 +1,6 @@
 """Random-weight targets and synthetic Arrow datasets, built offline for tests, benches and smoke runs.
 
-    from dflash.synthetic import target_config, write_pattern_dataset, write_target
+    from dflash.data.synthetic import target_config, write_pattern_dataset, write_target
     target = write_target(root / "tiny", target_config(vocab_size=128))  # 4 layers, hidden 64
     data = write_pattern_dataset(root / "data")                           # learnable from context
 

@@ -66,12 +66,9 @@ def check_drafter_files(folder: Path) -> None:
 
 def check_target(target: str) -> None:
     """'smollm2' needs its package (converted on first use); anything else must be a folder with config.json."""
-    if target == smollm2.NAME:
-        if not smollm2.is_converted():
-            smollm2.gguf_file()  # TargetNotFound (one line) when the package is missing
-        return
-    if not (Path(target) / "config.json").is_file():
-        raise EvalError(f"--target {target}: no config.json there (expected a Hugging Face model folder or 'smollm2')")
+    problem = smollm2.target_problem(target)  # TargetNotFound (one line) when the package is missing
+    if problem:
+        raise EvalError(problem)
 
 
 def check_device(device: str) -> None:

@@ -6,7 +6,7 @@ would predict best. The measurements come from ``bench/memory_calibration.py`` o
 ``dflash.memory.parts.Calibration``'s defaults, and ``tests/test_memory_calibration.py`` checks
 that the committed defaults are still the fit of the committed file.
 
-    from dflash.calibration import current_measurements, fit_calibration, prediction_errors
+    from dflash.memory.calibration import current_measurements, fit_calibration, prediction_errors
     used, _ = current_measurements(json.load(open(path))["measurements"])
     prediction_errors(used)          # (predicted - measured) / measured, one per measurement
     fit_calibration(used)            # a Calibration with the fitted context and scales

@@ -1,7 +1,7 @@
 """Per-role analytic GPU memory model of a DFlash run (pure Python, no torch).
 
 It lives beside the trainer it models: the components below name what ``dflash.models.target``,
-``dflash.models.drafter`` and ``dflash.train.trainer.loss`` keep alive, so a change there and its memory cost move in one
+``dflash.models.drafter`` and ``dflash.train.loss`` keep alive, so a change there and its memory cost move in one
 commit. Importing it never imports torch: preflight and the estimator run it in processes that must stay light.
 
 Given a run config and the target's shape, say how many bytes one GPU of each role needs at its peak, component by
@@ -84,7 +84,7 @@ class Calibration:
     target_act_i: float = 3.0  # intermediate-width: act(gate), up, act(gate)*up (MLP under no_grad)
     target_activation_scale: float = 1.0256  # fitted to tests/data/memory_calibration.json (8 target points, one hybrid; no padding mask)
 
-    # Drafter on CUDA (train.compile: the layer pieces compiled, dflash/model.py), saved for backward per
+    # Drafter on CUDA (train.compile: the layer pieces compiled, dflash/models/drafter.py), saved for backward per
     # query token per layer, in bf16 units (2 bytes); counted with saved-tensor hooks on the compiled layer:
     drafter_act_h: float = 3.0  # layer input, input-norm output, post-attention residual (the MLP block recomputes its norm)
     drafter_act_q: float = 3.0  # q before q_norm, q after RoPE, attention output
@@ -100,7 +100,7 @@ class Calibration:
     backward_transient_layers: float = 0.5  # 2026-11-30 refit: with the in-place loss the backward transient sets the peak
     drafter_activation_scale: float = 0.9118  # fitted to tests/data/memory_calibration.json (9 drafter points)
 
-    # Loss chunk on CUDA (dflash/loss_kernel.py), per [chunk, vocab] element: the lm_head writes the
+    # Loss chunk on CUDA (dflash/train/loss_kernel.py), per [chunk, vocab] element: the lm_head writes the
     # chunk's logits as one bf16 buffer and the fused kernel overwrites them with their gradient ...
     loss_bf16_buffers: float = 1.0
     # ... with kl_weight > 0 the target's logits are a second bf16 buffer.

@@ -164,7 +164,7 @@ def load_target_shape(path: str) -> TargetShape:
     The embedded default (``smollm2``) answers from its known shapes, so no conversion and no
     torch are needed. Every problem is a ConfigError naming the file and the fix.
     """
-    if path == smollm2.NAME:
+    if smollm2.is_embedded(path):
         return TargetShape.from_config(SMOLLM2_CONFIG, f"{smollm2.NAME} (embedded)")
     cfg_file = resolve_target_dir(path) / "config.json"
     try:

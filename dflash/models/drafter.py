@@ -3,13 +3,13 @@
 Queries are the block tokens (slot 0 = the real anchor token, the rest the mask token),
 embedded with the frozen target's embedding. Keys and values are the same projections
 applied to [context ; block], where context = RMSNorm(fc(selected target hidden states)).
-The output goes through the frozen target's lm_head (see dflash/loss.py); neither the
+The output goes through the frozen target's lm_head (see dflash/train/loss.py); neither the
 embedding nor the lm_head is a drafter parameter.
 
 Saved as a Hugging Face-style folder (config.json + model.safetensors + dflash.py) with the
 parameter names and config.json keys of the published DFlash drafters, so DFlash-aware serving
 stacks load it, and `transformers.AutoModel.from_pretrained(folder, trust_remote_code=True)`
-builds this same model from dflash.py (dflash/hf_drafter.py, the math of this file).
+builds this same model from dflash.py (dflash/models/hf_drafter.py, the math of this file).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from dflash.config import default_target_layer_ids  # noqa: F401 (also used by importers of dflash.model)
+from dflash.config import default_target_layer_ids  # noqa: F401 (also used by importers of dflash.models.drafter)
 from dflash.models.attention import LAYER_TYPES, TrainMask, attend_padded
 from dflash.models.fp8 import FP8_MODES, fp8_linear
 

@@ -6,7 +6,7 @@ A drafter folder (config.json + model.safetensors + this file) loads with
     drafter = AutoModel.from_pretrained(folder, trust_remote_code=True)   # config.json auto_map -> this class
     hidden = drafter(noise_embedding, target_hidden)                       # [B, block, hidden], before the lm_head
 
-The math is the trainer's (dflash/model.py), written out with no import of the dflash package:
+The math is the trainer's (dflash/models/drafter.py), written out with no import of the dflash package:
 context = RMSNorm(fc(target hidden states of the chosen layers)); each layer takes Q from the block,
 K/V from [context ; block]; qk-norm; RoPE; a block sees the context before its first slot (in
 sliding_attention layers only positions > its own position - sliding_window) and its whole block.

@@ -60,5 +60,29 @@ def is_converted(folder: Path | None = None) -> bool:
     return (folder / DONE_MARKER).is_file() and (folder / "config.json").is_file()
 
 
+def is_embedded(target: str | Path) -> bool:
+    """Whether a --target / target.path value names the embedded default rather than a model folder."""
+    return str(target) == NAME
 
+
+def local_folder(target: str | Path) -> Path:
+    """The folder holding the files of `target`, converting nothing: the cache folder for the embedded default."""
+    from dflash.config import resolve_target_dir
+
+    return cached_folder() if is_embedded(target) else resolve_target_dir(str(target))
+
+
+def target_problem(target: str | Path) -> str | None:
+    """Why `target` cannot be a target, in one line with the fix, or None; the one rule every command applies.
+
+    The embedded default needs its package until it has been converted once (TargetNotFound, raised, names the fix);
+    anything else must be a Hugging Face model folder with a config.json.
+    """
+    if is_embedded(target):
+        if not is_converted():
+            gguf_file()
+        return None
+    if not (local_folder(target) / "config.json").is_file():
+        return f"--target {target}: no config.json there (expected a Hugging Face model folder or '{NAME}')"
+    return None
 

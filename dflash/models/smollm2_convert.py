@@ -12,7 +12,7 @@ import os
 import shutil
 from pathlib import Path
 
-from dflash.models.smollm2 import DISTRIBUTION, DONE_MARKER, FOLDER, NAME, cached_folder, gguf_file, is_converted
+from dflash.models.smollm2 import DISTRIBUTION, DONE_MARKER, FOLDER, cached_folder, gguf_file, is_converted, is_embedded, local_folder
 
 
 def ensure_converted(log=print) -> Path:
@@ -59,7 +59,8 @@ def ensure_converted(log=print) -> Path:
 
 
 def resolve_target(path_or_name: str | Path, log=print) -> Path:
-    """'smollm2' -> the converted cache folder (converted on first use); any other value -> Path(value)."""
-    if str(path_or_name) == NAME:
+    """'smollm2' -> the converted cache folder (converted on first use); any other value -> its folder, found as
+    target.path is (dflash.config.resolve_target_dir)."""
+    if is_embedded(path_or_name):
         return ensure_converted(log)
-    return Path(path_or_name)
+    return local_folder(path_or_name)

@@ -10,7 +10,7 @@ safetensors, and the optimizer state is loaded with ``weights_only=True``: loadi
 runs no code from it. A checkpoint of an older version (a pickled ``trainer_state.pt``) is
 refused with a one-line CheckpointError, as is a missing or corrupt file. meta.json records the
 size and sha256 of every other file of the checkpoint, so a resume can tell a damaged checkpoint
-from an intact one before loading it (``dflash.rundir.checkpoint_problem``).
+from an intact one before loading it (``dflash.runs.rundir.checkpoint_problem``).
 
     path = save_checkpoint(out, step, drafter, optimizer, {"step": step, "sampler": {...}, "rng_cpu": t},
                            cfg, dataset_meta, keep_last, provenance=preflight.gate.provenance(cfg.profile))

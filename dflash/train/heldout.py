@@ -14,7 +14,7 @@ Every `eval.every` steps and at the end, the trainer measures the drafter on dat
 
 The held-out data is `eval.path` (its own Arrow dataset) or `eval.holdout` samples taken out of
 `data.path` by sample id: a seeded choice, never trained on (`training_dataset` removes them from
-every layout's batch sequence, since `dflash.train.step.schedule` builds it) and written to heldout.json.
+every layout's batch sequence, since `dflash.data.plan.schedule` builds it) and written to heldout.json.
 Numbers are logged beside the training metrics as heldout_* keys of metrics.jsonl.
 Split runs refuse [eval] for now (dflash.config): their target ranks do not serve held-out batches.
 """

@@ -121,6 +121,6 @@ def target_shape(cfg: RunConfig) -> tuple[TargetShape | None, str | None]:
 def target_custom_code(cfg: RunConfig) -> str | None:
     """Why the target folder would be refused for needing its own code (dflash.models.custom_code's rule, judged
     against the installed transformers' files, torch-free), or None."""
-    if cfg.target.path == smollm2.NAME:
+    if smollm2.is_embedded(cfg.target.path):
         return None
     return folder_problem(resolve_target_dir(cfg.target.path))

@@ -198,7 +198,7 @@ def _memory(ctx: Context) -> dict:
     """The memory model's peak per role of this run, with the CUDA of the installed torch build (the one the run
     loads) and recompute = auto resolved as the trainer will, on the free memory of the role's GPU."""
     from dflash.errors import DflashError
-    from dflash.memory.parts import choose_recompute, recompute_mode, role_need_bytes, roles, with_recompute
+    from dflash.memory.parts import choose_recompute, recompute_mode, role_need_bytes, with_recompute
     from preflight.estimate import DEFAULT_CUDA
 
     cfg = ctx.config
@@ -213,7 +213,7 @@ def _memory(ctx: Context) -> dict:
         for role in d["roles"]:
             free[role] = min(free.get(role, d["free_bytes"]), d["free_bytes"])
     try:
-        for role in roles(cfg):
+        for role in cfg.topology.roles:
             mode = recompute_mode(cfg)
             gpu_free = free.get("drafter" if role == "colocated" else role)
             if cfg.train.recompute == "auto" and role != "target" and cfg.device == "cuda" and gpu_free is not None:

@@ -191,9 +191,8 @@ class Trainer:
             return "off", "auto on CPU"
         free, _total = torch.cuda.mem_get_info(self.device)
         usable = free + torch.cuda.memory_reserved(self.device)  # what this process can hold
-        role = "drafter" if self.cfg.topology.target_gpus else "colocated"
         try:
-            mode, need = choose_recompute(self.cfg, role, torch.version.cuda or "12.8", usable)
+            mode, need = choose_recompute(self.cfg, self.cfg.topology.trainer_role, torch.version.cuda or "12.8", usable)
         except ValueError as e:  # a shape the memory model cannot read: keep every activation
             return recompute_mode(self.cfg), f"auto: memory model unavailable ({e})"
         return mode, f"auto: predicted peak {need / 2**30:.1f} GiB of {usable / 2**30:.1f} GiB usable on {self.device}"
@@ -544,7 +543,7 @@ class Trainer:
                    mem_gib=round(torch.cuda.max_memory_allocated(self.device) / 2**30, 2)
                    if self.device.type == "cuda" else None)
         if self.device.type == "cuda":
-            rec["nvml_used_gib"] = _nvml_used_gib(self.device, "drafter" if self.cfg.topology.target_gpus else "colocated")
+            rec["nvml_used_gib"] = _nvml_used_gib(self.device, self.cfg.topology.trainer_role)
         rec.update(self.source.rates(counters, dt, self.world))
         if self.group is not None and os.environ.get("DFLASH_CHECK_REPLICAS") == "1":
             rec["replica_max_diff"] = _replica_max_diff(self.drafter, self.group, self.world)

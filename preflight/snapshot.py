@@ -138,10 +138,10 @@ def _gpus(ctx: Context) -> dict:
         assigned = assigned_gpus(ctx) if ctx.config.device == "cuda" else {}
     finally:
         ctx.own_gpus = own
-    for name, names in assigned.items():
+    for name, role in assigned.items():
         gpu, _ = resolve_gpu(name, visible, g.snapshot.gpus)
-        if gpu is not None:
-            roles.setdefault(gpu.uuid, []).extend(names)
+        if gpu is not None:  # recorded as before: a co-located GPU lists both roles (preflight diff pairs GPUs by them)
+            roles.setdefault(gpu.uuid, []).extend(["target", "drafter"] if role == "colocated" else [role])
     cuda_index = {gpu.uuid: i for i, gpu in enumerate(visible)}
     for gpu in g.snapshot.gpus:
         out["devices"].append({"index": gpu.index, "cuda_index": cuda_index.get(gpu.uuid), "uuid": gpu.uuid,

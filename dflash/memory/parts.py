@@ -242,7 +242,7 @@ def _target_parts(cfg: RunConfig, shape: TargetShape, w: Workload, cal: Calibrat
     if last:
         parts.append(Part("last hidden state (soft labels)", last, "activation"))
     if split:  # a target rank keeps up to topology.queue_depth sends in flight while it computes the next batch
-        n = cfg.topology.queue_depth  # (dflash.train.split._target_main), beside that batch's own features above
+        n = cfg.topology.queue_depth  # (dflash.train.ranks._target_main), beside that batch's own features above
         parts.append(Part(f"send buffers in flight ({n} batch{'es' if n != 1 else ''}, topology.queue_depth)",
                           n * (feats + last), "activation"))
     return parts

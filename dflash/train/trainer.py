@@ -1,7 +1,7 @@
 """The trainer: one loop for every layout.
 
     run(cfg, resume_from)          co-located: the target in this process (`LocalTarget`)
-    Trainer(cfg, RemoteTargets)    a split drafter rank: features arrive from target ranks (dflash.train.split)
+    Trainer(cfg, RemoteTargets)    a split drafter rank: features arrive from target ranks (dflash.train.ranks)
     Trainer.colocated(cfg, group=) a co-located data-parallel rank: its own target, DDP over the drafter
 
 Reads as a plain loop: build -> (resume) -> step -> log -> checkpoint -> finish. What a step
@@ -40,22 +40,18 @@ from dflash.runs import checkpoint as ckpt
 from dflash.runs import rundir
 from dflash.runs.records import Outcome, process_age_s
 from dflash.train import compiled
+from dflash.train.features import CachedTarget, FeatureSource, LocalTarget, local_source, target_folder
 from dflash.train.heldout import best_key
 from dflash.train.loss import read_metrics
 from dflash.train.step import (
-    CachedTarget,
-    FeatureSource,
-    LocalTarget,
     average_metrics,
     build_optimizer,
     clip_and_step,
     grad_norm,
-    local_source,
     micro_step,
     pad_token_id,
     resolve_mask_token_id,
     set_lr,
-    target_folder,
 )
 
 __all__ = ["NonFiniteError", "RunError", "StopFlag", "Trainer", "run", "run_device", "warm_batches", "warm_cache",

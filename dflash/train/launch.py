@@ -40,7 +40,6 @@ def physical_gpu(entry: str, visible: str | None) -> str:
     return listed[i]
 
 
-
 def cpu_threads_per_rank(n_ranks: int, cores: int | None = None) -> int:
     """Threads for each of n_ranks CPU ranks on one machine: its cores shared out, at least one each.
 

@@ -422,6 +422,15 @@ def test_gpu_memory_memory_model_passes_and_reports_each_gpu(tmp_path):
     assert all(g["headroom_bytes"] == g["free_bytes"] - g["need_bytes"] for g in r.data["gpus"])
 
 
+def test_a_torchrun_rank_checks_its_own_gpu_in_its_own_role(tmp_path):
+    """A torchrun rank hands the gate {its cuda index: its rank's role} (Rank.role, the topology's vocabulary)."""
+    ctx = make_ctx(tmp_path, config={"topology": {"colocated_gpus": ["0", "1"]}})
+    ctx.own_gpus = {"1": "colocated"}
+    r = check_gpu_memory(ctx)
+    assert [(g["name"], g["role"]) for g in r.data["gpus"]] == [("1", "colocated")] and r.summary.startswith("colocated GPU 1")
+    assert check_gpu_visibility(ctx).data["assigned"][0]["role"] == "colocated"
+
+
 def test_gpu_memory_fails_when_need_exceeds_free(tmp_path):
     busy = recorded()
     busy["gpus"][5]["memory_free"] = int(4.57 * GiB)  # the incident: 4.57 GiB free on a drafter GPU

@@ -157,7 +157,7 @@ def _record(steps: list, nvml: Nvml, torch, device, t0: float, **extra) -> None:
 
 
 def _target_role(cfg, device, steps, nvml, torch) -> dict:
-    from dflash.train.step import LocalTarget
+    from dflash.train.features import LocalTarget
 
     t0 = time.perf_counter()
     cfg.target.random_init = True  # real shapes, random weights

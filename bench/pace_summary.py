@@ -2,7 +2,7 @@
 
 Reads the run's metrics.jsonl, outcome.json and snapshot.json (what dflash-train wrote) and reports:
 the steady tok/s (every logged window after the first, which holds the compilation), the per-role busy rates and
-waits of a split run and the split they suggest for the run's GPUs and for 8 (``dflash.train.split``'s rule, the one
+waits of a split run and the split they suggest for the run's GPUs and for 8 (``dflash.train.features``' rule, the one
 the run printed), each GPU's NVML peak against preflight's estimate for its role, the time from launch to the first
 step, the recompiles after it, and each checkpoint save's stall on the step loop (and whether one fell inside the
 steady window). Writes JSON with --out and prints one line per figure.

@@ -107,8 +107,8 @@ def main(argv=None) -> int:
 
     from dflash.config import load_config
     from dflash.models.target import compile_target, load_target, target_features, use_torch_linear_attention
+    from dflash.train.features import feature_layer_ids
     from dflash.train.loss import target_step
-    from dflash.train.step import feature_layer_ids
 
     cfg = load_config(args.config, overrides)
     device = torch.device(args.device)

@@ -200,6 +200,10 @@ class TrainConfig(_Strict):
 
 
 Layout = Literal["colocated", "colocated-dp", "split"]
+# What one GPU does in a run (not a process rank): the target forward, the drafter step, or both.
+GpuRole = Literal["target", "drafter", "colocated"]
+ROLES: tuple[GpuRole, ...] = ("target", "drafter", "colocated")  # the order roles are listed in (estimates, reports)
+ONE_DEVICE_GPU = "0"  # the GPU of a one-device run (index after CUDA_VISIBLE_DEVICES): the process's default device
 
 
 class TopologyConfig(_Strict):
@@ -232,6 +236,28 @@ class TopologyConfig(_Strict):
     def trainer_gpus(self) -> list[str]:
         """The GPUs that train a drafter replica: drafter_gpus (split) or colocated_gpus ([] for one device)."""
         return self.colocated_gpus or self.drafter_gpus
+
+    @property
+    def gpu_roles(self) -> dict[str, GpuRole]:
+        """Each GPU of the run -> its role, in rank order (the GPUs that train the drafter first, then the targets).
+
+        The one rule for roles: the memory model, preflight, the launcher and the trainer all ask it. A split run's
+        GPUs are `drafter` or `target`; a co-located GPU (one device, or each of colocated_gpus) holds a target and
+        a drafter replica: `colocated`. The one-device run's GPU is ONE_DEVICE_GPU."""
+        if self.layout == "split":
+            return {**dict.fromkeys(self.drafter_gpus, "drafter"), **dict.fromkeys(self.target_gpus, "target")}
+        return dict.fromkeys(self.colocated_gpus or [ONE_DEVICE_GPU], "colocated")
+
+    @property
+    def roles(self) -> list[GpuRole]:
+        """The roles this run's GPUs have, each once, in ROLES order: [target, drafter] (split) or [colocated]."""
+        present = set(self.gpu_roles.values())
+        return [r for r in ROLES if r in present]
+
+    @property
+    def trainer_role(self) -> GpuRole:
+        """The role of a GPU that trains the drafter (drafter or colocated): rank 0's, in every layout."""
+        return next(iter(self.gpu_roles.values()))
 
     @model_validator(mode="after")
     def _disjoint(self) -> TopologyConfig:

@@ -106,13 +106,13 @@ def _model(snap: dict) -> _Model | None:
 
 def _peaks(m: _Model, cfg=None, cuda: str | None = None, expandable: bool | None = None) -> dict[str, int] | None:
     from dflash.errors import DflashError
-    from dflash.memory.parts import recompute_mode, role_parts, roles, with_recompute
+    from dflash.memory.parts import recompute_mode, role_parts, with_recompute
 
     cfg = cfg or m.cfg
     resolved = cfg.train.recompute == m.cfg.train.recompute  # else a what-if of train.recompute itself
     out = {}
     try:
-        for role in roles(cfg):
+        for role in cfg.topology.roles:
             mode = (m.recompute.get(role) if resolved else None) or recompute_mode(cfg)
             parts = role_parts(with_recompute(cfg, mode), m.shape, role, cuda or m.cuda,
                                expandable=m.expandable if expandable is None else expandable)

@@ -19,7 +19,6 @@ import re
 from dflash.config import load_config, parse_overrides
 from dflash.errors import DflashError
 from dflash.memory.fit import Estimate, estimate, role_gpus
-from dflash.memory.parts import roles
 from preflight.facts.run import target_custom_code
 from preflight.nvml import GpuInfo, NvmlGpuInfo, NvmlUnavailable, resolve_gpu, visible_gpus
 from preflight.profiles import ProfileError, load_profile
@@ -106,7 +105,7 @@ def run_estimate(
         cuda, cuda_source = profile_cuda(cfg.profile)
     gpu_bytes = parse_size(gpu_memory) if gpu_memory else None
     if from_nvml:
-        gpus = sorted({g for role in roles(cfg) for g in role_gpus(cfg, role)})
+        gpus = sorted({g for role in cfg.topology.roles for g in role_gpus(cfg, role)})
         gpu_bytes = nvml_gpu_bytes(gpus, gpu_info)
     busy = parse_rates(rates, rates_from) if rates or rates_from else None
     return estimate(cfg, cuda, gpu_bytes, source=config_path, rates=busy), cuda_source

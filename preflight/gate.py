@@ -108,12 +108,12 @@ def build_report(
     resume_intent: str | None = None,
     gpu_info: GpuInfo | None = None,
     config_path: str | None = None,
-    gpu_override: dict[str, list[str]] | None = None,
+    gpu_override: dict[str, str] | None = None,
     verify_data: bool = False,
 ) -> Report:
     """Gather facts, run every check, apply waivers. GPU info defaults to real NVML (not asked when device = cpu).
 
-    gpu_override {cuda index: [role]} replaces the config's GPU lists (a torchrun rank checks its own GPU).
+    gpu_override {cuda index: role} replaces the config's GPU lists (a torchrun rank checks its own GPU).
     verify_data: also hash every shard and the checkpoint a resume loads against their recorded sha256.
     """
     return check_run(profile_name, cfg, waivers, resume_intent, gpu_info, config_path, gpu_override, verify_data)[0]
@@ -126,7 +126,7 @@ def check_run(
     resume_intent: str | None = None,
     gpu_info: GpuInfo | None = None,
     config_path: str | None = None,
-    gpu_override: dict[str, list[str]] | None = None,
+    gpu_override: dict[str, str] | None = None,
     verify_data: bool = False,
 ) -> tuple[Report, Context]:
     """`build_report`, with the facts it judged (the gate keeps them for the run's snapshot)."""

@@ -138,10 +138,10 @@ def _gpus(ctx: Context) -> dict:
         assigned = assigned_gpus(ctx) if ctx.config.device == "cuda" else {}
     finally:
         ctx.own_gpus = own
-    for name, names in assigned.items():
+    for name, role in assigned.items():
         gpu, _ = resolve_gpu(name, visible, g.snapshot.gpus)
-        if gpu is not None:
-            roles.setdefault(gpu.uuid, []).extend(names)
+        if gpu is not None:  # recorded as before: a co-located GPU lists both roles (preflight diff pairs GPUs by them)
+            roles.setdefault(gpu.uuid, []).extend(["target", "drafter"] if role == "colocated" else [role])
     cuda_index = {gpu.uuid: i for i, gpu in enumerate(visible)}
     for gpu in g.snapshot.gpus:
         out["devices"].append({"index": gpu.index, "cuda_index": cuda_index.get(gpu.uuid), "uuid": gpu.uuid,
@@ -198,7 +198,7 @@ def _memory(ctx: Context) -> dict:
     """The memory model's peak per role of this run, with the CUDA of the installed torch build (the one the run
     loads) and recompute = auto resolved as the trainer will, on the free memory of the role's GPU."""
     from dflash.errors import DflashError
-    from dflash.memory.parts import choose_recompute, recompute_mode, role_need_bytes, roles, with_recompute
+    from dflash.memory.parts import choose_recompute, recompute_mode, role_need_bytes, with_recompute
     from preflight.estimate import DEFAULT_CUDA
 
     cfg = ctx.config
@@ -213,7 +213,7 @@ def _memory(ctx: Context) -> dict:
         for role in d["roles"]:
             free[role] = min(free.get(role, d["free_bytes"]), d["free_bytes"])
     try:
-        for role in roles(cfg):
+        for role in cfg.topology.roles:
             mode = recompute_mode(cfg)
             gpu_free = free.get("drafter" if role == "colocated" else role)
             if cfg.train.recompute == "auto" and role != "target" and cfg.device == "cuda" and gpu_free is not None:

@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 
 from dflash.runs import rundir
-from dflash.train.split import _watch, ranks_for
+from dflash.train.launch import _watch
+from dflash.train.layout import ranks_for
 from dflash.train.trainer import run
 from trainkit import (
     REPO,
@@ -41,7 +42,7 @@ def test_every_rank_is_a_colocated_rank_training_every_nth_batch():
     from dflash.config import config_from_dict
 
     cfg = config_from_dict({"topology": {"colocated_gpus": ["0", "1", "2"]}})
-    assert [(r.rank, r.name, r.index, r.is_drafter) for r in ranks_for(cfg)] == [
+    assert [(r.rank, r.role, r.index, r.is_drafter) for r in ranks_for(cfg)] == [
         (0, "colocated", 0, True), (1, "colocated", 1, True), (2, "colocated", 2, True)]
 
 

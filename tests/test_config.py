@@ -133,6 +133,18 @@ def test_topology_names_its_layout_and_the_gpus_that_train():
         "split": ("split", ["1", "2"])}
 
 
+def test_every_gpu_has_one_role_in_rank_order_whatever_the_layout():
+    """TopologyConfig.gpu_roles is the one rule for roles: the drafter's GPUs first (rank order), one vocabulary."""
+    topo = lambda t: config_from_dict({"topology": t}).topology  # noqa: E731
+    one, dp = topo({}), topo({"colocated_gpus": ["2", "0"]})
+    split = topo({"target_gpus": ["0", "1", "2", "3", "4"], "drafter_gpus": ["5", "6", "7"]})
+    assert one.gpu_roles == {"0": "colocated"} and dp.gpu_roles == {"2": "colocated", "0": "colocated"}
+    assert list(split.gpu_roles.items()) == [("5", "drafter"), ("6", "drafter"), ("7", "drafter"), ("0", "target"),
+                                             ("1", "target"), ("2", "target"), ("3", "target"), ("4", "target")]
+    assert [(t.roles, t.trainer_role) for t in (one, dp, split)] == [
+        (["colocated"], "colocated"), (["colocated"], "colocated"), (["target", "drafter"], "drafter")]
+
+
 @pytest.mark.parametrize("raw, says", [
     ({"train": {"cache_features": True}}, "train.cache_features works on one device only"),
     ({"eval": {"holdout": 4}}, "[eval] works in one-device co-located runs only for now"),

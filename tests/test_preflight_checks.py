@@ -422,12 +422,21 @@ def test_gpu_memory_memory_model_passes_and_reports_each_gpu(tmp_path):
     assert all(g["headroom_bytes"] == g["free_bytes"] - g["need_bytes"] for g in r.data["gpus"])
 
 
+def test_a_torchrun_rank_checks_its_own_gpu_in_its_own_role(tmp_path):
+    """A torchrun rank hands the gate {its cuda index: its rank's role} (Rank.role, the topology's vocabulary)."""
+    ctx = make_ctx(tmp_path, config={"topology": {"colocated_gpus": ["0", "1"]}})
+    ctx.own_gpus = {"1": "colocated"}
+    r = check_gpu_memory(ctx)
+    assert [(g["name"], g["role"]) for g in r.data["gpus"]] == [("1", "colocated")] and r.summary.startswith("colocated GPU 1")
+    assert check_gpu_visibility(ctx).data["assigned"][0]["role"] == "colocated"
+
+
 def test_gpu_memory_fails_when_need_exceeds_free(tmp_path):
     busy = recorded()
     busy["gpus"][5]["memory_free"] = int(4.57 * GiB)  # the incident: 4.57 GiB free on a drafter GPU
 
-    def need(ctx, roles):
-        return (int(4.74 * GiB) if roles == ["drafter"] else 40 * GiB), "test model"
+    def need(ctx, role):
+        return (int(4.74 * GiB) if role == "drafter" else 40 * GiB), "test model"
 
     r = check_gpu_memory(make_ctx(tmp_path, gpus=busy), need_fn=need)
     assert r.status == "fail"
@@ -440,7 +449,8 @@ def test_gpu_memory_colocated_gpu_0_needs_the_colocated_role(tmp_path):
 
     ctx = make_ctx(tmp_path, config={"topology": {"target_gpus": [], "drafter_gpus": []}})
     r = check_gpu_memory(ctx)
-    assert [g["roles"] for g in r.data["gpus"]] == [["target", "drafter"]]  # co-located: GPU 0, both roles
+    assert [(g["name"], g["role"]) for g in r.data["gpus"]] == [("0", "colocated")]  # co-located: GPU 0, both models
+    assert r.summary.startswith("colocated GPU 0 need ")
     # recompute = auto is judged as the trainer resolves it: the fastest mode that fits the free memory
     assert r.data["model"] == "memory model, recompute auto -> off" and "[memory model, recompute auto -> off]" in r.summary
     assert r.data["gpus"][0]["need_bytes"] == role_need_bytes(ctx.config, "colocated", "12.8")
@@ -455,7 +465,7 @@ def test_gpu_checks_see_every_colocated_data_parallel_gpu_in_the_colocated_role(
     ctx = make_ctx(tmp_path, config={"topology": {"colocated_gpus": gpus}})
     r = check_gpu_memory(ctx)
     assert r.status == "pass", r.summary
-    assert [(g["name"], g["roles"]) for g in r.data["gpus"]] == [(n, ["target", "drafter"]) for n in gpus]
+    assert [(g["name"], g["role"]) for g in r.data["gpus"]] == [(n, "colocated") for n in gpus]
     free = r.data["gpus"][0]["free_bytes"]
     assert r.data["gpus"][0]["need_bytes"] == choose_recompute(ctx.config, "colocated", "12.8", free)[1]
     one = make_ctx(tmp_path, config={"topology": {"target_gpus": [], "drafter_gpus": []}})

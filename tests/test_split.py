@@ -14,13 +14,9 @@ import pytest
 
 from dflash.memory.pace import split_tok_s, suggest_split
 from dflash.runs import rundir
-from dflash.train.split import (
-    Rank,
-    RemoteTargets,
-    cpu_threads_per_rank,
-    physical_gpu,
-    ranks_for,
-)
+from dflash.train.features import RemoteTargets
+from dflash.train.launch import cpu_threads_per_rank, physical_gpu
+from dflash.train.layout import Rank, ranks_for
 from dflash.train.trainer import run
 from trainkit import REPO, assert_ranks_gone, cancel_run, metrics, start_run, tiny_config, train_cmd, write_toml
 
@@ -36,9 +32,9 @@ def test_roles_by_rank_for_the_incident_split():
 
     cfg = config_from_dict({"topology": {"target_gpus": ["0", "1", "2", "3", "4"], "drafter_gpus": ["5", "6", "7"]}})
     roles = ranks_for(cfg)
-    assert [(r.rank, r.name, r.index) for r in roles] == [
-        (0, "drafter", 0), (1, "drafter", 1), (2, "drafter", 2),
-        (3, "target", 0), (4, "target", 1), (5, "target", 2), (6, "target", 3), (7, "target", 4)]
+    assert [(r.rank, r.role, r.index, r.gpu) for r in roles] == [
+        (0, "drafter", 0, "5"), (1, "drafter", 1, "6"), (2, "drafter", 2, "7"),
+        (3, "target", 0, "0"), (4, "target", 1, "1"), (5, "target", 2, "2"), (6, "target", 3, "3"), (7, "target", 4, "4")]
     # batch k: target k % 5 computes it, drafter k % 3 trains it at step k // 3
     pairs = {(3 + k % 5, k % 3) for k in range(15)}
     assert len(pairs) == 15  # every target feeds every drafter over 15 batches: no idle pair
@@ -70,7 +66,7 @@ def test_suggested_split_is_the_argmax_of_the_slower_side():
 
 def test_summary_prints_busy_rates_and_the_split_they_suggest():
     source = object.__new__(RemoteTargets)  # summary reads only the rank layout
-    source.me = Rank(0, 2, 1, 1)
+    source.me = Rank(0, 2, 1, 1, "drafter", "1")
     rows = [{"target_tok_s_per_gpu": 9_600, "drafter_tok_s_per_gpu": 40_000},
             {"step": 20, "heldout_loss": 1.0},  # a row without rates is not averaged
             {"target_tok_s_per_gpu": 10_000, "drafter_tok_s_per_gpu": 42_000}]

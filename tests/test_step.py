@@ -113,7 +113,7 @@ def test_one_drafter_rank_trains_without_ddp(tmp_path):
 
     import torch.distributed as dist
 
-    from dflash.train.step import local_source
+    from dflash.train.features import local_source
     from dflash.train.trainer import Trainer
     from trainkit import tiny_config
 
@@ -159,15 +159,15 @@ def _protocol_members(protocol) -> tuple[set[str], set[str]]:
     return methods, set(protocol.__annotations__)
 
 
-@pytest.mark.parametrize("name", ["dflash.train.step.LocalTarget", "dflash.train.step.CachedTarget",
-                                  "dflash.train.split.RemoteTargets"])
+@pytest.mark.parametrize("name", ["dflash.train.features.LocalTarget", "dflash.train.features.CachedTarget",
+                                  "dflash.train.features.RemoteTargets"])
 def test_every_feature_source_has_every_member_of_the_protocol(name):
     """The trainer calls every FeatureSource member unconditionally (no hasattr probing), so every source has them
     all: the methods on the class, the attributes assigned in its constructor."""
     import importlib
     import inspect
 
-    from dflash.train.step import FeatureSource
+    from dflash.train.features import FeatureSource
 
     module, _, cls_name = name.rpartition(".")
     cls = getattr(importlib.import_module(module), cls_name)

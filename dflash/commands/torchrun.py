@@ -5,7 +5,7 @@ spawned by dflash-train.
 
 Under torchrun every rank goes through the preflight gate first (rank 0 applies the resume/fresh rule, each rank
 checks its own GPU and environment, all refuse together); a rank spawned by dflash-train's launcher trains only
-after finding that run's passing preflight.json. The rank's work itself is dflash.train.split.worker.
+after finding that run's passing preflight.json. The rank's work itself is dflash.train.ranks.worker.
 """
 
 from __future__ import annotations
@@ -21,7 +21,9 @@ import torch.distributed as dist
 
 from dflash.config import RunConfig, config_from_dict, config_sha256
 from dflash.errors import DflashError, run_cli
-from dflash.train.split import GATE_ENV, Rank, worker
+from dflash.train.launch import GATE_ENV
+from dflash.train.layout import Rank
+from dflash.train.ranks import worker
 from preflight.gate import provenance
 
 
@@ -80,11 +82,10 @@ def collective_gate(cfg: RunConfig, me: Rank, local_rank: int, gate: dict) -> Pa
             print(f"dflash.commands.torchrun: error: {verdict[0]}", file=sys.stderr, flush=True)
         return False
     intent = "resume" if gate.get("resume") else "fresh" if gate.get("fresh") else None
-    mine_roles = ["target", "drafter"] if me.name == "colocated" else [me.name]  # preflight's co-located GPU
-    own = {str(local_rank): mine_roles} if cfg.device == "cuda" else None
+    own = {str(local_rank): me.role} if cfg.device == "cuda" else None
     report, facts = check_run(cfg.profile, cfg, gate.get("waivers", {}), intent, gpu_override=own,
                               verify_data=gate.get("verify_data", False))
-    mine = {"rank": me.rank, "role": me.name, "gpu": str(local_rank), "host": socket.gethostname(),
+    mine = {"rank": me.rank, "role": me.role, "gpu": str(local_rank), "host": socket.gethostname(),
             "failed": [f"{c.id}: {c.summary}" + (f"  fix: {c.fix}" if c.fix else "")
                        for c in report.checks if c.status == "fail"]}
     everyone: list = [None] * me.world

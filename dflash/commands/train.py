@@ -144,7 +144,7 @@ def train_command(config_path, demo, resume, fresh, sets, max_steps, output_dir,
         rundir.make_room(cfg, resume_from, fresh, log=click.echo)
         rundir.clear_stopped(cfg.output_dir)
         if cfg.topology.layout != "colocated":  # split or co-located data parallel: one process per GPU
-            from dflash.train.split import launch
+            from dflash.train.launch import launch
 
             with rundir.io_errors_in_one_line(cfg.output_dir):
                 code = launch(cfg, resume_from, gate.report.run["gate_id"], lock=lock)

@@ -18,9 +18,9 @@ from dataclasses import replace
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from dflash.config import RunConfig, config_from_dict
+from dflash.config import GpuRole, RunConfig, config_from_dict
 from dflash.errors import DflashError
-from dflash.memory.parts import DEFAULT_CALIBRATION, Calibration, GpuRole, fragmentation, role_parts
+from dflash.memory.parts import DEFAULT_CALIBRATION, Calibration, fragmentation, role_parts
 from dflash.memory.shape import GiB, TargetShape, cuda_major
 
 

@@ -11,16 +11,13 @@ from typing import Callable, Literal
 
 from pydantic import BaseModel, Field
 
-from dflash.config import MAX_TOKENS, RunConfig
+from dflash.config import MAX_TOKENS, GpuRole, RunConfig
 from dflash.memory.parts import (
     DEFAULT_CALIBRATION,
     Calibration,
-    GpuRole,
     Workload,
     choose_recompute,
-    is_split,
     role_parts,
-    roles,
     with_recompute,
     workload,
 )
@@ -165,8 +162,9 @@ def _limit(cfg: RunConfig, shape: TargetShape, role: GpuRole, setting: Setting, 
 
 
 def role_gpus(cfg: RunConfig, role: GpuRole) -> list[str]:
+    """The config's GPUs of `role` ([] for the one device of a one-device run, which the config does not name)."""
     topo = cfg.topology
-    return {"target": topo.target_gpus, "drafter": topo.drafter_gpus, "colocated": topo.colocated_gpus}[role]
+    return [] if topo.layout == "colocated" else [g for g, r in topo.gpu_roles.items() if r == role]
 
 
 LAYOUT_GPUS = 8  # GPUs assumed for co-located data parallel when the config names none (the users' boxes)
@@ -205,7 +203,7 @@ def _judge(case: RunConfig, recompute: str, shape: TargetShape, cuda: str, gpu_b
            cal: Calibration) -> tuple[dict[str, int], dict[str, str], bool | None]:
     """(bytes per role, recompute mode per role, whether every role fits gpu_bytes) of one layout's config."""
     need, modes = {}, {}
-    for role in roles(case):
+    for role in case.topology.roles:
         mode = recompute
         if role == "target":
             mode = "off" if mode == "auto" else mode
@@ -253,8 +251,7 @@ def _resolve_auto(cfg: RunConfig, shape: TargetShape, cuda: str, gpu_bytes: int 
         return cfg, f"recompute {cfg.train.recompute}"
     if gpu_bytes is None:
         return with_recompute(cfg, "off"), "recompute auto -> off (give a GPU size to let it choose)"
-    role = "drafter" if is_split(cfg) else "colocated"
-    mode, _ = choose_recompute(cfg, role, cuda, gpu_bytes, cal, shape)
+    mode, _ = choose_recompute(cfg, cfg.topology.trainer_role, cuda, gpu_bytes, cal, shape)
     return with_recompute(cfg, mode), f"recompute auto -> {mode} (the fastest mode that fits {gpu_bytes / GiB:.1f} GiB)"
 
 
@@ -275,7 +272,7 @@ def estimate(
     original = cfg
     cfg, recompute_note = _resolve_auto(cfg, shape, cuda, gpu_bytes, cal)
     w = workload(cfg)
-    role_list = roles(cfg)
+    role_list = cfg.topology.roles
     out: list[RoleEstimate] = []
     for role in role_list:
         parts = role_parts(cfg, shape, role, cuda, cal)

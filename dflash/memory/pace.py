@@ -2,7 +2,7 @@
 
 A busy rate is a role's tokens per second per GPU while it works: a target's tokens over its compute time (its send
 waits left out), a drafter's over its time not waiting for features. A split run measures both
-(``dflash.train.split.RemoteTargets.rates``); the rules below turn them into the tokens per second of any layout:
+(``dflash.train.features.RemoteTargets.rates``); the rules below turn them into the tokens per second of any layout:
 
     t, d = suggest_split(8, 12_500, 41_000)          # (6, 2): the split of 8 GPUs that trains fastest
     colocated_tok_s(12_500, 41_000)                  # one GPU running both roles in turn: about 9,580 tok/s

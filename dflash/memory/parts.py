@@ -33,7 +33,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from dflash.config import RunConfig
+from dflash.config import ROLES, GpuRole, RunConfig
 from dflash.memory.shape import (
     BF16,
     DTYPE_BYTES,
@@ -51,8 +51,6 @@ from dflash.memory.shape import (
 
 FLEX_BLOCK = 128  # tokens per flex-attention sparse block (both query and key/value side)
 
-# What one GPU does in a run (not a process rank): the target forward, the drafter step, or both.
-GpuRole = Literal["target", "drafter", "colocated"]
 Kind = Literal["static", "activation", "fixed", "margin"]
 
 
@@ -244,7 +242,7 @@ def _target_parts(cfg: RunConfig, shape: TargetShape, w: Workload, cal: Calibrat
     if last:
         parts.append(Part("last hidden state (soft labels)", last, "activation"))
     if split:  # a target rank keeps up to topology.queue_depth sends in flight while it computes the next batch
-        n = cfg.topology.queue_depth  # (dflash.train.split._target_main), beside that batch's own features above
+        n = cfg.topology.queue_depth  # (dflash.train.ranks._target_main), beside that batch's own features above
         parts.append(Part(f"send buffers in flight ({n} batch{'es' if n != 1 else ''}, topology.queue_depth)",
                           n * (feats + last), "activation"))
     return parts
@@ -396,14 +394,6 @@ def _fixed_parts(cuda: str, cal: Calibration, nccl: bool) -> list[Part]:
     return parts
 
 
-def is_split(cfg: RunConfig) -> bool:
-    return bool(cfg.topology.target_gpus)
-
-
-def roles(cfg: RunConfig) -> list[GpuRole]:
-    return ["target", "drafter"] if is_split(cfg) else ["colocated"]
-
-
 def _scaled(parts: list[Part], group: Literal["target", "drafter"], cal: Calibration) -> list[Part]:
     """Tag activation parts with their group and apply that group's fitted scale."""
     scale = cal.target_activation_scale if group == "target" else cal.drafter_activation_scale
@@ -417,9 +407,9 @@ def role_parts(cfg: RunConfig, shape: TargetShape, role: GpuRole, cuda: str, cal
     expandable: the caching allocator runs with expandable segments, as every profile requires
     (False only to compare with measurements taken under torch's default allocator).
     """
-    if role not in ("target", "drafter", "colocated"):
+    if role not in ROLES:
         raise MemoryModelError(f"unknown role {role!r}; use target, drafter or colocated")
-    split = is_split(cfg)
+    split = cfg.topology.layout == "split"
     w = workload(cfg)
     if role == "target":
         parts = _scaled(_target_parts(cfg, shape, w, cal, split), "target", cal)
@@ -468,9 +458,9 @@ def role_need_bytes(cfg: RunConfig, role: GpuRole, cuda: str, cal: Calibration =
     shape: the target's, when the caller already has it (preflight gathers it once);
     otherwise it is read from target.path.
     """
-    if role == "colocated" and is_split(cfg):
+    if role == "colocated" and role not in cfg.topology.roles:
         raise MemoryModelError("role 'colocated' needs a config without topology lists; use target or drafter")
-    if role in ("target", "drafter") and not is_split(cfg):
+    if role in ("target", "drafter") and role not in cfg.topology.roles:
         raise MemoryModelError(f"role {role!r} needs topology.target_gpus and drafter_gpus; this config is co-located, use 'colocated'")
     shape = shape or load_target_shape(cfg.target.path)
     return sum(p.bytes for p in role_parts(cfg, shape, role, cuda, cal))

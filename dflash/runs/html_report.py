@@ -232,10 +232,10 @@ def predicted_gib(config: dict) -> dict[str, float] | str:
     """{role: GiB} the memory model predicts for the run's config, or why it cannot say."""
     try:
         from dflash.config import RunConfig
-        from dflash.memory.parts import role_need_bytes, roles
+        from dflash.memory.parts import role_need_bytes
 
         cfg = RunConfig.model_validate(config)
-        return {role: role_need_bytes(cfg, role, "12.8") / 2**30 for role in roles(cfg)}
+        return {role: role_need_bytes(cfg, role, "12.8") / 2**30 for role in cfg.topology.roles}
     except Exception as e:  # an old config, a target folder that moved: the plot says why
         return f"memory model unavailable: {' '.join(str(e).split())[:120]}"
 

@@ -1,7 +1,7 @@
 """The trainer: one loop for every layout.
 
     run(cfg, resume_from)          co-located: the target in this process (`LocalTarget`)
-    Trainer(cfg, RemoteTargets)    a split drafter rank: features arrive from target ranks (dflash.train.split)
+    Trainer(cfg, RemoteTargets)    a split drafter rank: features arrive from target ranks (dflash.train.ranks)
     Trainer.colocated(cfg, group=) a co-located data-parallel rank: its own target, DDP over the drafter
 
 Reads as a plain loop: build -> (resume) -> step -> log -> checkpoint -> finish. What a step
@@ -40,22 +40,18 @@ from dflash.runs import checkpoint as ckpt
 from dflash.runs import rundir
 from dflash.runs.records import Outcome, process_age_s
 from dflash.train import compiled
+from dflash.train.features import CachedTarget, FeatureSource, LocalTarget, local_source, target_folder
 from dflash.train.heldout import best_key
 from dflash.train.loss import read_metrics
 from dflash.train.step import (
-    CachedTarget,
-    FeatureSource,
-    LocalTarget,
     average_metrics,
     build_optimizer,
     clip_and_step,
     grad_norm,
-    local_source,
     micro_step,
     pad_token_id,
     resolve_mask_token_id,
     set_lr,
-    target_folder,
 )
 
 __all__ = ["NonFiniteError", "RunError", "StopFlag", "Trainer", "run", "run_device", "warm_batches", "warm_cache",
@@ -191,9 +187,8 @@ class Trainer:
             return "off", "auto on CPU"
         free, _total = torch.cuda.mem_get_info(self.device)
         usable = free + torch.cuda.memory_reserved(self.device)  # what this process can hold
-        role = "drafter" if self.cfg.topology.target_gpus else "colocated"
         try:
-            mode, need = choose_recompute(self.cfg, role, torch.version.cuda or "12.8", usable)
+            mode, need = choose_recompute(self.cfg, self.cfg.topology.trainer_role, torch.version.cuda or "12.8", usable)
         except ValueError as e:  # a shape the memory model cannot read: keep every activation
             return recompute_mode(self.cfg), f"auto: memory model unavailable ({e})"
         return mode, f"auto: predicted peak {need / 2**30:.1f} GiB of {usable / 2**30:.1f} GiB usable on {self.device}"
@@ -544,7 +539,7 @@ class Trainer:
                    mem_gib=round(torch.cuda.max_memory_allocated(self.device) / 2**30, 2)
                    if self.device.type == "cuda" else None)
         if self.device.type == "cuda":
-            rec["nvml_used_gib"] = _nvml_used_gib(self.device, "drafter" if self.cfg.topology.target_gpus else "colocated")
+            rec["nvml_used_gib"] = _nvml_used_gib(self.device, self.cfg.topology.trainer_role)
         rec.update(self.source.rates(counters, dt, self.world))
         if self.group is not None and os.environ.get("DFLASH_CHECK_REPLICAS") == "1":
             rec["replica_max_diff"] = _replica_max_diff(self.drafter, self.group, self.world)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from dflash.config import ConfigError
+from dflash.config import ConfigError, GpuRole
 from dflash.errors import DflashError
 from dflash.memory.parts import choose_recompute, role_need_bytes
 from preflight.checks.common import MiB, config_arg, gib, listing, no_shape, on_cpu, result
@@ -15,21 +15,11 @@ from preflight.nvml import NO_DRIVER, Gpu, resolve_gpu, visible_gpus
 from preflight.report import CheckResult
 
 
-def assigned_gpus(ctx: Context) -> dict[str, list[str]]:
-    """GPU name in the run config -> its roles. Co-located runs use GPU "0" for both, co-located data-parallel runs
-    every GPU of topology.colocated_gpus for both; a torchrun rank its own."""
+def assigned_gpus(ctx: Context) -> dict[str, GpuRole]:
+    """GPU name in the run config -> its role (dflash.config.TopologyConfig.gpu_roles); a torchrun rank its own."""
     if ctx.own_gpus is not None:
         return ctx.own_gpus
-    topo = ctx.config.topology
-    if topo.colocated_gpus:
-        return {n: ["target", "drafter"] for n in topo.colocated_gpus}
-    if not topo.target_gpus and not topo.drafter_gpus:
-        return {"0": ["target", "drafter"]}
-    out: dict[str, list[str]] = {}
-    for role, names in (("target", topo.target_gpus), ("drafter", topo.drafter_gpus)):
-        for n in names:
-            out.setdefault(n, []).append(role)
-    return out
+    return ctx.config.topology.gpu_roles
 
 
 def _gpu_gate(ctx: Context, check_id: str) -> CheckResult | None:
@@ -41,13 +31,13 @@ def _gpu_gate(ctx: Context, check_id: str) -> CheckResult | None:
     return None
 
 
-def _resolved(ctx: Context) -> list[tuple[str, list[str], Gpu | None, str | None]]:
+def _resolved(ctx: Context) -> list[tuple[str, GpuRole, Gpu | None, str | None]]:
     snap = ctx.gpus.snapshot
     visible, _ = visible_gpus(snap.gpus, ctx.gpus.cuda_visible_devices)
     rows = []
-    for name, roles in assigned_gpus(ctx).items():
+    for name, role in assigned_gpus(ctx).items():
         gpu, why = resolve_gpu(name, visible, snap.gpus)
-        rows.append((name, roles, gpu, why))
+        rows.append((name, role, gpu, why))
     return rows
 
 
@@ -72,18 +62,16 @@ def check_gpu_visibility(ctx: Context) -> CheckResult:
     problems = []
     owners: dict[str, list[tuple[str, str]]] = {}
     rows = _resolved(ctx)
-    for name, roles, gpu, why in rows:
+    for name, role, gpu, why in rows:
         if gpu is None:
-            problems.append(f"{'/'.join(roles)} {why}")
+            problems.append(f"{role} {why}")
             continue
-        for role in roles:
-            owners.setdefault(gpu.uuid, []).append((name, role))
+        owners.setdefault(gpu.uuid, []).append((name, role))
     for uuid, names in owners.items():
-        roles = {r for _, r in names}
-        if len(names) > 1 and not (len(names) == 2 and roles == {"target", "drafter"} and names[0][0] == names[1][0]):
+        if len(names) > 1:
             listed = ", ".join(f"{n} ({r})" for n, r in names)
             problems.append(f"{listed} are the same GPU {uuid}")
-    data["assigned"] = [{"name": n, "roles": r, "uuid": g.uuid if g else None, "problem": w} for n, r, g, w in rows]
+    data["assigned"] = [{"name": n, "role": r, "uuid": g.uuid if g else None, "problem": w} for n, r, g, w in rows]
     if note:
         data["note"] = note
     if problems:
@@ -97,38 +85,36 @@ def check_gpu_visibility(ctx: Context) -> CheckResult:
 MEMORY_MODEL = "memory model"  # the label gpu-memory's summary and data carry
 
 
-def _need(ctx: Context, roles: list[str], free: int | None = None) -> tuple[int, str]:
-    """Bytes one GPU with these roles needs (both roles: the co-located GPU), from the gathered target shape.
+def _need(ctx: Context, role: GpuRole, free: int | None = None) -> tuple[int, str]:
+    """Bytes one GPU of this role needs, from the gathered target shape.
 
     train.recompute = auto is judged as the trainer will resolve it: the fastest mode that fits `free`.
     """
     if ctx.target_shape is None:
         raise ConfigError(no_shape(ctx))
     cuda = ctx.profile.cuda if ctx.profile else DEFAULT_CUDA
-    role = "colocated" if len(roles) == 2 else roles[0]
     if ctx.config.train.recompute == "auto" and free is not None and role != "target":
         mode, need = choose_recompute(ctx.config, role, cuda, free, shape=ctx.target_shape)
         return need, f"{MEMORY_MODEL}, recompute auto -> {mode}"
     return role_need_bytes(ctx.config, role, cuda, shape=ctx.target_shape), MEMORY_MODEL
 
 
-def check_gpu_memory(ctx: Context, need_fn: Callable[[Context, list[str]], tuple[int, str]] | None = None) -> CheckResult:
+def check_gpu_memory(ctx: Context, need_fn: Callable[[Context, GpuRole], tuple[int, str]] | None = None) -> CheckResult:
     gate = _gpu_gate(ctx, "gpu-memory")
     if gate:
         return gate
     rows, short, lines = [], [], []
     model = ""
-    for name, roles, gpu, _why in _resolved(ctx):
+    for name, role, gpu, _why in _resolved(ctx):
         if gpu is None:
             continue
         try:
-            need, model = need_fn(ctx, roles) if need_fn else _need(ctx, roles, gpu.memory_free)
+            need, model = need_fn(ctx, role) if need_fn else _need(ctx, role, gpu.memory_free)
         except DflashError as e:
             return result("gpu-memory", "fail", f"memory model failed: {e.one_line()}",
                           f"dflash-estimate --config {config_arg(ctx)}")
         head = gpu.memory_free - need
-        role = "+".join(roles)
-        rows.append({"name": name, "uuid": gpu.uuid, "roles": roles, "need_bytes": need,
+        rows.append({"name": name, "uuid": gpu.uuid, "role": role, "need_bytes": need,
                      "free_bytes": gpu.memory_free, "headroom_bytes": head})
         lines.append(f"{role} GPU {name} need {gib(need)} / free {gib(gpu.memory_free)} ({'+' if head >= 0 else ''}{gib(head)})")
         if head < 0:
@@ -152,7 +138,7 @@ def check_gpu_processes(ctx: Context) -> CheckResult:
     me = ctx.host.get("pid")
     found, pids = [], []
     checked = 0
-    for name, _roles, gpu, _why in _resolved(ctx):
+    for name, _role, gpu, _why in _resolved(ctx):
         if gpu is None:
             continue
         checked += 1
@@ -183,7 +169,7 @@ def drafter_gpus(ctx: Context) -> list[Gpu]:
     if snap is None:
         return []
     if ctx.config is not None:
-        found = [gpu for _name, roles, gpu, _why in _resolved(ctx) if gpu is not None and "drafter" in roles]
+        found = [gpu for _name, role, gpu, _why in _resolved(ctx) if gpu is not None and role != "target"]
         if found:
             return found
     visible, _ = visible_gpus(snap.gpus, ctx.gpus.cuda_visible_devices)

@@ -49,7 +49,7 @@ class Context:
     dataset: Dataset | None = None
     disk: Disk | None = None
     host: dict = field(default_factory=dict)
-    own_gpus: dict[str, list[str]] | None = None  # a torchrun rank checks only its GPU: {cuda index: [role]}
+    own_gpus: dict[str, str] | None = None  # a torchrun rank checks only its GPU: {cuda index: role}
 
     @cached_property
     def lock(self) -> LockFile | None:

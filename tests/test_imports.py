@@ -43,11 +43,22 @@ def modules() -> dict[str, Path]:
 
 
 def imported(name: str, path: Path) -> set[str]:
-    """Every module `name` imports anywhere in its file; `from a import b` counts as a.b when that is a module."""
+    """Every module `name` imports anywhere in its file; `from a import b` counts as a.b when that is a module.
+
+    A string that is exactly a project module's dotted name counts too (outside docstrings): a `python -m` target or an
+    importlib name reaches that module as surely as an import statement does.
+    """
     known = modules()
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     out: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    tree = ast.parse(path.read_text(), str(path))
+    docstrings = {id(node.body[0].value) for node in ast.walk(tree)
+                  if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+                  and node.body and isinstance(node.body[0], ast.Expr) and isinstance(node.body[0].value, ast.Constant)}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and "." in node.value \
+                and node.value in known and id(node) not in docstrings:
+            out.add(node.value)
         if isinstance(node, ast.Import):
             out.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
@@ -80,8 +91,11 @@ def graph() -> dict[str, set[str]]:
 
 def test_the_walk_sees_lazy_and_package_imports(tmp_path):
     src = tmp_path / "m.py"
-    src.write_text("def f():\n    from preflight import gate, profiles\n    import dflash.commands.train\n")
-    assert {"preflight.gate", "preflight.profiles", "dflash.commands.train"} <= imported("dflash.m", src)
+    src.write_text('"""dflash.data.plan"""\ndef f():\n    from preflight import gate, profiles\n    import dflash.commands.train\n'
+                   '    return ["python", "-m", "dflash.commands.torchrun"]\n')
+    found = imported("dflash.m", src)
+    assert {"preflight.gate", "preflight.profiles", "dflash.commands.train", "dflash.commands.torchrun"} <= found
+    assert "dflash.data.plan" not in found  # a docstring names, it does not import
 
 
 def test_only_the_command_modules_import_preflight():

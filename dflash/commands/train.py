@@ -144,10 +144,11 @@ def train_command(config_path, demo, resume, fresh, sets, max_steps, output_dir,
         rundir.make_room(cfg, resume_from, fresh, log=click.echo)
         rundir.clear_stopped(cfg.output_dir)
         if cfg.topology.layout != "colocated":  # split or co-located data parallel: one process per GPU
+            from dflash.commands import torchrun as rank_entry
             from dflash.train.launch import launch
 
             with rundir.io_errors_in_one_line(cfg.output_dir):
-                code = launch(cfg, resume_from, gate.report.run["gate_id"], lock=lock)
+                code = launch(cfg, resume_from, gate.report.run["gate_id"], rank_entry.__name__, lock=lock)
         else:
             from dflash.train.trainer import run
             from preflight.gate import provenance

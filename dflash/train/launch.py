@@ -4,7 +4,7 @@
     dflash-train --config RUN.toml --colocated-gpus 0,1,2,3,4,5,6,7    # co-located data parallel, the same launcher
     torchrun --nproc-per-node 8 -m dflash.commands.torchrun --config RUN.toml --fresh   # torchrun (also multi-node)
 
-`dflash-train` spawns every rank (`dflash.commands.torchrun`, whose work is dflash.train.ranks.worker) after its gate
+`dflash-train` spawns every rank (the module it names, `dflash.commands.torchrun`, whose work is dflash.train.ranks.worker) after its gate
 passed; the ranks find the gate's fresh `preflight.json` of this run. The launcher watches every process: if one
 dies, the others are stopped and the dead rank, its GPU and its role are named.
 """
@@ -55,8 +55,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(cfg: RunConfig, resume_from: Path | None, gate_id: str, log=print, lock=None) -> int:
+def launch(cfg: RunConfig, resume_from: Path | None, gate_id: str, entry: str, log=print, lock=None) -> int:
     """Spawn one process per GPU and watch them (dflash-train, after its gate passed with `gate_id`).
+
+    `entry`: the module every rank runs with `python -m` (the torchrun command, which the command layer names: the
+    library never names a command).
 
     `lock`: the run dir's lock this launcher holds (dflash.runs.rundir.lock_run_dir); every rank inherits it, so the
     run dir stays locked while any of them lives, even if the launcher is killed."""
@@ -75,7 +78,7 @@ def launch(cfg: RunConfig, resume_from: Path | None, gate_id: str, log=print, lo
     # Until _watch takes over, a signal is only recorded and any failure (ranks.json on a full disk) stops the
     # ranks: a launcher leaving here must never leave ranks running unwatched (they share its run-dir lock).
     try:
-        _spawn(cfg, roles, gpus, port, cfg_path, resume_from, procs, gate_id, lock)
+        _spawn(cfg, roles, gpus, port, cfg_path, resume_from, procs, gate_id, lock, entry)
         (out / rundir.RANKS_NAME).write_text(json.dumps(
             [{"rank": r.rank, "role": r.role, "gpu": r.gpu, "pid": p.pid} for r, p in zip(roles, procs)]))
         backend = "nccl" if cfg.device == "cuda" else "gloo"
@@ -98,7 +101,7 @@ def launch(cfg: RunConfig, resume_from: Path | None, gate_id: str, log=print, lo
             signal.signal(s, h)
 
 
-def _spawn(cfg, roles, gpus, port, cfg_path, resume_from, procs, gate_id, lock) -> None:
+def _spawn(cfg, roles, gpus, port, cfg_path, resume_from, procs, gate_id, lock, entry) -> None:
     for role, gpu in zip(roles, gpus):
         env = dict(os.environ, RANK=str(role.rank), WORLD_SIZE=str(role.world), LOCAL_RANK=str(role.rank),
                    LOCAL_WORLD_SIZE=str(role.world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -107,7 +110,7 @@ def _spawn(cfg, roles, gpus, port, cfg_path, resume_from, procs, gate_id, lock) 
             env["CUDA_VISIBLE_DEVICES"] = gpu
         elif "OMP_NUM_THREADS" not in os.environ:  # CPU ranks share this machine's cores; a user's setting wins
             env["OMP_NUM_THREADS"] = str(cpu_threads_per_rank(len(roles)))
-        cmd = [sys.executable, "-m", "dflash.commands.torchrun", "--config-json", str(cfg_path)]
+        cmd = [sys.executable, "-m", entry, "--config-json", str(cfg_path)]
         if resume_from is not None:
             cmd += ["--resume", str(resume_from)]
         # own session: a terminal's Ctrl-C reaches only the launcher, which stops the drafters cleanly

@@ -29,12 +29,10 @@ def feature_layer_ids(cfg: RunConfig, num_target_layers: int) -> list[int]:
 
 
 def target_folder(path: str, log=print) -> str:
-    """The target's HF folder: `smollm2` names the embedded default (converted once, then cached)."""
-    if path == "smollm2":
-        from dflash.models.smollm2_convert import resolve_target
+    """The target's HF folder (the embedded default converted once, then cached; smollm2_convert.resolve_target)."""
+    from dflash.models.smollm2_convert import resolve_target
 
-        return str(resolve_target(path, log=log))
-    return path
+    return str(resolve_target(path, log=log))
 
 
 class FeatureSource(Protocol):

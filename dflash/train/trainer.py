@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import functools
 import json
 import math
 import os
@@ -40,7 +39,7 @@ from dflash.runs import checkpoint as ckpt
 from dflash.runs import rundir
 from dflash.runs.records import Outcome, process_age_s
 from dflash.train import compiled
-from dflash.train.features import CachedTarget, FeatureSource, LocalTarget, local_source, target_folder
+from dflash.train.features import FeatureSource, LocalTarget, local_source, target_folder
 from dflash.train.heldout import best_key
 from dflash.train.loss import read_metrics
 from dflash.train.step import (
@@ -53,9 +52,9 @@ from dflash.train.step import (
     resolve_mask_token_id,
     set_lr,
 )
+from dflash.train.warmup import prime
 
-__all__ = ["NonFiniteError", "RunError", "StopFlag", "Trainer", "run", "run_device", "warm_batches", "warm_cache",
-           "warm_steps"]
+__all__ = ["NonFiniteError", "RunError", "StopFlag", "Trainer", "run", "run_device"]
 
 DUPLICATE_SIGNAL_S = 2.0  # the same signal again within this many seconds is the same stop
 DIVERGED_FIX = ("nothing was saved from it, earlier checkpoints are intact; lower train.lr or check the data, then "
@@ -373,8 +372,7 @@ class Trainer:
         try:
             window = {"t0": time.perf_counter(), "tokens": 0}
             if self.primes():  # every shape class traced now: no graph is built after the first step
-                warm_steps(self, lambda line: self.log(line.replace("warm-cache:", "compile:", 1)))
-                self.startup["prime_s"] = round(time.perf_counter() - window["t0"], 1)
+                prime(self)
             pending = self._next(stream) if self.step < self.total_steps else None
             first_step = self.step + 1
             first_window = True
@@ -690,90 +688,3 @@ def run(cfg: RunConfig, resume_from: Path | None, log=print, progress: bool | No
         out.mkdir(parents=True, exist_ok=True)
         (out / rundir.CONFIG_NAME).write_text(dump_config(cfg))
         return Trainer.colocated(cfg, resume_from, log, provenance).run(progress)
-
-
-def warm_batches(sampler) -> list[tuple[str, list[int]]]:
-    """The batches `--warm-cache` runs, [(shape class, indices)]: each class of batch the plan makes, at both ends.
-
-    Every compiled piece (the target's layers by layer type, the drafter's projections and MLP, flex attention per
-    mask kind) reads the sizes that change from batch to batch (rows, length, anchors, tiles) as dynamic sizes or
-    tensors, so a graph serves a whole class, not one shape. What still splits a class: dynamo specialises a size
-    of 1 (a one-row batch: the last partial batch of a bucket, or a sample as long as the budget), and a size on
-    one side of a fixed one may be guarded (a batch with fewer context rows than the hidden width). So for batches
-    of two rows or more and for one-row batches, the batch with the most and the one with the fewest padded tokens
-    of epoch 0 (every epoch has the same batch sizes), and the one with the most rows."""
-    lengths = sampler.lengths
-    batches = sampler.epoch_batches(0)
-
-    def tokens(b):
-        return len(b) * int(lengths[b].max())
-
-    picked: list[tuple[str, list[int]]] = []
-    for name, group in (("rows >= 2", [b for b in batches if len(b) > 1]), ("one row", [b for b in batches
-                                                                                       if len(b) == 1])):
-        seen = set()
-        for b in (max(group, key=tokens), min(group, key=tokens), max(group, key=len)) if group else ():
-            shape = (len(b), int(lengths[b].max()))
-            if shape not in seen:
-                seen.add(shape)
-                picked.append((name, list(b)))
-    return picked
-
-
-def warm_steps(trainer: Trainer, log=print) -> list[tuple[int, int]]:
-    """Run each of warm_batches through the target and the drafter, forward and backward (and through the held-out
-    evaluation's no-gradient math when the run evaluates), gradients dropped, no update: dynamo traces a graph for
-    every shape class of the run in this process. Its graphs live in the process (the kernels inductor compiles are
-    cached on disk, which makes another process's trace quick), so `--warm-cache` runs this and every compiled run
-    runs it again before its first step. Returns the (rows, length) shapes run."""
-    pad = pad_token_id(trainer.source.target_config)
-    features = trainer.source.features
-    if isinstance(trainer.source, CachedTarget):
-        features = functools.partial(LocalTarget.features, trainer.source)  # never into the feature cache
-    shapes, classes = [], []
-    t0 = time.perf_counter()
-    for k, (name, indices) in enumerate(warm_batches(trainer.sampler)):
-        batch = collate(trainer.dataset, indices, pad)
-        batch["sample_ids"] = torch.tensor(indices)
-        batch = to_device(batch, trainer.device)
-        context = features(k, batch)
-        loss, _ = micro_step(trainer.drafter, trainer.embed_w, trainer.head_w, batch, context, trainer.cfg,
-                             trainer.device, trainer.attn_backend, k)
-        # the bare drafter, never through DDP's forward: its gradient hooks reduce nothing (no_sync says so twice)
-        with trainer.model.no_sync() if trainer.model is not trainer.drafter else contextlib.nullcontext():
-            loss.backward()
-        trainer.optimizer.zero_grad(set_to_none=trainer.model is trainer.drafter)
-        if trainer.heldout is not None:
-            with torch.no_grad():
-                micro_step(trainer.drafter, trainer.embed_w, trainer.head_w, batch, context, trainer.cfg,
-                           trainer.device, trainer.attn_backend, k)
-        shapes.append(tuple(batch["input_ids"].shape))
-        classes += [name] if name not in classes else []
-    log(f"warm-cache: {len(classes)} shape class(es) ({', '.join(classes)}) in {len(shapes)} batches of "
-        f"{', '.join(f'{b} x {s}' for b, s in shapes)} tokens through the target and the drafter"
-        f"{' (and the held-out math)' if trainer.heldout is not None else ''}; {compiled_graphs()} compiled "
-        f"graph(s) in {time.perf_counter() - t0:.1f} s")
-    return shapes
-
-
-def warm_cache(cfg: RunConfig, cache: Path, log=print) -> int:
-    """Compile the target's and the drafter's graphs for every shape class of the run once (warm_steps), then write
-    the cache manifest preflight reads in `cache` (the profile's compile-cache dir, which dflash-train --warm-cache
-    asks preflight for)."""
-    from dflash.runs.compile_manifest import write_manifest
-
-    if cfg.device != "cuda" or not torch.cuda.is_available():
-        log("warm-cache: nothing to compile on CPU (the target's layers and flex attention are compiled on CUDA only)")
-        return 0
-    trainer = Trainer.colocated(cfg, None, log)
-    t0 = time.perf_counter()
-    warm_steps(trainer, log)
-    torch.cuda.synchronize()
-    import triton
-
-    props = torch.cuda.get_device_properties(0)
-    write_manifest(cache, {"torch": torch.__version__, "triton": triton.__version__, "gpu_name": props.name,
-                           "compute_capability": f"{props.major}.{props.minor}", "drafter_hash": cfg.drafter_hash(),
-                           "target_hash": cfg.target_hash()})
-    log(f"warm-cache: compiled in {time.perf_counter() - t0:.1f} s; manifest written to {cache}")
-    return 0

@@ -35,7 +35,8 @@ class Recorder:
     """Opened by Trainer.run before its first step, closed in its `finally`."""
 
     def __init__(self, trainer, progress: bool | None):
-        """`trainer`: its cfg, out, step, total_steps, log, is_logger, source and writer are read (not kept apart)."""
+        """`trainer`: the Trainer whose run this records; its cfg, out, step, total_steps, log, is_logger, source
+        (the step line's rates) and writer (the background saves' timings) are read."""
         self.trainer, self.log, self.is_logger = trainer, trainer.log, trainer.is_logger
         cfg, out = trainer.cfg, trainer.out
         self.trackers = Trackers(cfg.report_to if self.is_logger else [], out, cfg.model_dump(), self.log)

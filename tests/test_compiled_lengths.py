@@ -62,7 +62,8 @@ def test_on_cuda_a_length_mix_builds_no_graph_after_the_first_step(tmp_path):
 def _no_graph_after_the_first_step(tmp_path, device: str):
     from torch._dynamo.utils import counters
 
-    from dflash.train.trainer import Trainer, warm_steps
+    from dflash.train.trainer import Trainer
+    from dflash.train.warmup import warm_steps
 
     cfg, raw = _lognormal_run(tmp_path, max_steps=40, save_every=1000)
     if device != cfg.device:

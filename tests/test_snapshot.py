@@ -325,7 +325,7 @@ def test_a_damaged_snapshot_in_the_run_dir_still_moves_aside(tmp_path, old):
 
 def test_process_age_counts_from_this_process_start():
     from dflash.runs.records import process_age_s
-    from dflash.train.trainer import startup_line
+    from dflash.train.recorder import startup_line
 
     age = process_age_s()
     assert age is not None and 0 < age < 24 * 3600  # this test process started before the suite, on Linux

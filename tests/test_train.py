@@ -251,7 +251,7 @@ def _tight_config(tmp_path, token_budget: int, **train):
 
 def _warm_picks(sampler) -> tuple[list[tuple[str, int, int]], list[list[int]]]:
     """([(class, rows, length)] of the batches warm_batches picks, every batch of epoch 0)."""
-    from dflash.train.trainer import warm_batches
+    from dflash.train.warmup import warm_batches
 
     batches = sampler.epoch_batches(0)
     picked = warm_batches(sampler)
@@ -285,7 +285,7 @@ def test_warm_batches_take_both_ends_of_each_shape_class(tmp_path):
 def test_warm_steps_run_the_target_on_every_shape_class(tmp_path, monkeypatch):
     """--warm-cache's steps (CUDA-only around them; the steps run here on CPU): the target computes features for
     each warm batch, a single-row one included, and one line says the classes, the batches and the graphs."""
-    from dflash.train.trainer import warm_steps
+    from dflash.train.warmup import warm_steps
 
     cfg, _ = _tight_config(tmp_path, 100)
     trainer = Trainer.colocated(cfg, None, log=lambda *_: None)

@@ -115,10 +115,11 @@ def train_command(config_path, demo, resume, fresh, sets, max_steps, output_dir,
             raise NoGpuError(f"--warm-cache: {config_path} says device = \"cuda\" but torch sees no GPU (torch "
                              f"{torch.__version__}, CUDA {torch.version.cuda or 'none'}); run it on the training "
                              "machine, where the cache is used")
-        from dflash.train.trainer import warm_cache as do_warm
+        from dflash.train.trainer import Trainer
+        from dflash.train.warmup import warm_cache as do_warm
         from preflight.profiles import compile_cache_dir
 
-        sys.exit(do_warm(cfg, compile_cache_dir(cfg.profile)))
+        sys.exit(do_warm(cfg, compile_cache_dir(cfg.profile), Trainer.colocated))
     from dflash.runs import rundir
 
     intent = "resume" if resume else "fresh" if fresh else None

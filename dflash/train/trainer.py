@@ -4,8 +4,10 @@
     Trainer(cfg, RemoteTargets)    a split drafter rank: features arrive from target ranks (dflash.train.ranks)
     Trainer.colocated(cfg, group=) a co-located data-parallel rank: its own target, DDP over the drafter
 
-Reads as a plain loop: build -> (resume) -> step -> log -> checkpoint -> finish. What a step
-computes lives in dflash.train.step; where its features come from is the feature source; with a
+Reads as a plain loop: build -> (resume) -> step -> evaluate -> save -> record -> finish. What a step
+computes lives in dflash.train.step; what a run records while it trains (metrics.jsonl, outcome.json, trackers,
+the step lines, the tok/s window) in dflash.train.recorder; the warm-up of a compiled run (and --warm-cache) in
+dflash.train.warmup; where its features come from is the feature source; with a
 drafter process group the drafter is data-parallel and rank 0 of that group logs and saves.
 Every rank walks the same deterministic batch sequence: a step takes the next
 grad_accum x world global batches, and this rank trains those at positions j % world == rank.
@@ -17,8 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import functools
-import json
 import math
 import os
 import signal
@@ -38,11 +38,11 @@ from dflash.models.drafter import DFlashDrafter, drafter_config_for_run, start_c
 from dflash.models.fp8 import fp8_problem
 from dflash.runs import checkpoint as ckpt
 from dflash.runs import rundir
-from dflash.runs.records import Outcome, process_age_s
 from dflash.train import compiled
-from dflash.train.features import CachedTarget, FeatureSource, LocalTarget, local_source, target_folder
+from dflash.train.features import FeatureSource, LocalTarget, local_source, target_folder
 from dflash.train.heldout import best_key
 from dflash.train.loss import read_metrics
+from dflash.train.recorder import Recorder
 from dflash.train.step import (
     average_metrics,
     build_optimizer,
@@ -53,9 +53,9 @@ from dflash.train.step import (
     resolve_mask_token_id,
     set_lr,
 )
+from dflash.train.warmup import prime
 
-__all__ = ["NonFiniteError", "RunError", "StopFlag", "Trainer", "run", "run_device", "warm_batches", "warm_cache",
-           "warm_steps"]
+__all__ = ["NonFiniteError", "RunError", "StopFlag", "Trainer", "run", "run_device"]
 
 DUPLICATE_SIGNAL_S = 2.0  # the same signal again within this many seconds is the same stop
 DIVERGED_FIX = ("nothing was saved from it, earlier checkpoints are intact; lower train.lr or check the data, then "
@@ -101,14 +101,6 @@ def run_device(cfg: RunConfig) -> torch.device:
     if cfg.device == "cuda":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
-
-
-def startup_line(startup: dict) -> str:
-    """'startup: 52.1 s from launch: target 18.0 s, drafter, data and optimizer 2.3 s, first step 24.7 s'."""
-    names = {"target_s": "target", "setup_s": "drafter, data and optimizer", "first_step_s": "first step"}
-    parts = ", ".join(f"{label} {startup[k]:.1f} s" for k, label in names.items() if startup.get(k) is not None)
-    launch = startup.get("launch_to_first_step_s")
-    return f"startup: {f'{launch:.1f} s from launch: ' if launch is not None else ''}{parts}"
 
 
 class Trainer:
@@ -348,69 +340,44 @@ class Trainer:
 
     # ---- the loop
 
+    def _begin(self) -> None:
+        """The logger's start of a run: the plan's lines, the running marker and the held-out sample ids."""
+        self.print_plan()
+        rundir.write_running(self.out, step=self.step, total_steps=self.total_steps)
+        if self.heldout is not None:
+            from dflash.train.heldout import write_ids
+
+            write_ids(self.out, self.cfg, self.heldout.dataset)
+
     def run(self, progress: bool | None = None) -> int:
-        """Train to the end (or to a signal). Returns the exit code."""
+        """Train to the end (or to a signal): step, evaluate, save, record. Returns the exit code."""
         if self.is_logger:
-            self.print_plan()
-            rundir.write_running(self.out, step=self.step, total_steps=self.total_steps)
-            if self.heldout is not None:
-                from dflash.train.heldout import write_ids
-
-                write_ids(self.out, self.cfg, self.heldout.dataset)
-        from dflash.train.trackers import Trackers
-
-        trackers = Trackers(self.cfg.report_to if self.is_logger else [], self.out, self.cfg.model_dump(), self.log)
+            self._begin()
+        self.graphs, self.recompiles = None, 0  # compiled graphs after the first step; graphs built after it
+        self.recorder = Recorder(self, progress)  # metrics.jsonl, outcome.json, trackers, the bar, the tok/s window
         stop = StopFlag()
         stop.install()
-        bar = self._bar(progress)
-        last_save = self.step
-        metrics_file = (self.out / rundir.METRICS_NAME).open("a") if self.is_logger else None
-        self.outcome = Outcome(self.out, self.step) if self.is_logger else None  # outcome.json, for dflash-diff
         stream = self.step_batches()
-        held = None
-        self.graphs, self.recompiles = None, 0  # compiled graphs after the first step; graphs built after it
-        self.steady_rows = []  # this process's metrics rows past the first window (which compiles): the summary's
+        held, last_save, stopping = None, self.step, False
         try:
-            window = {"t0": time.perf_counter(), "tokens": 0}
             if self.primes():  # every shape class traced now: no graph is built after the first step
-                warm_steps(self, lambda line: self.log(line.replace("warm-cache:", "compile:", 1)))
-                self.startup["prime_s"] = round(time.perf_counter() - window["t0"], 1)
+                prime(self)
             pending = self._next(stream) if self.step < self.total_steps else None
             first_step = self.step + 1
-            first_window = True
-            stopping = False
             while pending is not None:
                 epoch, position, mine = pending
                 m = self.train_step(mine)
                 self.sampler.load_state_dict(position)
                 if self.step == first_step:
-                    self.first_step_s = time.perf_counter() - window["t0"]
-                    self.log(f"first step: {self.first_step_s:.1f} s (compilation included); "
-                             f"{compiled_graphs()} compiled graph(s)")
-                    self.startup.update(first_step_s=round(self.first_step_s, 1), launch_to_first_step_s=process_age_s())
-                    self.log(startup_line(self.startup))
-                    if self.outcome:
-                        self.outcome.first_step(self.first_step_s, compiled_graphs(),
-                                                {k: v for k, v in self.startup.items() if v is not None})
+                    self.recorder.first_step(self.startup, compiled_graphs())
                     if self.is_logger:  # the optimizer has its state now: pin the saves' host buffers meanwhile
                         self.writer.reserve(self.drafter, self.optimizer)
                 self._note_recompiles()
                 pending = self._next(stream) if self.step < self.total_steps else None  # post receives early
-                window["tokens"] += sum(int(b["lengths"].sum()) for _, b in mine)
+                self.recorder.count(mine)
                 stopping = self._agree(stop.requested)
-                rec = None
-                if self.step % self.cfg.train.log_every == 0 or self.step == self.total_steps or stopping:
-                    rec = self._record(m, epoch, window)
-                held = self._evaluate() if self.heldout is not None and not stopping and \
-                    self.heldout.due(self.step, self.total_steps) else None
-                if held is not None:
-                    self._note_recompiles()
-                if held is not None:
-                    rec = dict(rec or {"step": self.step, "epoch": epoch}, **held)
-                # The tok/s window restarts where every rank wrote a row the same way (_record and held-out run on
-                # all ranks); a save's timings make a row on the logger alone and must not restart only its window.
-                restart = rec is not None
-                t_row = time.perf_counter()  # a save's stall counts in the next row's tok/s, as the steps' time does
+                rec, held = self._measure(m, epoch, stopping)
+                self.recorder.end_window(every_rank=rec is not None)
                 better = held is not None and (self.best is None or held[self.best_key] > self.best)
                 if self.step % self.cfg.train.save_every == 0 or stopping or better:
                     last_save, times = self._save_if_logger(held, better)
@@ -418,22 +385,7 @@ class Trainer:
                         rec = dict(rec or {"step": self.step, "epoch": epoch}, **times)
                     if better and self.is_logger:
                         self._set_best(held)
-                if rec is not None:
-                    for done in self.writer.written():  # a background write that finished since the last row
-                        rec.update(done)
-                    if self.is_logger:
-                        metrics_file.write(json.dumps(rec) + "\n")
-                        metrics_file.flush()
-                        self.outcome.row(rec)
-                        self._print(rec, bar)
-                        trackers.log(rec)
-                        if not first_window:
-                            self.steady_rows = [*self.steady_rows[-99:], rec]
-                if restart:
-                    window = {"t0": t_row, "tokens": 0}
-                    first_window = False
-                if bar:
-                    bar.update(1)
+                self.recorder.record(rec)
                 if stopping:
                     pending = None
                 self.writer.check()  # a background save that failed ends the run here, as a save on this thread would
@@ -442,29 +394,15 @@ class Trainer:
                 last_save, _ = self._save_if_logger(held if held is not None and held.get("step") == self.step else None)
             self.writer.wait()  # the last checkpoint is renamed before the run reports, exports or exits
         except BaseException as e:
-            # The run's record first (a save in flight can take long and another Ctrl-C can land while it is awaited);
-            # a full or failing disk fails these writes too: the error being raised is the one to tell, not theirs
-            with contextlib.suppress(OSError):
-                if self.outcome:
-                    how = "interrupted" if isinstance(e, KeyboardInterrupt) else "crashed"
-                    self.outcome.end(how, self.step, f"{type(e).__name__}: {' '.join(str(e).split())[:300]}")
-            with contextlib.suppress(OSError):
-                if self.is_logger:  # dflash-report tells a failed run from a killed one by this
-                    rundir.write_running(self.out, step=self.step, total_steps=self.total_steps,
-                                         error=" ".join(str(e).split())[:300] or type(e).__name__)
+            # the run's record first (a save in flight can take long and another Ctrl-C can land while it is awaited)
+            self.recorder.crashed(e, self.step)
             with contextlib.suppress(BaseException):  # let a save in flight finish (its error is not the one to tell)
                 self.writer.wait()
             raise
         finally:
-            with contextlib.suppress(OSError):
-                trackers.close()
+            self.recorder.close()
             stream.close()
             stop.restore()
-            if bar:
-                bar.close()
-            if metrics_file:
-                with contextlib.suppress(OSError):
-                    metrics_file.close()
         return self._finish(stop, stopping)
 
     def primes(self) -> bool:
@@ -483,8 +421,8 @@ class Trainer:
             self.recompiles += 1
             because = f"; {'; '.join(causes)}" if causes else ""
             self.log(f"recompiled after step {self.step}: {graphs} graphs (was {self.graphs}){because}")
-            if self.outcome:
-                self.outcome.recompiled(self.recompiles, [f"step {self.step}: {c}" for c in causes])
+            if self.recorder.outcome:
+                self.recorder.outcome.recompiled(self.recompiles, [f"step {self.step}: {c}" for c in causes])
         self.graphs = graphs
 
     def _next(self, stream):
@@ -525,8 +463,22 @@ class Trainer:
         self.log(f"best: {self.last_checkpoint.name} ({self.best_key} {self.best:.3f}"
                  + (f", was {previous:.3f})" if previous is not None else ")"))
 
-    def _record(self, m: dict, epoch: int, window: dict) -> dict:
+    def _measure(self, m: dict, epoch: int, stopping: bool) -> tuple[dict | None, dict | None]:
+        """(the step's row when a metrics row or a held-out evaluation is due, else None; its held-out numbers or
+        None), made on every rank the same way."""
+        rec = None
+        if self.step % self.cfg.train.log_every == 0 or self.step == self.total_steps or stopping:
+            rec = self._record(m, epoch)
+        held = self._evaluate() if self.heldout is not None and not stopping and \
+            self.heldout.due(self.step, self.total_steps) else None
+        if held is not None:
+            self._note_recompiles()
+            rec = dict(rec or {"step": self.step, "epoch": epoch}, **held)
+        return rec, held
+
+    def _record(self, m: dict, epoch: int) -> dict:
         """The metrics row of this step: loss and metrics averaged over ranks, tokens and timings summed."""
+        window = self.recorder.window
         if self.device.type == "cuda":
             torch.cuda.synchronize()
         dt = time.perf_counter() - window["t0"]
@@ -545,37 +497,6 @@ class Trainer:
             rec["replica_max_diff"] = _replica_max_diff(self.drafter, self.group, self.world)
         return rec
 
-    def _print(self, rec: dict, bar) -> None:
-        line = f"step {rec['step']}/{self.total_steps}"
-        if "loss" in rec:
-            line += (f" loss {rec['loss']:.4f} accept {rec.get('accept_len', 0):.3f} tok/s {rec['tok_per_s']:.0f} "
-                     f"lr {rec['lr']:.2e}")
-        if "heldout_loss" in rec:
-            line += f" | held-out loss {rec['heldout_loss']:.4f} accept {rec['heldout_accept_len']:.3f}"
-            if "heldout_real_accept_len" in rec:
-                line += (f" real {rec['heldout_real_accept_len']:.3f}"
-                         + ("" if rec["heldout_real_lossless"] else " NOT LOSSLESS"))
-            if "heldout_ddtree_accept_len" in rec:
-                line += f" ddtree@{rec['heldout_ddtree_budget']} {rec['heldout_ddtree_accept_len']:.3f}"
-        rates = self.source.rates_line(rec) if "tok_per_s" in rec else ""
-        if rates:
-            line += " " + rates
-        if bar:
-            bar.set_postfix_str(line.split(" ", 2)[2])
-        else:
-            self.log(line)
-
-    def _bar(self, progress: bool | None):
-        if not self.is_logger:
-            return None
-        if progress is None:
-            progress = sys.stderr.isatty()
-        if not progress:
-            return None
-        from tqdm import tqdm
-
-        return tqdm(total=self.total_steps, initial=self.step, unit="step", dynamic_ncols=True)
-
     def _finish(self, stop: StopFlag, stopping: bool) -> int:
         if not self.is_logger:
             return 0
@@ -584,16 +505,16 @@ class Trainer:
         path = latest[-1] if latest else None
         if stopping:  # the marker tells a scheduler this run is unfinished (dflash-train exits EXIT_STOPPED)
             rundir.write_stopped(self.out, stop.signame or "a peer signal", self.step, path)
-            self.outcome.end("stopped", self.step, f"by {stop.signame or 'a peer signal'}, checkpoint {path.name if path else None}")
+            self.recorder.outcome.end("stopped", self.step, f"by {stop.signame or 'a peer signal'}, checkpoint {path.name if path else None}")
             self.log(f"stopped by {stop.signame or 'a peer signal'} at step {self.step}; checkpoint {path}")
             self.log(f"resume with: dflash-train --config <this config> --resume latest  (output_dir {self.out})")
             return 0
         exported = self._export()
         rundir.clear_stopped(self.out)
-        self.outcome.end("finished", self.step)
+        self.recorder.outcome.end("finished", self.step)
         self.log(f"done: {self.step} steps; checkpoint {path}; drafter saved to {self.out / rundir.DRAFTER_DIR} ({exported}); "
                  f"{compiled_graphs()} compiled graph(s) in this process")
-        summary = self.source.summary(self.steady_rows)
+        summary = self.source.summary(self.recorder.steady_rows)
         if summary:
             self.log(summary)
         return 0
@@ -690,90 +611,3 @@ def run(cfg: RunConfig, resume_from: Path | None, log=print, progress: bool | No
         out.mkdir(parents=True, exist_ok=True)
         (out / rundir.CONFIG_NAME).write_text(dump_config(cfg))
         return Trainer.colocated(cfg, resume_from, log, provenance).run(progress)
-
-
-def warm_batches(sampler) -> list[tuple[str, list[int]]]:
-    """The batches `--warm-cache` runs, [(shape class, indices)]: each class of batch the plan makes, at both ends.
-
-    Every compiled piece (the target's layers by layer type, the drafter's projections and MLP, flex attention per
-    mask kind) reads the sizes that change from batch to batch (rows, length, anchors, tiles) as dynamic sizes or
-    tensors, so a graph serves a whole class, not one shape. What still splits a class: dynamo specialises a size
-    of 1 (a one-row batch: the last partial batch of a bucket, or a sample as long as the budget), and a size on
-    one side of a fixed one may be guarded (a batch with fewer context rows than the hidden width). So for batches
-    of two rows or more and for one-row batches, the batch with the most and the one with the fewest padded tokens
-    of epoch 0 (every epoch has the same batch sizes), and the one with the most rows."""
-    lengths = sampler.lengths
-    batches = sampler.epoch_batches(0)
-
-    def tokens(b):
-        return len(b) * int(lengths[b].max())
-
-    picked: list[tuple[str, list[int]]] = []
-    for name, group in (("rows >= 2", [b for b in batches if len(b) > 1]), ("one row", [b for b in batches
-                                                                                       if len(b) == 1])):
-        seen = set()
-        for b in (max(group, key=tokens), min(group, key=tokens), max(group, key=len)) if group else ():
-            shape = (len(b), int(lengths[b].max()))
-            if shape not in seen:
-                seen.add(shape)
-                picked.append((name, list(b)))
-    return picked
-
-
-def warm_steps(trainer: Trainer, log=print) -> list[tuple[int, int]]:
-    """Run each of warm_batches through the target and the drafter, forward and backward (and through the held-out
-    evaluation's no-gradient math when the run evaluates), gradients dropped, no update: dynamo traces a graph for
-    every shape class of the run in this process. Its graphs live in the process (the kernels inductor compiles are
-    cached on disk, which makes another process's trace quick), so `--warm-cache` runs this and every compiled run
-    runs it again before its first step. Returns the (rows, length) shapes run."""
-    pad = pad_token_id(trainer.source.target_config)
-    features = trainer.source.features
-    if isinstance(trainer.source, CachedTarget):
-        features = functools.partial(LocalTarget.features, trainer.source)  # never into the feature cache
-    shapes, classes = [], []
-    t0 = time.perf_counter()
-    for k, (name, indices) in enumerate(warm_batches(trainer.sampler)):
-        batch = collate(trainer.dataset, indices, pad)
-        batch["sample_ids"] = torch.tensor(indices)
-        batch = to_device(batch, trainer.device)
-        context = features(k, batch)
-        loss, _ = micro_step(trainer.drafter, trainer.embed_w, trainer.head_w, batch, context, trainer.cfg,
-                             trainer.device, trainer.attn_backend, k)
-        # the bare drafter, never through DDP's forward: its gradient hooks reduce nothing (no_sync says so twice)
-        with trainer.model.no_sync() if trainer.model is not trainer.drafter else contextlib.nullcontext():
-            loss.backward()
-        trainer.optimizer.zero_grad(set_to_none=trainer.model is trainer.drafter)
-        if trainer.heldout is not None:
-            with torch.no_grad():
-                micro_step(trainer.drafter, trainer.embed_w, trainer.head_w, batch, context, trainer.cfg,
-                           trainer.device, trainer.attn_backend, k)
-        shapes.append(tuple(batch["input_ids"].shape))
-        classes += [name] if name not in classes else []
-    log(f"warm-cache: {len(classes)} shape class(es) ({', '.join(classes)}) in {len(shapes)} batches of "
-        f"{', '.join(f'{b} x {s}' for b, s in shapes)} tokens through the target and the drafter"
-        f"{' (and the held-out math)' if trainer.heldout is not None else ''}; {compiled_graphs()} compiled "
-        f"graph(s) in {time.perf_counter() - t0:.1f} s")
-    return shapes
-
-
-def warm_cache(cfg: RunConfig, cache: Path, log=print) -> int:
-    """Compile the target's and the drafter's graphs for every shape class of the run once (warm_steps), then write
-    the cache manifest preflight reads in `cache` (the profile's compile-cache dir, which dflash-train --warm-cache
-    asks preflight for)."""
-    from dflash.runs.compile_manifest import write_manifest
-
-    if cfg.device != "cuda" or not torch.cuda.is_available():
-        log("warm-cache: nothing to compile on CPU (the target's layers and flex attention are compiled on CUDA only)")
-        return 0
-    trainer = Trainer.colocated(cfg, None, log)
-    t0 = time.perf_counter()
-    warm_steps(trainer, log)
-    torch.cuda.synchronize()
-    import triton
-
-    props = torch.cuda.get_device_properties(0)
-    write_manifest(cache, {"torch": torch.__version__, "triton": triton.__version__, "gpu_name": props.name,
-                           "compute_capability": f"{props.major}.{props.minor}", "drafter_hash": cfg.drafter_hash(),
-                           "target_hash": cfg.target_hash()})
-    log(f"warm-cache: compiled in {time.perf_counter() - t0:.1f} s; manifest written to {cache}")
-    return 0

@@ -620,7 +620,7 @@ def test_run_dir_with_checkpoints_needs_intent(tmp_path):
 
 
 def test_run_dir_resume_refuses_a_checkpoint_the_trainer_would_refuse(tmp_path):
-    from dflash.runs.rundir import LEGACY_REASON
+    from dflash.runs.verify import LEGACY_REASON
 
     ctx = _with_checkpoint(make_ctx(tmp_path))
     ctx.run_dir.checkpoints = ctx.run_dir.checkpoints[1:]

@@ -132,7 +132,7 @@ def restore_position(sampler, dataset, state: dict, meta: dict, log=print) -> in
 
 
 def schedule_change(meta: dict | None, state: dict | None, cfg: RunConfig) -> str | None:
-    """How resuming a checkpoint (its meta.json and trainer state, dflash.runs.rundir.resume_record) under `cfg`
+    """How resuming a checkpoint (its meta.json and trainer state, dflash.runs.resume.resume_record) under `cfg`
     changes the lr schedule, or None when it does not.
 
     The cosine schedule is fixed by the peak lr, the warmup share and the run's total optimizer steps,

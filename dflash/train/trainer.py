@@ -39,6 +39,7 @@ from dflash.models.fp8 import fp8_problem
 from dflash.runs import checkpoint as ckpt
 from dflash.runs import rundir
 from dflash.runs.records import Outcome, process_age_s
+from dflash.runs.verify import checkpoint_problem, meta_or_problem
 from dflash.train import compiled
 from dflash.train.features import CachedTarget, FeatureSource, LocalTarget, local_source, target_folder
 from dflash.train.heldout import best_key
@@ -613,7 +614,7 @@ class Trainer:
         meta.json), else None and one line saying why the last step is exported instead."""
         best, problem = rundir.best_or_problem(self.out)
         if best is not None:
-            problem = rundir.checkpoint_problem(best, deep=True)
+            problem = checkpoint_problem(best, deep=True)
             problem = problem and f"{best}: {problem}"
         if problem:
             self.log(f"export: not using checkpoints/best: {problem}; exporting the last step ({self.step}) instead")
@@ -626,7 +627,7 @@ def _best_value(out: Path, key: str) -> float | None:
     best = rundir.best_checkpoint(out)
     if best is None:
         return None
-    meta, _ = rundir.meta_or_problem(best)
+    meta, _ = meta_or_problem(best)
     value = ((meta or {}).get("heldout") or {}).get(key)
     return float(value) if isinstance(value, (int, float)) else None
 

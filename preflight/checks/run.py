@@ -125,7 +125,7 @@ def check_run_dir(ctx: Context) -> CheckResult:
     if intent == "fresh":
         return result("run-dir", "pass", f"--fresh: {len(rd.checkpoints)} existing checkpoint(s) (newest {name}, "
                       f"step {newest.step}) will be moved aside, not resumed", **data)
-    # --resume latest takes the newest checkpoint that verifies (dflash.runs.rundir.resolve_resume)
+    # --resume latest takes the newest checkpoint that verifies (dflash.runs.resume.resolve_resume)
     usable = [c for c in rd.checkpoints if c.meta is not None and not c.error]
     chosen = usable[-1] if usable else None
     skipped = [c for c in rd.checkpoints if chosen is None or c.step > chosen.step]

@@ -13,6 +13,8 @@ from dflash.memory.shape import TargetShape, load_target_shape
 from dflash.models import smollm2
 from dflash.models.custom_code import folder_problem
 from dflash.runs import rundir
+from dflash.runs.resume import resume_schedule_change
+from dflash.runs.verify import checkpoint_problem, meta_or_problem
 
 
 @dataclass
@@ -20,7 +22,7 @@ class Checkpoint:
     step: int
     path: str
     meta: dict | None = None
-    error: str | None = None  # why a resume would refuse it (dflash.runs.rundir.checkpoint_problem)
+    error: str | None = None  # why a resume would refuse it (dflash.runs.verify.checkpoint_problem)
     size_bytes: int = 0
 
 
@@ -78,21 +80,21 @@ def run_dir(output_dir: str, deep: bool = False, config: RunConfig | None = None
     rd = RunDir(str(path), path.is_dir(), problem is None, problem, deep=deep)
     for d in rundir.list_checkpoints(path):
         ck = Checkpoint(rundir.checkpoint_step(d), str(d))
-        ck.meta, ck.error = rundir.meta_or_problem(d)
+        ck.meta, ck.error = meta_or_problem(d)
         if ck.error is None:
-            ck.error = rundir.checkpoint_problem(d, meta=ck.meta)
+            ck.error = checkpoint_problem(d, meta=ck.meta)
         rd.checkpoints.append(ck)
     if deep:
         for ck in reversed(rd.checkpoints):
             if ck.error is None:
-                ck.error = rundir.checkpoint_problem(ck.path, deep=True, meta=ck.meta)
+                ck.error = checkpoint_problem(ck.path, deep=True, meta=ck.meta)
                 if ck.error is None:
                     break
     if rd.checkpoints:
         rd.checkpoints[-1].size_bytes = dir_size(Path(rd.checkpoints[-1].path))
     usable = [c for c in rd.checkpoints if c.meta is not None and not c.error]
     if config is not None and usable:
-        rd.schedule_change = rundir.resume_schedule_change(usable[-1].path, config)
+        rd.schedule_change = resume_schedule_change(usable[-1].path, config)
     return rd
 
 

@@ -11,6 +11,7 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from dflash.config import default_target_layer_ids
 from dflash.runs.metrics import trim_metrics
 from dflash.runs.rundir import (
     ABANDONED_STEM,
@@ -153,3 +154,114 @@ def make_room(cfg: RunConfig, resume_from: Path | None, fresh: bool, log=print) 
             for p in leftovers:
                 p.rename(aside / p.name)
             log(f"--fresh: previous {', '.join(p.name for p in leftovers)} moved to {aside} (nothing deleted)")
+
+
+# ---------------------------------------------------------------- what a resume may change, and the data position
+#
+# The one resume rule: preflight's run-dir check prints its verdict, the trainer applies the same one.
+# - the settings that fix the drafter's weights or what they read (MODEL_FIELDS, and drafter.target_layer_ids
+#   as resolved over the target's layers) may not change: `incompatible` says so in one line, preflight fails
+#   with it and the trainer raises it before it loads the checkpoint's weights;
+# - the lr schedule may change only with --allow-schedule-change (`resume_schedule_change`);
+# - the data position (`data_restart`): the dataset fingerprint is the truth. The same shards moved to another
+#   folder keep the sampler's position; other data (other shards, another holdout) restarts the checkpoint's
+#   epoch from its first batch, said in one line, never refused;
+# - every other setting may change.
+
+MODEL_FIELDS = (("drafter", "block_size"), ("drafter", "num_layers"), ("target", "path"))
+
+
+def _default_layer_ids(target_layers: int | None, n: int) -> list[int] | None:
+    """The target layers an empty drafter.target_layer_ids resolves to, or None when unknown (or when they cannot
+    be spread over the target: preflight's config check says so)."""
+    if target_layers is None:
+        return None
+    try:
+        return default_target_layer_ids(target_layers, n)
+    except ValueError:
+        return None
+
+
+def model_changes(saved: dict, cfg: RunConfig, target_layers: int | None) -> list[str]:
+    """The settings of MODEL_FIELDS and drafter.target_layer_ids that differ between a checkpoint's config (`saved`,
+    its meta.json "config") and `cfg`, e.g. ["drafter.block_size 4 -> 8"]. Layer ids compare as resolved over the
+    target's `target_layers` layers ([] and the same ids spelled out agree); unknown layers: only lists that differ
+    on both sides' resolution are named."""
+    now = cfg.model_dump()
+    out = []
+    for section, key in MODEL_FIELDS:
+        old = (saved.get(section) or {}).get(key)
+        if old != now[section][key]:
+            out.append(f"{section}.{key} {old!r} -> {now[section][key]!r}")
+    old_ids = (saved.get("drafter") or {}).get("target_layer_ids")
+    new_ids = cfg.drafter.target_layer_ids
+    if old_ids != new_ids:
+        n = cfg.drafter.num_layers
+        resolved_old = old_ids or _default_layer_ids(target_layers, n)
+        resolved_new = new_ids or _default_layer_ids(target_layers, n)
+        if resolved_old is not None and resolved_new is not None and resolved_old != resolved_new:
+            out.append(f"drafter.target_layer_ids {old_ids!r} -> {new_ids!r}")
+    return out
+
+
+def incompatible(path: str | Path, meta: dict, cfg: RunConfig, target_layers: int | None) -> str | None:
+    """Why checkpoint `path` (its meta.json `meta`) cannot be resumed under `cfg` (`model_changes`), in one line, or
+    None: "--resume: step_00000004 (step 4) is incompatible with this config: drafter.block_size 4 -> 8"."""
+    bad = model_changes(meta.get("config") or {}, cfg, target_layers)
+    if not bad:
+        return None
+    step = meta.get("step") if meta.get("step") is not None else checkpoint_step(path)
+    return f"--resume: {Path(path).name} (step {step}) is incompatible with this config: {', '.join(bad)}"
+
+
+def incompatible_fix(where: str) -> str:
+    """What to do about `incompatible`'s refusal; `where`: the run config's file."""
+    return f"use --fresh, or restore those settings in {where}"
+
+
+def data_restart(saved: dict | None, dataset) -> str | None:
+    """Why the sampler's position inside the checkpoint's epoch means nothing under `dataset` (the samples the run
+    trains on: dflash.data.plan.training_dataset), in one line, or None when the position is kept.
+
+    `saved`: the checkpoint's meta.json "dataset" ({path, samples, fingerprint}). Only the fingerprint decides;
+    the path is named beside a change, never one on its own.
+    """
+    old = saved or {}
+    if old.get("fingerprint") == dataset.fingerprint:
+        return None
+    was = f"{old['samples']:,}" if isinstance(old.get("samples"), int) else "?"
+    if old.get("samples") != dataset.num_samples:
+        changes = [f"{was} -> {dataset.num_samples:,} samples"]
+    elif old.get("fingerprint"):
+        changes = [f"same {dataset.num_samples:,} samples but other shards (fingerprint {old['fingerprint']} -> "
+                   f"{dataset.fingerprint})"]
+    else:
+        changes = ["the checkpoint records no dataset fingerprint"]
+    if old.get("path") and old.get("path") != str(dataset.path):
+        changes.append(f"path {old['path']} -> {dataset.path}")
+    return f"dataset changed since the checkpoint: {'; '.join(changes)}"
+
+
+def resume_data_restart(path: str | Path, cfg: RunConfig) -> str | None:
+    """`data_restart` of checkpoint `path` under `cfg`, on the samples the trainer would train on. Raises
+    DflashError when the dataset cannot be read (the gate's dataset check says why)."""
+    from dflash.data.plan import training_dataset  # numpy + pyarrow: only when a resume is decided
+    from dflash.data.shards import ShardDataset
+
+    meta, _ = meta_or_problem(Path(path))
+    return data_restart((meta or {}).get("dataset"), training_dataset(cfg, ShardDataset(cfg.data.path)))
+
+
+def restore_position(sampler, dataset, state: dict, meta: dict, log=print) -> int:
+    """Move the sampler to a checkpoint's consumed position; returns its step.
+
+    If the data changed since the checkpoint (`data_restart`: another fingerprint), the position inside the
+    epoch means nothing any more: the epoch restarts from its first batch, and that is said.
+    """
+    why = data_restart(meta.get("dataset"), dataset)
+    if why is None:
+        sampler.load_state_dict(state["sampler"])
+    else:
+        sampler.load_state_dict({"epoch": state["sampler"]["epoch"], "index": 0})
+        log(f"{why}; epoch {state['sampler']['epoch']} restarts from its first batch")
+    return int(state["step"])

@@ -76,7 +76,7 @@ def _start_step(cfg: RunConfig, resume_from: Path | None, dataset, sampler) -> i
     """Where a target rank starts: the checkpoint's consumed position, as the drafters restore it."""
     if resume_from is None:
         return 0
-    from dflash.data.plan import restore_position
+    from dflash.runs.resume import restore_position
 
     return restore_position(sampler, dataset, ckpt.load_trainer_state(resume_from), ckpt.load_meta(resume_from),
                             log=lambda *_: None)

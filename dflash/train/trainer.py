@@ -32,14 +32,15 @@ import torch.distributed as dist
 
 from dflash.config import ConfigError, RunConfig, dump_config
 from dflash.data.batching import collate, prefetch, to_device
-from dflash.data.plan import RunError, restore_position, schedule
+from dflash.data.plan import RunError, schedule
 from dflash.models.attention import backend_for, compiled_on
 from dflash.models.drafter import DFlashDrafter, drafter_config_for_run, start_compile_workers
 from dflash.models.fp8 import fp8_problem
 from dflash.runs import checkpoint as ckpt
 from dflash.runs import rundir
 from dflash.runs.records import Outcome, process_age_s
-from dflash.runs.verify import checkpoint_problem, meta_or_problem
+from dflash.runs.resume import incompatible, incompatible_fix, restore_position
+from dflash.runs.verify import checkpoint_problem, meta_or_problem, read_meta
 from dflash.train import compiled
 from dflash.train.features import CachedTarget, FeatureSource, LocalTarget, local_source, target_folder
 from dflash.train.heldout import best_key
@@ -226,6 +227,9 @@ class Trainer:
                 "fingerprint": self.dataset.fingerprint}
 
     def _resume(self, path: Path) -> None:
+        refused = incompatible(path, read_meta(path), self.cfg, self.source.target_config.num_hidden_layers)
+        if refused:  # preflight's run-dir check fails with the same line (dflash.runs.resume)
+            raise rundir.RunDirError(f"{refused}; {incompatible_fix('the run config')}")
         state, meta = ckpt.load_checkpoint(path, self.drafter, self.optimizer, self.device)
         self.step = restore_position(self.sampler, self.dataset, state, meta, self.log)
         if state.get("rng_cpu") is not None:

@@ -1,5 +1,10 @@
-"""The resume/fresh rule, torch-free: which checkpoint `--resume` takes, what it refuses, and what a decided intent
-moves aside. `dflash-train`, `dflash-torchrun`, the demo and preflight's run-dir facts all ask it.
+"""The resume/fresh rule, torch-free: which checkpoint `--resume` takes, what may change between it and the resumed
+run, what happens to the data position, and what a decided intent moves aside. `dflash-train`, `dflash-torchrun`,
+the demo, the trainer's resume (`incompatible`, `restore_position`) and preflight's run-dir check all ask it, so
+the gate's verdict is what the trainer then does (tests/test_resume_rule.py).
+
+    incompatible(path, meta, cfg, target_layers)   # "--resume: step_00000004 (step 4) is incompatible ..." | None
+    data_restart(meta["dataset"], dataset)         # "dataset changed since the checkpoint: 64 -> 80 samples" | None
 
 `--resume latest` takes the newest checkpoint that verifies (dflash.runs.verify) and says which newer ones it
 skipped and why.

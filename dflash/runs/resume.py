@@ -170,7 +170,8 @@ def make_room(cfg: RunConfig, resume_from: Path | None, fresh: bool, log=print) 
 # - the lr schedule may change only with --allow-schedule-change (`resume_schedule_change`);
 # - the data position (`data_restart`): the dataset fingerprint is the truth. The same shards moved to another
 #   folder keep the sampler's position; other data (other shards, another holdout) restarts the checkpoint's
-#   epoch from its first batch, said in one line, never refused;
+#   epoch from its first batch, said in one line, never refused for it (other data of another size can still
+#   move the lr schedule: the rule above);
 # - every other setting may change.
 
 MODEL_FIELDS = (("drafter", "block_size"), ("drafter", "num_layers"), ("target", "path"))
@@ -190,8 +191,8 @@ def _default_layer_ids(target_layers: int | None, n: int) -> list[int] | None:
 def model_changes(saved: dict, cfg: RunConfig, target_layers: int | None) -> list[str]:
     """The settings of MODEL_FIELDS and drafter.target_layer_ids that differ between a checkpoint's config (`saved`,
     its meta.json "config") and `cfg`, e.g. ["drafter.block_size 4 -> 8"]. Layer ids compare as resolved over the
-    target's `target_layers` layers ([] and the same ids spelled out agree); unknown layers: only lists that differ
-    on both sides' resolution are named."""
+    target's `target_layers` layers ([] and the same ids spelled out agree); with the layers unknown (None), a change
+    between [] and a list is not named."""
     now = cfg.model_dump()
     out = []
     for section, key in MODEL_FIELDS:

@@ -26,12 +26,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.common import write_json  # noqa: E402
 from dflash.errors import UsageError  # noqa: E402
 from dflash.memory.pace import after_first_window, busy_rates, suggested_splits  # noqa: E402
-from dflash.runs import records, rundir  # noqa: E402
+from dflash.runs import records  # noqa: E402
+from dflash.runs.metrics import read_metrics
 
 
 def summarize(run_dir: Path) -> dict:
     snap, outcome, _ = records.load(run_dir)
-    metrics = rundir.read_metrics(run_dir)
+    metrics = read_metrics(run_dir)
     rows, first_window_end = after_first_window(metrics.rows)
     timed = [r for r in rows if "tok_per_s" in r]
     last_step = max((r["step"] for r in metrics.rows), default=0)

@@ -33,6 +33,7 @@ from dflash.config import config_from_dict  # noqa: E402
 from dflash.data.synthetic import target_config, write_pattern_dataset, write_target  # noqa: E402
 from dflash.runs import checkpoint as ckpt  # noqa: E402
 from dflash.runs import rundir  # noqa: E402
+from dflash.runs.metrics import read_metrics
 from dflash.train.trainer import run  # noqa: E402
 
 
@@ -66,7 +67,7 @@ def one_run(cfg) -> dict:
         wall = time.perf_counter() - t0
     finally:
         ckpt.write_checkpoint = real
-    rows = {r["step"]: r for r in rundir.read_metrics(cfg.output_dir).rows}
+    rows = {r["step"]: r for r in read_metrics(cfg.output_dir).rows}
     written = {w["step"]: w["write_s"] for w in writes}
     saves = [{"step": s, "stall_s": r["save_stall_s"], "wait_s": r["save_wait_s"], "write_s": written.get(s),
               **({"pin_s": r["save_pin_s"]} if "save_pin_s" in r else {}),

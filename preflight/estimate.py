@@ -127,7 +127,8 @@ def parse_rates(rates: str | None, rates_from: str | None) -> tuple[float, float
                                 "drafter, e.g. --rates 12500,41000 or 12.5k,41k")
         return values
     from dflash.memory.pace import after_first_window, busy_rates
-    from dflash.runs.rundir import METRICS_NAME, read_metrics
+    from dflash.runs.metrics import read_metrics
+    from dflash.runs.rundir import METRICS_NAME
 
     busy = busy_rates(after_first_window(read_metrics(rates_from).rows)[0])
     if busy is None:

@@ -21,6 +21,8 @@ import torch
 
 from dflash.runs import checkpoint as ckpt
 from dflash.runs import rundir
+from dflash.runs.resume import prepare_output_dir, resolve_resume, resume_schedule_change
+from dflash.runs.verify import checkpoint_problem, read_meta
 from dflash.train.trainer import run
 from preflight import gate
 from trainkit import tiny_config, train_cmd, write_toml
@@ -46,8 +48,8 @@ def test_a_checkpoint_holds_json_and_tensors_and_no_pickle(finished_run):
     assert latest == rundir.checkpoint_path(out, 2)
     names = sorted(p.name for p in latest.iterdir())
     assert names == ["drafter", "meta.json", "optimizer.pt", "trainer_state.json", "trainer_state.safetensors"]
-    assert rundir.checkpoint_problem(latest) is None
-    meta = rundir.read_meta(latest)
+    assert checkpoint_problem(latest) is None
+    meta = read_meta(latest)
     assert meta["format"] == ckpt.FORMAT and meta["step"] == 2
     assert re.fullmatch(r"[0-9a-f]{64}", meta["lock_sha256"]) and "git_commit" in meta
     state = ckpt.load_trainer_state(latest)
@@ -58,14 +60,14 @@ def test_a_checkpoint_holds_json_and_tensors_and_no_pickle(finished_run):
 def test_meta_records_size_and_sha256_of_every_other_file(finished_run):
     _, _, out = finished_run
     latest = rundir.list_checkpoints(out)[-1]
-    files = rundir.read_meta(latest)[rundir.FILES_KEY]
+    files = read_meta(latest)[rundir.FILES_KEY]
     on_disk = sorted(p.relative_to(latest).as_posix() for p in latest.rglob("*") if p.is_file())
     assert sorted(files) == [f for f in on_disk if f != rundir.META_NAME]
     assert {"drafter/config.json", "drafter/model.safetensors", "optimizer.pt"} <= set(files)
     for rel, rec in files.items():
         data = (latest / rel).read_bytes()
         assert rec == {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}, rel
-    assert rundir.checkpoint_problem(latest, deep=True) is None
+    assert checkpoint_problem(latest, deep=True) is None
 
 
 def test_trainer_state_round_trips(tmp_path):
@@ -206,7 +208,7 @@ def test_resume_latest_skips_a_damaged_newest_checkpoint_and_says_why(finished_r
     assert f"resumed from {rundir.checkpoint_path(run_dir, 1)} at step 1" in proc.stdout
     moved = list(run_dir.glob("checkpoints.abandoned-*/step_00000002"))
     assert len(moved) == 1  # the damaged one is kept aside, never deleted
-    assert rundir.checkpoint_problem(rundir.checkpoint_path(run_dir, 2), deep=True) is None  # saved anew
+    assert checkpoint_problem(rundir.checkpoint_path(run_dir, 2), deep=True) is None  # saved anew
 
 
 def test_resume_latest_with_no_checkpoint_that_verifies(finished_run, tmp_path):
@@ -214,15 +216,15 @@ def test_resume_latest_with_no_checkpoint_that_verifies(finished_run, tmp_path):
     _flip(rundir.checkpoint_path(run_dir, 1) / rundir.STATE_TENSORS, 8)
     log = []
     with pytest.raises(rundir.CheckpointError) as e:
-        rundir.resolve_resume(run_dir, "latest", log=log.append)
+        resolve_resume(run_dir, "latest", log=log.append)
     assert re.fullmatch(r"--resume latest: no checkpoint in \S+ verifies: step_00000002 \(optimizer.pt is .+\); "
                         r"step_00000001 \(trainer_state.safetensors content differs .+\); start over with --fresh",
                         str(e.value)), str(e.value)
     # without deep, sizes only: the flipped one passes (preflight's quick look), the truncated one does not
-    assert rundir.resolve_resume(run_dir, "latest", deep=False, log=log.append).name == "step_00000001"
+    assert resolve_resume(run_dir, "latest", deep=False, log=log.append).name == "step_00000001"
     assert log == ["--resume latest: skipped step_00000002 (optimizer.pt is "
                    f"{(rundir.checkpoint_path(run_dir, 2) / 'optimizer.pt').stat().st_size:,} bytes, meta.json recorded "
-                   f"{rundir.read_meta(rundir.checkpoint_path(run_dir, 2))['files']['optimizer.pt']['bytes']:,} "
+                   f"{read_meta(rundir.checkpoint_path(run_dir, 2))['files']['optimizer.pt']['bytes']:,} "
                    "(truncated or rewritten since the save)); resuming step_00000001 (step 1)"]
 
 
@@ -230,10 +232,10 @@ def test_a_checkpoint_without_recorded_files_is_judged_by_its_loader(finished_ru
     """Checkpoints saved before sizes and hashes were recorded still load, and a corrupt file is still one line."""
     run_dir, _, _ = _damaged_copy(finished_run, tmp_path, "corrupt trainer_state.json")
     folder = rundir.checkpoint_path(run_dir, 2)
-    meta = rundir.read_meta(folder)
+    meta = read_meta(folder)
     del meta[rundir.FILES_KEY]
     (folder / rundir.META_NAME).write_text(json.dumps(meta))
-    assert rundir.checkpoint_problem(folder, deep=True) is None
+    assert checkpoint_problem(folder, deep=True) is None
     with pytest.raises(rundir.CheckpointError, match=r"trainer_state.json is corrupt \(.+\); " + PREVIOUS):
         ckpt.load_trainer_state(folder)
 
@@ -245,17 +247,17 @@ def test_a_resume_that_changes_the_lr_schedule_is_refused_unless_allowed(finishe
     run_dir = tmp_path / "run"
     shutil.copytree(out, run_dir)
     same = config_from_dict(dict(raw, output_dir=str(run_dir)))
-    assert rundir.resume_schedule_change(rundir.checkpoint_path(run_dir, 2), same) is None
+    assert resume_schedule_change(rundir.checkpoint_path(run_dir, 2), same) is None
     longer = config_from_dict(dict(raw, output_dir=str(run_dir), train=dict(raw["train"], max_steps=20, lr=0.02)))
-    assert rundir.resume_schedule_change(rundir.checkpoint_path(run_dir, 2), longer) == \
+    assert resume_schedule_change(rundir.checkpoint_path(run_dir, 2), longer) == \
         "total steps 2 -> 20, train.lr 0.01 -> 0.02 (train.max_steps 2 -> 20)"
     before = _tree(run_dir)
     with pytest.raises(rundir.RunDirError, match=r"^--resume step_00000002 \(step 2\) would change the lr schedule: "
                                                  r"total steps 2 -> 20, .*; pass --allow-schedule-change") as e:
-        rundir.prepare_output_dir(longer, "latest", False)
+        prepare_output_dir(longer, "latest", False)
     assert e.value.exit_code == 2 and _tree(run_dir) == before
     log = []
-    assert rundir.prepare_output_dir(longer, "latest", False, log.append, allow_schedule_change=True).name == \
+    assert prepare_output_dir(longer, "latest", False, log.append, allow_schedule_change=True).name == \
         "step_00000002"
     assert log == ["--allow-schedule-change: resuming step_00000002 (step 2) with a new lr schedule: total steps "
                    "2 -> 20, train.lr 0.01 -> 0.02 (train.max_steps 2 -> 20)"]
@@ -263,14 +265,14 @@ def test_a_resume_that_changes_the_lr_schedule_is_refused_unless_allowed(finishe
     train = {k: v for k, v in raw["train"].items() if k != "max_steps"}
     by_epochs = config_from_dict(dict(raw, output_dir=str(run_dir), train=dict(train, epochs=1)))
     folder = rundir.checkpoint_path(run_dir, 2)
-    meta = rundir.read_meta(folder)
+    meta = read_meta(folder)
     meta["config"] = by_epochs.model_dump()
     meta["dataset"]["samples"] = 40
     (folder / rundir.META_NAME).write_text(json.dumps(meta))
     state = json.loads((folder / rundir.STATE_JSON).read_text())
     state["sampler"]["batches_per_epoch"] = 6
     (folder / rundir.STATE_JSON).write_text(json.dumps(state))
-    assert rundir.resume_schedule_change(folder, by_epochs) == "total steps 6 -> 9 (dataset 40 -> 64 samples)"
+    assert resume_schedule_change(folder, by_epochs) == "total steps 6 -> 9 (dataset 40 -> 64 samples)"
 
 
 def test_preflight_and_the_checkpoint_agree_on_the_dataset(finished_run):
@@ -278,7 +280,7 @@ def test_preflight_and_the_checkpoint_agree_on_the_dataset(finished_run):
     from preflight.gate import build_report
 
     cfg, _, out = finished_run
-    meta = rundir.read_meta(rundir.list_checkpoints(out)[-1])
+    meta = read_meta(rundir.list_checkpoints(out)[-1])
     report = build_report(cfg.profile, cfg, resume_intent="resume")
     assert report.by_id("dataset").data["fingerprint"] == meta["dataset"]["fingerprint"]
     run_dir = report.by_id("run-dir")
@@ -299,26 +301,26 @@ def test_the_resume_fresh_rule(tmp_path):
 
     out = tmp_path / "run"
     cfg = config_from_dict({"output_dir": str(out)})
-    assert rundir.prepare_output_dir(cfg, None, False) is None  # nothing there: nothing to decide
+    assert prepare_output_dir(cfg, None, False) is None  # nothing there: nothing to decide
     first, second = _fake_checkpoint(out, 1), _fake_checkpoint(out, 2)
     (rundir.checkpoints_dir(out) / "step_00000003.tmp").mkdir()  # a save in progress is no checkpoint
     assert rundir.list_checkpoints(out) == [first, second]
     with pytest.raises(rundir.RunDirError, match=r"holds checkpoints \(newest step_00000002, step 2\); say "
                                                  r"--resume latest to continue it or --fresh") as e:
-        rundir.prepare_output_dir(cfg, None, False)
+        prepare_output_dir(cfg, None, False)
     assert e.value.exit_code == 2
     with pytest.raises(rundir.RunDirError, match="exclude each other"):
-        rundir.prepare_output_dir(cfg, "latest", True)
+        prepare_output_dir(cfg, "latest", True)
     with pytest.raises(rundir.RunDirError, match="not a checkpoint folder"):
-        rundir.prepare_output_dir(cfg, str(out), False)
+        prepare_output_dir(cfg, str(out), False)
     (second / rundir.STATE_TENSORS).unlink()
     with pytest.raises(rundir.CheckpointError, match=f"trainer_state.safetensors missing .* --resume {first}"):
-        rundir.prepare_output_dir(cfg, str(second), False)
+        prepare_output_dir(cfg, str(second), False)
     assert rundir.list_checkpoints(out) == [first, second]  # refused before anything moved
     log = []
-    assert rundir.prepare_output_dir(cfg, str(first), False, log.append) == first
+    assert prepare_output_dir(cfg, str(first), False, log.append) == first
     assert rundir.list_checkpoints(out) == [first] and "1 newer checkpoint(s) moved to" in log[0]
-    assert rundir.prepare_output_dir(cfg, None, True, log.append) is None
+    assert prepare_output_dir(cfg, None, True, log.append) is None
     assert rundir.list_checkpoints(out) == [] and log[-1].startswith("--fresh: previous checkpoints moved to")
 
 
@@ -341,10 +343,10 @@ def test_a_symlinked_step_folder_is_never_resumed_counted_or_deleted_through(fin
     assert f"resumed from {rundir.checkpoint_path(run_dir, 2)} at step 2" in proc.stdout
     assert [c.name for c in rundir.list_checkpoints(run_dir)] == ["step_00000003", "step_00000004"]  # keep_last 2
     assert not rundir.checkpoint_path(run_dir, 3).is_symlink()  # step 3 saved in place of the link
-    assert rundir.read_meta(rundir.checkpoint_path(run_dir, 3))["step"] == 3
+    assert read_meta(rundir.checkpoint_path(run_dir, 3))["step"] == 3
     assert os.readlink(rundir.checkpoint_path(run_dir, 9)) == str(foreign)  # left as it was
     assert [c.name for c in rundir.list_checkpoints(other)] == ["step_00000001", "step_00000002"]
-    assert rundir.checkpoint_problem(foreign, deep=True) is None  # the other run's checkpoint untouched
+    assert checkpoint_problem(foreign, deep=True) is None  # the other run's checkpoint untouched
 
 
 def test_a_checkpoint_whose_meta_names_another_step_does_not_verify(finished_run, tmp_path):
@@ -357,12 +359,12 @@ def test_a_checkpoint_whose_meta_names_another_step_does_not_verify(finished_run
     copied = rundir.checkpoint_path(run_dir, 9)
     shutil.copytree(rundir.checkpoint_path(run_dir, 1), copied)
     why = "meta.json says step 1, the folder name says step 9 (copied or renamed)"
-    assert rundir.checkpoint_problem(copied) == why
+    assert checkpoint_problem(copied) == why
     with pytest.raises(rundir.CheckpointError, match=re.escape(f"{copied}: {why}; resume the previous one with "
                                                                f"--resume {rundir.checkpoint_path(run_dir, 2)}")):
-        rundir.resolve_resume(run_dir, str(copied))
+        resolve_resume(run_dir, str(copied))
     log = []
-    assert rundir.resolve_resume(run_dir, "latest", log=log.append) == rundir.checkpoint_path(run_dir, 2)
+    assert resolve_resume(run_dir, "latest", log=log.append) == rundir.checkpoint_path(run_dir, 2)
     assert log == [f"--resume latest: skipped step_00000009 ({why}); resuming step_00000002 (step 2)"]
 
 

@@ -16,6 +16,7 @@ import torch
 
 from dflash.runs import checkpoint as ckpt
 from dflash.runs import rundir
+from dflash.runs.verify import checkpoint_problem, read_meta
 from dflash.train.trainer import run
 from trainkit import WAIVE_SOURCE, metrics, tiny_config, train_cmd, train_main_here, write_toml
 
@@ -126,8 +127,8 @@ def test_a_background_save_writes_the_bytes_a_synchronous_one_does(tmp_path):
         fa, fb = _files(a), _files(b)
         assert fa.keys() == fb.keys()
         assert [k for k in fa if fa[k] != fb[k]] == [rundir.META_NAME]  # its time and output_dir differ
-        assert rundir.read_meta(a)[rundir.FILES_KEY] == rundir.read_meta(b)[rundir.FILES_KEY]
-        assert rundir.checkpoint_problem(a, deep=True) is None
+        assert read_meta(a)[rundir.FILES_KEY] == read_meta(b)[rundir.FILES_KEY]
+        assert checkpoint_problem(a, deep=True) is None
     for background, out in runs.items():
         rows = {r["step"]: r for r in metrics(out)}
         assert all(k in rows[s] for s in (2, 4, 6) for k in SAVE_KEYS), rows
@@ -165,7 +166,7 @@ def test_the_step_loop_goes_on_while_a_save_is_written(tmp_path, monkeypatch):
     written = [r for r in rows.values() if r.get("save_step") == 5]
     assert len(written) == 1 and written[0]["step"] > 5  # logged once the write had finished, after step 5
     assert [c.name for c in rundir.list_checkpoints(out)] == ["step_00000005", "step_00000010"]
-    assert all(rundir.checkpoint_problem(c, deep=True) is None for c in rundir.list_checkpoints(out))
+    assert all(checkpoint_problem(c, deep=True) is None for c in rundir.list_checkpoints(out))
 
 
 def _rows(out: Path) -> list[dict]:
@@ -207,7 +208,7 @@ def test_kill_9_mid_background_write_resumes_from_the_previous_checkpoint(tmp_pa
     assert f"resumed from {rundir.checkpoint_path(out, 5)} at step 5" in again.stdout
     assert not tmp.exists() and not list(rundir.checkpoints_dir(out).glob("*.tmp"))
     assert [c.name for c in rundir.list_checkpoints(out)] == ["step_00000005", "step_00000010", "step_00000015"]
-    assert all(rundir.checkpoint_problem(c, deep=True) is None for c in rundir.list_checkpoints(out))
+    assert all(checkpoint_problem(c, deep=True) is None for c in rundir.list_checkpoints(out))
 
 
 def test_sigterm_mid_background_write_finishes_it_stops_and_resumes_exactly(tmp_path):
@@ -230,7 +231,7 @@ def test_sigterm_mid_background_write_finishes_it_stops_and_resumes_exactly(tmp_
     stopped_at = metrics(out)[-1]["step"]
     assert rundir.checkpoint_path(out, 5) in saved and saved[-1] == rundir.checkpoint_path(out, stopped_at)
     assert 5 < stopped_at < 20 and not list(rundir.checkpoints_dir(out).glob("*.tmp"))
-    assert all(rundir.checkpoint_problem(c, deep=True) is None for c in saved)
+    assert all(checkpoint_problem(c, deep=True) is None for c in saved)
     marker = json.loads((out / rundir.STOPPED_NAME).read_text())
     assert marker["step"] == stopped_at and marker["checkpoint"] == str(saved[-1])
     again = subprocess.run(train_cmd(config, "--resume", "latest"), cwd=REPO, capture_output=True, text=True)

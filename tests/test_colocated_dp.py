@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from dflash.runs import rundir
+from dflash.runs.verify import verify_checkpoint
 from dflash.train.launch import _watch
 from dflash.train.layout import ranks_for
 from dflash.train.trainer import run
@@ -79,7 +80,7 @@ def test_two_colocated_ranks_match_one_process_accumulating_two_batches(tmp_path
     checkpoints = rundir.list_checkpoints(cfg.output_dir)
     assert [c.name for c in checkpoints] == ["step_00000003", "step_00000006"]
     for c in checkpoints:
-        rundir.verify_checkpoint(c)  # sizes and sha256 of every file
+        verify_checkpoint(c)  # sizes and sha256 of every file
     state = json.loads((checkpoints[-1] / "trainer_state.json").read_text())
     assert state["n_drafters"] == 2  # the schedule rule counts the data-parallel ranks
     assert (Path(cfg.output_dir) / "drafter" / "model.safetensors").exists()
@@ -157,7 +158,7 @@ def test_killing_a_rank_ends_the_run_with_a_clear_message(tmp_path):
     from dflash.models.drafter import DFlashDrafter
 
     latest = rundir.list_checkpoints(run_dir)[-1]
-    rundir.verify_checkpoint(latest)  # sizes and sha256 of every file
+    verify_checkpoint(latest)  # sizes and sha256 of every file
     DFlashDrafter.from_pretrained(latest / "drafter")  # still loadable
     ended = json.loads((run_dir / "outcome.json").read_text())["ended"]
     assert (ended["how"], ended["rank"], ended["role"], ended["gpu"]) == ("crashed", 1, "colocated", dead["gpu"]), ended
@@ -183,7 +184,7 @@ def test_sigterm_to_every_process_stops_cleanly_with_a_checkpoint(tmp_path):
     stopped = metrics(run_dir)[-1]["step"]
     last = rundir.list_checkpoints(run_dir)[-1]
     assert rundir.checkpoint_step(last) == stopped
-    rundir.verify_checkpoint(last)
+    verify_checkpoint(last)
     ended = json.loads((run_dir / "outcome.json").read_text())["ended"]
     assert (ended["how"], ended["step"]) == ("stopped", stopped), ended
 

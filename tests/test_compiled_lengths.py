@@ -94,6 +94,7 @@ def test_a_recompile_limit_ends_the_run_in_one_line_with_its_checkpoints_intact(
     one line naming the function and the guard, exit 1, nothing saved from the step, the checkpoints of steps 10
     and 20 verify, and outcome.json says crashed."""
     from dflash.runs import rundir
+    from dflash.runs.verify import checkpoint_problem
     from dflash.train.trainer import Trainer
 
     monkeypatch.setattr(Trainer, "primes", lambda self: False)
@@ -111,7 +112,7 @@ def test_a_recompile_limit_ends_the_run_in_one_line_with_its_checkpoints_intact(
     out = Path(cfg.output_dir)
     saved = rundir.list_checkpoints(out)
     assert [rundir.checkpoint_step(p) for p in saved] == [10, 20]
-    assert all(rundir.checkpoint_problem(p, deep=True) is None for p in saved)
+    assert all(checkpoint_problem(p, deep=True) is None for p in saved)
     assert len(metrics(out)) == 20
     outcome = json.loads((out / "outcome.json").read_text())
     assert outcome["ended"]["how"] == "crashed" and outcome["ended"]["step"] == 20

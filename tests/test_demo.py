@@ -14,6 +14,7 @@ from dflash.commands import demo
 from dflash.config import load_config
 from dflash.data.synthetic import word_text
 from dflash.runs import rundir
+from dflash.runs.lock import lock_run_dir
 from preflight.gate import GateResult
 from preflight.report import Report
 from trainkit import chat_target
@@ -58,7 +59,7 @@ def test_pipeline_on_a_tiny_target(tmp_path, monkeypatch, capsys):
 
     # While another process holds the run dir, a demo is refused in one line and moves nothing there.
     before = sorted(p.relative_to(tmp_path / "run") for p in (tmp_path / "run").rglob("*"))
-    held = rundir.lock_run_dir(tmp_path / "run")
+    held = lock_run_dir(tmp_path / "run")
     with pytest.raises(rundir.RunDirBusyError, match="is in use by another trainer"):
         demo.run_pipeline(str(target), str(prompts), 12, 8, str(prompts), 3, 8, overrides)
     held.release()

@@ -24,6 +24,7 @@ from dflash.models.drafter import DFlashDrafter
 from dflash.models.target import load_target
 from dflash.runs import checkpoint as ckpt
 from dflash.runs import rundir
+from dflash.runs.verify import checkpoint_problem, read_meta, record_files
 from dflash.train.heldout import BATCH_INDEX_OFFSET, prompt_of
 from dflash.train.loss import block_inputs, read_metrics, sample_anchors, slot_weights, train_step_math
 from dflash.train.step import anchor_generator
@@ -192,10 +193,10 @@ def test_the_export_never_ships_a_best_that_leads_out_of_the_run_dir(evaluated, 
     foreign = rundir.checkpoint_path(other, 12)
     weights = foreign / "drafter" / "model.safetensors"
     save_file({k: v + 1.0 for k, v in load_file(str(weights)).items()}, str(weights), metadata={"format": "pt"})
-    meta = rundir.read_meta(foreign)
-    meta[rundir.FILES_KEY] = rundir.record_files(foreign)
+    meta = read_meta(foreign)
+    meta[rundir.FILES_KEY] = record_files(foreign)
     (foreign / rundir.META_NAME).write_text(json.dumps(meta))
-    assert rundir.checkpoint_problem(foreign, deep=True) is None  # a sound checkpoint, just not this run's
+    assert checkpoint_problem(foreign, deep=True) is None  # a sound checkpoint, just not this run's
     best = rundir.checkpoints_dir(run_dir) / rundir.BEST_NAME
     best.unlink()
     best.symlink_to(os.path.relpath(foreign, best.parent))

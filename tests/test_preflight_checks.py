@@ -620,7 +620,7 @@ def test_run_dir_with_checkpoints_needs_intent(tmp_path):
 
 
 def test_run_dir_resume_refuses_a_checkpoint_the_trainer_would_refuse(tmp_path):
-    from dflash.runs.rundir import LEGACY_REASON
+    from dflash.runs.verify import LEGACY_REASON
 
     ctx = _with_checkpoint(make_ctx(tmp_path))
     ctx.run_dir.checkpoints = ctx.run_dir.checkpoints[1:]
@@ -674,10 +674,13 @@ def test_run_dir_resume_incompatible_fails(tmp_path):
 
 
 def test_run_dir_resume_reports_changed_dataset(tmp_path):
+    """The data position is the trainer's rule, gathered as a fact (test_resume_rule.py checks they agree)."""
     ctx = _with_checkpoint(make_ctx(tmp_path), samples=902_000, fingerprint="0" * 16)
     ctx.resume_intent = "resume"
+    ctx.run_dir.data_restart = "dataset changed since the checkpoint: 902,000 -> 1,000 samples"
+    ctx.run_dir.data_known = True
     r = check_run_dir(ctx)
-    assert r.status == "warn" and "902,000 -> 1,000 samples" in r.summary
+    assert r.status == "warn" and "902,000 -> 1,000 samples (the epoch restarts from its first batch)" in r.summary
     assert r.data["dataset"]["old_samples"] == 902_000 and r.data["dataset"]["new_samples"] == 1000
 
 

@@ -316,7 +316,8 @@ def test_run_dir_flags_checkpoints_a_resume_would_refuse(tmp_path):
 
 def _recorded_ckpt(run: Path, step: int) -> Path:
     """A checkpoint whose meta.json records its files' sizes and sha256, as save_checkpoint writes it."""
-    from dflash.runs.rundir import CHECKPOINT_FILES, FILES_KEY, META_NAME, record_files
+    from dflash.runs.rundir import CHECKPOINT_FILES, FILES_KEY, META_NAME
+    from dflash.runs.verify import record_files
 
     d = _ckpt(run, step, None)
     (d / "drafter.safetensors").unlink()

@@ -19,6 +19,9 @@ from pathlib import Path
 import pytest
 
 from dflash.runs import rundir
+from dflash.runs.lock import lock_run_dir
+from dflash.runs.metrics import trim_metrics
+from dflash.runs.verify import checkpoint_problem
 from trainkit import WAIVE_SOURCE, metrics, tiny_config, train_cmd, train_main_here, write_toml
 
 REPO = Path(__file__).resolve().parent.parent
@@ -148,7 +151,7 @@ def test_a_second_trainer_on_a_busy_run_dir_is_refused_and_moves_nothing(tmp_pat
     assert rows == list(range(1, rows[-1] + 1))  # every step once, nothing moved to metrics.abandoned-*
     saved = [rundir.checkpoint_step(c) for c in rundir.list_checkpoints(run_dir)]
     assert saved == sorted({*range(5, rows[-1] + 1, 5), rows[-1]})  # each save still there (keep_last 1000)
-    assert all(rundir.checkpoint_problem(c, deep=True) is None for c in rundir.list_checkpoints(run_dir))
+    assert all(checkpoint_problem(c, deep=True) is None for c in rundir.list_checkpoints(run_dir))
     assert sorted(p.name for p in run_dir.iterdir() if "abandoned" in p.name or p.name.startswith("replaced")) == []
     assert not (run_dir / rundir.LOCK_NAME).exists()  # released by the first run as it returned
 
@@ -169,10 +172,10 @@ def test_a_lock_left_by_a_killed_trainer_is_taken_over_and_said(tmp_path, capsys
 
 
 def test_the_lock_is_exclusive_and_released(tmp_path):
-    with rundir.lock_run_dir(tmp_path / "run"):
+    with lock_run_dir(tmp_path / "run"):
         with pytest.raises(rundir.RunDirBusyError, match=f"pid {os.getpid()} on "):
-            rundir.lock_run_dir(tmp_path / "run")
-    with rundir.lock_run_dir(tmp_path / "run", log=pytest.fail):  # released cleanly: nothing to take over
+            lock_run_dir(tmp_path / "run")
+    with lock_run_dir(tmp_path / "run", log=pytest.fail):  # released cleanly: nothing to take over
         pass
 
 
@@ -202,7 +205,7 @@ def test_a_save_the_disk_refuses_is_one_line_and_the_previous_checkpoint_resumes
         "size limit was reached (ulimit -f, or the file system's maximum): raise it or move output_dir; then the last "
         "checkpoint step_00000005 is intact: resume with --resume latest"), proc.stderr
     assert sorted(p.name for p in rundir.checkpoints_dir(run_dir).iterdir()) == ["step_00000005"]
-    assert rundir.checkpoint_problem(rundir.checkpoint_path(run_dir, 5), deep=True) is None
+    assert checkpoint_problem(rundir.checkpoint_path(run_dir, 5), deep=True) is None
     again = subprocess.run(train_cmd(config, *more), cwd=REPO, capture_output=True, text=True)
     assert again.returncode == 0, again.stdout + again.stderr
     assert f"resumed from {rundir.checkpoint_path(run_dir, 5)} at step 5" in again.stdout
@@ -262,6 +265,6 @@ def test_trim_metrics_keeps_rows_it_cannot_read_where_they_were(tmp_path):
     lines = ['{"step": 1}', *odd, '{"step": 3}', '{"step": 4}']
     (tmp_path / rundir.METRICS_NAME).write_text("".join(f"{line}\n" for line in lines) + '{"step": 5, "lo')
     said = []
-    rundir.trim_metrics(tmp_path, 2, log=said.append)
+    trim_metrics(tmp_path, 2, log=said.append)
     assert (tmp_path / rundir.METRICS_NAME).read_text() == "".join(f"{line}\n" for line in lines[:-2]) + '{"step": 5, "lo'
     assert said == [f"--resume: 2 metrics row(s) after step 2 moved to {next(tmp_path.glob('metrics.abandoned-*')).name}"]

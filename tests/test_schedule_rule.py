@@ -10,6 +10,7 @@ from dflash.config import config_from_dict
 from dflash.data.identity import shard_files
 from dflash.data.shards import write_shard
 from dflash.runs import rundir
+from dflash.runs.resume import prepare_output_dir
 from dflash.train.trainer import run
 from preflight.checks.run import check_run_dir
 from preflight.facts.context import Context
@@ -64,7 +65,7 @@ def _verdicts(cfg) -> tuple[bool, bool]:
     result = check_run_dir(ctx)
     warns = "the lr schedule changes" in result.summary
     try:
-        rundir.prepare_output_dir(cfg, "latest", False, log=lambda *_: None, apply=False)
+        prepare_output_dir(cfg, "latest", False, log=lambda *_: None, apply=False)
         refuses = False
     except rundir.RunDirError as e:
         assert "would change the lr schedule" in str(e)

@@ -14,6 +14,7 @@ import pytest
 
 from dflash.memory.pace import split_tok_s, suggest_split
 from dflash.runs import rundir
+from dflash.runs.lock import lock_run_dir
 from dflash.train.features import RemoteTargets
 from dflash.train.launch import cpu_threads_per_rank, physical_gpu
 from dflash.train.layout import Rank, ranks_for
@@ -268,7 +269,7 @@ def test_torchrun_refuses_a_run_dir_another_trainer_holds(tmp_path):
     run(cfg, None, log=lambda *_: None, progress=False)
     before = sorted(p.name for p in (Path(cfg.output_dir) / "checkpoints").iterdir())
     config = write_toml(split_raw(raw, targets=("1",), drafters=("0",)), tmp_path / "split.toml")
-    with rundir.lock_run_dir(cfg.output_dir):  # this test process is "the other trainer"
+    with lock_run_dir(cfg.output_dir):  # this test process is "the other trainer"
         out = subprocess.run(torchrun_cmd(config, "--fresh"), cwd=REPO, capture_output=True, text=True, timeout=240)
     assert out.returncode != 0
     assert (f"dflash.commands.torchrun: error: {cfg.output_dir} is in use by another trainer (pid {os.getpid()} on"

@@ -17,6 +17,7 @@ from dflash.data.plan import cosine_lr
 from dflash.models.drafter import DFlashDrafter
 from dflash.models.target import decoder_of
 from dflash.runs import rundir
+from dflash.runs.resume import resolve_resume
 from dflash.train.trainer import Trainer, run
 from trainkit import metrics, tiny_config, train_cmd, train_main_here, write_toml
 
@@ -191,7 +192,7 @@ def test_resume_from_an_older_checkpoint_moves_newer_ones_aside(tmp_path):
     assert "2 newer checkpoint(s) moved to" in out.stdout
     names = [c.name for c in rundir.list_checkpoints(cfg.output_dir)]
     assert names == ["step_00000002", "step_00000003"]  # the resumed-from one is kept, latest is this run's
-    assert rundir.resolve_resume(cfg.output_dir, "latest").name == "step_00000003"
+    assert resolve_resume(cfg.output_dir, "latest").name == "step_00000003"
 
 
 def test_dataset_too_small_for_one_step_is_a_clear_error(tmp_path):

@@ -51,7 +51,7 @@ def run_pipeline(target_spec: str, prompts: str, n_prompts: int, max_new_tokens:
     from dflash.data.prepare import PrepareSettings, prepare
     from dflash.models.smollm2 import DISTRIBUTION, cache_root, is_embedded
     from dflash.models.smollm2_convert import resolve_target
-    from dflash.runs import rundir
+    from dflash.runs.lock import lock_run_dir
 
     t0 = time.perf_counter()
     _stage(1, f"target: {target_spec}" + (f" (GGUF inside the {DISTRIBUTION} package)" if is_embedded(target_spec) else ""),
@@ -76,7 +76,7 @@ def run_pipeline(target_spec: str, prompts: str, n_prompts: int, max_new_tokens:
         log(f"demo: {e}")
         return 2
     # one trainer per run dir, as dflash-train: a second demo (or a trainer) on the same dir is refused in one line
-    lock = rundir.lock_run_dir(cfg.output_dir, log=log)
+    lock = lock_run_dir(cfg.output_dir, log=log)
     try:
         return _locked_pipeline(cfg, target, target_spec, eval_prompts, n_eval, eval_max_new_tokens, t0, log)
     finally:
@@ -93,7 +93,7 @@ def _locked_pipeline(cfg, target: Path, target_spec: str, eval_prompts: str, n_e
     from dflash.eval.speculative import evaluate_drafters, load_eval_target
     from dflash.models.drafter import DFlashDrafter
     from dflash.runs import rundir
-    from dflash.runs.rundir import make_room, prepare_output_dir
+    from dflash.runs.resume import make_room, prepare_output_dir
     from dflash.train.trainer import run
     from preflight import gate
 

@@ -45,11 +45,11 @@ def require_fresh_gate(cfg: RunConfig) -> None:
 
 
 def _hold_lock(cfg: RunConfig) -> None:
-    """Rank 0 takes the run dir's lock (dflash.runs.rundir.lock_run_dir) for the rest of its life; the other ranks
+    """Rank 0 takes the run dir's lock (dflash.runs.lock.lock_run_dir) for the rest of its life; the other ranks
     never ask for it, so none waits on it. RunDirBusyError when another trainer holds it."""
     import atexit
 
-    from dflash.runs.rundir import lock_run_dir
+    from dflash.runs.lock import lock_run_dir
 
     lock = lock_run_dir(cfg.output_dir, log=print)
     atexit.register(lock.release)  # removed on a clean exit; a kill leaves it with the pid, which the next run reports
@@ -65,7 +65,7 @@ def collective_gate(cfg: RunConfig, me: Rank, local_rank: int, gate: dict) -> Pa
     verdict: list = [None, None]  # [error line, resume path]
     if me.rank == 0:
         try:
-            from dflash.runs.rundir import prepare_output_dir
+            from dflash.runs.resume import prepare_output_dir
 
             _hold_lock(cfg)  # one trainer per run dir: rank 0 locks it before the resume/fresh rule looks at it
             resume = prepare_output_dir(cfg, gate.get("resume"), gate.get("fresh", False), log=print,
@@ -107,7 +107,7 @@ def collective_gate(cfg: RunConfig, me: Rank, local_rank: int, gate: dict) -> Pa
                   "--waive ID --reason TEXT", file=sys.stderr, flush=True)
         else:
             print(f"preflight: ok on all {me.world} ranks", flush=True)
-            from dflash.runs.rundir import make_room
+            from dflash.runs.resume import make_room
 
             make_room(cfg, Path(verdict[1]) if verdict[1] else None, gate.get("fresh", False), log=print)
     dist.barrier(group=group)

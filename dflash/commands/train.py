@@ -121,6 +121,8 @@ def train_command(config_path, demo, resume, fresh, sets, max_steps, output_dir,
 
         sys.exit(do_warm(cfg, compile_cache_dir(cfg.profile), Trainer.colocated))
     from dflash.runs import rundir
+    from dflash.runs.lock import lock_run_dir
+    from dflash.runs.resume import make_room, prepare_output_dir
 
     intent = "resume" if resume else "fresh" if fresh else None
     # A run dir that cannot be written is left as it is and reported by the gate (run-dir / disk), one line each.
@@ -131,9 +133,9 @@ def train_command(config_path, demo, resume, fresh, sets, max_steps, output_dir,
         if unusable is None:
             try:
                 # one trainer per run dir: taken before the resume/fresh rule looks at it, held until this returns
-                lock = rundir.lock_run_dir(cfg.output_dir, log=click.echo)
-                resume_from = rundir.prepare_output_dir(cfg, resume, fresh, log=click.echo,
-                                                        allow_schedule_change=allow_schedule_change, apply=False)
+                lock = lock_run_dir(cfg.output_dir, log=click.echo)
+                resume_from = prepare_output_dir(cfg, resume, fresh, log=click.echo,
+                                                 allow_schedule_change=allow_schedule_change, apply=False)
             except OSError as e:  # the disk filled or the dir turned read-only between the look and the write
                 unusable = f"{e.filename or cfg.output_dir}: {e.strerror or e}"
         gate = _gate(cfg, waivers, intent, verify_data, config_path)
@@ -142,7 +144,7 @@ def train_command(config_path, demo, resume, fresh, sets, max_steps, output_dir,
         if unusable:  # the gate's run-dir check was waived
             raise rundir.RunDirError(f"output dir {cfg.output_dir}: {unusable}; set output_dir to a writable folder "
                                      "with free space")
-        rundir.make_room(cfg, resume_from, fresh, log=click.echo)
+        make_room(cfg, resume_from, fresh, log=click.echo)
         rundir.clear_stopped(cfg.output_dir)
         if cfg.topology.layout != "colocated":  # split or co-located data parallel: one process per GPU
             from dflash.commands import torchrun as rank_entry

@@ -115,24 +115,8 @@ def schedule(cfg: RunConfig, drafter_ranks: int):
     return dataset, sampler, total_steps(cfg, sampler.batches_per_epoch, cfg.train.grad_accum * drafter_ranks)
 
 
-def restore_position(sampler, dataset, state: dict, meta: dict, log=print) -> int:
-    """Move the sampler to a checkpoint's consumed position; returns its step.
-
-    If the dataset changed since the checkpoint (another fingerprint), the position inside the
-    epoch means nothing any more: the epoch restarts from its first batch, and that is said.
-    """
-    old = meta.get("dataset", {})
-    if old.get("fingerprint") == dataset.fingerprint:
-        sampler.load_state_dict(state["sampler"])
-    else:
-        sampler.load_state_dict({"epoch": state["sampler"]["epoch"], "index": 0})
-        log(f"dataset changed since the checkpoint: {old.get('samples')} -> {dataset.num_samples} samples; "
-            f"epoch {state['sampler']['epoch']} restarts from its first batch")
-    return int(state["step"])
-
-
 def schedule_change(meta: dict | None, state: dict | None, cfg: RunConfig) -> str | None:
-    """How resuming a checkpoint (its meta.json and trainer state, dflash.runs.rundir.resume_record) under `cfg`
+    """How resuming a checkpoint (its meta.json and trainer state, dflash.runs.resume.resume_record) under `cfg`
     changes the lr schedule, or None when it does not.
 
     The cosine schedule is fixed by the peak lr, the warmup share and the run's total optimizer steps,

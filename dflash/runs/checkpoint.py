@@ -10,7 +10,7 @@ safetensors, and the optimizer state is loaded with ``weights_only=True``: loadi
 runs no code from it. A checkpoint of an older version (a pickled ``trainer_state.pt``) is
 refused with a one-line CheckpointError, as is a missing or corrupt file. meta.json records the
 size and sha256 of every other file of the checkpoint, so a resume can tell a damaged checkpoint
-from an intact one before loading it (``dflash.runs.rundir.checkpoint_problem``).
+from an intact one before loading it (``dflash.runs.verify.checkpoint_problem``).
 
     path = save_checkpoint(out, step, drafter, optimizer, {"step": step, "sampler": {...}, "rng_cpu": t},
                            cfg, dataset_meta, keep_last, provenance=preflight.gate.provenance(cfg.profile))
@@ -48,12 +48,9 @@ from dflash.runs.rundir import (
     checkpoint_path,
     checkpoint_step,
     io_cause,
-    is_legacy,
-    legacy_message,
     list_checkpoints,
-    read_meta,
-    resume_fix,
 )
+from dflash.runs.verify import is_legacy, legacy_message, read_meta, resume_fix
 
 FORMAT = 2  # meta.json "format": 2 = JSON + safetensors trainer state (1 was a pickled trainer_state.pt)
 load_meta = read_meta  # the older name
@@ -300,7 +297,7 @@ def write_checkpoint(output_dir: str | Path, snap: Snapshot, cfg: RunConfig, dat
 
 
 def _recorded(folder: Path, hashes: dict[Path, Future]) -> dict[str, dict]:
-    """meta.json's record of every file but meta.json (as ``rundir.record_files`` makes it), from the hashes taken
+    """meta.json's record of every file but meta.json (as ``dflash.runs.verify.record_files`` makes it), from the hashes taken
     as the files were written; a file written some other way is hashed here. Raises OSError."""
     out = {}
     for p in sorted(p for p in folder.rglob("*") if p.is_file() and p != folder / META_NAME):

@@ -24,6 +24,7 @@ from pathlib import Path
 
 from dflash.errors import UsageError
 from dflash.runs import rundir
+from dflash.runs.metrics import read_metrics
 
 # (file stem, title): every plot the report has, in page order
 PLOTS = (
@@ -90,7 +91,7 @@ def load_run(path: str | Path, label: str | None = None) -> Run:
                           "output_dir of dflash-train")
     run = Run(path, label or path.resolve().name)
     run.config = rundir.read_json_object(path / rundir.CONFIG_NAME) or {}
-    read = rundir.read_metrics(path)
+    read = read_metrics(path)
     run.rows, run.torn_lines, run.skipped = read.rows, read.torn, read.note(metrics)
     run.preflight = rundir.read_json_object(path / rundir.PREFLIGHT_NAME)
     run.stopped = rundir.read_stopped(path)

@@ -61,7 +61,7 @@ def launch(cfg: RunConfig, resume_from: Path | None, gate_id: str, entry: str, l
     `entry`: the module every rank runs with `python -m` (the torchrun command, which the command layer names: the
     library never names a command).
 
-    `lock`: the run dir's lock this launcher holds (dflash.runs.rundir.lock_run_dir); every rank inherits it, so the
+    `lock`: the run dir's lock this launcher holds (dflash.runs.lock.lock_run_dir); every rank inherits it, so the
     run dir stays locked while any of them lives, even if the launcher is killed."""
     out = Path(cfg.output_dir)
     out.mkdir(parents=True, exist_ok=True)

@@ -32,6 +32,7 @@ from dflash.errors import DflashError
 from dflash.models.target import torch_dtype
 from dflash.runs import checkpoint as ckpt
 from dflash.runs import rundir
+from dflash.runs.lock import release_held_locks
 from dflash.train.features import RemoteTargets
 from dflash.train.layout import Rank, ranks_for
 
@@ -75,7 +76,7 @@ def _start_step(cfg: RunConfig, resume_from: Path | None, dataset, sampler) -> i
     """Where a target rank starts: the checkpoint's consumed position, as the drafters restore it."""
     if resume_from is None:
         return 0
-    from dflash.data.plan import restore_position
+    from dflash.runs.resume import restore_position
 
     return restore_position(sampler, dataset, ckpt.load_trainer_state(resume_from), ckpt.load_meta(resume_from),
                             log=lambda *_: None)
@@ -165,7 +166,7 @@ def _drafter_main(cfg: RunConfig, me: Rank, resume_from: Path | None, drafter_gr
         code = trainer.run(progress=False)
     dist.barrier(group=drafter_group)
     sys.stdout.flush()
-    rundir.release_held_locks()  # torchrun's rank 0 holds the run dir's lock; os._exit skips atexit
+    release_held_locks()  # torchrun's rank 0 holds the run dir's lock; os._exit skips atexit
     os._exit(code)  # targets may still block in sends nobody will receive; the launcher reaps them
 
 
@@ -182,5 +183,5 @@ def _colocated_main(cfg: RunConfig, resume_from: Path | None, group, provenance)
         code = trainer.run(progress=False)
     dist.barrier(group=group)
     sys.stdout.flush()
-    rundir.release_held_locks()
+    release_held_locks()
     os._exit(code)

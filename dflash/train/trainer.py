@@ -32,12 +32,14 @@ import torch.distributed as dist
 
 from dflash.config import ConfigError, RunConfig, dump_config
 from dflash.data.batching import collate, prefetch, to_device
-from dflash.data.plan import RunError, restore_position, schedule
+from dflash.data.plan import RunError, schedule
 from dflash.models.attention import backend_for, compiled_on
 from dflash.models.drafter import DFlashDrafter, drafter_config_for_run, start_compile_workers
 from dflash.models.fp8 import fp8_problem
 from dflash.runs import checkpoint as ckpt
 from dflash.runs import rundir
+from dflash.runs.resume import incompatible, incompatible_fix, restore_position
+from dflash.runs.verify import checkpoint_problem, meta_or_problem, read_meta
 from dflash.train import compiled
 from dflash.train.features import FeatureSource, LocalTarget, local_source, target_folder
 from dflash.train.heldout import best_key
@@ -217,6 +219,9 @@ class Trainer:
                 "fingerprint": self.dataset.fingerprint}
 
     def _resume(self, path: Path) -> None:
+        refused = incompatible(path, read_meta(path), self.cfg, self.source.target_config.num_hidden_layers)
+        if refused:  # preflight's run-dir check fails with the same line (dflash.runs.resume)
+            raise rundir.RunDirError(f"{refused}; {incompatible_fix('the run config')}")
         state, meta = ckpt.load_checkpoint(path, self.drafter, self.optimizer, self.device)
         self.step = restore_position(self.sampler, self.dataset, state, meta, self.log)
         if state.get("rng_cpu") is not None:
@@ -534,7 +539,7 @@ class Trainer:
         meta.json), else None and one line saying why the last step is exported instead."""
         best, problem = rundir.best_or_problem(self.out)
         if best is not None:
-            problem = rundir.checkpoint_problem(best, deep=True)
+            problem = checkpoint_problem(best, deep=True)
             problem = problem and f"{best}: {problem}"
         if problem:
             self.log(f"export: not using checkpoints/best: {problem}; exporting the last step ({self.step}) instead")
@@ -547,7 +552,7 @@ def _best_value(out: Path, key: str) -> float | None:
     best = rundir.best_checkpoint(out)
     if best is None:
         return None
-    meta, _ = rundir.meta_or_problem(best)
+    meta, _ = meta_or_problem(best)
     value = ((meta or {}).get("heldout") or {}).get(key)
     return float(value) if isinstance(value, (int, float)) else None
 

@@ -8,6 +8,7 @@ import os
 from dflash.config import FP8_MIN_CAPABILITY, default_target_layer_ids
 from dflash.memory.shape import drafter_shape, drafter_state_bytes
 from dflash.models.custom_code import CUSTOM_CODE_FIX
+from dflash.runs.resume import incompatible, incompatible_fix
 from dflash.runs.rundir import describe_leftovers
 from preflight.checks.common import GiB, MiB, config_arg, gib, no_shape, result
 from preflight.checks.gpus import capability, drafter_gpus
@@ -74,32 +75,6 @@ def _fp8_problems(ctx: Context, d, where: str, problems: list[str], fixes: list[
         fixes.append(f"set train.fp8 = \"off\" in {where}, or train on an Ada/Hopper-class GPU")
 
 
-def _default_layer_ids(ctx: Context, n: int) -> list[int] | None:
-    """The target layers an empty drafter.target_layer_ids resolves to, or None when unknown."""
-    if ctx.config is None or ctx.target_shape is None:
-        return None
-    return default_target_layer_ids(ctx.target_shape.num_layers, n)
-
-
-def _incompatible(ctx: Context, saved: dict) -> list[str]:
-    cfg = ctx.config
-    now = cfg.model_dump()
-    out = []
-    for section, key in (("drafter", "block_size"), ("drafter", "num_layers"), ("target", "path")):
-        old = (saved.get(section) or {}).get(key)
-        if old != now[section][key]:
-            out.append(f"{section}.{key} {old!r} -> {now[section][key]!r}")
-    old_ids = (saved.get("drafter") or {}).get("target_layer_ids")
-    new_ids = cfg.drafter.target_layer_ids
-    if old_ids != new_ids:
-        n = cfg.drafter.num_layers
-        resolved_old = old_ids or _default_layer_ids(ctx, n)
-        resolved_new = new_ids or _default_layer_ids(ctx, n)
-        if resolved_old is not None and resolved_new is not None and resolved_old != resolved_new:
-            out.append(f"drafter.target_layer_ids {old_ids!r} -> {new_ids!r}")
-    return out
-
-
 def check_run_dir(ctx: Context) -> CheckResult:
     rd = ctx.run_dir
     intent = ctx.resume_intent
@@ -125,7 +100,7 @@ def check_run_dir(ctx: Context) -> CheckResult:
     if intent == "fresh":
         return result("run-dir", "pass", f"--fresh: {len(rd.checkpoints)} existing checkpoint(s) (newest {name}, "
                       f"step {newest.step}) will be moved aside, not resumed", **data)
-    # --resume latest takes the newest checkpoint that verifies (dflash.runs.rundir.resolve_resume)
+    # --resume latest takes the newest checkpoint that verifies (dflash.runs.resume.resolve_resume)
     usable = [c for c in rd.checkpoints if c.meta is not None and not c.error]
     chosen = usable[-1] if usable else None
     skipped = [c for c in rd.checkpoints if chosen is None or c.step > chosen.step]
@@ -139,10 +114,10 @@ def check_run_dir(ctx: Context) -> CheckResult:
                       "folder (moved aside ones are under checkpoints.abandoned-*)", **data)
     cname = os.path.basename(chosen.path)
     data["resume"] = {"step": chosen.step, "path": chosen.path}
-    bad = _incompatible(ctx, chosen.meta.get("config") or {})
-    if bad:
-        return result("run-dir", "fail", f"--resume: {cname} (step {chosen.step}) is incompatible with this config: "
-                      f"{', '.join(bad)}", f"use --fresh, or restore those settings in {config_arg(ctx)}", **data)
+    # the trainer refuses the same line before it loads the weights (dflash.runs.resume.incompatible)
+    refused = incompatible(chosen.path, chosen.meta, ctx.config, ctx.target_shape.num_layers if ctx.target_shape else None)
+    if refused:
+        return result("run-dir", "fail", refused, incompatible_fix(config_arg(ctx)), **data)
     notes, fixes = [], []
     if skipped:
         notes.append(f"--resume latest skips {said}")
@@ -154,25 +129,24 @@ def check_run_dir(ctx: Context) -> CheckResult:
         fixes.append(f"restore those settings in {config_arg(ctx)}, or pass --allow-schedule-change")
     old = chosen.meta.get("dataset") or {}
     ds = ctx.dataset
-    changes = []
     if ds is not None and ds.error is None and not any(s.error for s in ds.shards):
         data["dataset"] = {"old_samples": old.get("samples"), "new_samples": ds.samples,
                            "old_path": old.get("path"), "new_path": ds.path}
-        if old.get("samples") != ds.samples:
-            was = f"{old['samples']:,}" if isinstance(old.get("samples"), int) else "?"
-            changes.append(f"{was} -> {ds.samples:,} samples")
-        elif old.get("fingerprint") and old.get("fingerprint") != ds.fingerprint:
-            changes.append(f"same {ds.samples:,} samples but other shards (fingerprint {old['fingerprint']} -> {ds.fingerprint})")
-        if old.get("path") and old.get("path") != ds.path:
-            changes.append(f"path {old['path']} -> {ds.path}")
-    if changes:
-        notes.append(f"dataset changed since: {'; '.join(changes)} (the epoch restarts from its first batch)")
+    same = "dataset unchanged"
+    if rd.data_known and rd.data_restart:  # the trainer's own rule (dflash.runs.resume.data_restart)
+        data["data_restart"] = rd.data_restart
+        notes.append(f"{rd.data_restart} (the epoch restarts from its first batch)")
         fixes.append("use --fresh if the new data should start a new run")
+    elif rd.data_known and old.get("path") and old.get("path") != ctx.config.data.path:
+        same = (f"dataset unchanged (the same shards moved: data.path {old['path']} -> {ctx.config.data.path}; "
+                "the position in the epoch is kept)")
+        if notes:
+            notes.append(same)
     if notes:
         return result("run-dir", "warn", f"--resume from {cname} (step {chosen.step}); " + "; ".join(notes),
                       "; ".join(fixes), **data)
     return result("run-dir", "pass", f"--resume from {cname} (step {chosen.step}, {how} verified): config and lr "
-                  "schedule unchanged, dataset unchanged", **data)
+                  f"schedule unchanged, {same}", **data)
 
 
 def checkpoint_bytes(ctx: Context) -> tuple[int | None, str]:

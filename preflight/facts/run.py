@@ -9,10 +9,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from dflash.config import ConfigError, RunConfig, resolve_target_dir
+from dflash.errors import DflashError
 from dflash.memory.shape import TargetShape, load_target_shape
 from dflash.models import smollm2
 from dflash.models.custom_code import folder_problem
 from dflash.runs import rundir
+from dflash.runs.resume import resume_data_restart, resume_schedule_change
+from dflash.runs.verify import checkpoint_problem, meta_or_problem
 
 
 @dataclass
@@ -20,7 +23,7 @@ class Checkpoint:
     step: int
     path: str
     meta: dict | None = None
-    error: str | None = None  # why a resume would refuse it (dflash.runs.rundir.checkpoint_problem)
+    error: str | None = None  # why a resume would refuse it (dflash.runs.verify.checkpoint_problem)
     size_bytes: int = 0
 
 
@@ -34,6 +37,10 @@ class RunDir:
     deep: bool = False  # sha256 compared too (--verify-data), not only sizes
     # how resuming the newest usable checkpoint changes the lr schedule (dflash.data.plan.schedule_change), or None
     schedule_change: str | None = None
+    # why resuming it restarts the epoch from its first batch (dflash.runs.resume.data_restart), None when the
+    # position is kept; data_known False when the dataset could not be read (the dataset check says why)
+    data_restart: str | None = None
+    data_known: bool = False
 
     @property
     def newest(self) -> Checkpoint | None:
@@ -71,28 +78,33 @@ def run_dir(output_dir: str, deep: bool = False, config: RunConfig | None = None
 
     Every checkpoint's files are checked against the sizes meta.json recorded; with ``deep`` (--verify-data)
     also their sha256, newest first until one verifies (the one `--resume latest` would load). With the run's
-    config, also how resuming that checkpoint changes the lr schedule: the trainer's own rule, asked here.
+    config, also how resuming that checkpoint changes the lr schedule and whether it keeps the data position:
+    the trainer's own rules (dflash.runs.resume), asked here.
     """
     path = Path(output_dir)
     problem = rundir.write_problem(path)
     rd = RunDir(str(path), path.is_dir(), problem is None, problem, deep=deep)
     for d in rundir.list_checkpoints(path):
         ck = Checkpoint(rundir.checkpoint_step(d), str(d))
-        ck.meta, ck.error = rundir.meta_or_problem(d)
+        ck.meta, ck.error = meta_or_problem(d)
         if ck.error is None:
-            ck.error = rundir.checkpoint_problem(d, meta=ck.meta)
+            ck.error = checkpoint_problem(d, meta=ck.meta)
         rd.checkpoints.append(ck)
     if deep:
         for ck in reversed(rd.checkpoints):
             if ck.error is None:
-                ck.error = rundir.checkpoint_problem(ck.path, deep=True, meta=ck.meta)
+                ck.error = checkpoint_problem(ck.path, deep=True, meta=ck.meta)
                 if ck.error is None:
                     break
     if rd.checkpoints:
         rd.checkpoints[-1].size_bytes = dir_size(Path(rd.checkpoints[-1].path))
     usable = [c for c in rd.checkpoints if c.meta is not None and not c.error]
     if config is not None and usable:
-        rd.schedule_change = rundir.resume_schedule_change(usable[-1].path, config)
+        rd.schedule_change = resume_schedule_change(usable[-1].path, config)
+        try:
+            rd.data_restart, rd.data_known = resume_data_restart(usable[-1].path, config), True
+        except (DflashError, OSError):  # a dataset that cannot be read: the gate's dataset check says why
+            pass
     return rd
 
 

@@ -35,9 +35,6 @@ from preflight.nvml import GpuInfo, NvmlGpuInfo
 from preflight.profiles import REPO_ROOT, ProfileError, compile_cache_dir, lock_path, profile_env
 from preflight.report import Report, apply_waivers
 
-REPORT_NAME = PREFLIGHT_NAME
-
-
 class WaiverError(UsageError):
     """A --waive that names no check or gives no reason; the message is one line."""
 
@@ -154,9 +151,9 @@ def write_report(cfg: RunConfig, report: Report, ranks: list[dict] | None = None
         report.ok = ok
     out = Path(cfg.output_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tmp = out / f".{REPORT_NAME}.tmp"
+    tmp = out / f".{PREFLIGHT_NAME}.tmp"
     tmp.write_text(json.dumps(report.model_dump(), indent=2) + "\n")
-    os.replace(tmp, out / REPORT_NAME)
+    os.replace(tmp, out / PREFLIGHT_NAME)
     return report
 
 
@@ -204,7 +201,7 @@ def run_gate(
     try:
         write_report(cfg, report)
     except OSError as e:
-        notes.append(f"preflight: report not written to {Path(cfg.output_dir) / REPORT_NAME} ({e.strerror or e})")
+        notes.append(f"preflight: report not written to {Path(cfg.output_dir) / PREFLIGHT_NAME} ({e.strerror or e})")
     failed, waived = report.with_status("fail"), report.with_status("waived")
     if not failed and report.run is not None:
         notes += write_snapshot(cfg, report, facts)
@@ -212,7 +209,7 @@ def run_gate(
     notes += [f"preflight: FAIL {c.id}: {c.summary}" + (f"  fix: {c.fix}" if c.fix else "") for c in failed]
     if failed:
         verdict = (f"refusing to start: {len(failed)} preflight check(s) failed (report: "
-                   f"{Path(cfg.output_dir) / REPORT_NAME}); fix them or waive with --waive ID --reason TEXT")
+                   f"{Path(cfg.output_dir) / PREFLIGHT_NAME}); fix them or waive with --waive ID --reason TEXT")
     else:
         verdict = f"preflight: ok ({len(report.checks)} checks, {len(waived)} waived)"
     return GateResult(report, not failed, notes, verdict)

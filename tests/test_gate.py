@@ -11,6 +11,7 @@ import subprocess
 import pytest
 
 from dflash.config import config_from_dict
+from dflash.runs.rundir import PREFLIGHT_NAME
 from preflight import gate
 from preflight.profiles import ENVS_DIR, ProfileError, load_profile
 
@@ -59,7 +60,7 @@ def test_run_gate_refuses_with_one_line_per_failure_then_passes_when_waived(tmp_
     waived = gate.run_gate(cfg, {i: "test: accepted" for i in failed}, "fresh")
     assert waived.ok and waived.verdict == f"preflight: ok ({len(waived.report.checks)} checks, {len(failed)} waived)"
     assert any(n.startswith("preflight: waived dataset: ") for n in waived.notes)
-    saved = json.loads((tmp_path / "run" / gate.REPORT_NAME).read_text())
+    saved = json.loads((tmp_path / "run" / PREFLIGHT_NAME).read_text())
     assert saved["ok"] is True and saved["profile"] == "train-cu128"
     with pytest.raises(gate.WaiverError, match="--waive disk-space: unknown check id") as e:
         gate.run_gate(cfg, {"disk-space": "x"}, None)

@@ -29,9 +29,9 @@ from preflight.gate import provenance
 
 def require_fresh_gate(cfg: RunConfig) -> None:
     """A launched worker trains only after this run's gate passed: preflight.json with our gate id and config."""
-    from preflight.gate import REPORT_NAME
+    from dflash.runs.rundir import PREFLIGHT_NAME
 
-    path = Path(cfg.output_dir) / REPORT_NAME
+    path = Path(cfg.output_dir) / PREFLIGHT_NAME
     want = os.environ.get(GATE_ENV)
     try:
         report = json.loads(path.read_text())

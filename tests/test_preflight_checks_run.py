@@ -1,0 +1,249 @@
+"""preflight/checks/run.py: config, run-dir and disk, fed facts (pass and fail paths)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from preflight.checks.run import _size, check_config, check_disk, check_run_dir
+from preflight.facts.run import Checkpoint, Disk, RunDir
+from preflight.facts.run import disk as disk_facts
+from preflight_ctx import SPLIT, GiB, MiB, make_ctx, recorded
+
+# ---------------------------------------------------------------- run-dir
+
+
+def _with_checkpoint(ctx, step=690, config_over=None, samples=1000, fingerprint=None):
+    saved = ctx.config.model_dump()
+    for dotted, v in (config_over or {}).items():
+        sec, key = dotted.split(".")
+        saved[sec][key] = v
+    meta = {"step": step, "config": saved,
+            "dataset": {"path": ctx.config.data.path, "samples": samples,
+                        "fingerprint": fingerprint or ctx.dataset.fingerprint}}
+    older = dict(meta, step=500)
+    ctx.run_dir.checkpoints = [Checkpoint(500, "ckpt/step_00000500", older),
+                               Checkpoint(step, f"ckpt/step_{step:08d}", meta)]
+    return ctx
+
+
+def test_run_dir_with_checkpoints_needs_intent(tmp_path):
+    ctx = _with_checkpoint(make_ctx(tmp_path))
+    r = check_run_dir(ctx)
+    assert r.status == "fail"
+    assert "newest step_00000690 (step 690)" in r.summary
+    assert "--resume" in r.fix and "--fresh" in r.fix
+    ctx.resume_intent = "fresh"
+    assert check_run_dir(ctx).status == "pass"
+    ctx.resume_intent = "resume"
+    r = check_run_dir(ctx)
+    assert r.status == "pass" and "step 690" in r.summary
+
+
+def test_run_dir_resume_refuses_a_checkpoint_the_trainer_would_refuse(tmp_path):
+    from dflash.runs.verify import LEGACY_REASON
+
+    ctx = _with_checkpoint(make_ctx(tmp_path))
+    ctx.run_dir.checkpoints = ctx.run_dir.checkpoints[1:]
+    ctx.run_dir.newest.error = LEGACY_REASON  # what preflight.facts.run.run_dir records for an old pickled trainer_state.pt
+    ctx.resume_intent = "resume"
+    r = check_run_dir(ctx)
+    assert r.status == "fail" and "step_00000690 cannot be resumed: written by an older dflash version" in r.summary
+    assert "--fresh" in r.fix
+    ctx.resume_intent = "fresh"
+    assert check_run_dir(ctx).status == "pass"
+
+
+def test_run_dir_resume_skips_damaged_newer_checkpoints_as_the_trainer_does(tmp_path):
+    """`--resume latest` takes the newest checkpoint that verifies; preflight says which one and what it skips."""
+    ctx = _with_checkpoint(make_ctx(tmp_path))
+    ctx.resume_intent = "resume"
+    truncated = "optimizer.pt is 4,096 bytes, meta.json recorded 8,192 (truncated or rewritten since the save)"
+    ctx.run_dir.newest.error = truncated
+    r = check_run_dir(ctx)
+    assert r.status == "warn"
+    assert r.summary == f"--resume from step_00000500 (step 500); --resume latest skips step_00000690: {truncated}"
+    assert r.data["resume"]["step"] == 500 and r.data["skipped"] == [{"step": 690, "problem": truncated}]
+    ctx.run_dir.checkpoints[0].error = "trainer_state.json content differs from its sha256 in meta.json (damaged since " \
+                                       "the save)"
+    ctx.run_dir.deep = True
+    r = check_run_dir(ctx)
+    assert r.status == "fail" and r.summary.startswith("--resume: none of the 2 checkpoints verifies (sizes and "
+                                                       "sha256): step_00000500: trainer_state.json content differs")
+    assert "--fresh" in r.fix
+
+
+def test_run_dir_resume_that_changes_the_lr_schedule_warns(tmp_path):
+    """The incident's `--max-steps` on resume: lr fell 18x in 5 steps while preflight said "config compatible".
+    The change itself is the trainer's rule, gathered as a fact (test_schedule_rule.py checks they agree)."""
+    ctx = _with_checkpoint(make_ctx(tmp_path))
+    ctx.resume_intent = "resume"
+    ctx.run_dir.schedule_change = "total steps 20,000 -> 1,200 (train.max_steps 20000 -> None)"
+    r = check_run_dir(ctx)
+    assert r.status == "warn" and "compatible" not in r.summary
+    assert "the lr schedule changes (total steps 20,000 -> 1,200 (train.max_steps 20000 -> None)): dflash-train " \
+           "refuses this resume without --allow-schedule-change" in r.summary
+    assert "--allow-schedule-change" in r.fix and r.data["schedule_change"].startswith("total steps 20,000")
+
+
+def test_run_dir_resume_incompatible_fails(tmp_path):
+    ctx = _with_checkpoint(make_ctx(tmp_path), config_over={"drafter.block_size": 16, "target.path": "other-27b"})
+    ctx.resume_intent = "resume"
+    r = check_run_dir(ctx)
+    assert r.status == "fail"
+    assert "drafter.block_size 16 -> 32" in r.summary and "target.path 'other-27b' -> 'smollm2'" in r.summary
+
+
+def test_run_dir_resume_reports_changed_dataset(tmp_path):
+    """The data position is the trainer's rule, gathered as a fact (test_resume_rule.py checks they agree)."""
+    ctx = _with_checkpoint(make_ctx(tmp_path), samples=902_000, fingerprint="0" * 16)
+    ctx.resume_intent = "resume"
+    ctx.run_dir.data_restart = "dataset changed since the checkpoint: 902,000 -> 1,000 samples"
+    ctx.run_dir.data_known = True
+    r = check_run_dir(ctx)
+    assert r.status == "warn" and "902,000 -> 1,000 samples (the epoch restarts from its first batch)" in r.summary
+    assert r.data["dataset"]["old_samples"] == 902_000 and r.data["dataset"]["new_samples"] == 1000
+
+
+def test_run_dir_unwritable_and_resume_without_checkpoint_fail(tmp_path):
+    ctx = make_ctx(tmp_path)
+    ctx.resume_intent = "resume"
+    r = check_run_dir(ctx)
+    assert r.status == "fail" and "no finished checkpoint" in r.summary
+    ctx.run_dir = RunDir(ctx.config.output_dir, True, False, "run is not writable by this user")
+    r = check_run_dir(ctx)
+    assert r.status == "fail" and r.summary.endswith("cannot be written: run is not writable by this user")
+
+
+# ---------------------------------------------------------------- disk
+
+
+def test_disk_fails_when_checkpoints_do_not_fit(tmp_path):
+    ctx = make_ctx(tmp_path)
+    ctx.disk = Disk(ctx.config.output_dir, free_bytes=10 * MiB)
+    r = check_disk(ctx)
+    assert r.status == "fail" and r.data["checkpoints_to_write"] == 4  # keep_last 3 + the one being written
+    ctx.run_dir.checkpoints = [Checkpoint(690, "ckpt/step_00000690", size_bytes=2 * GiB)]
+    ctx.disk = Disk(ctx.config.output_dir, free_bytes=7 * GiB)
+    r = check_disk(ctx)
+    assert r.status == "fail" and r.data["need_bytes"] == 8 * GiB and "size of step_00000690" in r.summary
+    ctx.resume_intent = "resume"  # the kept one already counts
+    assert check_disk(ctx).status == "pass"
+
+
+def test_disk_fix_names_what_the_run_dir_could_free(tmp_path):
+    """A full disk's fix names the unfinished saves and moved-aside folders of the run dir, with their sizes."""
+    from dflash.runs import rundir
+
+    out = Path(make_ctx(tmp_path).config.output_dir)
+    tmp = rundir.checkpoints_dir(out) / "step_00000010.tmp"  # a save a crash or a full disk cut short
+    tmp.mkdir(parents=True)
+    (tmp / "optimizer.pt").write_bytes(b"\0" * 3 * MiB)
+    (out / "replaced-20260101-000000" / "checkpoints").mkdir(parents=True)
+    (out / "replaced-20260101-000000" / "checkpoints" / "w").write_bytes(b"\0" * 5 * MiB)
+    (out / "metrics.abandoned-20260101-000000.jsonl").write_bytes(b"\0" * MiB)
+    (out / "replaced-20260102-000000").symlink_to(tmp_path)  # a link is never counted (nor followed)
+    found = disk_facts(str(out))
+    assert found.leftovers == [("replaced-20260101-000000", 5 * MiB, "moved aside by --fresh"),
+                               ("checkpoints/step_00000010.tmp", 3 * MiB, "an unfinished save"),
+                               ("metrics.abandoned-20260101-000000.jsonl", MiB, "metrics rows moved aside by a resume")]
+    ctx = make_ctx(tmp_path)
+    ctx.disk = Disk(found.path, free_bytes=10 * MiB, output_dir=str(out), leftovers=found.leftovers)
+    r = check_disk(ctx)
+    assert r.status == "fail" and r.data["reclaimable_bytes"] == 9 * MiB
+    short = _size(r.data["need_bytes"] - 10 * MiB)
+    assert r.fix == (f"free {short} at {found.path} (9.0 MiB reclaimable in {out}: replaced-20260101-000000 5.0 MiB "
+                     "(moved aside by --fresh), checkpoints/step_00000010.tmp 3.0 MiB (an unfinished save), "
+                     "metrics.abandoned-20260101-000000.jsonl 1.0 MiB (metrics rows moved aside by a resume), yours to "
+                     "delete), lower train.keep_last, or move output_dir to a larger disk")
+
+
+def test_run_dir_resolved_layer_ids_are_compatible(tmp_path):
+    from dflash.config import default_target_layer_ids
+
+    resolved = default_target_layer_ids(30, 5)  # SmolLM2: 30 layers, 5 drafter layers
+    ctx = _with_checkpoint(make_ctx(tmp_path), config_over={"drafter.target_layer_ids": resolved})
+    ctx.resume_intent = "resume"
+    assert check_run_dir(ctx).status == "pass"  # [] in the config resolves to the saved list
+    ctx = _with_checkpoint(make_ctx(tmp_path), config_over={"drafter.target_layer_ids": [1, 2, 3, 4, 5]})
+    ctx.resume_intent = "resume"
+    r = check_run_dir(ctx)
+    assert r.status == "fail" and "drafter.target_layer_ids [1, 2, 3, 4, 5] -> []" in r.summary
+
+
+def test_disk_unknown_target_warns_and_estimates_from_the_memory_model(tmp_path):
+    ctx = make_ctx(tmp_path, config={"target": {"path": str(tmp_path / "no-model")}})
+    r = check_disk(ctx)
+    assert r.status == "warn" and "checkpoint size unknown" in r.summary
+    r = check_disk(make_ctx(tmp_path))
+    assert r.status == "pass" and 0 < r.data["checkpoint_bytes"] < GiB
+
+
+def test_config_passes_with_the_resolved_layers_and_mask_source(tmp_path):
+    r = check_config(make_ctx(tmp_path))  # SmolLM2: 30 layers, vocab 49152, 5 drafter layers
+    assert r.status == "pass", r.summary
+    assert r.data["target_layer_ids"] == [1, 8, 14, 21, 27] and "mask token from the target" in r.summary
+
+
+@pytest.mark.parametrize("drafter, field, allowed", [
+    ({"target_layer_ids": [1, 30, 99]}, "drafter.target_layer_ids [30, 99]", "outside 0..29 of the 30-layer target"),
+    ({"mask_token_id": 49152}, "drafter.mask_token_id 49152", "outside 0..49151"),
+    ({"num_layers": 40}, "drafter.target_layer_ids []", "cannot spread 40 distinct layers over [1, 27]"),
+    ({"num_attention_heads": 8}, "drafter heads 8", "not a multiple of its kv heads 3"),
+])
+def test_config_fails_on_values_that_do_not_fit_the_target_naming_field_range_and_fix(tmp_path, drafter, field, allowed):
+    r = check_config(make_ctx(tmp_path, config={"drafter": drafter}))
+    assert r.status == "fail" and field in r.summary and allowed in r.summary, r.summary
+    assert "run.toml" in r.fix
+
+
+@pytest.mark.parametrize("setup, says", [
+    (lambda d: None, "config.json: not found"),
+    (lambda d: (d.mkdir(), (d / "config.json").write_text("{not json")), "not valid JSON"),
+    (lambda d: (d.mkdir(), (d / "config.json").write_text('{"hidden_size": 64}')), "missing key"),
+    (lambda d: (d.mkdir(), (d / "config.json").write_text('{"num_hidden_layers": 0, "hidden_size": 64, '
+                '"intermediate_size": 64, "num_attention_heads": 4, "vocab_size": 10}')), "sizes must be positive"),
+])
+def test_config_fails_when_the_target_cannot_be_read(tmp_path, setup, says):
+    target = tmp_path / "target"
+    setup(target)
+    ctx = make_ctx(tmp_path, config={"target": {"path": str(target)}})
+    r = check_config(ctx)
+    assert r.status == "fail" and "target.path" in r.summary and says in r.summary, r.summary
+    assert r.fix.startswith("set target.path in run.toml")
+
+
+def test_config_fails_when_loading_the_target_would_be_refused_for_its_own_code(tmp_path):
+    """The fact gather records (dflash.models.custom_code) fails the check: folder, field and fix in one line each."""
+    ctx = make_ctx(tmp_path)
+    ctx.target_custom_code = ("target /m: custom code is refused: config.json model_type 'evil_lm' is not an architecture "
+                              "transformers 5.19.0 ships (auto_map: modeling_evil.py); use a model whose architecture "
+                              "transformers ships (a folder without its own code), or upgrade transformers")
+    r = check_config(ctx)
+    assert r.status == "fail" and r.summary == ("target /m: custom code is refused: config.json model_type 'evil_lm' is "
+                                                "not an architecture transformers 5.19.0 ships (auto_map: modeling_evil.py)")
+    assert r.fix.startswith("set target.path in run.toml to a model whose architecture transformers ships")
+    assert r.data["custom_code"] == ctx.target_custom_code
+
+
+def test_config_checks_fp8_against_the_drafters_gpu_and_sizes(tmp_path):
+    """train.fp8 = "mlp" passes on H200s with SmolLM2's sizes (576 / 1536); an A100-class GPU (8.0) or an MLP size
+    not divisible by 16 fails before launch, naming the value and the fix."""
+    assert check_config(make_ctx(tmp_path, config={"train": {"fp8": "mlp"}})).status == "pass"
+    old = recorded()
+    for g in old["gpus"]:
+        g["compute_capability"] = "8.0"
+    r = check_config(make_ctx(tmp_path, config={"train": {"fp8": "mlp"}}, gpus=old))
+    assert r.status == "fail" and "compute capability 8.9+" in r.summary and "has 8.0" in r.summary, r.summary
+    assert 'set train.fp8 = "off" in run.toml' in r.fix
+    r = check_config(make_ctx(tmp_path, config={"train": {"fp8": "mlp"}, "drafter": {"intermediate_size": 1000}}))
+    assert r.status == "fail" and "divisible by 16, got 576 and 1000" in r.summary, r.summary
+    mixed = recorded()
+    mixed["gpus"][int(SPLIT["drafter_gpus"][-1])]["compute_capability"] = "8.0"  # one drafter GPU of several
+    r = check_config(make_ctx(tmp_path, config={"train": {"fp8": "mlp"}}, gpus=mixed))
+    assert r.status == "fail" and "has 8.0" in r.summary, r.summary
+    unknown = recorded()
+    for g in unknown["gpus"]:
+        g["compute_capability"] = "0.0"  # older recorded snapshots: not judged
+    assert check_config(make_ctx(tmp_path, config={"train": {"fp8": "mlp"}}, gpus=unknown)).status == "pass"

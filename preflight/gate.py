@@ -35,6 +35,7 @@ from preflight.nvml import GpuInfo, NvmlGpuInfo
 from preflight.profiles import REPO_ROOT, ProfileError, compile_cache_dir, lock_path, profile_env
 from preflight.report import Report, apply_waivers
 
+
 class WaiverError(UsageError):
     """A --waive that names no check or gives no reason; the message is one line."""
 

@@ -24,6 +24,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import write_json  # noqa: E402
+from dflash.config import TopologyConfig  # noqa: E402
 from dflash.errors import UsageError  # noqa: E402
 from dflash.memory.pace import after_first_window, busy_rates, suggested_splits  # noqa: E402
 from dflash.runs import records  # noqa: E402
@@ -51,8 +52,7 @@ def summarize(run_dir: Path) -> dict:
         t_rate, d_rate, n = busy
         # unrounded: the lines below and the run's own summary format the same floats
         out["busy_tok_s_per_gpu"] = {"target": t_rate, "drafter": d_rate, "windows": n}
-        topology = (snap.get("config") or {}).get("topology") or {}
-        world = len(topology.get("target_gpus") or []) + len(topology.get("drafter_gpus") or [])
+        world = len(TopologyConfig.model_validate((snap.get("config") or {}).get("topology") or {}).gpu_roles)
         out["suggested_splits"] = [{"gpus": g, "targets": t, "drafters": d, "expected_tok_per_s": x}
                                    for g, t, d, x in suggested_splits(t_rate, d_rate, (world, 8))]
     saves = [{"step": r["step"], "stall_s": r["save_stall_s"], "wait_s": r.get("save_wait_s"),

@@ -95,3 +95,15 @@ def test_report_of_a_non_run_dir_is_one_line(tmp_path, capsys):
         report_main([str(tmp_path)])
     err = capsys.readouterr().err
     assert e.value.code == 2 and len(err.strip().splitlines()) == 1 and "not a run dir" in err
+
+
+@pytest.mark.parametrize("topology, says", [
+    ({}, "co-located on cuda"),
+    ({"target_gpus": ["0", "1"], "drafter_gpus": ["2"]}, "split: target GPUs 0,1, drafter GPUs 2"),
+    ({"colocated_gpus": ["0", "1"]}, "co-located data parallel: GPUs 0,1, each target + drafter replica"),
+    ({"target_gpus": ["0"], "colocated_gpus": ["1"]}, "unknown (the run's topology does not validate)"),
+])
+def test_the_layout_line_asks_the_topology_rule(topology, says):
+    from dflash.runs.html_report import layout_line
+
+    assert layout_line({"device": "cuda", "topology": topology}) == says

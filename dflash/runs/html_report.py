@@ -22,6 +22,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from dflash.config import TopologyConfig
 from dflash.errors import UsageError
 from dflash.runs import rundir
 from dflash.runs.metrics import read_metrics
@@ -311,17 +312,29 @@ def draw_plots(runs: list[Run], out: Path) -> dict[str, Path]:
 # ---------------------------------------------------------------- the page
 
 
+def layout_line(cfg: dict) -> str:
+    """The run's layout in words, by the topology's own rule (TopologyConfig: layout and gpu_roles)."""
+    try:
+        topo = TopologyConfig.model_validate(_dict(cfg.get("topology")))
+    except ValueError:
+        return "unknown (the run's topology does not validate)"
+    gpus: dict[str, list[str]] = {}
+    for gpu, role in topo.gpu_roles.items():
+        gpus.setdefault(role, []).append(gpu)
+    if topo.layout == "split":
+        return f"split: target GPUs {_joined(gpus['target'])}, drafter GPUs {_joined(gpus['drafter'])}"
+    if topo.layout == "colocated-dp":
+        return f"co-located data parallel: GPUs {_joined(gpus['colocated'])}, each target + drafter replica"
+    return f"co-located on {cfg.get('device', '?')}"
+
+
 def essentials(run: Run) -> list[tuple[str, str]]:
     """The run's snapshot essentials: what ran, where, with which build, and how it ended."""
     cfg = run.config
     pre = run.preflight or {}
     host = _dict(pre.get("host"))
     checks = {str(c.get("id")): c for c in _list(pre.get("checks")) if isinstance(c, dict)}
-    topo = _dict(cfg.get("topology"))
-    layout = (f"split: target GPUs {_joined(topo.get('target_gpus'))}, drafter GPUs "
-              f"{_joined(topo.get('drafter_gpus'))}" if topo.get("target_gpus") else f"co-located on {cfg.get('device', '?')}")
-    if topo.get("colocated_gpus"):
-        layout = f"co-located data parallel: GPUs {_joined(topo.get('colocated_gpus'))}, each target + drafter replica"
+    layout = layout_line(cfg)
     gpus = checks.get("gpu-visibility", {}).get("summary") or (f"{host.get('gpus')} GPU(s)" if host else "unknown")
     steps = run.rows[-1].get("step") if run.rows else None
     rows = [

@@ -215,6 +215,24 @@ def test_files_stream_with_line_numbers(tmp_path):
         list(iter_source(tmp_path / "x.csv"))
 
 
+def test_bytes_that_are_not_utf8_are_a_row_error_never_a_silent_replacement(tmp_path):
+    """A JSONL line of Latin-1 is that row's error (the rows around it read); a JSON array ends in one error row where
+    the read that met it starts (here the first: the file is one read chunk)."""
+    good = json.dumps({"id": 1, "messages": [{"role": "user", "content": "hi"}]}).encode()
+    jl = tmp_path / "latin1.jsonl"
+    jl.write_bytes(good + b"\n" + b'{"id": 2, "messages": [{"role": "user", "content": "caf\xe9"}]}\n' + good + b"\n")
+    rows = list(iter_source(jl))
+    assert [r.error for r in rows] == [None, "not UTF-8 text (byte e9 at offset 55 of the line); save the file as "
+                                             "UTF-8", None]
+    with pytest.raises(RowError, match="not UTF-8 text"):
+        decode_row(rows[1])
+    arr = tmp_path / "latin1.json"
+    arr.write_bytes(b"[" + good + b",\n" + b'{"content": "caf\xe9"}]')
+    got = list(iter_source(arr))
+    assert [(r.line, r.error) for r in got] == [(1, "not UTF-8 text from here on; save the file as UTF-8 (the rest of "
+                                                   "the file is not read)")]
+
+
 def test_hostile_lines_are_row_errors_and_lines_end_at_newline_only(tmp_path):
     """A row nested 100,000 deep or holding a 5,000-digit integer is one malformed row (JSONL) or ends a JSON array
     with one error row, never a traceback; U+2028, U+0085 and a lone CR inside a JSONL row do not split it."""

@@ -215,6 +215,21 @@ def test_a_row_regenerate_reads_is_a_row_import_reads():
         _parse(json.dumps({"messages": [{"role": "developer", "content": "d"}, {"role": "assistant", "content": "a"}]}))
 
 
+def test_rows_without_an_id_get_one_each_whatever_the_container(tmp_path):
+    """A compact JSON array holds every element on line 1: its rows are row-1, row-2, ... (never one duplicate id);
+    JSONL rows are line-N. A line that is not UTF-8 is that row's reason, as import gives it."""
+    rows = [{"messages": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": "a"}]}
+            for i in range(3)]
+    arr = tmp_path / "compact.json"
+    arr.write_text(json.dumps(rows))
+    assert [(line, rid, why) for line, rid, _, why in rg.read_rows(arr)] == [(1, f"row-{i}", None) for i in (1, 2, 3)]
+    jl = tmp_path / "rows.jsonl"
+    jl.write_bytes(json.dumps(rows[0]).encode() + b"\n" + json.dumps(rows[1]).encode().replace(b"q1", b"q\xe9")
+                   + b"\n")
+    got = [(line, rid, why) for line, rid, _, why in rg.read_rows(jl)]
+    assert got[0] == (1, "line-1", None) and got[1][:2] == (2, None) and got[1][2].startswith("not UTF-8 text (byte e9")
+
+
 def test_tool_definitions_are_sent_and_kept(tmp_path):
     """A row's `tools` (a list, or ShareGPT's JSON string) reach the server with every request and stay in the
     output, so import renders the prompt the server saw; a `tools` that is neither is a skipped row."""

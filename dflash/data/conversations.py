@@ -82,12 +82,14 @@ class RowError(ValueError):
 @dataclass
 class SourceRow:
     """One row of a source file: its line (JSONL, JSON array) or row number (Parquet), and either the raw
-    text (JSONL), the decoded value (JSON array, Parquet) or why it could not be read."""
+    text (JSONL), the decoded value (JSON array, Parquet) or why it could not be read. `index`: an element's
+    1-based place in a JSON array (several can start on one line), 0 for the other containers."""
 
     line: int
     raw: str | None = None
     value: object = None
     error: str | None = None
+    index: int = 0
 
 
 # ---------------------------------------------------------------------------------------------
@@ -125,22 +127,40 @@ def iter_source(path: Path) -> Iterator[SourceRow]:
         with open(path, "rb") as f:
             for lineno, raw in binary_lines(f):  # lines end at "\n" only
                 if raw.strip():
-                    yield SourceRow(lineno, raw=raw.decode("utf-8", errors="replace"))
+                    try:
+                        yield SourceRow(lineno, raw=raw.decode("utf-8"))
+                    except UnicodeDecodeError as e:
+                        yield SourceRow(lineno, error=f"not UTF-8 text (byte {raw[e.start]:02x} at offset {e.start} "
+                                                      "of the line); save the file as UTF-8")
+
+
+_NOT_UTF8_ARRAY = "not UTF-8 text from here on; save the file as UTF-8 (the rest of the file is not read)"
+
+
+def _read_text(f) -> str | None:
+    """The next chunk of a text file opened strictly as UTF-8, or None where its bytes are not UTF-8."""
+    try:
+        return f.read(_READ_CHUNK)
+    except UnicodeDecodeError:
+        return None
 
 
 def _iter_json_array(path: Path) -> Iterator[SourceRow]:
     """Elements of a top-level JSON array, decoded one at a time from a sliding buffer (bounded memory:
     one element plus one read chunk). A syntax error ends the file with one error row at its line."""
     decoder = json.JSONDecoder()
-    with open(path, encoding="utf-8-sig", errors="replace") as f:
+    with open(path, encoding="utf-8-sig") as f:
         buf, pos, line, eof = "", 0, 1, False
-        opened = False
+        opened, index = False, 0
         while True:
             while pos < len(buf) and (buf[pos] in " \t\r\n" or (opened and buf[pos] == ",")):
                 line += buf[pos] == "\n"
                 pos += 1
             if pos >= len(buf) and not eof:
-                chunk = f.read(_READ_CHUNK)
+                chunk = _read_text(f)
+                if chunk is None:
+                    yield SourceRow(line, error=_NOT_UTF8_ARRAY)
+                    return
                 buf, pos, eof = buf[pos:] + chunk, 0, not chunk
                 continue
             if pos >= len(buf):
@@ -156,7 +176,10 @@ def _iter_json_array(path: Path) -> Iterator[SourceRow]:
                 value, end = decoder.raw_decode(buf, pos)
             except json.JSONDecodeError as e:
                 if not eof:  # maybe an element cut by the read chunk: read more
-                    chunk = f.read(_READ_CHUNK)
+                    chunk = _read_text(f)
+                    if chunk is None:
+                        yield SourceRow(line, error=_NOT_UTF8_ARRAY)
+                        return
                     buf, pos, eof = buf[pos:] + chunk, 0, not chunk
                     continue
                 yield SourceRow(line + buf.count("\n", pos, e.pos),
@@ -166,7 +189,8 @@ def _iter_json_array(path: Path) -> Iterator[SourceRow]:
                 why = "nested too deeply" if isinstance(e, RecursionError) else str(e).split(";")[0][:120]
                 yield SourceRow(line, error=f"not valid JSON ({why}); the rest of the file is not read")
                 return
-            yield SourceRow(line, value=value)
+            index += 1
+            yield SourceRow(line, value=value, index=index)
             line += buf.count("\n", pos, end)
             pos = end
 

@@ -150,8 +150,9 @@ def parse_row(row: SourceRow) -> Conversation:
     `row_messages`, `row_tools`, so a row regenerate reads is a row import reads, and the other way round); BadRow
     with the reason (and `.rid` when known) otherwise.
 
-    A row without an id (or a null one) gets `line-<line>`, its line (JSONL, JSON array) or row number (Parquet):
-    stable across reruns of the same input file. Regenerate's own rules, on top of import's: an id must be a string
+    A row without an id (or a null one) gets `line-<line>`, its line (JSONL) or row number (Parquet), or in a JSON
+    array `row-<n>`, the element's place (several elements can share a line): stable across reruns of the same input
+    file. Regenerate's own rules, on top of import's: an id must be a string
     or an integer (finished ids are matched on it), the row needs an assistant turn to regenerate, and what its output
     line would hold (id, messages, tools) must be writable as UTF-8 JSON.
     """
@@ -160,7 +161,8 @@ def parse_row(row: SourceRow) -> Conversation:
     except RowError as e:
         raise BadRow(str(e)) from None
     rid = value.get("id")
-    rid = f"line-{row.line}" if rid is None else rid
+    if rid is None:
+        rid = f"row-{row.index}" if row.index else f"line-{row.line}"
     if not isinstance(rid, (str, int)) or isinstance(rid, bool):
         raise BadRow("`id` is not a string or an integer")
     try:

@@ -94,6 +94,18 @@ def test_the_default_layer_ids_spelled_out_are_no_change_for_either(finished):
     assert verdict.status == "pass" and refused is None and sampler is not None
 
 
+def test_the_same_target_folder_spelled_another_way_is_no_change_for_either(finished):
+    """target.path through a link to the same folder: both resolve it, neither refuses (a copy elsewhere is refused)."""
+    root, raw = finished
+    link = root / "target-link"
+    if not link.exists():
+        link.symlink_to(raw["target"]["path"], target_is_directory=True)
+    cfg = _with(raw, {"target.path": str(link)})
+    verdict = _preflight(cfg)
+    refused, _, sampler = _trainer(cfg)
+    assert verdict.status == "pass" and refused is None and sampler is not None
+
+
 def _saved_sampler(cfg) -> dict:
     return load_trainer_state(rundir.checkpoint_path(cfg.output_dir, STEP))["sampler"]
 

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from dflash.config import default_target_layer_ids
+from dflash.models.smollm2 import is_embedded, local_folder
 from dflash.runs.metrics import trim_metrics
 from dflash.runs.rundir import (
     ABANDONED_STEM,
@@ -188,6 +189,16 @@ def _default_layer_ids(target_layers: int | None, n: int) -> list[int] | None:
         return None
 
 
+def _same_target(old, new: str) -> bool:
+    """Whether two target.path values name one target: the same words, or the same folder however it is spelled
+    (relative or absolute, through a link), found as target.path is (dflash.models.smollm2.local_folder)."""
+    if old == new:
+        return True
+    if not isinstance(old, str) or is_embedded(old) or is_embedded(new):
+        return False
+    return local_folder(old).resolve() == local_folder(new).resolve()
+
+
 def model_changes(saved: dict, cfg: RunConfig, target_layers: int | None) -> list[str]:
     """The settings of MODEL_FIELDS and drafter.target_layer_ids that differ between a checkpoint's config (`saved`,
     its meta.json "config") and `cfg`, e.g. ["drafter.block_size 4 -> 8"]. Layer ids compare as resolved over the
@@ -197,7 +208,8 @@ def model_changes(saved: dict, cfg: RunConfig, target_layers: int | None) -> lis
     out = []
     for section, key in MODEL_FIELDS:
         old = (saved.get(section) or {}).get(key)
-        if old != now[section][key]:
+        same = _same_target(old, now[section][key]) if (section, key) == ("target", "path") else old == now[section][key]
+        if not same:
             out.append(f"{section}.{key} {old!r} -> {now[section][key]!r}")
     old_ids = (saved.get("drafter") or {}).get("target_layer_ids")
     new_ids = cfg.drafter.target_layer_ids

@@ -28,7 +28,7 @@ from dflash.config import TopologyConfig  # noqa: E402
 from dflash.errors import UsageError  # noqa: E402
 from dflash.memory.pace import after_first_window, busy_rates, suggested_splits  # noqa: E402
 from dflash.runs import records  # noqa: E402
-from dflash.runs.metrics import read_metrics
+from dflash.runs.metrics import read_metrics  # noqa: E402
 
 
 def summarize(run_dir: Path) -> dict:
@@ -52,7 +52,11 @@ def summarize(run_dir: Path) -> dict:
         t_rate, d_rate, n = busy
         # unrounded: the lines below and the run's own summary format the same floats
         out["busy_tok_s_per_gpu"] = {"target": t_rate, "drafter": d_rate, "windows": n}
-        world = len(TopologyConfig.model_validate((snap.get("config") or {}).get("topology") or {}).gpu_roles)
+        try:
+            topology = TopologyConfig.model_validate((snap.get("config") or {}).get("topology") or {})
+        except ValueError as e:
+            raise UsageError(f"{run_dir}: snapshot.json's topology does not validate ({str(e).splitlines()[0]})") from None
+        world = len(topology.gpu_roles)
         out["suggested_splits"] = [{"gpus": g, "targets": t, "drafters": d, "expected_tok_per_s": x}
                                    for g, t, d, x in suggested_splits(t_rate, d_rate, (world, 8))]
     saves = [{"step": r["step"], "stall_s": r["save_stall_s"], "wait_s": r.get("save_wait_s"),

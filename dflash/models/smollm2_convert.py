@@ -2,7 +2,7 @@
 once as a Hugging Face folder in the cache (dflash.models.smollm2 names where); every later run reuses it.
 
     from dflash.models.smollm2_convert import resolve_target
-    path = resolve_target("smollm2")         # -> the converted folder; other paths pass through
+    path = resolve_target("smollm2")         # -> the converted folder; another value -> its folder
 """
 
 from __future__ import annotations

@@ -53,7 +53,6 @@ from dflash.runs.rundir import (
 from dflash.runs.verify import is_legacy, legacy_message, read_meta, resume_fix
 
 FORMAT = 2  # meta.json "format": 2 = JSON + safetensors trainer state (1 was a pickled trainer_state.pt)
-load_meta = read_meta  # the older name
 
 
 def save_trainer_state(folder: str | Path, state: dict) -> None:

@@ -1,4 +1,5 @@
-"""The run dir: its layout, its checkpoints, and the explicit resume/fresh rule. Torch-free.
+"""The run dir: its layout, names and listing, markers and the best link (the resume/fresh rule: dflash.runs.resume;
+verification: dflash.runs.verify; the lock: dflash.runs.lock; metrics.jsonl: dflash.runs.metrics). Torch-free.
 
     <output_dir>/
         config.json                 the resolved run config, written when a run starts
@@ -22,7 +23,7 @@
         heldout.json                the held-out sample ids ([eval] holdout) the run never trains on
         running.json                pid and host of the process training now (removed when it returns;
                                     left behind by a crash or a kill, with the error when there was one)
-        .lock                       the run dir's exclusive lock (`lock_run_dir`): flock'ed by the one trainer
+        .lock                       the run dir's exclusive lock (`dflash.runs.lock.lock_run_dir`): flock'ed by the one trainer
                                     using the dir, with its pid, host and start time; removed when it returns
         report/                     dflash-report's HTML and PNGs
         tensorboard/                --report-to tensorboard's event files
@@ -61,7 +62,7 @@ BEST_NAME = "best"  # inside CHECKPOINTS_DIR: a relative symlink to a step_* fol
 HELDOUT_NAME = "heldout.json"
 RUNNING_NAME = "running.json"
 RANKS_NAME = "ranks.json"  # the split launcher's rank plan (which GPU holds which role)
-LOCK_NAME = ".lock"  # flock'ed by the trainer using the run dir (`lock_run_dir`)
+LOCK_NAME = ".lock"  # flock'ed by the trainer using the run dir (dflash.runs.lock.lock_run_dir)
 REPORT_DIR = "report"
 TENSORBOARD_DIR = "tensorboard"  # --report-to tensorboard's event files
 STEP_PREFIX = "step_"

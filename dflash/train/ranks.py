@@ -33,6 +33,7 @@ from dflash.models.target import torch_dtype
 from dflash.runs import checkpoint as ckpt
 from dflash.runs import rundir
 from dflash.runs.lock import release_held_locks
+from dflash.runs.verify import read_meta
 from dflash.train.features import RemoteTargets
 from dflash.train.layout import Rank, ranks_for
 
@@ -78,7 +79,7 @@ def _start_step(cfg: RunConfig, resume_from: Path | None, dataset, sampler) -> i
         return 0
     from dflash.runs.resume import restore_position
 
-    return restore_position(sampler, dataset, ckpt.load_trainer_state(resume_from), ckpt.load_meta(resume_from),
+    return restore_position(sampler, dataset, ckpt.load_trainer_state(resume_from), read_meta(resume_from),
                             log=lambda *_: None)
 
 

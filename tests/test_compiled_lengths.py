@@ -116,3 +116,43 @@ def test_a_recompile_limit_ends_the_run_in_one_line_with_its_checkpoints_intact(
     assert len(metrics(out)) == 20
     outcome = json.loads((out / "outcome.json").read_text())
     assert outcome["ended"]["how"] == "crashed" and outcome["ended"]["step"] == 20
+
+
+def _dp_rank(rank: int, raw: dict, port: int) -> None:
+    """One co-located data-parallel rank (gloo), compiled on the CPU as `compiled_on_cpu` sets it up; the worker ends
+    the process itself (os._exit with the run's code)."""
+    import os
+
+    import dflash.models.attention as attention
+    import dflash.models.drafter as drafter
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2",
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    attention.FLEX_COMPILE_DEVICES = ("cuda", "cpu")
+    attention.COMPILE_BACKEND = drafter.COMPILE_BACKEND = "aot_eager"
+    from dflash.config import config_from_dict
+    from dflash.train.ranks import worker
+
+    worker(config_from_dict(raw), None)
+
+
+@pytest.mark.e2e
+def test_co_located_data_parallel_ranks_prime_and_build_no_graph_after_the_first_step(tmp_path, capfd):
+    """Two co-located DP ranks over gloo, the drafter DDP-wrapped: the shape classes are traced before the first step
+    (the priming backward under no_sync: nothing is reduced), then no rank builds a graph (each would print
+    "recompiled after step N"), and the run finishes with both ranks' exit code 0."""
+    import torch.multiprocessing as mp
+
+    from trainkit import free_port
+
+    _, raw = _lognormal_run(tmp_path, max_steps=12, save_every=1000)
+    raw["topology"] = {"colocated_gpus": ["0", "1"], "timeout_s": 60}
+    Path(raw["output_dir"]).mkdir()
+    mp.spawn(_dp_rank, args=(raw, free_port()), nprocs=2, join=True)  # raises unless both ranks exit 0
+    out = capfd.readouterr().out
+    outcome = json.loads((Path(raw["output_dir"]) / "outcome.json").read_text())
+    graphs = outcome["compiled_graphs"]
+    assert "compile: 2 shape class(es) (rows >= 2, one row)" in out and "recompiled after" not in out, out[-2000:]
+    assert outcome["ended"]["how"] == "finished" and outcome["step"] == 12
+    assert graphs["first_step"] >= 3 and graphs["last"] == graphs["first_step"], outcome.get("recompile_causes")
+    assert {r["recompiles"] for r in metrics(Path(raw["output_dir"]))} == {0}

@@ -52,6 +52,10 @@ class Recorder:
         """Start the tok/s window now (or at `t0`)."""
         self.window = {"t0": time.perf_counter() if t0 is None else t0, "tokens": 0}
 
+    def window_so_far(self) -> tuple[float, int]:
+        """(seconds, this rank's tokens) of the tok/s window up to now."""
+        return time.perf_counter() - self.window["t0"], self.window["tokens"]
+
     def count(self, mine: list[tuple[int, dict]]) -> None:
         """The tokens of this rank's batches of the step just trained."""
         self.window["tokens"] += sum(int(b["lengths"].sum()) for _, b in mine)

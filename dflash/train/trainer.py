@@ -483,11 +483,10 @@ class Trainer:
 
     def _record(self, m: dict, epoch: int) -> dict:
         """The metrics row of this step: loss and metrics averaged over ranks, tokens and timings summed."""
-        window = self.recorder.window
         if self.device.type == "cuda":
             torch.cuda.synchronize()
-        dt = time.perf_counter() - window["t0"]
-        counters = dict(self.source.counters(), tokens=float(window["tokens"]))
+        dt, tokens = self.recorder.window_so_far()
+        counters = dict(self.source.counters(), tokens=float(tokens))
         if self.group is not None:
             m = _mean_over_ranks(m, self.group, self.device)
             counters = _sum_over_ranks(counters, self.group, self.device)

@@ -183,6 +183,12 @@ class TrainConfig(_Strict):
         "off", description="mlp: each drafter MLP's forward and input-gradient matmuls in fp8 (e4m3, row scales; "
         "CUDA compute capability 8.9+; ~1.27x faster MLP on an H200, its outputs ~6.6% from bf16: bench/fp8_mlp.py)",
     )
+    data_parallel: Literal["auto", "ddp", "fsdp2"] = Field(
+        "auto", description="how several drafter ranks hold the drafter: ddp (a full replica and its fp32 state on "
+        "every rank), fsdp2 (fully_shard per drafter layer: parameters, gradients and AdamW state split over the "
+        "ranks, the frozen target whole on each); auto = ddp where the memory model fits it, else fsdp2 "
+        "(ddp on CPU); one drafter rank uses neither",
+    )
     cache_features: bool = Field(
         False, description="keep each sample's target features in memory after its first batch, so later epochs "
         "skip the target (co-located runs on small data: ~tokens x layers x hidden x 4 bytes)",
@@ -356,6 +362,14 @@ class RunConfig(_Strict):
         if self.train.cache_features and self.topology.colocated_gpus:
             raise ValueError("train.cache_features works on one device only (in topology.colocated_gpus every rank "
                              "would cache every sample it meets, N copies); drop it or topology.colocated_gpus")
+        return self
+
+    @model_validator(mode="after")
+    def _fsdp2_is_colocated_dp(self) -> RunConfig:
+        if self.train.data_parallel == "fsdp2" and self.topology.target_gpus:
+            raise ValueError("train.data_parallel = \"fsdp2\" shards the drafter over co-located data-parallel ranks "
+                             "(topology.colocated_gpus); a split run's drafter ranks use ddp: set "
+                             "train.data_parallel = \"auto\" or \"ddp\"")
         return self
 
     @model_validator(mode="after")

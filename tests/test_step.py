@@ -93,7 +93,7 @@ def test_the_drafter_step_never_waits_for_the_gpu(tmp_path):
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            loss, m = micro_step(trainer.model, trainer.embed_w, trainer.head_w, batch, features, cfg,
+            loss, m = micro_step(trainer.par.module, trainer.embed_w, trainer.head_w, batch, features, cfg,
                                  trainer.device, trainer.attn_backend, k)
             loss.backward()
             m["grad_norm"] = clip_and_step(trainer.drafter, trainer.optimizer, cfg)
@@ -125,7 +125,7 @@ def test_one_drafter_rank_trains_without_ddp(tmp_path):
     try:
         trainer = Trainer(cfg, local_source(cfg, torch.device("cpu"), log=lambda *_: None),
                           group=dist.group.WORLD, log=lambda *_: None)
-        assert trainer.world == 1 and trainer.model is trainer.drafter
+        assert trainer.world == 1 and trainer.par.mode == "none"
         trainer.train_step(next(trainer.step_batches())[2])
     finally:
         dist.destroy_process_group()

@@ -203,15 +203,21 @@ def _tensors(key, value) -> list[tuple]:
     return []
 
 
-def snapshot(step: int, drafter, optimizer, trainer_state: dict, host: HostCopies | None = None) -> Snapshot:
+def snapshot(step: int, drafter, optimizer, trainer_state: dict, host: HostCopies | None = None,
+             full_state=None) -> Snapshot:
     """The state of checkpoint `step`. With `host`, copies that training may run on from (on CUDA: non-blocking
     copies into pinned buffers, then one synchronize, the only wait); without, the live tensors, to be written
-    before the next step changes them."""
-    if host is None:
+    before the next step changes them. `full_state(keep) -> (weights, optimizer state)`: how a sharded drafter's
+    full state is gathered, each tensor through `keep` (a host copy) as soon as it is whole; it is always copied."""
+    if host is None and full_state is None:
         return Snapshot(step, drafter, None, optimizer.state_dict(), trainer_state)
+    host = host or HostCopies()
     host.ready()
-    weights = {k: host.copy(("weights", k), v) for k, v in drafter.state_dict().items()}
-    optimizer_state = host.tree("optimizer", optimizer.state_dict())
+    if full_state is None:
+        weights = {k: host.copy(("weights", k), v) for k, v in drafter.state_dict().items()}
+        optimizer_state = host.tree("optimizer", optimizer.state_dict())
+    else:
+        weights, optimizer_state = full_state(host.copy)
     state = host.tree("trainer", trainer_state)
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.synchronize()
@@ -329,13 +335,14 @@ class CheckpointWriter:
         self._pin_reported = False
 
     def save(self, step: int, drafter, optimizer, trainer_state: dict, cfg: RunConfig, dataset_meta: dict,
-             keep_last: int, provenance: dict | None = None, then=None) -> dict:
+             keep_last: int, provenance: dict | None = None, then=None, full_state=None) -> dict:
         """Save checkpoint `step`; returns the caller's timings: save_wait_s (waiting for the previous save),
-        save_stall_s (all the time this call blocked) and, when written here, save_write_s."""
+        save_stall_s (all the time this call blocked) and, when written here, save_write_s. `full_state`: see
+        ``snapshot``."""
         t0 = time.perf_counter()
         waited = self.wait()
         pinning = self.host.ready() if self.host is not None else 0.0  # a reservation still pinning: its rest
-        snap = snapshot(step, drafter, optimizer, trainer_state, self.host)
+        snap = snapshot(step, drafter, optimizer, trainer_state, self.host, full_state)
         times = {"save_wait_s": round(waited, 3), **({"save_pin_wait_s": round(pinning, 3)} if pinning > 0.01 else {})}
         if self.host is not None and self.host.reserve_s is not None and not self._pin_reported:
             times["save_pin_s"] = self.host.reserve_s  # the first save's row: how long pinning its buffers took
@@ -431,8 +438,14 @@ def _one_line(err: BaseException) -> str:
 
 def load_checkpoint(path: Path, drafter, optimizer, device) -> tuple[dict, dict]:
     """Load weights + optimizer into the given objects; return (trainer_state, meta). Raises CheckpointError."""
-    import pickle
+    state, meta = load_weights(path, drafter, device)
+    load_optimizer(path, optimizer, device)
+    return state, meta
 
+
+def load_weights(path: Path, drafter, device) -> tuple[dict, dict]:
+    """The drafter's weights (before any sharding: a checkpoint holds the full state); returns (trainer_state,
+    meta). Raises CheckpointError."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
@@ -452,20 +465,27 @@ def load_checkpoint(path: Path, drafter, optimizer, device) -> tuple[dict, dict]
     if missing or unexpected:
         raise CheckpointError(f"{weights}: drafter weights do not match this drafter "
                               f"(missing {missing[:3]}, unexpected {unexpected[:3]}); use --fresh")
-    opt_path = path / OPTIMIZER_NAME
+    return trainer_state, meta
+
+
+def load_optimizer(path: Path, optimizer, device, load=None) -> None:
+    """The optimizer's full state into `optimizer`, through `load(state)` (optimizer.load_state_dict when None; a
+    sharded drafter's places each moment on its shard). Raises CheckpointError."""
+    import pickle
+
+    opt_path = Path(path) / OPTIMIZER_NAME
     try:
         opt_state = torch.load(opt_path, map_location=device, weights_only=True)
     except FileNotFoundError:
-        raise _missing(opt_path, path) from None
+        raise _missing(opt_path, Path(path)) from None
     except pickle.UnpicklingError:  # weights_only refused it: not a plain tensor file
-        raise _corrupt(opt_path, "not a tensors-only torch file", path) from None
+        raise _corrupt(opt_path, "not a tensors-only torch file", Path(path)) from None
     except (OSError, RuntimeError, ValueError, EOFError) as e:
-        raise _corrupt(opt_path, _one_line(e), path) from None
+        raise _corrupt(opt_path, _one_line(e), Path(path)) from None
     try:
-        optimizer.load_state_dict(opt_state)
+        (load or optimizer.load_state_dict)(opt_state)
     except (KeyError, ValueError, RuntimeError, TypeError) as e:
         raise CheckpointError(f"{opt_path} does not fit this drafter's optimizer ({_one_line(e)}); "
                               "use --fresh") from None
     for group in optimizer.param_groups:  # load_state_dict restores a saved group's flags: a CPU checkpoint written
         group["fused"] = True             # before AdamW was fused everywhere says False (dflash.train.step.build_optimizer)
-    return trainer_state, meta

@@ -40,7 +40,7 @@ from dflash.runs import checkpoint as ckpt
 from dflash.runs import rundir
 from dflash.runs.resume import incompatible, incompatible_fix, restore_position
 from dflash.runs.verify import checkpoint_problem, meta_or_problem, read_meta
-from dflash.train import compiled
+from dflash.train import compiled, parallel
 from dflash.train.features import FeatureSource, LocalTarget, local_source, target_folder
 from dflash.train.heldout import best_key
 from dflash.train.loss import read_metrics
@@ -49,7 +49,6 @@ from dflash.train.step import (
     average_metrics,
     build_optimizer,
     clip_and_step,
-    grad_norm,
     micro_step,
     pad_token_id,
     resolve_mask_token_id,
@@ -130,6 +129,7 @@ class Trainer:
         with torch.device(self.device):  # drawn where it trains: the 27B preset's 1.7B parameters took 24 s on two cores
             self.drafter = DFlashDrafter(dcfg)
         self.drafter.to(self.device, torch.float32)
+        self.data_parallel, self.parallel_why = self._choose_parallel()
         self.recompute, self.recompute_why = self._choose_recompute()
         self.drafter.set_recompute(self.recompute)
         self.drafter.set_compile(cfg.train.compile and compiled_on(self.device))
@@ -144,7 +144,6 @@ class Trainer:
         except ValueError as e:  # drafter sizes the fp8 matmuls cannot take
             raise ConfigError(str(e)) from None
         self.embed_w, self.head_w = source.frozen_weights()
-        self.optimizer = build_optimizer(self.drafter, cfg)
         self.step = 0
         self.resumed_from = None
         self.init_line = None
@@ -155,20 +154,39 @@ class Trainer:
             from dflash.train.warmstart import load_init
 
             self.init_line = load_init(self.drafter, cfg.init_from)
-        if resume_from is not None:
-            self._resume(resume_from)
+        resumed = self._resume_weights(resume_from) if resume_from is not None else None  # full state, before sharding
+        # the one wrap site: one rank bare, several DDP or FSDP2 (dflash.train.parallel); the optimizer after it
+        self.par = parallel.wrap(self.drafter, self.data_parallel, group, self.device)
+        self.measure_only = parallel.is_fake(group)  # the fake process group measures memory and compute only
+        self.optimizer = build_optimizer(self.drafter, cfg)
+        if resumed is not None:
+            self._resume(resume_from, *resumed)
         self.heldout = self._heldout()
         self.best_key = best_key(cfg)
         self.best = _best_value(self.out, self.best_key) if self.heldout is not None else None
-        self.model = self.drafter
-        if self.world > 1:  # one drafter rank has nothing to reduce: no DDP, no gradient buckets (1730M params: 6.4 GiB)
-            from torch.nn.parallel import DistributedDataParallel as DDP
-
-            # gradients as views of DDP's buckets: one fp32 copy of them, not the buckets and the grads
-            self.model = DDP(self.drafter, process_group=group, gradient_as_bucket_view=True,
-                             device_ids=[self.device.index] if self.device.type == "cuda" else None)
         # seconds per startup phase, logged and recorded at the first step (colocated() adds the target's load)
         self.startup = {"setup_s": round(time.perf_counter() - t_setup, 1)}
+
+    def _choose_parallel(self) -> tuple[str, str]:
+        """How several drafter ranks hold the drafter (train.data_parallel, or for auto what the memory model fits on
+        this GPU: ddp where it fits, else fsdp2); "none" for one rank."""
+        mode = self.cfg.train.data_parallel
+        if self.world == 1:
+            return "none", "one drafter rank"
+        if mode != "auto":
+            return mode, "as configured"
+        if self.device.type != "cuda":
+            return "ddp", "auto on CPU"
+        from dflash.memory.parts import choose_parallel
+
+        free, _total = torch.cuda.mem_get_info(self.device)
+        usable = free + torch.cuda.memory_reserved(self.device)
+        try:
+            mode, _recompute, need = choose_parallel(self.cfg, self.cfg.topology.trainer_role, torch.version.cuda or "12.8",
+                                                     usable)
+        except ValueError as e:  # a shape the memory model cannot read: the replica DDP always was
+            return "ddp", f"auto: memory model unavailable ({e})"
+        return mode, f"auto: predicted peak {need / 2**30:.1f} GiB of {usable / 2**30:.1f} GiB usable on {self.device}"
 
     def _choose_recompute(self) -> tuple[str, str]:
         """train.recompute as configured, or for auto the fastest mode the memory model fits on this GPU."""
@@ -182,10 +200,18 @@ class Trainer:
         free, _total = torch.cuda.mem_get_info(self.device)
         usable = free + torch.cuda.memory_reserved(self.device)  # what this process can hold
         try:
-            mode, need = choose_recompute(self.cfg, self.cfg.topology.trainer_role, torch.version.cuda or "12.8", usable)
+            mode, need = choose_recompute(self._resolved(), self.cfg.topology.trainer_role, torch.version.cuda or "12.8",
+                                          usable)
         except ValueError as e:  # a shape the memory model cannot read: keep every activation
             return recompute_mode(self.cfg), f"auto: memory model unavailable ({e})"
         return mode, f"auto: predicted peak {need / 2**30:.1f} GiB of {usable / 2**30:.1f} GiB usable on {self.device}"
+
+    def _resolved(self) -> RunConfig:
+        """The run config with train.data_parallel as chosen (the memory model counts what this run holds)."""
+        if self.data_parallel in ("ddp", "fsdp2"):
+            return self.cfg.model_copy(update={"train": self.cfg.train.model_copy(
+                update={"data_parallel": self.data_parallel})})
+        return self.cfg
 
     def _heldout(self):
         """The held-out evaluator of a run with [eval] (co-located only: dflash.config refuses it in split runs)."""
@@ -218,11 +244,17 @@ class Trainer:
         return {"path": self.cfg.data.path, "samples": self.dataset.num_samples,
                 "fingerprint": self.dataset.fingerprint}
 
-    def _resume(self, path: Path) -> None:
+    def _resume_weights(self, path: Path) -> tuple[dict, dict]:
+        """A checkpoint's weights into the drafter, before it is wrapped; (trainer state, meta)."""
         refused = incompatible(path, read_meta(path), self.cfg, self.source.target_config.num_hidden_layers)
         if refused:  # preflight's run-dir check fails with the same line (dflash.runs.resume)
             raise rundir.RunDirError(f"{refused}; {incompatible_fix('the run config')}")
-        state, meta = ckpt.load_checkpoint(path, self.drafter, self.optimizer, self.device)
+        return ckpt.load_weights(path, self.drafter, self.device)
+
+    def _resume(self, path: Path, state: dict, meta: dict) -> None:
+        """The rest of a resume once the optimizer exists: its state (onto the shards under fsdp2), the position."""
+        ckpt.load_optimizer(path, self.optimizer, self.device,
+                             lambda state: self.par.load_optimizer_state(self.optimizer, state))
         self.step = restore_position(self.sampler, self.dataset, state, meta, self.log)
         if state.get("rng_cpu") is not None:
             torch.set_rng_state(state["rng_cpu"])
@@ -236,19 +268,22 @@ class Trainer:
         checkpoints/best at it). Returns the timings for the step's metrics row: save_stall_s (the loop was blocked),
         save_wait_s (of which waiting for the previous save) and, written here, save_write_s."""
         t0 = time.perf_counter()
-        named = list(self.drafter.named_parameters())
-        finite = torch.stack([torch.isfinite(p).all() for _, p in named]).tolist()  # one read of the device
-        bad = [name for (name, _), ok in zip(named, finite) if not ok]
-        if bad:  # a finite loss and gradient can still give a non-finite update (an overflowing AdamW step)
+        bad = self.par.nonfinite_params()  # one read of the device (under fsdp2 every rank's shards, all-reduced)
+        if bad and not self.measure_only:  # a finite loss and gradient can still give a non-finite update
             raise NonFiniteError(f"step {self.step}: drafter weights are not finite ({', '.join(bad[:3])}); {DIVERGED_FIX}")
+        sharded = self.par.mode == "fsdp2"
+        if not self.is_logger:  # a sharded drafter: this rank's part of every gather, nothing kept
+            self.par.full_state(self.optimizer, lambda _key, _t: None)
+            return {}
 
         state = {"step": self.step, "sampler": self.sampler.state_dict(), "rng_cpu": torch.get_rng_state(),
                  "rng_cuda": torch.cuda.get_rng_state() if self.device.type == "cuda" else None,
                  "n_drafters": self.world}
         extra = dict(self.provenance, **({"heldout": heldout} if heldout else {}))
         then = (lambda path: rundir.set_best(self.out, path)) if best else None
+        full = (lambda keep: self.par.full_state(self.optimizer, keep)) if sharded else None
         times = self.writer.save(self.step, self.drafter, self.optimizer, state, self.cfg, self._dataset_meta(),
-                                 self.cfg.train.keep_last, extra, then)
+                                 self.cfg.train.keep_last, extra, then, full)
         self.last_checkpoint = rundir.checkpoint_path(self.out, self.step)
         times["save_stall_s"] = round(time.perf_counter() - t0, 3)
         return times
@@ -257,17 +292,16 @@ class Trainer:
         """One optimizer step over this rank's batches [(global index, batch)]; plain-float metrics."""
         lr = set_lr(self.optimizer, self.cfg, self.step, self.total_steps)
         # DDP's grads are views of its buckets: zeroed in place (set to None, a no_sync micro-batch would allocate a
-        # second fp32 copy beside the buckets); a bare drafter frees them until backward needs them again.
-        self.optimizer.zero_grad(set_to_none=self.model is self.drafter)
+        # second fp32 copy beside the buckets); a bare or sharded drafter frees them until backward needs them again.
+        self.optimizer.zero_grad(set_to_none=self.par.zero_to_none)
         raws = []
         try:
             for i, (k, batch) in enumerate(mine):
                 batch = to_device(batch, self.device)
                 features = self.source.features(k, batch)
                 last = i == len(mine) - 1
-                sync = self.model.no_sync() if self.model is not self.drafter and not last else contextlib.nullcontext()
-                with sync:
-                    loss, m = micro_step(self.model, self.embed_w, self.head_w, batch, features, self.cfg,
+                with self.par.accumulating(last):
+                    loss, m = micro_step(self.par.module, self.embed_w, self.head_w, batch, features, self.cfg,
                                          self.device, self.attn_backend, k)
                     (loss / len(mine)).backward()
                 raws.append(m)
@@ -275,14 +309,14 @@ class Trainer:
             if compiled.is_limit_hit(e):  # never on into eager code: one line, nothing saved from this step
                 raise compiled.limit_error(self.step + 1, self.watch) from None
             raise
-        norm = grad_norm(self.drafter)
+        norm = self.par.grad_norm()
         # The step's one read of its results: every batch's metrics and the norm, once backward is queued and before
         # the update is: a diverged step never updates, and the update's kernels run while the host prepares the
         # next step. (A split run's drafter also waits for each batch's features to arrive.)
         parts = read_metrics([*raws, {"grad_norm": norm}])
         norm_value = parts.pop()["grad_norm"]
         out = average_metrics(parts)
-        if not math.isfinite(out["loss"]) or not math.isfinite(norm_value):
+        if (not math.isfinite(out["loss"]) or not math.isfinite(norm_value)) and not self.measure_only:
             raise NonFiniteError(f"step {self.step + 1}: loss {out['loss']}, gradient norm {norm_value}: training "
                                  f"diverged; {DIVERGED_FIX}")
         clip_and_step(self.drafter, self.optimizer, self.cfg, norm)
@@ -331,7 +365,8 @@ class Trainer:
                  f"{n_params / 1e6:.1f}M trainable params; attention {self.attn_backend} on {self.device}; "
                  f"recompute {self.recompute} ({self.recompute_why})"
                  + (f"; fp8 {self.cfg.train.fp8} (e4m3 MLP matmuls)" if self.cfg.train.fp8 != "off" else "")
-                 + (f"; {self.world} data-parallel drafter ranks" if self.world > 1 else ""))
+                 + (f"; {self.world} data-parallel drafter ranks, {self.data_parallel} ({self.parallel_why})"
+                    if self.world > 1 else ""))
         self.log(f"features: {self.source.describe()}")
         if self.init_line:
             self.log(self.init_line)
@@ -445,9 +480,9 @@ class Trainer:
         return bool(t.item() > 0)
 
     def _save_if_logger(self, heldout: dict | None = None, best: bool = False) -> tuple[int, dict]:
-        """Rank 0 of the drafter group saves the checkpoint (replicas are identical); returns (the step, the save's
-        timings: {} on the other ranks)."""
-        times = self.save(heldout, best) if self.is_logger else {}
+        """Rank 0 of the drafter group saves the checkpoint (replicas are identical; a sharded drafter's ranks all
+        take part in gathering it); returns (the step, the save's timings: {} on the other ranks)."""
+        times = self.save(heldout, best) if self.is_logger or self.par.mode == "fsdp2" else {}
         return self.step, times
 
     def _evaluate(self) -> dict:
@@ -487,7 +522,7 @@ class Trainer:
             torch.cuda.synchronize()
         dt, tokens = self.recorder.window_so_far()
         counters = dict(self.source.counters(), tokens=float(tokens))
-        if self.group is not None:
+        if self.group is not None and not self.measure_only:  # the fake group's sums are this rank's own figures
             m = _mean_over_ranks(m, self.group, self.device)
             counters = _sum_over_ranks(counters, self.group, self.device)
         rec = dict(m, step=self.step, epoch=epoch, tok_per_s=round(counters["tokens"] / dt, 1),
@@ -498,10 +533,15 @@ class Trainer:
             rec["nvml_used_gib"] = _nvml_used_gib(self.device, self.cfg.topology.trainer_role)
         rec.update(self.source.rates(counters, dt, self.world))
         if self.group is not None and os.environ.get("DFLASH_CHECK_REPLICAS") == "1":
-            rec["replica_max_diff"] = _replica_max_diff(self.drafter, self.group, self.world)
+            diff = self.par.replica_max_diff()  # None under fsdp2: one copy of each shard, nothing to compare
+            if diff is not None:
+                rec["replica_max_diff"] = diff
         return rec
 
     def _finish(self, stop: StopFlag, stopping: bool) -> int:
+        weights = None
+        if self.par.mode == "fsdp2" and not stopping and not self.measure_only:  # every rank gathers the export
+            weights = self.par.full_weights((lambda _k, t: t.cpu()) if self.is_logger else (lambda _k, _t: None))
         if not self.is_logger:
             return 0
         rundir.clear_running(self.out)
@@ -513,7 +553,7 @@ class Trainer:
             self.log(f"stopped by {stop.signame or 'a peer signal'} at step {self.step}; checkpoint {path}")
             self.log(f"resume with: dflash-train --config <this config> --resume latest  (output_dir {self.out})")
             return 0
-        exported = self._export()
+        exported = self._export(weights) if not self.measure_only else "nothing: a fake process group trains nothing"
         rundir.clear_stopped(self.out)
         self.recorder.outcome.end("finished", self.step)
         self.log(f"done: {self.step} steps; checkpoint {path}; drafter saved to {self.out / rundir.DRAFTER_DIR} ({exported}); "
@@ -523,14 +563,17 @@ class Trainer:
             self.log(summary)
         return 0
 
-    def _export(self) -> str:
+    def _export(self, weights: dict | None = None) -> str:
         """Write <output_dir>/drafter, servable as published drafters are (bf16, the target's tokenizer files and
-        ids): checkpoints/best's weights (eval.export = best) or the last step's."""
+        ids): checkpoints/best's weights (eval.export = best) or the last step's (`weights`: a sharded drafter's,
+        gathered)."""
         best = self._verified_best() if self.heldout is not None and self.cfg.eval.export == "best" else None
         model, which = self.drafter, f"step {self.step}, the last"
         if best is not None:
             model, which = DFlashDrafter.from_pretrained(best / rundir.DRAFTER_DIR), f"{best.name}, checkpoints/best"
-        model.save_pretrained(self.out / rundir.DRAFTER_DIR, dtype=torch.bfloat16, target_dir=target_folder(self.cfg.target.path, self.log))
+        model.save_pretrained(self.out / rundir.DRAFTER_DIR, dtype=torch.bfloat16,
+                              target_dir=target_folder(self.cfg.target.path, self.log),
+                              state=weights if model is self.drafter else None)
         return which
 
     def _verified_best(self) -> Path | None:
@@ -598,13 +641,6 @@ def _sum_over_ranks(counters: dict, group, device) -> dict:
     t = torch.tensor([float(counters[k]) for k in keys], dtype=torch.float64, device=device)
     dist.all_reduce(t, group=group)
     return dict(zip(keys, t.tolist()))
-
-
-def _replica_max_diff(drafter, group, world: int) -> float:
-    flat = torch.cat([p.detach().flatten() for p in drafter.parameters()])
-    gathered = [torch.empty_like(flat) for _ in range(world)]
-    dist.all_gather(gathered, flat, group=group)
-    return max(float((g - gathered[0]).abs().max()) for g in gathered)
 
 
 def run(cfg: RunConfig, resume_from: Path | None, log=print, progress: bool | None = None,

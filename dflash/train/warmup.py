@@ -9,7 +9,6 @@ dflash.train.trainer.Trainer); this module never imports it (the trainer imports
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import time
 from pathlib import Path
@@ -79,10 +78,9 @@ def warm_steps(trainer, log=print) -> list[tuple[int, int]]:
         context = features(k, batch)
         loss, _ = micro_step(trainer.drafter, trainer.embed_w, trainer.head_w, batch, context, trainer.cfg,
                              trainer.device, trainer.attn_backend, k)
-        # the bare drafter, never through DDP's forward: its gradient hooks reduce nothing (no_sync says so twice)
-        with trainer.model.no_sync() if trainer.model is not trainer.drafter else contextlib.nullcontext():
+        with trainer.par.warm_backward():  # DDP reduces nothing; a sharded drafter's ranks all run the same batches
             loss.backward()
-        trainer.optimizer.zero_grad(set_to_none=trainer.model is trainer.drafter)
+        trainer.optimizer.zero_grad(set_to_none=trainer.par.zero_to_none)
         if trainer.heldout is not None:
             with torch.no_grad():
                 micro_step(trainer.drafter, trainer.embed_w, trainer.head_w, batch, context, trainer.cfg,

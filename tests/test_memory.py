@@ -538,7 +538,8 @@ def test_estimate_lists_each_layout_on_the_users_preset_as_its_own_model_numbers
     shape = load_target_shape(cfg.target.path)
     for gib, dp_fits in ((139, True), (95, False)):
         layouts = {x.layout: x for x in estimate(cfg, "12.8", gib * GiB).layouts}
-        assert [(x.layout, x.gpus) for x in layouts.values()] == [("colocated", 1), ("colocated-dp", 8), ("split", 8)]
+        assert [(x.layout, x.gpus) for x in layouts.values()] == [("colocated", 1), ("colocated-dp", 8),
+                                                                   ("colocated-fsdp2", 8), ("split", 8)]
         dp = layouts["colocated-dp"]
         assert dp.fits is dp_fits and dp.fits == (dp.need_bytes["colocated"] <= gib * GiB)
         assert dp.recompute["colocated"] == ("off" if gib == 139 else "layer")
@@ -569,14 +570,15 @@ def test_pace_of_each_layout_from_busy_rates():
     cfg = load_config(REPO / "configs/qwen3.6-27b-5t3d.toml")
     pace = estimate(cfg, "12.8", 139 * GiB, rates=(9_800, 41_000)).pace
     assert [(p.layout, p.gpus, p.description, round(p.tok_per_s), p.fits) for p in pace] == [
-        ("colocated", 1, "co-located", 7_909, True), ("colocated-dp", 8, "co-located data parallel", 63_276, True),
+        ("colocated", 1, "co-located", 7_909, True), ("colocated-dp", 8, "co-located data parallel, DDP", 63_276, True),
+        ("colocated-fsdp2", 8, "co-located data parallel, FSDP2", 63_276, True),
         ("split", 8, "split 5 target + 3 drafter", 49_000, True),
         ("split", 8, "split 6 target + 2 drafter (the best split of 8 GPUs)", 58_800, True)]
     # No topology named (a 1 + 1 split of the config): the best split of the data-parallel count is still priced, and
     # judged for memory as its own layout (80 GB: co-located does not fit, 6 + 2 does).
     one_one = cfg.model_copy(update={"topology": cfg.topology.model_copy(update={"target_gpus": [], "drafter_gpus": []})})
     pace = {p.description: p for p in estimate(one_one, "12.8", 80 * GiB, rates=(12_500, 41_000)).pace}
-    assert pace["co-located data parallel"].fits is False and pace["split 1 target + 1 drafter"].gpus == 2
+    assert pace["co-located data parallel, DDP"].fits is False and pace["split 1 target + 1 drafter"].gpus == 2
     best = pace["split 6 target + 2 drafter (the best split of 8 GPUs)"]
     assert (best.gpus, round(best.tok_per_s), best.fits) == (8, 75_000, True)
 
@@ -585,10 +587,11 @@ def test_cli_says_which_layout_is_fastest_at_given_rates_and_refuses_bad_rates(c
     config = str(REPO / "configs/qwen3.6-27b-5t3d.toml")
     code, out, err = estimate_cli(capsys, "--config", config, "--gpu-memory", "139GiB", "--rates", "9.8k,41k")
     assert code == 0, err
-    assert "fastest on 8 GPUs that fits: co-located data parallel, 63,276 tok/s" in out
+    assert "fastest on 8 GPUs that fits: co-located data parallel, DDP, 63,276 tok/s" in out
     code, out, err = estimate_cli(capsys, "--config", config, "--gpu-memory", "95GiB", "--rates", "9800, 41000")
-    assert "DOES NOT FIT co-located data parallel on 8 GPUs: 63,276 tok/s" in out  # too big for 95 GiB: not chosen
-    assert "fastest on 8 GPUs that fits: split 6 target + 2 drafter (the best split of 8 GPUs), 58,800 tok/s" in out
+    # DDP is too big for 95 GiB: not chosen; FSDP2 fits and its communication hides under the drafter's steps
+    assert "DOES NOT FIT co-located data parallel, DDP on 8 GPUs: 63,276 tok/s (link 12.11 GB, 0.24 s a step)" in out
+    assert "fastest on 8 GPUs that fits: co-located data parallel, FSDP2, 63,276 tok/s" in out
     for bad in ("abc", "1,2,3", "0,41000", "nan,5", "12.5k"):
         code, out, err = estimate_cli(capsys, "--config", config, "--rates", bad)
         assert code == 2 and out == "" and len(err.strip().splitlines()) == 1 and "--rates" in err, (bad, err)

@@ -208,6 +208,14 @@ def _features_bytes(cfg: RunConfig, shape: TargetShape, w: Workload) -> tuple[in
     return feats, last
 
 
+def sent_features_bytes(cfg: RunConfig, shape: TargetShape) -> int:
+    """Bytes a split's target rank sends a drafter rank per batch (dflash.train.ranks._target_main): its timing stats
+    (2 fp64), the selected layers' hidden states and, with soft labels, the last hidden state, in target.dtype, for a
+    batch of token_budget tokens."""
+    feats, last = _features_bytes(cfg, shape, workload(cfg))
+    return 2 * 8 + feats + last
+
+
 def target_layer_bytes(cfg: RunConfig, shape: TargetShape, w: Workload, cal: Calibration) -> int:
     """Live bytes inside the busiest target layer during the no-grad forward."""
     dt = DTYPE_BYTES[cfg.target.dtype]

@@ -35,7 +35,9 @@ def format_estimate(est: Estimate, cuda_source: str = "") -> str:
     for role in est.roles:
         gpus = f" (GPUs {', '.join(role.gpus)})" if role.gpus else " (one GPU: target + drafter)"
         if role.role == "colocated" and role.gpus:
-            gpus = f" (GPUs {', '.join(role.gpus)}: each target + drafter replica)"
+            each = (f"a whole target + 1/{len(role.gpus)} of the drafter, FSDP2" if role.data_parallel == "fsdp2"
+                    else "target + drafter replica")
+            gpus = f" (GPUs {', '.join(role.gpus)}: each {each})"
         lines += ["", f"{role.role}{gpus}", f"  {'component':<{width}}{'GiB':>9}"]
         lines += [f"  {r.component:<{width}}{_gib(r.bytes):>9}" for r in role.rows]
         lines.append(f"  {'total':<{width}}{_gib(role.total_bytes):>9}")

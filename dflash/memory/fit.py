@@ -44,6 +44,7 @@ class RoleEstimate(BaseModel):
     gpu_bytes: int | None
     headroom_bytes: int | None = Field(description="gpu_bytes - total_bytes; negative: does not fit")
     fits: bool | None
+    data_parallel: str = Field("none", description="how this role's drafter ranks hold the drafter: none, ddp or fsdp2")
 
 
 Setting = Literal["token_budget", "max_batch_size", "max_anchors"]
@@ -284,14 +285,16 @@ def _resolve_auto(cfg: RunConfig, shape: TargetShape, cuda: str, gpu_bytes: int 
     (choose_parallel; recompute off and DDP when no size is given)."""
     auto_dp = cfg.train.data_parallel == "auto" and cfg.topology.layout == "colocated-dp"
     if cfg.train.recompute != "auto" and not auto_dp:
-        return cfg, f"recompute {cfg.train.recompute}"
+        dp = f", data_parallel {parallel_mode(cfg)}" if cfg.topology.layout == "colocated-dp" else ""
+        return cfg, f"recompute {cfg.train.recompute}{dp}"
     if gpu_bytes is None:
         note = "recompute auto -> off" if cfg.train.recompute == "auto" else f"recompute {cfg.train.recompute}"
         note += "; data_parallel auto -> ddp" if auto_dp else ""
         return with_recompute(cfg, recompute_of(cfg)), note + " (give a GPU size to let it choose)"
     dp, mode, _ = choose_parallel(cfg, cfg.topology.trainer_role, cuda, gpu_bytes, cal, shape)
     note = (f"recompute auto -> {mode}" if cfg.train.recompute == "auto" else f"recompute {mode}")
-    note += f", data_parallel auto -> {dp}" if auto_dp else ""
+    if cfg.topology.layout == "colocated-dp":
+        note += f", data_parallel auto -> {dp}" if auto_dp else f", data_parallel {dp}"
     return with_recompute(with_parallel(cfg, dp), mode), f"{note} (the fastest mode that fits {gpu_bytes / GiB:.1f} GiB)"
 
 
@@ -332,7 +335,7 @@ def estimate(
         out.append(RoleEstimate(
             role=role, gpus=role_gpus(cfg, role), rows=[Row(component=p.component, bytes=p.bytes) for p in parts],
             total_bytes=total, gpu_bytes=gpu_bytes, headroom_bytes=headroom,
-            fits=None if headroom is None else headroom >= 0,
+            fits=None if headroom is None else headroom >= 0, data_parallel="none" if role == "target" else parallel_mode(cfg),
         ))
     limits = []
     if gpu_bytes is not None:

@@ -85,6 +85,7 @@ class _Model:
     cuda: str
     expandable: bool
     recompute: dict[str, str]
+    data_parallel: dict[str, str] = field(default_factory=dict)  # per role, as resolved (older snapshots: none)
 
 
 def _model(snap: dict) -> _Model | None:
@@ -99,22 +100,25 @@ def _model(snap: dict) -> _Model | None:
         cfg = config_from_dict(snap["config"], source="snapshot config")
         known = {k: v for k, v in shape.items() if v is not None}  # an older snapshot's shape: its fields' defaults
         return _Model(cfg, TargetShape(**known), str(mem["cuda"]), bool(mem.get("expandable_segments", True)),
-                      {r: v.get("recompute") for r, v in (mem.get("roles") or {}).items()})
+                      {r: v.get("recompute") for r, v in (mem.get("roles") or {}).items()},
+                      {r: v["data_parallel"] for r, v in (mem.get("roles") or {}).items() if v.get("data_parallel")})
     except (DflashError, TypeError, ValueError):
         return None  # a snapshot of another version's config or shape: no prediction
 
 
 def _peaks(m: _Model, cfg=None, cuda: str | None = None, expandable: bool | None = None) -> dict[str, int] | None:
     from dflash.errors import DflashError
-    from dflash.memory.parts import recompute_mode, role_parts, with_recompute
+    from dflash.memory.parts import recompute_mode, role_parts, with_parallel, with_recompute
 
     cfg = cfg or m.cfg
     resolved = cfg.train.recompute == m.cfg.train.recompute  # else a what-if of train.recompute itself
+    dp_resolved = cfg.train.data_parallel == m.cfg.train.data_parallel  # ... or of train.data_parallel
     out = {}
     try:
         for role in cfg.topology.roles:
             mode = (m.recompute.get(role) if resolved else None) or recompute_mode(cfg)
-            parts = role_parts(with_recompute(cfg, mode), m.shape, role, cuda or m.cuda,
+            dp = (m.data_parallel.get(role) if dp_resolved else None) or "none"
+            parts = role_parts(with_recompute(with_parallel(cfg, dp), mode), m.shape, role, cuda or m.cuda,
                                expandable=m.expandable if expandable is None else expandable)
             out[role] = sum(p.bytes for p in parts)
     except (DflashError, ValueError, TypeError, ArithmeticError):  # a shape no real target has (0 heads, 2^63 layers)

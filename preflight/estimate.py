@@ -90,10 +90,11 @@ def run_estimate(
     gpu_info: GpuInfo | None = None,
     rates: str | None = None,
     rates_from: str | None = None,
+    link_gbps: str | None = None,
 ) -> tuple[Estimate, str]:
     """The estimate dflash-estimate prints, and where its CUDA version came from. `rates` ("TARGET,DRAFTER" busy
     tok/s per GPU) or `rates_from` (a split run's dir, its busy rates as its summary printed them) add each layout's
-    tokens/s."""
+    tokens/s, its communication priced at `link_gbps` (GB/s one way per GPU; default the users' PCIe Gen5 x16)."""
     if gpu_memory and from_nvml:
         raise EstimateError("give --gpu-memory or --from-nvml, not both")
     cfg = load_config(config_path, parse_overrides(sets))
@@ -107,8 +108,24 @@ def run_estimate(
     if from_nvml:
         gpus = sorted({g for role in cfg.topology.roles for g in role_gpus(cfg, role)})
         gpu_bytes = nvml_gpu_bytes(gpus, gpu_info)
+    link = parse_link(link_gbps) if link_gbps is not None else None
     busy = parse_rates(rates, rates_from) if rates or rates_from else None
-    return estimate(cfg, cuda, gpu_bytes, source=config_path, rates=busy), cuda_source
+    return estimate(cfg, cuda, gpu_bytes, source=config_path, rates=busy, link_gbps=link), cuda_source
+
+
+MAX_LINK_GBPS = 100_000.0  # 100 TB/s: no link between two GPUs comes near (NVLink 5 is 900 GB/s a way); more is a typo
+
+
+def parse_link(text: str) -> float:
+    """'50' / '63.0' -> GB/s one way per GPU; anything else, zero, or more than MAX_LINK_GBPS is refused."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not (0 < value <= MAX_LINK_GBPS):
+        raise EstimateError(f"--link-gbps {text!r}: give the link's bandwidth between GPUs in GB/s one way per GPU, a "
+                            f"number above 0 and at most {MAX_LINK_GBPS:,.0f}, e.g. --link-gbps 50 (PCIe Gen5 x16)")
+    return value
 
 
 def parse_rates(rates: str | None, rates_from: str | None) -> tuple[float, float]:

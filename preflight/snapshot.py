@@ -198,7 +198,7 @@ def _memory(ctx: Context) -> dict:
     """The memory model's peak per role of this run, with the CUDA of the installed torch build (the one the run
     loads) and recompute = auto resolved as the trainer will, on the free memory of the role's GPU."""
     from dflash.errors import DflashError
-    from dflash.memory.parts import choose_recompute, recompute_mode, role_need_bytes, with_recompute
+    from dflash.memory.parts import choose_parallel, parallel_mode, recompute_mode, role_need_bytes, with_parallel, with_recompute
     from preflight.estimate import DEFAULT_CUDA
 
     cfg = ctx.config
@@ -214,12 +214,12 @@ def _memory(ctx: Context) -> dict:
             free[role] = min(free.get(role, d["free_bytes"]), d["free_bytes"])
     try:
         for role in cfg.topology.roles:
-            mode = recompute_mode(cfg)
+            mode, dp = recompute_mode(cfg), parallel_mode(cfg)
             gpu_free = free.get("drafter" if role == "colocated" else role)
-            if cfg.train.recompute == "auto" and role != "target" and cfg.device == "cuda" and gpu_free is not None:
-                mode, _ = choose_recompute(cfg, role, cuda, gpu_free, shape=ctx.target_shape)
-            need = role_need_bytes(with_recompute(cfg, mode), role, cuda, shape=ctx.target_shape)
-            out["roles"][role] = {"bytes": need, "recompute": mode}
+            if role != "target" and cfg.device == "cuda" and gpu_free is not None:
+                dp, mode, _ = choose_parallel(cfg, role, cuda, gpu_free, shape=ctx.target_shape)
+            need = role_need_bytes(with_recompute(with_parallel(cfg, dp), mode), role, cuda, shape=ctx.target_shape)
+            out["roles"][role] = {"bytes": need, "recompute": mode, "data_parallel": dp}
     except DflashError as e:
         out["error"] = e.one_line()
     return out

@@ -538,7 +538,8 @@ def test_estimate_lists_each_layout_on_the_users_preset_as_its_own_model_numbers
     shape = load_target_shape(cfg.target.path)
     for gib, dp_fits in ((139, True), (95, False)):
         layouts = {x.layout: x for x in estimate(cfg, "12.8", gib * GiB).layouts}
-        assert [(x.layout, x.gpus) for x in layouts.values()] == [("colocated", 1), ("colocated-dp", 8), ("split", 8)]
+        assert [(x.layout, x.gpus) for x in layouts.values()] == [("colocated", 1), ("colocated-dp", 8),
+                                                                   ("colocated-fsdp2", 8), ("split", 8)]
         dp = layouts["colocated-dp"]
         assert dp.fits is dp_fits and dp.fits == (dp.need_bytes["colocated"] <= gib * GiB)
         assert dp.recompute["colocated"] == ("off" if gib == 139 else "layer")
@@ -569,14 +570,15 @@ def test_pace_of_each_layout_from_busy_rates():
     cfg = load_config(REPO / "configs/qwen3.6-27b-5t3d.toml")
     pace = estimate(cfg, "12.8", 139 * GiB, rates=(9_800, 41_000)).pace
     assert [(p.layout, p.gpus, p.description, round(p.tok_per_s), p.fits) for p in pace] == [
-        ("colocated", 1, "co-located", 7_909, True), ("colocated-dp", 8, "co-located data parallel", 63_276, True),
+        ("colocated", 1, "co-located", 7_909, True), ("colocated-dp", 8, "co-located data parallel, DDP", 63_276, True),
+        ("colocated-fsdp2", 8, "co-located data parallel, FSDP2", 63_276, True),
         ("split", 8, "split 5 target + 3 drafter", 49_000, True),
         ("split", 8, "split 6 target + 2 drafter (the best split of 8 GPUs)", 58_800, True)]
     # No topology named (a 1 + 1 split of the config): the best split of the data-parallel count is still priced, and
     # judged for memory as its own layout (80 GB: co-located does not fit, 6 + 2 does).
     one_one = cfg.model_copy(update={"topology": cfg.topology.model_copy(update={"target_gpus": [], "drafter_gpus": []})})
     pace = {p.description: p for p in estimate(one_one, "12.8", 80 * GiB, rates=(12_500, 41_000)).pace}
-    assert pace["co-located data parallel"].fits is False and pace["split 1 target + 1 drafter"].gpus == 2
+    assert pace["co-located data parallel, DDP"].fits is False and pace["split 1 target + 1 drafter"].gpus == 2
     best = pace["split 6 target + 2 drafter (the best split of 8 GPUs)"]
     assert (best.gpus, round(best.tok_per_s), best.fits) == (8, 75_000, True)
 
@@ -585,10 +587,11 @@ def test_cli_says_which_layout_is_fastest_at_given_rates_and_refuses_bad_rates(c
     config = str(REPO / "configs/qwen3.6-27b-5t3d.toml")
     code, out, err = estimate_cli(capsys, "--config", config, "--gpu-memory", "139GiB", "--rates", "9.8k,41k")
     assert code == 0, err
-    assert "fastest on 8 GPUs that fits: co-located data parallel, 63,276 tok/s" in out
+    assert "fastest on 8 GPUs that fits: co-located data parallel, DDP, 63,276 tok/s" in out
     code, out, err = estimate_cli(capsys, "--config", config, "--gpu-memory", "95GiB", "--rates", "9800, 41000")
-    assert "DOES NOT FIT co-located data parallel on 8 GPUs: 63,276 tok/s" in out  # too big for 95 GiB: not chosen
-    assert "fastest on 8 GPUs that fits: split 6 target + 2 drafter (the best split of 8 GPUs), 58,800 tok/s" in out
+    # DDP is too big for 95 GiB: not chosen; FSDP2 fits and its communication hides under the drafter's steps
+    assert "DOES NOT FIT co-located data parallel, DDP on 8 GPUs: 63,276 tok/s (link 12.11 GB, 0.24 s a step)" in out
+    assert "fastest on 8 GPUs that fits: co-located data parallel, FSDP2, 63,276 tok/s" in out
     for bad in ("abc", "1,2,3", "0,41000", "nan,5", "12.5k"):
         code, out, err = estimate_cli(capsys, "--config", config, "--rates", bad)
         assert code == 2 and out == "" and len(err.strip().splitlines()) == 1 and "--rates" in err, (bad, err)
@@ -596,3 +599,162 @@ def test_cli_says_which_layout_is_fastest_at_given_rates_and_refuses_bad_rates(c
     assert code == 2 and "no per-role rates in its metrics.jsonl" in err, err
     code, out, err = estimate_cli(capsys, "--config", config, "--rates", "1,2", "--rates-from", str(tmp_path))
     assert code == 2 and "not both" in err, err
+
+
+# --------------------------------------------------------------------------- FSDP2 and the link between GPUs
+
+USERS = REPO / "configs/qwen3.6-27b-5t3d.toml"  # the incident's run; its box: 8 GPUs of 95 GiB on PCIe Gen5
+
+
+def users_dp(n: int = 8, data_parallel: str = "auto"):
+    """The users' preset as co-located data parallel over n GPUs."""
+    from dflash.memory.fit import with_topology
+    from dflash.memory.parts import with_parallel
+
+    cfg = with_topology(load_config(USERS), colocated=n)
+    return with_parallel(cfg, data_parallel) if data_parallel != "auto" else cfg
+
+
+def test_the_users_preset_co_located_over_8_gpus_of_95_gib_fits_with_fsdp2_not_ddp_and_auto_picks_fsdp2():
+    from dflash.memory.parts import choose_parallel, with_parallel
+
+    shape = load_target_shape(load_config(USERS).target.path)
+    ddp, fsdp2 = users_dp(8, "ddp"), users_dp(8, "fsdp2")
+    assert choose_recompute(ddp, "colocated", "12.8", 95 * GiB, shape=shape)[1] > 95 * GiB  # even with layer recompute
+    mode, need = choose_recompute(fsdp2, "colocated", "12.8", 95 * GiB, shape=shape)
+    assert mode == "off" and 90 * GiB < need <= 95 * GiB
+    assert choose_parallel(users_dp(8), "colocated", "12.8", 95 * GiB, shape=shape) == ("fsdp2", "off", need)
+    # where DDP fits (an H200's 139 GiB), auto keeps it, with the recompute rule as choose_recompute has it
+    assert choose_parallel(users_dp(8), "colocated", "12.8", 139 * GiB, shape=shape) == (
+        "ddp", *choose_recompute(ddp, "colocated", "12.8", 139 * GiB, shape=shape))
+    # explicit settings are kept; when nothing fits the need returned is above the GPU (the caller refuses)
+    assert choose_parallel(ddp, "colocated", "12.8", 95 * GiB, shape=shape)[:2] == ("ddp", "layer")
+    dp, _, need = choose_parallel(users_dp(8), "colocated", "12.8", 70 * GiB, shape=shape)
+    assert dp == "fsdp2" and need > 70 * GiB
+    # a CPU run: auto is ddp, as the trainer reads it there
+    cpu = with_parallel(users_dp(8), "auto").model_copy(update={"device": "cpu"})
+    assert choose_parallel(cpu, "colocated", "12.8", 95 * GiB, shape=shape)[:2] == ("ddp", "off")
+    layouts = {x.layout: x for x in estimate(load_config(USERS), "12.8", 95 * GiB).layouts}
+    assert (layouts["colocated-dp"].fits, layouts["colocated-fsdp2"].fits) == (False, True)
+    assert layouts["colocated-fsdp2"].need_bytes["colocated"] == need_at(fsdp2, "off")
+
+
+def need_at(cfg, mode: str) -> int:
+    return role_need_bytes(with_recompute(cfg, mode), "colocated", "12.8")
+
+
+def test_fsdp2_shards_the_drafters_fp32_state_n_fold_and_drops_ddps_buckets_and_autocast_copies():
+    """DDP: fp32 params + AdamW moments + buckets = 25.8 GiB on every GPU; FSDP2 over 8: params, grads and moments
+    1/8 each, 3.2 GiB; the bf16 layers in flight and the root replace the autocast copies."""
+    from dflash.memory.parts import drafter_layer_params, drafter_root_params
+
+    shape = load_target_shape(load_config(USERS).target.path)
+    p = drafter_params(users_dp(), shape)
+    state = ("drafter params", "AdamW", "DDP gradient buckets", "drafter grads")
+    ddp = role_parts(users_dp(8, "ddp"), shape, "colocated", "12.8")
+    fsdp2 = role_parts(users_dp(8, "fsdp2"), shape, "colocated", "12.8")
+    assert sum(x.bytes for x in ddp if x.component.startswith(state)) / GiB == pytest.approx(25.8, abs=0.05)
+    sharded = sum(x.bytes for x in fsdp2 if x.component.startswith(state))
+    assert sharded == 16 * -(-p // 8) and sharded / GiB == pytest.approx(3.22, abs=0.01)
+    names = [x.component for x in fsdp2]
+    assert not any(n.startswith(("DDP", "bf16 autocast")) for n in names)
+    layer, root = drafter_layer_params(users_dp(), shape), drafter_root_params(users_dp(), shape)
+    assert 5 * layer + root == p and root == 5 * 5120 * 5120 + 2 * 5120  # fc + two norms
+    assert part(fsdp2, "FSDP2 all-gather buffers (bf16 params of 2 layers") == 2 * 2 * layer
+    assert part(fsdp2, "FSDP2 root params gathered") == 2 * root
+    # the reduce-scatter buffers (2 layers x (bf16 + fp32)) are backward-only: what the loss chunk left is theirs first
+    assert 0 <= part(fsdp2, "FSDP2 reduce-scatter buffers") <= 2 * 6 * layer
+    assert part(fsdp2, "NCCL buffers") == GiB // 4
+
+
+def test_fsdp2_memory_depends_on_the_rank_count_and_a_one_rank_run_is_unchanged(tiny):
+    from dflash.memory.parts import choose_parallel, parallel_mode, with_parallel
+
+    shape = load_target_shape(tiny.target.path)
+    needs = [role_need_bytes(users_dp(n, "fsdp2"), "colocated", "12.8") for n in (2, 4, 8)]
+    assert needs[0] > needs[1] > needs[2]
+    ddp = [role_need_bytes(users_dp(n, "ddp"), "colocated", "12.8") for n in (2, 8)]
+    assert ddp[0] == ddp[1]  # a whole replica on every rank
+    one = config_from_dict({**tiny.model_dump(), "topology": {}})
+    assert parallel_mode(with_parallel(one, "fsdp2")) == "none"
+    assert role_parts(with_parallel(one, "fsdp2"), shape, "colocated", "12.8", HAND) == role_parts(one, shape, "colocated", "12.8", HAND)
+    assert choose_parallel(one, "colocated", "12.8", 139 * GiB, shape=shape)[0] == "none"
+    # a split's drafter ranks always use ddp, whatever the field says (dflash.config refuses fsdp2 there)
+    split = load_config(USERS)
+    assert parallel_mode(with_parallel(split, "fsdp2")) == "ddp"
+    assert choose_parallel(split, "drafter", "12.8", 95 * GiB)[:2] == ("ddp", "off")
+
+
+def test_fsdp2_with_grad_accum_holds_the_unsharded_fp32_grads_it_accumulates():
+    """Gradient sync off on every batch of a step but its last: FSDP2 keeps the unsharded grads, upcast to fp32."""
+    from dflash.memory.fit import with_topology
+
+    shape = load_target_shape(load_config(USERS).target.path)
+    from dflash.memory.parts import with_parallel
+
+    cfg = with_parallel(with_topology(load_config(USERS, {"train.grad_accum": 2}), colocated=8), "fsdp2")
+    parts = role_parts(cfg, shape, "colocated", "12.8")
+    assert part(parts, "FSDP2 accumulated grads (fp32, unsharded") == 4 * drafter_params(cfg, shape)
+
+
+def test_link_pricing_exact_numbers():
+    from dflash.memory import pace
+
+    assert pace.PCIE5_X16_GBPS == pytest.approx(63.015, abs=1e-3) and pace.DEFAULT_LINK_GBPS == 50.0
+    assert pace.ring_all_reduce_bytes(8, 800) == 1400 and pace.ring_all_reduce_bytes(1, 800) == 0
+    assert pace.all_gather_bytes(4, 400) == 300
+    assert pace.ddp_step_bytes(2, 10) == 40  # 2 x 1/2 x 4 bytes x 10 params
+    assert pace.fsdp2_step_bytes(2, 10) == 2 * 10 + 20  # two bf16 all-gathers, one fp32 reduce-scatter
+    assert pace.fsdp2_step_bytes(2, 10, batches=3) == 3 * 2 * 10 + 20  # all-gathers every batch, one reduction
+    assert pace.link_seconds(5e9, 50) == 0.1
+    # co-located: target 1 s, drafter 1 s a batch of 1000 tokens on each of 2 GPUs
+    assert pace.colocated_dp_tok_s(2, 1000, 1000, 1000, 0.5e9, 1) == 1000  # 0.5 s of link hides under the drafter
+    assert pace.colocated_dp_tok_s(2, 1000, 1000, 1000, 2e9, 1) == pytest.approx(2000 / 3)  # 1 s + 2 s
+    # split: each side's per-batch time is the longer of its compute and its link time
+    assert pace.split_link_tok_s(1, 1, 1000, 2000, 1000, 0.1e9, 1) == 1000  # links idle most of the time
+    assert pace.split_link_tok_s(1, 1, 1000, 2000, 1000, 2e9, 1) == 500  # 2 s to send what takes 1 s to compute
+    assert pace.split_link_tok_s(1, 2, 4000, 1000, 1000, 0.5e9, 1, drafter_step_bytes=1e9) == 2000 / 1.5
+    # the users' preset: FSDP2 over 8 GPUs moves 12.11 GB a step, 0.24 s at 50 GB/s, under its 1.06 s drafter step
+    cfg = load_config(USERS)
+    shape = load_target_shape(cfg.target.path)
+    p = drafter_params(cfg, shape)
+    assert pace.fsdp2_step_bytes(8, p) == pace.ddp_step_bytes(8, p) == 7 * p  # 2 x 7/8 x 2p + 7/8 x 4p
+    assert pace.colocated_dp_tok_s(8, 12_550, 46_300, 49_152, 7 * p, 50) == pytest.approx(
+        8 * pace.colocated_tok_s(12_550, 46_300))
+
+
+def test_split_sends_the_selected_hidden_states_and_the_last_one_per_batch():
+    from dflash.memory.parts import sent_features_bytes
+
+    cfg = load_config(USERS)
+    shape = load_target_shape(cfg.target.path)
+    assert sent_features_bytes(cfg, shape) == 16 + 49_152 * (5 + 1) * 5120 * 2  # stats, 5 layers + last, bf16
+    no_kl = load_config(USERS, {"train.kl_weight": 0.0})
+    assert sent_features_bytes(no_kl, shape) == 16 + 49_152 * 5 * 5120 * 2
+
+
+def test_pace_on_a_slow_link_prices_each_layouts_communication():
+    """At 5 GB/s FSDP2's 12.1 GB a step (2.4 s) outlasts the 1.06 s drafter step; a 6 + 2 split moves less."""
+    est = estimate(load_config(USERS), "12.8", 95 * GiB, rates=(12_550, 46_300), link_gbps=5)
+    pace = {p.layout + p.description: p for p in est.pace}
+    fsdp2 = pace["colocated-fsdp2co-located data parallel, FSDP2"]
+    assert fsdp2.link_bytes == pytest.approx(12.11e9, rel=1e-3) and fsdp2.link_s == pytest.approx(2.42, abs=0.01)
+    assert fsdp2.tok_per_s == pytest.approx(8 * 49_152 / (49_152 / 12_550 + fsdp2.link_s))
+    assert est.link_gbps == 5
+    with pytest.raises(Exception, match="link bandwidth must be a positive"):
+        estimate(load_config(USERS), "12.8", 95 * GiB, rates=(12_550, 46_300), link_gbps=0)
+
+
+def test_cli_link_gbps_prints_the_fsdp2_rows_and_refuses_bad_values(capsys):
+    config = str(USERS)
+    code, out, err = estimate_cli(capsys, "--config", config, "--gpu-memory", "95GiB", "--rates", "12.55k,46.3k",
+                                  "--link-gbps", "64")
+    assert code == 0, err
+    assert "link 64 GB/s one way per GPU; communication overlapped with the drafter's compute" in out
+    assert ("  fits         co-located data parallel over 8 GPUs: each target + 1/8 of the drafter, FSDP2: "
+            "colocated 92.60 GiB (recompute off)") in out
+    assert "  fits         co-located data parallel, FSDP2 on 8 GPUs: 78,989 tok/s (link 12.11 GB, 0.19 s a step)" in out
+    assert "DDP's gradient all-reduce not counted" not in out
+    for bad in ("0", "abc", "-5", "nan", "inf", ""):
+        code, out, err = estimate_cli(capsys, "--config", config, "--link-gbps", bad)
+        assert code == 2 and out == "" and len(err.strip().splitlines()) == 1 and "--link-gbps" in err, (bad, err)

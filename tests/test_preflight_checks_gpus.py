@@ -146,3 +146,28 @@ def test_gpu_processes_ignores_unassigned_gpus_and_itself(tmp_path):
     d = recorded()
     d["gpus"][0]["processes"] = [{"pid": 4242, "name": "dflash-train", "used_bytes": 0}]
     assert check_gpu_processes(make_ctx(tmp_path, gpus=d)).status == "pass"
+
+
+def test_gpu_memory_judges_data_parallel_auto_as_resolved_on_the_users_box(tmp_path):
+    """The users' preset co-located over their 8 GPUs of 95 GiB: auto resolves to fsdp2 (DDP needs 98 GiB) and passes;
+    data_parallel = ddp is refused, naming the shortfall."""
+    import tomllib
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parent.parent
+    raw = tomllib.loads((repo / "configs/qwen3.6-27b-5t3d.toml").read_text())
+    raw["target"]["path"] = str(repo / raw["target"]["path"])
+    raw["data"]["path"] = str(tmp_path / "data")
+    raw["topology"] = {"colocated_gpus": [str(i) for i in range(8)]}
+    gpus = recorded()
+    for g in gpus["gpus"]:
+        g["memory_total"], g["memory_free"], g["memory_used"] = 95 * GiB, 95 * GiB, 0
+    ctx = make_ctx(tmp_path, config={k: raw[k] for k in ("target", "drafter", "data", "train", "topology")}, gpus=gpus)
+    r = check_gpu_memory(ctx)
+    assert r.status == "pass", r.summary
+    assert r.data["model"] == "memory model, recompute auto -> off, data_parallel auto -> fsdp2"
+    assert all(90 * GiB < g["need_bytes"] <= 95 * GiB for g in r.data["gpus"])
+    raw["train"]["data_parallel"] = "ddp"
+    ctx = make_ctx(tmp_path, config={k: raw[k] for k in ("target", "drafter", "data", "train", "topology")}, gpus=gpus)
+    r = check_gpu_memory(ctx)
+    assert r.status == "fail" and "colocated GPU 0" in r.summary and "recompute auto -> layer" in r.summary, r.summary

@@ -3,6 +3,7 @@
     uv run dflash-estimate --config configs/qwen3-27b-5t3d.toml --gpu-memory 95GiB
     uv run dflash-estimate --config configs/qwen3-8b-1gpu.toml --from-nvml --json
     uv run dflash-estimate --config RUN.toml --gpu-memory 80GB --set data.token_budget=45056
+    uv run dflash-estimate --config configs/qwen3.6-27b-8gpu.toml --gpu-memory 95GiB --rates 12.55k,46.3k --link-gbps 50
 
 Exit codes: 0 every role fits (or no GPU size given), 1 some role does not fit, 2 bad input.
 This module only formats and maps to exit codes; ``preflight.estimate`` decides.
@@ -34,7 +35,9 @@ def format_estimate(est: Estimate, cuda_source: str = "") -> str:
     for role in est.roles:
         gpus = f" (GPUs {', '.join(role.gpus)})" if role.gpus else " (one GPU: target + drafter)"
         if role.role == "colocated" and role.gpus:
-            gpus = f" (GPUs {', '.join(role.gpus)}: each target + drafter replica)"
+            each = (f"a whole target + 1/{len(role.gpus)} of the drafter, FSDP2" if role.data_parallel == "fsdp2"
+                    else "target + drafter replica")
+            gpus = f" (GPUs {', '.join(role.gpus)}: each {each})"
         lines += ["", f"{role.role}{gpus}", f"  {'component':<{width}}{'GiB':>9}"]
         lines += [f"  {r.component:<{width}}{_gib(r.bytes):>9}" for r in role.rows]
         lines.append(f"  {'total':<{width}}{_gib(role.total_bytes):>9}")
@@ -68,17 +71,19 @@ def format_layouts(est: Estimate) -> list[str]:
 
 
 def format_pace(est: Estimate) -> list[str]:
-    """Each layout's tokens/s at the busy rates given, and the fastest of those that fit (dflash.memory.pace)."""
+    """Each layout's tokens/s at the busy rates given, its link time per step, and the fastest of those that fit
+    (dflash.memory.pace)."""
     if not est.pace:
         return []
     r = est.rates or {}
     lines = ["", f"pace at busy rates of target {r.get('target', 0):,.0f} and drafter {r.get('drafter', 0):,.0f} tok/s "
-             "per GPU (dflash.memory.pace):"]
+             f"per GPU, link {est.link_gbps:g} GB/s one way per GPU; communication overlapped with the drafter's "
+             "compute, not the target's (dflash.memory.pace):"]
     for p in est.pace:
         verdict = {True: "fits", False: "DOES NOT FIT", None: "-"}[p.fits]
-        extra = " (DDP's gradient all-reduce not counted)" if p.layout == "colocated-dp" else ""
+        link = f" (link {p.link_bytes / 1e9:.2f} GB, {p.link_s:.2f} s a step)" if p.link_bytes else ""
         lines.append(f"  {verdict:<13}{p.description} on {p.gpus} GPU{'s' if p.gpus > 1 else ''}: "
-                     f"{p.tok_per_s:,.0f} tok/s{extra}")
+                     f"{p.tok_per_s:,.0f} tok/s{link}")
     n = max(p.gpus for p in est.pace)
     best = max((p for p in est.pace if p.gpus == n and p.fits is not False), key=lambda p: p.tok_per_s, default=None)
     if best is None:
@@ -99,14 +104,16 @@ def format_pace(est: Estimate) -> list[str]:
               "summary prints them), e.g. 12.5k,41k: adds each layout's tokens/s and the fastest that fits")
 @click.option("--rates-from", metavar="RUN_DIR", help="the busy rates of a split run dir's metrics, as its summary "
               "printed them (instead of --rates)")
+@click.option("--link-gbps", metavar="GB/S", help="bandwidth of the link between GPUs, GB/s one way per GPU, that "
+              "the pace prices each layout's communication at (default 50: PCIe Gen5 x16 as measured; 63 in theory)")
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object instead of tables")
 def command(config_path: str, gpu_memory: str | None, from_nvml: bool, cuda: str | None, sets: tuple[str, ...],
-            rates: str | None, rates_from: str | None, as_json: bool) -> int:
+            rates: str | None, rates_from: str | None, link_gbps: str | None, as_json: bool) -> int:
     """Per-role GPU memory estimate of a DFlash run, the largest settings that fit and, given busy rates, which
     layout trains fastest."""
     try:
         est, cuda_source = run_estimate(config_path, sets, gpu_memory, from_nvml, cuda, rates=rates,
-                                        rates_from=rates_from)
+                                        rates_from=rates_from, link_gbps=link_gbps)
     except DflashError as e:
         raise UsageError(e.one_line()) from None
     click.echo(est.model_dump_json(indent=2) if as_json else format_estimate(est, cuda_source))

@@ -16,8 +16,13 @@ from dflash.memory.parts import (
     DEFAULT_CALIBRATION,
     Calibration,
     Workload,
+    choose_parallel,
     choose_recompute,
+    drafter_params,
+    parallel_mode,
     role_parts,
+    sent_features_bytes,
+    with_parallel,
     with_recompute,
     workload,
 )
@@ -39,6 +44,7 @@ class RoleEstimate(BaseModel):
     gpu_bytes: int | None
     headroom_bytes: int | None = Field(description="gpu_bytes - total_bytes; negative: does not fit")
     fits: bool | None
+    data_parallel: str = Field("none", description="how this role's drafter ranks hold the drafter: none, ddp or fsdp2")
 
 
 Setting = Literal["token_budget", "max_batch_size", "max_anchors"]
@@ -55,22 +61,26 @@ class Limit(BaseModel):
 
 
 class LayoutFit(BaseModel):
-    layout: str = Field(description="colocated, colocated-dp or split")
+    layout: str = Field(description="colocated, colocated-dp (DDP), colocated-fsdp2 or split")
     gpus: int = Field(description="GPUs the layout uses")
     description: str
     need_bytes: dict[str, int] = Field(description="per role of the layout: bytes one GPU needs at its peak")
     recompute: dict[str, str] = Field(description="per role: the recompute mode the need is for")
     fits: bool | None = Field(description="every role fits gpu_bytes (None: no GPU size given)")
     split: tuple[int, int] | None = Field(None, description="a split's (target GPUs, drafter GPUs)")
+    data_parallel: str = Field("none", description="how the drafter's ranks hold it: none (one rank), ddp or fsdp2")
 
 
 class LayoutPace(BaseModel):
-    layout: str = Field(description="colocated, colocated-dp or split, as in layouts")
+    layout: str = Field(description="colocated, colocated-dp, colocated-fsdp2 or split, as in layouts")
     gpus: int
     description: str
-    tok_per_s: float = Field(description="tokens/s at the given busy rates (co-located data parallel: DDP's "
-                                         "all-reduce not counted)")
+    tok_per_s: float = Field(description="tokens/s at the given busy rates, the link's communication counted "
+                                         "(overlapped with the drafter's compute: dflash.memory.pace)")
     fits: bool | None
+    link_bytes: float = Field(0.0, description="bytes the busiest GPU moves over its link per optimizer step, one "
+                                               "direction (a split: a drafter's received features + its all-reduce)")
+    link_s: float = Field(0.0, description="link_bytes at the link's bandwidth, seconds")
 
 
 class Estimate(BaseModel):
@@ -85,6 +95,7 @@ class Estimate(BaseModel):
     layouts: list[LayoutFit] = Field(default_factory=list, description="which layouts of this run fit gpu_bytes")
     rates: dict[str, float] | None = Field(None, description="busy tok/s per GPU of each role the pace is for")
     pace: list[LayoutPace] = Field(default_factory=list, description="each layout's tokens/s at those rates")
+    link_gbps: float | None = Field(None, description="GB/s one way per GPU the pace prices communication at")
     calibration: dict
 
 
@@ -180,22 +191,26 @@ def with_topology(cfg: RunConfig, target: int = 0, drafter: int = 0, colocated: 
 
 def layout_fits(cfg: RunConfig, shape: TargetShape, cuda: str, gpu_bytes: int | None,
                 cal: Calibration = DEFAULT_CALIBRATION) -> list[LayoutFit]:
-    """Co-located on one GPU, co-located data parallel over N GPUs and a split run, each judged on gpu_bytes.
+    """Co-located on one GPU, co-located data parallel over N GPUs with DDP and with FSDP2, and a split run, each
+    judged on gpu_bytes.
 
-    N and the split are the config's own when it names them, else N = LAYOUT_GPUS and 1 target + 1 drafter.
-    Memory per GPU depends on the layout, not on N (beyond 1 vs several drafter ranks)."""
+    N and the split are the config's own when it names them, else N = LAYOUT_GPUS and 1 target + 1 drafter. A DDP
+    rank's memory does not depend on N (beyond 1 vs several ranks); an FSDP2 rank holds 1/N of the drafter's state."""
     topo = cfg.topology
     n = len(topo.colocated_gpus) or len(topo.target_gpus) + len(topo.drafter_gpus) or LAYOUT_GPUS
     t, d = (len(topo.target_gpus), len(topo.drafter_gpus)) if topo.target_gpus else (1, 1)
+    dp = with_topology(cfg, colocated=n)
     cases = [("colocated", 1, "co-located: target + drafter on 1 GPU", with_topology(cfg)),
              ("colocated-dp", n, f"co-located data parallel over {n} GPUs: each target + drafter replica, "
-              "DDP gradients", with_topology(cfg, colocated=n)),
+              "DDP gradients", with_parallel(dp, "ddp")),
+             ("colocated-fsdp2", n, f"co-located data parallel over {n} GPUs: each target + 1/{n} of the drafter, "
+              "FSDP2", with_parallel(dp, "fsdp2")),
              ("split", t + d, f"split: {t} target + {d} drafter GPUs", with_topology(cfg, target=t, drafter=d))]
     out = []
     for layout, gpus, text, case in cases:
         need, modes, fits = _judge(case, cfg.train.recompute, shape, cuda, gpu_bytes, cal)
         out.append(LayoutFit(layout=layout, gpus=gpus, description=text, need_bytes=need, recompute=modes, fits=fits,
-                             split=(t, d) if layout == "split" else None))
+                             split=(t, d) if layout == "split" else None, data_parallel=parallel_mode(case)))
     return out
 
 
@@ -217,42 +232,74 @@ def _judge(case: RunConfig, recompute: str, shape: TargetShape, cuda: str, gpu_b
 
 
 def layout_pace(cfg: RunConfig, shape: TargetShape, cuda: str, gpu_bytes: int | None, layouts: list[LayoutFit],
-                target_tok_s: float, drafter_tok_s: float, cal: Calibration = DEFAULT_CALIBRATION) -> list[LayoutPace]:
-    """The tokens/s of each layout at the given busy rates (``dflash.memory.pace``), plus the best split of the
-    data-parallel layout's GPU count when the config does not name it (its memory judged as a layout's is)."""
-    from dflash.memory.pace import colocated_tok_s, split_tok_s, suggest_split
+                target_tok_s: float, drafter_tok_s: float, cal: Calibration = DEFAULT_CALIBRATION,
+                link_gbps: float | None = None) -> list[LayoutPace]:
+    """The tokens/s of each layout at the given busy rates (``dflash.memory.pace``), each step's communication priced
+    at link_gbps (GB/s one way per GPU; default the users' PCIe Gen5 x16, pace.DEFAULT_LINK_GBPS), plus the best split
+    of the data-parallel layout's GPU count when the config does not name it (its memory judged as a layout's is)."""
+    from dflash.memory.pace import (DEFAULT_LINK_GBPS, colocated_dp_tok_s, colocated_tok_s, ddp_step_bytes,
+                                    fsdp2_step_bytes, link_seconds, split_link_tok_s, suggest_split)
+
+    link = DEFAULT_LINK_GBPS if link_gbps is None else link_gbps
+    tokens, batches = cfg.data.token_budget, cfg.train.grad_accum
+    p = drafter_params(cfg, shape)
+    feats = sent_features_bytes(cfg, shape)
+
+    def split_pace(t: int, d: int, text: str, fits: bool | None) -> LayoutPace:
+        ar = ddp_step_bytes(d, p)
+        moved = batches * feats + ar
+        return LayoutPace(layout="split", gpus=t + d, description=text, fits=fits, link_bytes=moved,
+                          link_s=link_seconds(moved, link),
+                          tok_per_s=split_link_tok_s(t, d, target_tok_s, drafter_tok_s, tokens, feats, link, batches, ar))
 
     one = colocated_tok_s(target_tok_s, drafter_tok_s)
+    names = {"colocated": "co-located", "colocated-dp": "co-located data parallel, DDP",
+             "colocated-fsdp2": "co-located data parallel, FSDP2"}
     out, splits = [], set()
     for lay in layouts:
         if lay.layout == "split":
             t, d = lay.split
             splits.add((t, d))
-            out.append(LayoutPace(layout="split", gpus=lay.gpus, description=f"split {t} target + {d} drafter",
-                                  tok_per_s=split_tok_s(t, d, target_tok_s, drafter_tok_s), fits=lay.fits))
+            out.append(split_pace(t, d, f"split {t} target + {d} drafter", lay.fits))
+        elif lay.layout == "colocated":
+            out.append(LayoutPace(layout=lay.layout, gpus=1, description=names[lay.layout], tok_per_s=one, fits=lay.fits))
         else:
-            name = "co-located data parallel" if lay.layout == "colocated-dp" else "co-located"
-            out.append(LayoutPace(layout=lay.layout, gpus=lay.gpus, description=name, tok_per_s=one * lay.gpus,
-                                  fits=lay.fits))
+            moved = (fsdp2_step_bytes(lay.gpus, p, batches) if lay.data_parallel == "fsdp2"
+                     else ddp_step_bytes(lay.gpus, p))
+            out.append(LayoutPace(layout=lay.layout, gpus=lay.gpus, description=names[lay.layout], fits=lay.fits,
+                                  link_bytes=moved, link_s=link_seconds(moved, link),
+                                  tok_per_s=colocated_dp_tok_s(lay.gpus, target_tok_s, drafter_tok_s, tokens, moved,
+                                                               link, batches)))
     n = max(lay.gpus for lay in layouts)
     if n >= 2:
         t, d = suggest_split(n, target_tok_s, drafter_tok_s)
         if (t, d) not in splits:
             fits = _judge(with_topology(cfg, target=t, drafter=d), cfg.train.recompute, shape, cuda, gpu_bytes, cal)[2]
-            out.append(LayoutPace(layout="split", gpus=n, description=f"split {t} target + {d} drafter (the best split "
-                                  f"of {n} GPUs)", tok_per_s=split_tok_s(t, d, target_tok_s, drafter_tok_s), fits=fits))
+            out.append(split_pace(t, d, f"split {t} target + {d} drafter (the best split of {n} GPUs)", fits))
     return out
 
 
 def _resolve_auto(cfg: RunConfig, shape: TargetShape, cuda: str, gpu_bytes: int | None,
                   cal: Calibration) -> tuple[RunConfig, str]:
-    """train.recompute = auto as the trainer resolves it on a GPU of gpu_bytes (off when no size is given)."""
-    if cfg.train.recompute != "auto":
-        return cfg, f"recompute {cfg.train.recompute}"
+    """train.recompute and train.data_parallel = auto as the trainer resolves them on a GPU of gpu_bytes
+    (choose_parallel; recompute off and DDP when no size is given)."""
+    auto_dp = cfg.train.data_parallel == "auto" and cfg.topology.layout == "colocated-dp"
+    if cfg.train.recompute != "auto" and not auto_dp:
+        dp = f", data_parallel {parallel_mode(cfg)}" if cfg.topology.layout == "colocated-dp" else ""
+        return cfg, f"recompute {cfg.train.recompute}{dp}"
     if gpu_bytes is None:
-        return with_recompute(cfg, "off"), "recompute auto -> off (give a GPU size to let it choose)"
-    mode, _ = choose_recompute(cfg, cfg.topology.trainer_role, cuda, gpu_bytes, cal, shape)
-    return with_recompute(cfg, mode), f"recompute auto -> {mode} (the fastest mode that fits {gpu_bytes / GiB:.1f} GiB)"
+        note = "recompute auto -> off" if cfg.train.recompute == "auto" else f"recompute {cfg.train.recompute}"
+        note += "; data_parallel auto -> ddp" if auto_dp else ""
+        return with_recompute(cfg, recompute_of(cfg)), note + " (give a GPU size to let it choose)"
+    dp, mode, _ = choose_parallel(cfg, cfg.topology.trainer_role, cuda, gpu_bytes, cal, shape)
+    note = (f"recompute auto -> {mode}" if cfg.train.recompute == "auto" else f"recompute {mode}")
+    if cfg.topology.layout == "colocated-dp":
+        note += f", data_parallel auto -> {dp}" if auto_dp else f", data_parallel {dp}"
+    return with_recompute(with_parallel(cfg, dp), mode), f"{note} (the fastest mode that fits {gpu_bytes / GiB:.1f} GiB)"
+
+
+def recompute_of(cfg: RunConfig) -> str:
+    return "off" if cfg.train.recompute == "auto" else cfg.train.recompute
 
 
 def estimate(
@@ -262,9 +309,16 @@ def estimate(
     cal: Calibration = DEFAULT_CALIBRATION,
     source: str = "",
     rates: tuple[float, float] | None = None,
+    link_gbps: float | None = None,
 ) -> Estimate:
     """Per-role component table, totals, headroom and the largest settings that fit; with `rates` (busy tok/s per GPU
-    of a target and a drafter) each layout's pace."""
+    of a target and a drafter) each layout's pace, its communication priced at link_gbps (GB/s one way per GPU;
+    default pace.DEFAULT_LINK_GBPS, the users' PCIe Gen5 x16)."""
+    from dflash.memory.pace import DEFAULT_LINK_GBPS
+
+    if link_gbps is not None and not (0 < link_gbps < float("inf")):
+        raise MemoryModelError(f"link bandwidth must be a positive number of GB/s, got {link_gbps}")
+    link = DEFAULT_LINK_GBPS if link_gbps is None else link_gbps
     if gpu_bytes is not None and gpu_bytes <= 0:
         raise MemoryModelError(f"GPU memory must be positive, got {gpu_bytes} bytes")
     cal.context_bytes(cuda)  # unknown CUDA major: fail before any work
@@ -281,7 +335,7 @@ def estimate(
         out.append(RoleEstimate(
             role=role, gpus=role_gpus(cfg, role), rows=[Row(component=p.component, bytes=p.bytes) for p in parts],
             total_bytes=total, gpu_bytes=gpu_bytes, headroom_bytes=headroom,
-            fits=None if headroom is None else headroom >= 0,
+            fits=None if headroom is None else headroom >= 0, data_parallel="none" if role == "target" else parallel_mode(cfg),
         ))
     limits = []
     if gpu_bytes is not None:
@@ -300,7 +354,8 @@ def estimate(
         f"{w.loss_tokens} through the lm_head; {recompute_note}"
     )
     layouts = layout_fits(original, shape, cuda, gpu_bytes, cal)
-    pace = layout_pace(original, shape, cuda, gpu_bytes, layouts, *rates, cal) if rates else []
+    pace = layout_pace(original, shape, cuda, gpu_bytes, layouts, *rates, cal, link) if rates else []
     return Estimate(config=source, target=target, cuda=cuda, gpu_bytes=gpu_bytes, workload=w, assumption=assumption,
                     roles=out, limits=limits, calibration=asdict(cal), layouts=layouts,
-                    rates={"target": rates[0], "drafter": rates[1]} if rates else None, pace=pace)
+                    rates={"target": rates[0], "drafter": rates[1]} if rates else None, pace=pace,
+                    link_gbps=link if rates else None)

@@ -6,11 +6,28 @@ waits left out), a drafter's over its time not waiting for features. A split run
 
     t, d = suggest_split(8, 12_500, 41_000)          # (6, 2): the split of 8 GPUs that trains fastest
     colocated_tok_s(12_500, 41_000)                  # one GPU running both roles in turn: about 9,580 tok/s
+
+The link between GPUs prices what a step must move (each GPU's bytes over its link's one-way bandwidth): a split's
+features from target to drafter ranks, DDP's gradient all-reduce, FSDP2's parameter all-gathers and gradient
+reduce-scatter. Communication is taken as overlapped with the drafter's compute, never with the target forward: a
+batch takes target time + max(drafter time, communication time) on a co-located GPU; a split's target sends while it
+computes its next batch (max of the two) and a drafter receives a step ahead (max of its compute and its receives
+plus its all-reduce). docs/training.md ("The link between GPUs") says why.
+
+    fsdp2_step_bytes(8, 1_730_000_000)              # 12.1e9 bytes each GPU sends per step (and receives)
+    colocated_dp_tok_s(8, 12_550, 46_300, 49_152, 12.1e9, 50)   # ~79,000 tok/s: the 0.24 s hide under the drafter
 """
 
 from __future__ import annotations
 
 SUMMARY_ROWS = 10  # the end-of-run summary averages the busy rates of this many last logged windows
+# PCIe Gen5 x16, one direction: 32 GT/s x 16 lanes x 128/130 (encoding) / 8 bits = 63.0 GB/s.
+PCIE5_X16_GBPS = 32 * 16 * 128 / 130 / 8
+# The default link, per GPU and direction: the users' PCIe Gen5 x16 as measured rather than as specified. GPU-to-GPU
+# copies between RTX PRO 6000 Blackwell cards on Gen5 x16 measure ~53-56 GB/s within a NUMA node and ~39-51 GB/s
+# across (CUDA p2pBandwidthLatencyTest, public reports of 8-GPU boxes); a ring over 8 GPUs crosses sockets, so 50.
+DEFAULT_LINK_GBPS = 50.0
+GB = 1e9  # link bandwidths are in GB/s (decimal), as links are specified
 
 
 def suggest_split(n_gpus: int, target_tok_s_per_gpu: float, drafter_tok_s_per_gpu: float) -> tuple[int, int]:
@@ -33,10 +50,66 @@ def split_tok_s(targets: int, drafters: int, target_tok_s_per_gpu: float, drafte
 
 def colocated_tok_s(target_tok_s_per_gpu: float, drafter_tok_s_per_gpu: float) -> float:
     """Tokens/s of one GPU running the target forward and the drafter step of each batch in turn: the two times add
-    (1 / (1/T + 1/D)). Co-located data parallel over N GPUs is N times this, less DDP's gradient all-reduce."""
+    (1 / (1/T + 1/D)). Co-located data parallel over N GPUs is N times this when its communication hides under the
+    drafter steps (colocated_dp_tok_s)."""
     if target_tok_s_per_gpu <= 0 or drafter_tok_s_per_gpu <= 0:
         return 0.0
     return 1 / (1 / target_tok_s_per_gpu + 1 / drafter_tok_s_per_gpu)
+
+
+def ring_all_reduce_bytes(n_ranks: int, nbytes: float) -> float:
+    """Bytes each rank sends (and receives) to all-reduce nbytes over a ring of n_ranks: 2 (N - 1) / N x nbytes."""
+    return 2 * (n_ranks - 1) / n_ranks * nbytes if n_ranks > 1 else 0.0
+
+
+def all_gather_bytes(n_ranks: int, nbytes: float) -> float:
+    """Bytes each rank receives (and sends) to all-gather a tensor of nbytes whole, 1/N held by each: (N - 1) / N x
+    nbytes. A reduce-scatter of nbytes moves the same."""
+    return (n_ranks - 1) / n_ranks * nbytes if n_ranks > 1 else 0.0
+
+
+def ddp_step_bytes(n_ranks: int, params: int) -> float:
+    """Per rank and optimizer step, DDP's all-reduce of the fp32 gradients (once per step: the step's other batches
+    run under no_sync)."""
+    return ring_all_reduce_bytes(n_ranks, 4 * params)
+
+
+def fsdp2_step_bytes(n_ranks: int, params: int, batches: int = 1) -> float:
+    """Per rank and optimizer step, FSDP2 with bf16 parameters and fp32 gradient reduction: every batch all-gathers
+    the bf16 parameters twice (forward, and again in backward after reshard_after_forward), the step's last batch
+    reduce-scatters the fp32 gradients (gradient sync is off for the others)."""
+    return batches * 2 * all_gather_bytes(n_ranks, 2 * params) + all_gather_bytes(n_ranks, 4 * params)
+
+
+def link_seconds(nbytes: float, link_gbps: float) -> float:
+    """Seconds nbytes take over a link of link_gbps GB/s in one direction."""
+    return nbytes / (link_gbps * GB)
+
+
+def colocated_dp_tok_s(n_ranks: int, target_tok_s_per_gpu: float, drafter_tok_s_per_gpu: float, batch_tokens: int,
+                       step_bytes: float, link_gbps: float, batches: int = 1) -> float:
+    """Tokens/s of co-located data parallel over n_ranks GPUs, each running `batches` batches of batch_tokens per
+    optimizer step and moving step_bytes over its link: the target forwards run alone, the drafter steps beside the
+    communication (target time + max(drafter time, link time))."""
+    if target_tok_s_per_gpu <= 0 or drafter_tok_s_per_gpu <= 0:
+        return 0.0
+    tokens = batches * batch_tokens
+    step_s = tokens / target_tok_s_per_gpu + max(tokens / drafter_tok_s_per_gpu, link_seconds(step_bytes, link_gbps))
+    return n_ranks * tokens / step_s
+
+
+def split_link_tok_s(targets: int, drafters: int, target_tok_s_per_gpu: float, drafter_tok_s_per_gpu: float,
+                     batch_tokens: int, feature_bytes: float, link_gbps: float, batches: int = 1,
+                     drafter_step_bytes: float = 0.0) -> float:
+    """split_tok_s with each side slowed to what its link carries: a target sends feature_bytes per batch while it
+    computes the next, a drafter receives them a step ahead while it trains, plus drafter_step_bytes (its DDP
+    all-reduce) once per step of `batches` batches."""
+    if target_tok_s_per_gpu <= 0 or drafter_tok_s_per_gpu <= 0:
+        return 0.0
+    t_batch = max(batch_tokens / target_tok_s_per_gpu, link_seconds(feature_bytes, link_gbps))
+    d_batch = max(batch_tokens / drafter_tok_s_per_gpu,
+                  link_seconds(feature_bytes + drafter_step_bytes / batches, link_gbps))
+    return min(targets * batch_tokens / t_batch, drafters * batch_tokens / d_batch)
 
 
 def after_first_window(rows: list[dict]) -> tuple[list[dict], int]:

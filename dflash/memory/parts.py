@@ -13,8 +13,9 @@ component:
   features; logits and loss are computed ``loss_chunk`` queries at a time.
 - ``colocated``: both on one GPU: the target forward runs before the drafter step, so only the larger of the two
   working sets counts; the drafter reuses the target's own embedding and lm_head. Every GPU of a co-located data
-  parallel run (``topology.colocated_gpus``) is this role, plus DDP's gradient buckets and NCCL's buffers, as a
-  split run's drafter GPUs when there are several.
+  parallel run (``topology.colocated_gpus``) is this role, plus, with DDP, its gradient buckets and NCCL's buffers, as
+  a split run's drafter GPUs when there are several; with FSDP2 (``train.data_parallel``) the drafter's fp32 state is
+  1/N of it on each of the N ranks, plus the all-gather and reduce-scatter buffers of the layers in flight.
 
 Everything that can only be measured (CUDA context, NCCL buffers, allocator fragmentation, how many activation
 tensors the kernels really keep) is a named constant in :class:`Calibration`, fitted to H200 measurements by
@@ -52,6 +53,9 @@ from dflash.memory.shape import (
 FLEX_BLOCK = 128  # tokens per flex-attention sparse block (both query and key/value side)
 
 Kind = Literal["static", "activation", "fixed", "margin"]
+DataParallel = Literal["none", "ddp", "fsdp2"]  # how the drafter's ranks hold it: one rank, replicas, or shards
+FSDP2_LAYERS_IN_FLIGHT = 2  # FSDP2's default prefetch: the current layer's all-gather and the next one's (forward and
+                            # backward); in backward also two layers' reduce-scatters (one computed, one reducing)
 
 
 @dataclass(frozen=True)
@@ -194,6 +198,7 @@ class Part:
     bytes: int
     kind: Kind  # static: weights/states; activation: scales with the batch; fixed: outside the allocator
     group: Literal["target", "drafter", ""] = ""  # which fitted activation scale applies
+    held: bool = False  # a drafter-step part that stays allocated through a co-located GPU's target forward
 
 
 def _features_bytes(cfg: RunConfig, shape: TargetShape, w: Workload) -> tuple[int, int]:
@@ -201,6 +206,14 @@ def _features_bytes(cfg: RunConfig, shape: TargetShape, w: Workload) -> tuple[in
     feats = w.tokens * w.feature_layers * shape.hidden * dt
     last = w.tokens * shape.hidden * dt if cfg.train.kl_weight > 0 else 0
     return feats, last
+
+
+def sent_features_bytes(cfg: RunConfig, shape: TargetShape) -> int:
+    """Bytes a split's target rank sends a drafter rank per batch (dflash.train.ranks._target_main): its timing stats
+    (2 fp64), the selected layers' hidden states and, with soft labels, the last hidden state, in target.dtype, for a
+    batch of token_budget tokens."""
+    feats, last = _features_bytes(cfg, shape, workload(cfg))
+    return 2 * 8 + feats + last
 
 
 def target_layer_bytes(cfg: RunConfig, shape: TargetShape, w: Workload, cal: Calibration) -> int:
@@ -250,10 +263,17 @@ def _target_parts(cfg: RunConfig, shape: TargetShape, w: Workload, cal: Calibrat
 
 def _drafter_static_parts(cfg: RunConfig, shape: TargetShape, share_frozen: bool) -> list[Part]:
     p = drafter_params(cfg, shape)
-    parts = [
-        Part(f"drafter params (fp32 master, {p / 1e6:.0f} M)", FP32 * p, "static"),
-        Part("AdamW exp_avg + exp_avg_sq (fp32)", 2 * FP32 * p, "static"),
-    ]
+    if parallel_mode(cfg) == "fsdp2":  # fully_shard: each rank keeps its 1/N of every parameter and its moments
+        n, s = drafter_ranks(cfg), sharded_params(cfg, shape)
+        parts = [
+            Part(f"drafter params (fp32 master, sharded 1/{n}: {s / 1e6:.0f} M of {p / 1e6:.0f} M)", FP32 * s, "static"),
+            Part(f"AdamW exp_avg + exp_avg_sq (fp32, sharded 1/{n})", 2 * FP32 * s, "static"),
+        ]
+    else:
+        parts = [
+            Part(f"drafter params (fp32 master, {p / 1e6:.0f} M)", FP32 * p, "static"),
+            Part("AdamW exp_avg + exp_avg_sq (fp32)", 2 * FP32 * p, "static"),
+        ]
     if not share_frozen:
         parts.append(Part("frozen embedding (bf16)", BF16 * shape.embedding_params, "static"))
         if not shape.tied:
@@ -268,15 +288,18 @@ def _step_only_parts(cfg: RunConfig, shape: TargetShape, step_activation_bytes: 
     activations and the autocast copies as it allocates the grads: the peak is the larger of
     (copies + activations) during the step and the grads after it. With train.grad_accum > 1 the first
     batch's grads live through the later batches' forwards; with several drafter ranks the grads are
-    views of DDP's buckets, allocated once and held through every step.
+    views of DDP's buckets, allocated once and held through every step. FSDP2: see _fsdp2_step_parts.
     """
     p = drafter_params(cfg, shape)
     copies = BF16 * p
-    if ddp_drafters(cfg):
+    mode = parallel_mode(cfg)
+    if mode == "fsdp2":
+        return _fsdp2_step_parts(cfg, shape)
+    if mode == "ddp":
         return [
             Part("bf16 autocast weight copies (forward to backward)", copies, "static"),
-            Part(f"DDP gradient buckets (fp32, held; {len(cfg.topology.trainer_gpus)} drafter ranks)", FP32 * p,
-                 "static"),
+            Part(f"DDP gradient buckets (fp32, held; {drafter_ranks(cfg)} drafter ranks)", FP32 * p, "static",
+                 held=True),
         ]
     if cfg.train.grad_accum > 1:  # the first batch's grads are held while the next batches run forward
         return [
@@ -290,10 +313,122 @@ def _step_only_parts(cfg: RunConfig, shape: TargetShape, step_activation_bytes: 
     ]
 
 
+def _fsdp2_step_parts(cfg: RunConfig, shape: TargetShape) -> list[Part]:
+    """What a rank of a drafter under FSDP2 (fully_shard per layer and at the root, reshard_after_forward, bf16
+    params and fp32 gradient reduction) holds beyond its sharded params and moments.
+
+    No autocast copies (the gathered parameters are bf16 already) and no DDP buckets. Held: the sharded fp32 grads
+    (the reduce-scatter's output, until zero_grad of the next step), and with train.grad_accum > 1 the unsharded grads
+    FSDP2 accumulates in fp32 while gradient sync is off (every batch but the step's last). During the step: the
+    all-gathered bf16 params of the layers in flight, the root's (fc, norms: the root is not resharded between forward
+    and backward); in backward only, the reduce-scatter's unsharded bf16 gradients with their fp32 copy of the layers
+    in flight (fsdp2_reduce_scatter_bytes), which _drafter_step_parts weighs against the forward's loss chunk.
+    """
+    n, p, s = drafter_ranks(cfg), drafter_params(cfg, shape), sharded_params(cfg, shape)
+    layer, root = drafter_layer_params(cfg, shape), drafter_root_params(cfg, shape)
+    k = min(FSDP2_LAYERS_IN_FLIGHT, cfg.drafter.num_layers)
+    parts = [Part(f"drafter grads (fp32, sharded 1/{n}: reduce-scatter output, held to the next step)", FP32 * s,
+                  "static", held=True)]
+    if cfg.train.grad_accum > 1:
+        parts.append(Part(f"FSDP2 accumulated grads (fp32, unsharded, held across the step's {cfg.train.grad_accum} "
+                          "batches)", FP32 * p, "static", held=True))
+    parts += [
+        Part(f"FSDP2 all-gather buffers (bf16 params of {k} layers: the current and the prefetched)", k * BF16 * layer,
+             "static"),
+        Part(f"FSDP2 root params gathered (bf16: fc and norms, {root / 1e6:.0f} M, forward to backward)", BF16 * root,
+             "static"),
+    ]
+    return parts  # the reduce-scatter buffers live in backward only: _drafter_step_parts sets them beside the loss chunk
+
+
+def fsdp2_reduce_scatter_bytes(cfg: RunConfig, shape: TargetShape) -> int:
+    """FSDP2's reduce-scatter buffers in backward: the unsharded bf16 gradients of the layers in flight and the fp32
+    copy each is reduced in (MixedPrecisionPolicy reduce_dtype); 0 unless parallel_mode is fsdp2."""
+    if parallel_mode(cfg) != "fsdp2":
+        return 0
+    k = min(FSDP2_LAYERS_IN_FLIGHT, cfg.drafter.num_layers)
+    return k * (BF16 + FP32) * drafter_layer_params(cfg, shape)
+
+
+def drafter_ranks(cfg: RunConfig) -> int:
+    """The ranks that train the drafter: drafter GPUs (split), co-located data-parallel GPUs, else the one device."""
+    return max(1, len(cfg.topology.trainer_gpus))
+
+
+def parallel_mode(cfg: RunConfig) -> DataParallel:
+    """How the memory model reads train.data_parallel: "none" for one drafter rank, "fsdp2" as configured in a
+    co-located data-parallel run, else "ddp" (auto read as ddp, and a split's drafter ranks always; callers that know
+    the GPU use choose_parallel)."""
+    if drafter_ranks(cfg) == 1:
+        return "none"
+    if cfg.train.data_parallel == "fsdp2" and cfg.topology.layout == "colocated-dp":
+        return "fsdp2"
+    return "ddp"
+
+
 def ddp_drafters(cfg: RunConfig) -> bool:
-    """Several drafter ranks (split drafter GPUs or co-located data-parallel GPUs): the trainer wraps the drafter in
-    DDP (one rank trains without it)."""
-    return len(cfg.topology.trainer_gpus) > 1
+    """Several drafter ranks holding a whole replica each: the trainer wraps the drafter in DDP (one rank trains
+    without it; a sharded drafter is parallel_mode "fsdp2")."""
+    return parallel_mode(cfg) == "ddp"
+
+
+def drafter_layer_params(cfg: RunConfig, shape: TargetShape) -> int:
+    """Parameters of one drafter layer: the unit FSDP2 gathers and reduces at once."""
+    return drafter_shape(cfg, shape).layer_params()
+
+
+def drafter_root_params(cfg: RunConfig, shape: TargetShape) -> int:
+    """The drafter's parameters outside its layers (fc, the context and final norms): FSDP2's root unit."""
+    return drafter_params(cfg, shape) - cfg.drafter.num_layers * drafter_layer_params(cfg, shape)
+
+
+def sharded_params(cfg: RunConfig, shape: TargetShape) -> int:
+    """Drafter parameters one rank holds under FSDP2: 1/N of the whole, rounded up (fully_shard pads dim 0)."""
+    return math.ceil(drafter_params(cfg, shape) / drafter_ranks(cfg))
+
+
+def with_parallel(cfg: RunConfig, mode: str) -> RunConfig:
+    """cfg with train.data_parallel = mode ("none": unchanged, one rank ignores the field)."""
+    if mode == "none":
+        return cfg
+    out = cfg.model_copy(deep=True)
+    out.train.data_parallel = mode
+    return out
+
+
+def choose_parallel(cfg: RunConfig, role: GpuRole, cuda: str, gpu_bytes: int, cal: Calibration = DEFAULT_CALIBRATION,
+                    shape: TargetShape | None = None) -> tuple[DataParallel, str, int]:
+    """(data_parallel, recompute, need bytes) one GPU of ``role`` runs with, as the trainer resolves "auto" on a GPU
+    of gpu_bytes.
+
+    One drafter rank: "none" (no wrapper). A split's drafter ranks: "ddp". Co-located data parallel with
+    train.data_parallel = auto: "ddp" where DDP fits at some recompute mode (train.recompute = auto: the fastest that
+    fits, as choose_recompute), else "fsdp2" (with its own fastest recompute); ddp or fsdp2 as configured otherwise.
+    When nothing fits, the last mode tried is returned with its need above gpu_bytes (the caller refuses it). On a
+    CPU run (device = "cpu") auto is ddp and recompute auto is off, as the trainer reads them there.
+    """
+    shape = shape or load_target_shape(cfg.target.path)
+    if role == "target":
+        return "none", recompute_mode(cfg), sum(p.bytes for p in role_parts(cfg, shape, role, cuda, cal))
+    mode = parallel_mode(cfg)
+    if mode == "none":
+        tries: list[DataParallel] = ["none"]
+    elif mode == "fsdp2" or cfg.train.data_parallel == "ddp" or cfg.topology.layout != "colocated-dp":
+        tries = [mode]
+    else:
+        tries = ["ddp"] if cfg.device != "cuda" else ["ddp", "fsdp2"]
+    out: tuple[DataParallel, str, int] = ("none", "off", 0)
+    for dp in tries:
+        case = with_parallel(cfg, dp)
+        if cfg.train.recompute == "auto" and cfg.device == "cuda":
+            recompute, need = choose_recompute(case, role, cuda, gpu_bytes, cal, shape)
+        else:
+            recompute = recompute_mode(case)
+            need = sum(p.bytes for p in role_parts(with_recompute(case, recompute), shape, role, cuda, cal))
+        out = (dp, recompute, need)
+        if need <= gpu_bytes:
+            break
+    return out
 
 
 def drafter_layer_bytes(shape: TargetShape, w: Workload, cal: Calibration, recompute: str = "off", compiled: bool = True) -> int:
@@ -340,6 +475,7 @@ def with_recompute(cfg: RunConfig, mode: str) -> RunConfig:
 
 
 def _drafter_step_parts(cfg: RunConfig, shape: TargetShape, w: Workload, cal: Calibration) -> list[Part]:
+    rs = fsdp2_reduce_scatter_bytes(cfg, shape)
     shape = drafter_shape(cfg, shape)  # the drafter's layer sizes; hidden and vocab stay the target's
     n = cfg.drafter.num_layers
     mode = recompute_mode(cfg)
@@ -368,7 +504,7 @@ def _drafter_step_parts(cfg: RunConfig, shape: TargetShape, w: Workload, cal: Ca
     backward = int(cal.backward_transient_layers * full_layer) + attn_ws
     if mode != "off":  # the recomputed layer's (or MLP's) activations live while its gradient is formed
         backward += full_layer - drafter_layer_bytes(shape, w, cal, "mlp" if mode == "mlp" else "layer", compiled)
-    return [
+    parts = [
         Part("context projection (fc out, hidden norm fp32 pair + bf16 out)", (2 * FP32 + BF16) * w.tokens * h + FP32 * w.tokens,
              "activation"),
         Part(f"block tokens ({w.queries} queries: ids, labels, weights, embeddings, RoPE)",
@@ -385,11 +521,17 @@ def _drafter_step_parts(cfg: RunConfig, shape: TargetShape, w: Workload, cal: Ca
         Part(f"backward transient ({cal.backward_transient_layers:g} layer + flex workspace) beyond the loss chunk",
              max(0, backward - chunk), "activation"),
     ]
+    if rs:  # backward-only, beside the backward transient: it fills the room the loss chunk left first (both scaled)
+        k = min(FSDP2_LAYERS_IN_FLIGHT, n)
+        room = int(cal.drafter_activation_scale * max(0, chunk - backward))
+        parts.append(Part(f"FSDP2 reduce-scatter buffers ({k} layers: bf16 grads + fp32 reduce copy) beyond the loss "
+                          "chunk", max(0, rs - room), "static"))
+    return parts
 
 
 def _fixed_parts(cuda: str, cal: Calibration, nccl: bool) -> list[Part]:
     parts = [Part(f"CUDA context + workspaces (CUDA {cuda})", cal.context_bytes(cuda), "fixed")]
-    if nccl:  # a GPU that sends or receives features, or all-reduces DDP gradients
+    if nccl:  # a GPU that sends or receives features, or all-reduces (DDP) or gathers and reduces (FSDP2) the drafter
         parts.append(Part("NCCL buffers", int(cal.nccl_gib * GiB), "fixed"))
     return parts
 
@@ -432,8 +574,8 @@ def role_parts(cfg: RunConfig, shape: TargetShape, role: GpuRole, cuda: str, cal
         forward = next(p for p in target if p.component.startswith("forward working set"))
         step = _scaled(_drafter_step_parts(cfg, shape, w, cal), "drafter", cal)
         step_only = _step_only_parts(cfg, shape, sum(p.bytes for p in step))
-        # DDP's buckets are held through the target forward too: only the step's transient parts overlap it
-        overlap = step + (step_only[:1] if ddp_drafters(cfg) else step_only)
+        # DDP's buckets (FSDP2's grads) are held through the target forward too: only the step's transient parts overlap it
+        overlap = step + [p for p in step_only if not p.held]
         extra = max(0, forward.bytes - sum(p.bytes for p in overlap))
         parts = [p for p in target if p is not forward]
         parts += _drafter_static_parts(cfg, shape, share_frozen=True)
@@ -443,7 +585,7 @@ def role_parts(cfg: RunConfig, shape: TargetShape, role: GpuRole, cuda: str, cal
     margin = int(frag * sum(p.bytes for p in parts))
     allocator = "expandable segments" if expandable else "default allocator"
     parts.append(Part(f"fragmentation margin ({frag:.0%} of allocated, {allocator})", margin, "margin"))
-    return parts + _fixed_parts(cuda, cal, (split and role != "colocated") or ddp_drafters(cfg))
+    return parts + _fixed_parts(cuda, cal, (split and role != "colocated") or drafter_ranks(cfg) > 1)
 
 
 def fragmentation(cal: Calibration, expandable: bool) -> float:

@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 from dflash.config import ConfigError, GpuRole
 from dflash.errors import DflashError
-from dflash.memory.parts import choose_recompute, role_need_bytes
+from dflash.memory.parts import choose_parallel, role_need_bytes, with_parallel
 from preflight.checks.common import MiB, config_arg, gib, listing, no_shape, on_cpu, result
 from preflight.estimate import DEFAULT_CUDA
 from preflight.facts.context import Context
@@ -85,18 +85,25 @@ def check_gpu_visibility(ctx: Context) -> CheckResult:
 MEMORY_MODEL = "memory model"  # the label gpu-memory's summary and data carry
 
 
-def _need(ctx: Context, role: GpuRole, free: int | None = None) -> tuple[int, str]:
+def _need(ctx: Context, role: GpuRole, free: int | None = None, role_free: int | None = None) -> tuple[int, str]:
     """Bytes one GPU of this role needs, from the gathered target shape.
 
-    train.recompute = auto is judged as the trainer will resolve it: the fastest mode that fits `free`.
+    train.recompute and train.data_parallel = auto are judged as the trainer will resolve them
+    (dflash.memory.parts.choose_parallel): the data-parallel mode on the smallest free memory of the role's GPUs
+    (role_free; every rank must hold the drafter alike), then the fastest recompute that fits this GPU's `free`.
     """
     if ctx.target_shape is None:
         raise ConfigError(no_shape(ctx))
     cuda = ctx.profile.cuda if ctx.profile else DEFAULT_CUDA
-    if ctx.config.train.recompute == "auto" and free is not None and role != "target":
-        mode, need = choose_recompute(ctx.config, role, cuda, free, shape=ctx.target_shape)
-        return need, f"{MEMORY_MODEL}, recompute auto -> {mode}"
-    return role_need_bytes(ctx.config, role, cuda, shape=ctx.target_shape), MEMORY_MODEL
+    cfg = ctx.config
+    auto_dp = cfg.train.data_parallel == "auto" and cfg.topology.layout == "colocated-dp"
+    if (cfg.train.recompute == "auto" or auto_dp) and free is not None and role != "target":
+        dp = choose_parallel(cfg, role, cuda, free if role_free is None else role_free, shape=ctx.target_shape)[0]
+        _, mode, need = choose_parallel(with_parallel(cfg, dp), role, cuda, free, shape=ctx.target_shape)
+        label = [f"recompute auto -> {mode}"] if cfg.train.recompute == "auto" else []
+        label += [f"data_parallel auto -> {dp}"] if auto_dp else []
+        return need, f"{MEMORY_MODEL}, {', '.join(label)}"
+    return role_need_bytes(cfg, role, cuda, shape=ctx.target_shape), MEMORY_MODEL
 
 
 def check_gpu_memory(ctx: Context, need_fn: Callable[[Context, GpuRole], tuple[int, str]] | None = None) -> CheckResult:
@@ -105,11 +112,16 @@ def check_gpu_memory(ctx: Context, need_fn: Callable[[Context, GpuRole], tuple[i
         return gate
     rows, short, lines = [], [], []
     model = ""
-    for name, role, gpu, _why in _resolved(ctx):
+    resolved = _resolved(ctx)
+    role_free: dict[str, int] = {}
+    for _name, role, gpu, _why in resolved:
+        if gpu is not None:
+            role_free[role] = min(role_free.get(role, gpu.memory_free), gpu.memory_free)
+    for name, role, gpu, _why in resolved:
         if gpu is None:
             continue
         try:
-            need, model = need_fn(ctx, role) if need_fn else _need(ctx, role, gpu.memory_free)
+            need, model = need_fn(ctx, role) if need_fn else _need(ctx, role, gpu.memory_free, role_free[role])
         except DflashError as e:
             return result("gpu-memory", "fail", f"memory model failed: {e.one_line()}",
                           f"dflash-estimate --config {config_arg(ctx)}")

@@ -685,16 +685,18 @@ def test_fsdp2_memory_depends_on_the_rank_count_and_a_one_rank_run_is_unchanged(
     assert choose_parallel(split, "drafter", "12.8", 95 * GiB)[:2] == ("ddp", "off")
 
 
-def test_fsdp2_with_grad_accum_holds_the_unsharded_fp32_grads_it_accumulates():
-    """Gradient sync off on every batch of a step but its last: FSDP2 keeps the unsharded grads, upcast to fp32."""
+def test_fsdp2_with_grad_accum_accumulates_sharded_grads():
+    """The trainer reduce-scatters every batch of a step (dflash.train.parallel): with grad_accum > 1 a rank holds the
+    same sharded fp32 grads as with one batch, never the unsharded ones."""
     from dflash.memory.fit import with_topology
-
-    shape = load_target_shape(load_config(USERS).target.path)
     from dflash.memory.parts import with_parallel
 
-    cfg = with_parallel(with_topology(load_config(USERS, {"train.grad_accum": 2}), colocated=8), "fsdp2")
-    parts = role_parts(cfg, shape, "colocated", "12.8")
-    assert part(parts, "FSDP2 accumulated grads (fp32, unsharded") == 4 * drafter_params(cfg, shape)
+    shape = load_target_shape(load_config(USERS).target.path)
+    one, two = (with_parallel(with_topology(load_config(USERS, {"train.grad_accum": k}), colocated=8), "fsdp2")
+                for k in (1, 2))
+    grads = [p for p in role_parts(two, shape, "colocated", "12.8") if "grads" in p.component]
+    assert [p.component for p in grads] == [p.component for p in role_parts(one, shape, "colocated", "12.8") if "grads" in p.component]
+    assert all("unsharded" not in p.component for p in grads)
 
 
 def test_link_pricing_exact_numbers():

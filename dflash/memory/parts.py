@@ -318,20 +318,17 @@ def _fsdp2_step_parts(cfg: RunConfig, shape: TargetShape) -> list[Part]:
     params and fp32 gradient reduction) holds beyond its sharded params and moments.
 
     No autocast copies (the gathered parameters are bf16 already) and no DDP buckets. Held: the sharded fp32 grads
-    (the reduce-scatter's output, until zero_grad of the next step), and with train.grad_accum > 1 the unsharded grads
-    FSDP2 accumulates in fp32 while gradient sync is off (every batch but the step's last). During the step: the
+    (the reduce-scatter's output, until zero_grad of the next step; the trainer reduce-scatters every batch of a step,
+    train.grad_accum > 1 included, so they accumulate sharded: dflash.train.parallel). During the step: the
     all-gathered bf16 params of the layers in flight, the root's (fc, norms: the root is not resharded between forward
     and backward); in backward only, the reduce-scatter's unsharded bf16 gradients with their fp32 copy of the layers
     in flight (fsdp2_reduce_scatter_bytes), which _drafter_step_parts weighs against the forward's loss chunk.
     """
-    n, p, s = drafter_ranks(cfg), drafter_params(cfg, shape), sharded_params(cfg, shape)
+    n, s = drafter_ranks(cfg), sharded_params(cfg, shape)
     layer, root = drafter_layer_params(cfg, shape), drafter_root_params(cfg, shape)
     k = min(FSDP2_LAYERS_IN_FLIGHT, cfg.drafter.num_layers)
     parts = [Part(f"drafter grads (fp32, sharded 1/{n}: reduce-scatter output, held to the next step)", FP32 * s,
                   "static", held=True)]
-    if cfg.train.grad_accum > 1:
-        parts.append(Part(f"FSDP2 accumulated grads (fp32, unsharded, held across the step's {cfg.train.grad_accum} "
-                          "batches)", FP32 * p, "static", held=True))
     parts += [
         Part(f"FSDP2 all-gather buffers (bf16 params of {k} layers: the current and the prefetched)", k * BF16 * layer,
              "static"),

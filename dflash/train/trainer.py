@@ -179,14 +179,24 @@ class Trainer:
             return "ddp", "auto on CPU"
         from dflash.memory.parts import choose_parallel
 
-        free, _total = torch.cuda.mem_get_info(self.device)
-        usable = free + torch.cuda.memory_reserved(self.device)
+        usable = self._usable_bytes()
         try:
             mode, _recompute, need = choose_parallel(self.cfg, self.cfg.topology.trainer_role, torch.version.cuda or "12.8",
                                                      usable)
         except ValueError as e:  # a shape the memory model cannot read: the replica DDP always was
             return "ddp", f"auto: memory model unavailable ({e})"
         return mode, f"auto: predicted peak {need / 2**30:.1f} GiB of {usable / 2**30:.1f} GiB usable on {self.device}"
+
+    def _usable_bytes(self) -> int:
+        """What this process can hold on its GPU (free + its own cache), the smallest over the drafter ranks: every
+        rank resolves auto alike (a run half DDP, half FSDP2 would hang in its first collective)."""
+        free, _total = torch.cuda.mem_get_info(self.device)
+        usable = free + torch.cuda.memory_reserved(self.device)
+        if self.group is not None:
+            t = torch.tensor([usable], dtype=torch.int64, device=self.device)
+            dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
+            usable = int(t.item())
+        return usable
 
     def _choose_recompute(self) -> tuple[str, str]:
         """train.recompute as configured, or for auto the fastest mode the memory model fits on this GPU."""
@@ -197,8 +207,7 @@ class Trainer:
             return mode, "as configured"
         if self.device.type != "cuda":
             return "off", "auto on CPU"
-        free, _total = torch.cuda.mem_get_info(self.device)
-        usable = free + torch.cuda.memory_reserved(self.device)  # what this process can hold
+        usable = self._usable_bytes()
         try:
             mode, need = choose_recompute(self._resolved(), self.cfg.topology.trainer_role, torch.version.cuda or "12.8",
                                           usable)

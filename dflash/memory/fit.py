@@ -237,8 +237,16 @@ def layout_pace(cfg: RunConfig, shape: TargetShape, cuda: str, gpu_bytes: int | 
     """The tokens/s of each layout at the given busy rates (``dflash.memory.pace``), each step's communication priced
     at link_gbps (GB/s one way per GPU; default the users' PCIe Gen5 x16, pace.DEFAULT_LINK_GBPS), plus the best split
     of the data-parallel layout's GPU count when the config does not name it (its memory judged as a layout's is)."""
-    from dflash.memory.pace import (DEFAULT_LINK_GBPS, colocated_dp_tok_s, colocated_tok_s, ddp_step_bytes,
-                                    fsdp2_step_bytes, link_seconds, split_link_tok_s, suggest_split)
+    from dflash.memory.pace import (
+        DEFAULT_LINK_GBPS,
+        colocated_dp_tok_s,
+        colocated_tok_s,
+        ddp_step_bytes,
+        fsdp2_step_bytes,
+        link_seconds,
+        split_link_tok_s,
+        suggest_split,
+    )
 
     link = DEFAULT_LINK_GBPS if link_gbps is None else link_gbps
     tokens, batches = cfg.data.token_budget, cfg.train.grad_accum

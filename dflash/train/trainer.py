@@ -439,7 +439,8 @@ class Trainer:
                     pending = None
                 self.writer.check()  # a background save that failed ends the run here, as a save on this thread would
             self.writer.wait()
-            if self.step != last_save or not rundir.list_checkpoints(self.out):
+            # agreed: a sharded save is a collective, and only the logger can see its own checkpoint folder
+            if self._agree(self.step != last_save or (self.is_logger and not rundir.list_checkpoints(self.out))):
                 last_save, _ = self._save_if_logger(held if held is not None and held.get("step") == self.step else None)
             self.writer.wait()  # the last checkpoint is renamed before the run reports, exports or exits
         except BaseException as e:

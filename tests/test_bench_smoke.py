@@ -123,3 +123,16 @@ def test_regenerate_faults_bench_finishes_with_every_id_accounted_for(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     figures = json.loads(out.read_text())
     assert all(figures["checks"].values()) and (figures["written"], figures["skipped"]) == (95, 5)
+
+
+@pytest.mark.slow
+def test_fake_rank_bench_trains_rank_0_of_8_with_an_eighth_of_the_drafter_on_cpu(tmp_path):
+    out = tmp_path / "fake_rank.json"
+    proc = _run(["bench/fake_rank.py", "--tiny", "--world", "8", "--max-steps", "3", "--out", str(out)], tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    assert doc["ok"] and doc["world"] == 8 and doc["data_parallel"] == "fsdp2"
+    # FSDP2 keeps 1/8 of every parameter here (dim 0 split in 8, rounded up): the fake group is rank 0 of 8
+    assert doc["drafter_params"] / 8 <= doc["local_params"] < doc["drafter_params"] / 6
+    assert [s["step"] for s in doc["steps"]] == [1, 2, 3] and all(s["step_s"] > 0 for s in doc["steps"])
+    assert "8 data-parallel drafter ranks, fsdp2" in proc.stdout

@@ -190,8 +190,11 @@ class Trainer:
     def _usable_bytes(self) -> int:
         """What this process can hold on its GPU (free + its own cache), the smallest over the drafter ranks: every
         rank resolves auto alike (a run half DDP, half FSDP2 would hang in its first collective)."""
-        free, _total = torch.cuda.mem_get_info(self.device)
+        free, total = torch.cuda.mem_get_info(self.device)
         usable = free + torch.cuda.memory_reserved(self.device)
+        # a process held to a share of its GPU (torch.cuda.set_per_process_memory_fraction: one GPU shared with a
+        # server, or one H200 standing in for a smaller GPU) can hold no more than that share
+        usable = min(usable, int(torch.cuda.get_per_process_memory_fraction(self.device) * total))
         if self.group is not None:
             t = torch.tensor([usable], dtype=torch.int64, device=self.device)
             dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)

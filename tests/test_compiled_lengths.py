@@ -137,9 +137,10 @@ def _dp_rank(rank: int, raw: dict, port: int) -> None:
 
 
 @pytest.mark.e2e
-def test_co_located_data_parallel_ranks_prime_and_build_no_graph_after_the_first_step(tmp_path, capfd):
-    """Two co-located DP ranks over gloo, the drafter DDP-wrapped: the shape classes are traced before the first step
-    (the priming backward under no_sync: nothing is reduced), then no rank builds a graph (each would print
+@pytest.mark.parametrize("data_parallel", ["ddp", "fsdp2"])
+def test_co_located_data_parallel_ranks_prime_and_build_no_graph_after_the_first_step(tmp_path, capfd, data_parallel):
+    """Two co-located DP ranks over gloo, the drafter DDP-wrapped or FSDP2-sharded: the shape classes are traced
+    before the first step (the priming backward reduces nothing), then no rank builds a graph (each would print
     "recompiled after step N"), and the run finishes with both ranks' exit code 0."""
     import torch.multiprocessing as mp
 
@@ -147,11 +148,13 @@ def test_co_located_data_parallel_ranks_prime_and_build_no_graph_after_the_first
 
     _, raw = _lognormal_run(tmp_path, max_steps=12, save_every=1000)
     raw["topology"] = {"colocated_gpus": ["0", "1"], "timeout_s": 60}
+    raw["train"]["data_parallel"] = data_parallel
     Path(raw["output_dir"]).mkdir()
     mp.spawn(_dp_rank, args=(raw, free_port()), nprocs=2, join=True)  # raises unless both ranks exit 0
     out = capfd.readouterr().out
     outcome = json.loads((Path(raw["output_dir"]) / "outcome.json").read_text())
     graphs = outcome["compiled_graphs"]
+    assert f"2 data-parallel drafter ranks, {data_parallel} (as configured)" in out, out[-2000:]
     assert "compile: 2 shape class(es) (rows >= 2, one row)" in out and "recompiled after" not in out, out[-2000:]
     assert outcome["ended"]["how"] == "finished" and outcome["step"] == 12
     assert graphs["first_step"] >= 3 and graphs["last"] == graphs["first_step"], outcome.get("recompile_causes")

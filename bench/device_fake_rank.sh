@@ -43,7 +43,8 @@ for part in ${PART:-start}; do
     run) fake mix "$MIX" "$STEPS"
          fake uniform "$UNI" "$REF_STEPS"
          echo "all done $(date +%T)" | tee -a "$L/progress.txt" ;;
-    poll) end=$(( $(date +%s) + ${WAIT:-0} ))
+    poll) [ -f "$L/run.log" ] || { echo "no run on this machine (a fresh one: the last went back); PART=start"; exit 1; }
+          end=$(( $(date +%s) + ${WAIT:-0} ))
           while ! grep -q "all done" "$L/progress.txt" 2>/dev/null && [ "$(date +%s)" -lt "$end" ]; do sleep 10; done
           cat "$L/progress.txt" 2>/dev/null; tail -n 3 "$L/run.log"
           for f in "$L"/train_*.log; do [ -f "$f" ] && { echo "--- $f"; grep -a "recompil\|rror\|Traceback" "$f" | head -5

@@ -19,13 +19,7 @@ from dflash.train.features import RemoteTargets
 from dflash.train.launch import cpu_threads_per_rank, physical_gpu
 from dflash.train.layout import Rank, ranks_for
 from dflash.train.trainer import run
-from trainkit import REPO, assert_ranks_gone, cancel_run, metrics, start_run, tiny_config, train_cmd, write_toml
-
-
-def split_raw(raw: dict, targets=("0",), drafters=("1", "2")) -> dict:
-    raw = json.loads(json.dumps(raw))
-    raw["topology"] = {"target_gpus": list(targets), "drafter_gpus": list(drafters), "timeout_s": 30}
-    return raw
+from trainkit import REPO, assert_ranks_gone, cancel_run, metrics, split_raw, start_run, tiny_config, train_cmd, write_toml
 
 
 def test_roles_by_rank_for_the_incident_split():

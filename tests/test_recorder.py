@@ -33,17 +33,18 @@ def _row(step: int) -> dict:
 def test_the_window_restarts_only_where_every_rank_made_a_row(recorder, tmp_path):
     """A save's row on the logger alone keeps the tok/s window going; a row of every rank restarts it. Every row
     reaches metrics.jsonl, outcome.json and a step line, with the save that finished since the last row; the
-    first window's rows (compilation included) stay out of the steady rows."""
+    first window's rows (compilation included) stay out of the steady rows. The batches trained follow the window."""
     t0 = recorder.window["t0"]
-    recorder.count([(0, {"lengths": np.array([3, 5])})])
+    recorder.count([(0, {"lengths": np.array([3, 5]), "sample_ids": np.array([7, 2])})])
     recorder.end_window(every_rank=False)
     recorder.record({"step": 1, "epoch": 0, "save_stall_s": 0.1})
-    assert recorder.window == {"t0": t0, "tokens": 8}
+    assert recorder.window == {"t0": t0, "tokens": 8, "batches": [[0, [7, 2]]]}
     for step in (2, 3):
-        recorder.count([(0, {"lengths": np.array([4])})])
+        recorder.count([(step - 1, {"lengths": np.array([4]), "sample_ids": np.array([step])})])
+        assert recorder.batches_so_far() == ([[0, [7, 2]], [1, [2]]] if step == 2 else [[2, [3]]])
         recorder.end_window(every_rank=True)
         recorder.record(_row(step))
-        assert recorder.window["tokens"] == 0 and recorder.window["t0"] > t0
+        assert recorder.window["tokens"] == 0 and recorder.window["t0"] > t0 and recorder.batches_so_far() == []
     recorder.close()
     rows = [json.loads(line) for line in (tmp_path / rundir.METRICS_NAME).read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3] and rows[1]["save_write_s"] == 0.5 and "save_write_s" not in rows[2]

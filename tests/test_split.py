@@ -19,13 +19,7 @@ from dflash.train.features import RemoteTargets
 from dflash.train.launch import cpu_threads_per_rank, physical_gpu
 from dflash.train.layout import Rank, ranks_for
 from dflash.train.trainer import run
-from trainkit import REPO, assert_ranks_gone, cancel_run, metrics, start_run, tiny_config, train_cmd, write_toml
-
-
-def split_raw(raw: dict, targets=("0",), drafters=("1", "2")) -> dict:
-    raw = json.loads(json.dumps(raw))
-    raw["topology"] = {"target_gpus": list(targets), "drafter_gpus": list(drafters), "timeout_s": 30}
-    return raw
+from trainkit import REPO, assert_ranks_gone, cancel_run, metrics, split_raw, start_run, tiny_config, train_cmd, write_toml
 
 
 def test_roles_by_rank_for_the_incident_split():
@@ -82,6 +76,52 @@ def test_cpu_ranks_share_the_cores_out():
     assert cpu_threads_per_rank(3, cores=2) == 1  # more ranks than cores: one thread each, never 0
     assert cpu_threads_per_rank(3, cores=16) == 5
     assert cpu_threads_per_rank(1, cores=16) == 16
+
+
+def test_a_closed_peer_is_told_from_a_real_error():
+    """What makes a rank leave quietly (EXIT_PEER_GONE): gloo's words for a peer whose process is gone, in a
+    RuntimeError; a timeout, a shape error or another exception type is raised as it is."""
+    from dflash.train.ranks import peer_gone
+
+    assert peer_gone(RuntimeError("[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:547] Connection closed by "
+                                  "peer [127.0.0.1]:431"))
+    assert peer_gone(RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Read error [127.0.0.1]:5: "
+                                  "Connection reset by peer"))
+    assert not peer_gone(RuntimeError("[../gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting 30000ms for "
+                                      "recv operation to complete"))
+    assert not peer_gone(RuntimeError("mat1 and mat2 shapes cannot be multiplied (8x64 and 32x64)"))
+    assert not peer_gone(ValueError("Connection closed by peer"))
+
+
+def _watched(tmp_path, *ranks: str) -> tuple[int, list[str]]:
+    """The launcher's watch (dflash.train.launch._watch) over 1 target + 2 drafters played by real processes, each
+    ending as its Python line says: (the launcher's exit code, its lines)."""
+    from dflash.config import config_from_dict
+    from dflash.train.launch import _watch
+
+    cfg = config_from_dict(split_raw({"output_dir": str(tmp_path / "run")}))
+    procs = [subprocess.Popen([sys.executable, "-c", f"import os, signal, sys, time; {line}"]) for line in ranks]
+    lines: list[str] = []
+    return _watch(cfg, ranks_for(cfg), procs, log=lambda line, **_: lines.append(line)), lines
+
+
+def test_the_launcher_names_the_rank_that_is_gone_not_the_ranks_that_saw_it_go(tmp_path, monkeypatch):
+    """Ranks that left because a peer is gone (exit 3) wait to be explained: by a rank a signal killed after them, by
+    a rank's real error, or by the drafters finishing (a stop: drafters saved and left while targets still sent);
+    left unexplained, one of them is named."""
+    import dflash.train.launch as launch
+
+    monkeypatch.setattr(launch, "PEER_GONE_WAIT_S", 1.0)
+    gone, killed = "sys.exit(3)", "time.sleep(0.3); os.kill(os.getpid(), signal.SIGKILL)"
+    code, lines = _watched(tmp_path, "time.sleep(0.4); sys.exit(3)", killed, gone)  # ranks 0, 1: drafters; 2: target
+    assert (code, lines[0]) == (1, "rank 1 (drafter, GPU 2) was killed by SIGKILL; stopping the other 2 processes")
+    code, lines = _watched(tmp_path, "time.sleep(0.4); sys.exit(3)", gone, "time.sleep(0.2); sys.exit(1)")
+    assert (code, lines[0]) == (1, "rank 2 (target, GPU 0) exited with code 1; stopping the other 2 processes")
+    code, lines = _watched(tmp_path, "time.sleep(0.4)", "time.sleep(0.4)", gone)
+    assert (code, lines) == (0, [])
+    code, lines = _watched(tmp_path, gone, gone, gone)
+    assert code == 1 and lines[0].endswith("exited with code 3 (its connection to another rank closed); stopping the "
+                                           "other 2 processes")
 
 
 @pytest.fixture(scope="module")

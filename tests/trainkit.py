@@ -50,6 +50,14 @@ def run_config(root: Path, target: Path, data: Path, drafter: dict | None = None
     return config_from_dict(raw), raw
 
 
+def split_raw(raw: dict, targets=("0",), drafters=("1", "2")) -> dict:
+    """A copy of a raw run config with a [topology] of split ranks: the target on GPUs `targets`, the drafter on
+    `drafters` (on CPU, one process each over gloo)."""
+    raw = json.loads(json.dumps(raw))
+    raw["topology"] = {"target_gpus": list(targets), "drafter_gpus": list(drafters), "timeout_s": 30}
+    return raw
+
+
 def chat_target(root: Path, arch: str = "llama", context: int = 256) -> Path:
     """A random-weight Llama or Qwen3 (4 layers, hidden 64) with the word-level tokenizer, under root.
 

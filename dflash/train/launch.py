@@ -27,6 +27,8 @@ from dflash.train.layout import Rank, ranks_for
 GATE_ENV = "DFLASH_GATE_ID"  # set by the launcher: the gate_id of the preflight.json its workers must find
 POLL_S = 0.2  # launcher's watch interval
 KILL_GRACE_S = 10.0  # SIGTERM -> SIGKILL for survivors of a failed run
+EXIT_PEER_GONE = 3  # a rank's exit when another rank's process is gone (dflash.train.ranks): that one is the cause
+PEER_GONE_WAIT_S = 5.0  # how long a gone rank's peers get to leave on their own (EXIT_PEER_GONE), and to be explained
 
 
 def physical_gpu(entry: str, visible: str | None) -> str:
@@ -121,6 +123,8 @@ def _spawn(cfg, roles, gpus, port, cfg_path, resume_from, procs, gate_id, lock, 
 def _describe_exit(code: int) -> str:
     if code < 0:
         return f"was killed by {signal.Signals(-code).name}"
+    if code == EXIT_PEER_GONE:
+        return f"exited with code {code} (its connection to another rank closed)"
     return f"exited with code {code}"
 
 
@@ -133,17 +137,24 @@ def _watch(cfg: RunConfig, roles: list[Rank], procs: list[subprocess.Popen], log
     old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     if pending_signal is not None:  # arrived while spawning
         forward(pending_signal, None)
+    peer_gone_at = None
     try:
         while True:
             drafters_done = all(p.poll() == 0 for r, p in zip(roles, procs) if r.is_drafter)
             failed = [(r, p.returncode) for r, p in zip(roles, procs) if p.poll() not in (None, 0)]
             if failed and not (drafters_done and all(not r.is_drafter for r, _ in failed)):
-                # A killed rank's gloo peers fail within a second (connection reset, exit 1): found together in
-                # one look, the rank a signal ended (the launcher sent none yet) is the cause, not the lowest rank.
-                role, code = min(failed, key=lambda f: f[1] >= 0)
+                # A gone rank's peers leave within a second (EXIT_PEER_GONE): the rank that is gone is the cause.
+                # Ranks that only saw a peer leave wait a while for it (drafters that saved and exited are one).
+                if all(c == EXIT_PEER_GONE for _, c in failed):
+                    peer_gone_at = peer_gone_at or time.monotonic()
+                    if time.monotonic() - peer_gone_at < PEER_GONE_WAIT_S:
+                        time.sleep(POLL_S)
+                        continue
+                # found together in one look: a signal's death (the launcher sent none yet), then an error's
+                role, code = min(failed, key=lambda f: (f[1] >= 0, f[1] == EXIT_PEER_GONE))
                 log(f"rank {role.rank} ({role.role}, GPU {role.gpu}) {_describe_exit(code)}; "
                     f"stopping the other {len(procs) - 1} processes", file=sys.stderr)
-                _terminate(procs)
+                _terminate(procs, settle_s=PEER_GONE_WAIT_S)  # a signal now would start a drafter's stop-and-save
                 from dflash.runs.records import record_crash
 
                 record_crash(cfg.output_dir, role.rank, role.role, role.gpu, _describe_exit(code))
@@ -163,7 +174,12 @@ def _watch(cfg: RunConfig, roles: list[Rank], procs: list[subprocess.Popen], log
             signal.signal(s, h)
 
 
-def _terminate(procs: list[subprocess.Popen]) -> None:
+def _terminate(procs: list[subprocess.Popen], settle_s: float = 0.0) -> None:
+    """Stop every process still running: SIGTERM once they had `settle_s` to leave on their own, SIGKILL
+    KILL_GRACE_S later."""
+    deadline = time.time() + settle_s
+    while time.time() < deadline and any(p.poll() is None for p in procs):
+        time.sleep(POLL_S)
     for p in procs:
         if p.poll() is None:
             p.send_signal(signal.SIGTERM)

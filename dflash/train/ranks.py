@@ -10,6 +10,10 @@ Co-located data-parallel runs (topology.colocated_gpus): every rank is a "coloca
 a drafter replica (`_colocated_main`), data-parallel over all ranks. Under torchrun every rank goes through the
 preflight gate first (rank 0 decides, every rank checks its own GPU, all refuse together); processes started by
 `dflash-train` (dflash.train.launch) find the gate's fresh `preflight.json` of this run instead.
+
+A rank whose peer's process is gone (killed, crashed, or a drafter that saved and left while targets still send)
+sees its connection close under a send, receive or collective. It is not the cause: it exits EXIT_PEER_GONE with no
+traceback (one line under torchrun), and the launcher names the rank that is gone. Any other error is raised as is.
 """
 
 from __future__ import annotations
@@ -35,9 +39,19 @@ from dflash.runs import rundir
 from dflash.runs.lock import release_held_locks
 from dflash.runs.verify import read_meta
 from dflash.train.features import RemoteTargets
+from dflash.train.launch import EXIT_PEER_GONE
 from dflash.train.layout import Rank, ranks_for
 
 TARGET_STOP_GRACE_S = 60.0  # a SIGTERMed target serves this long so drafters can finish their step
+# What a send, receive or collective says when the process at the other end is gone: gloo's words (seen on CPU at
+# 1 + 2 and 5 + 3), c10d's store socket, and NCCL's socket layer (from its messages; no multi-GPU test runs here).
+PEER_GONE = ("connection closed by peer", "connection reset by peer", "broken pipe", "remote peer closed the connection",
+             "closed by remote peer", "remote process exited")
+
+
+def peer_gone(e: BaseException) -> bool:
+    """Whether a torch.distributed call failed because another rank's process is gone (its sockets closed)."""
+    return isinstance(e, RuntimeError) and any(s in str(e).lower() for s in PEER_GONE)
 
 
 def worker(cfg: RunConfig, resume_from: Path | None, gate=None, provenance: dict | None = None) -> int:
@@ -62,15 +76,25 @@ def worker(cfg: RunConfig, resume_from: Path | None, gate=None, provenance: dict
         if resume_from is False:
             dist.destroy_process_group()
             return 1
-    if me.role == "colocated":
+    try:
+        if me.role == "colocated":
+            torch.manual_seed(cfg.train.seed)
+            return _colocated_main(cfg, resume_from, dist.new_group(list(range(world))), provenance)
+        drafter_group = dist.new_group(list(range(me.n_drafters)))
+        share_group = dist.new_group(list(range(me.n_drafters + 1)))  # drafters + first target
         torch.manual_seed(cfg.train.seed)
-        return _colocated_main(cfg, resume_from, dist.new_group(list(range(world))), provenance)
-    drafter_group = dist.new_group(list(range(me.n_drafters)))
-    share_group = dist.new_group(list(range(me.n_drafters + 1)))  # drafters + first target
-    torch.manual_seed(cfg.train.seed)
-    if me.is_drafter:
-        return _drafter_main(cfg, me, resume_from, drafter_group, share_group, provenance)
-    return _target_main(cfg, me, resume_from, share_group)
+        if me.is_drafter:
+            return _drafter_main(cfg, me, resume_from, drafter_group, share_group, provenance)
+        return _target_main(cfg, me, resume_from, share_group)
+    except RuntimeError as e:
+        if not peer_gone(e):
+            raise
+        if gate is not None:  # under torchrun nobody else explains this rank's exit
+            print(f"rank {me.rank} ({me.role}): a peer rank is gone ({' '.join(str(e).split())[:200]}); leaving",
+                  file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        release_held_locks()
+        os._exit(EXIT_PEER_GONE)  # a collective or send of ours may still be pending: no interpreter teardown
 
 
 def _start_step(cfg: RunConfig, resume_from: Path | None, dataset, sampler) -> int:

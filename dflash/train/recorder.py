@@ -50,15 +50,20 @@ class Recorder:
 
     def new_window(self, t0: float | None = None) -> None:
         """Start the tok/s window now (or at `t0`)."""
-        self.window = {"t0": time.perf_counter() if t0 is None else t0, "tokens": 0}
+        self.window = {"t0": time.perf_counter() if t0 is None else t0, "tokens": 0, "batches": []}
 
     def window_so_far(self) -> tuple[float, int]:
         """(seconds, this rank's tokens) of the tok/s window up to now."""
         return time.perf_counter() - self.window["t0"], self.window["tokens"]
 
+    def batches_so_far(self) -> list[list]:
+        """[global batch index, its sample ids] of each batch this rank trained in the window up to now."""
+        return list(self.window["batches"])
+
     def count(self, mine: list[tuple[int, dict]]) -> None:
-        """The tokens of this rank's batches of the step just trained."""
+        """The tokens and batches of this rank's part of the step just trained."""
         self.window["tokens"] += sum(int(b["lengths"].sum()) for _, b in mine)
+        self.window["batches"] += [[k, [int(i) for i in b["sample_ids"].tolist()]] for k, b in mine]
 
     def first_step(self, startup: dict, graphs: int) -> None:
         """The first step's report: its seconds since the window opened (compilation included), the startup line

@@ -549,6 +549,8 @@ class Trainer:
             diff = self.par.replica_max_diff()  # None under fsdp2: one copy of each shard, nothing to compare
             if diff is not None:
                 rec["replica_max_diff"] = diff
+        if os.environ.get("DFLASH_RECORD_BATCHES") == "1":  # what tests read: the batches this row's steps trained
+            rec["batches"] = _all_batches(self.recorder.batches_so_far(), self.group if not self.measure_only else None)
         return rec
 
     def _finish(self, stop: StopFlag, stopping: bool) -> int:
@@ -629,6 +631,16 @@ def _nvml_used_gib(device: torch.device, role: str) -> dict:
         return {f"{role}:{uuid[:12]}": round(pynvml.nvmlDeviceGetMemoryInfo(handle).used / 2**30, 3)}
     except Exception:  # NVML missing or a GPU it does not list: the report says there is no NVML data
         return {}
+
+
+def _all_batches(mine: list[list], group) -> list[list]:
+    """[global batch index, sample ids] of the batches every rank of the group trained (this rank's alone without a
+    group), by index."""
+    everyone: list = [mine]
+    if group is not None:
+        everyone = [None] * dist.get_world_size(group)
+        dist.all_gather_object(everyone, mine, group=group)
+    return sorted((b for batches in everyone for b in batches), key=lambda b: b[0])
 
 
 def _mean_over_ranks(m: dict, group, device) -> dict:

@@ -137,6 +137,8 @@ class DataConfig(_Strict):
     pack_remainders: bool = Field(False, description="pack the batches left part-full at each (bucket, batch size) "
                                   "group's end into as few batches as the budget allows, the same ones every epoch "
                                   "(a lognormal mix around 2,826 tokens: 142 -> 97 batches an epoch, 64% -> 94% of the budget used)")
+    packing: bool = Field(False, description="lay each batch's samples end to end in one row, up to token_budget "
+                          "tokens, instead of padding them to a rectangle")
     max_length: int | None = Field(
         None, ge=2, le=MAX_TOKENS, description="samples longer than this (tokens) fail the dataset check; "
         "None = token_budget"

@@ -21,8 +21,8 @@ from dflash.data.shards import ShardDataset
 
 
 
-def collate(dataset: ShardDataset, indices: Sequence[int], pad_id: int) -> dict:
-    """Right-padded tensors for one batch.
+def collate(dataset: ShardDataset, indices: Sequence[int], pad_id: int, packed: bool = False) -> dict:
+    """Right-padded tensors for one batch (packed: `collate_packed`'s one row).
 
     Returns ``input_ids [B,S] int64`` (padded with ``pad_id``), ``loss_mask [B,S] int8`` (0 on
     padding), ``attention_mask [B,S] int64`` (1 on real tokens), ``lengths [B] int64`` and
@@ -31,6 +31,8 @@ def collate(dataset: ShardDataset, indices: Sequence[int], pad_id: int) -> dict:
     """
     import torch
 
+    if packed:
+        return collate_packed(dataset, indices)
     rows = [dataset.get(i) for i in indices]
     lengths = np.fromiter((ids.size for ids, _ in rows), dtype=np.int64, count=len(rows))
     seq = int(lengths.max()) if rows else 0
@@ -47,6 +49,33 @@ def collate(dataset: ShardDataset, indices: Sequence[int], pad_id: int) -> dict:
         "attention_mask": torch.from_numpy(attention_mask),
         "lengths": torch.from_numpy(lengths),
         "eligible_anchors": torch.from_numpy(eligible),
+    }
+
+
+def collate_packed(dataset: ShardDataset, indices: Sequence[int]) -> dict:
+    """One row holding the batch's samples end to end, in the given order, no padding (data.packing).
+
+    Returns ``input_ids [1,T] int64``, ``loss_mask [1,T] int8``, ``position_ids [1,T] int64`` (each token's offset in
+    its sample: RoPE reads it), ``cu_seqlens [n+1] int32`` (the samples' starts, then T: the kernels' boundaries),
+    ``lengths [n] int64`` and ``eligible_anchors [1] int64``: positions a with loss_mask[a] and loss_mask[a+1] and
+    a + 1 in a's sample, counted here as `collate` does.
+    """
+    import torch
+
+    rows = [dataset.get(i) for i in indices]
+    lengths = np.fromiter((ids.size for ids, _ in rows), dtype=np.int64, count=len(rows))
+    input_ids = np.concatenate([ids for ids, _ in rows]).astype(np.int64)[None]
+    loss_mask = np.concatenate([mask for _, mask in rows]).astype(np.int8)[None]
+    cu = np.concatenate([[0], np.cumsum(lengths)])
+    position_ids = (np.arange(cu[-1]) - np.repeat(cu[:-1], lengths))[None]
+    eligible = loss_mask[:, :-1] & loss_mask[:, 1:] & (position_ids[:, 1:] != 0)
+    return {
+        "input_ids": torch.from_numpy(input_ids),
+        "loss_mask": torch.from_numpy(loss_mask),
+        "position_ids": torch.from_numpy(position_ids),
+        "cu_seqlens": torch.from_numpy(cu.astype(np.int32)),
+        "lengths": torch.from_numpy(lengths),
+        "eligible_anchors": torch.from_numpy(eligible.sum(axis=1, dtype=np.int64)),
     }
 
 

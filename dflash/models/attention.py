@@ -6,6 +6,9 @@ context positions strictly before anchor_j (the anchor's own hidden state would 
 answer) that are not padding, and every slot of its own block (non-causal). Invalid
 (padding) anchors see only their own block: harmless, and they carry zero loss weight.
 
+A packed batch (sequences end to end in one row) gives each anchor its sequence's start: its block then sees only
+context from that start on, so no query sees another sequence (context_start_BA, a lower bound as the window's is).
+
 Sliding-window layers (window w, HF's `sliding_window`): a query at slot o of the block anchored
 at a sits at position a + o and sees context p only if p > a + o - w (it and the w - 1 positions
 before it, as HF and flash-attention windows count), so slot 0 sees up to w - 1 context positions
@@ -46,13 +49,16 @@ def _effective_anchors(anchors_BA: torch.Tensor, valid_BA: torch.Tensor) -> torc
     return torch.where(valid_BA, anchors_BA, torch.zeros_like(anchors_BA))
 
 
-def _check_inputs(anchors_BA, valid_BA, seq_len, block_size, backend, context_valid_BS):
+def _check_inputs(anchors_BA, valid_BA, seq_len, block_size, backend, context_valid_BS, context_start_BA=None):
     if backend not in BACKENDS:
         raise ValueError(f"attention backend must be one of {BACKENDS}, got {backend!r}")
     if block_size < 1:
         raise ValueError(f"block_size must be >= 1, got {block_size}")
     if anchors_BA.shape != valid_BA.shape or anchors_BA.dim() != 2:
         raise ValueError(f"anchors {tuple(anchors_BA.shape)} and valid {tuple(valid_BA.shape)} must both be [B, A]")
+    if context_start_BA is not None and context_start_BA.shape != anchors_BA.shape:
+        raise ValueError(f"context_start {tuple(context_start_BA.shape)} must be [B, A] like the anchors "
+                         f"{tuple(anchors_BA.shape)}")
     if context_valid_BS is not None and context_valid_BS.shape != (anchors_BA.shape[0], seq_len):
         raise ValueError(
             f"context_valid must be [B, S] = [{anchors_BA.shape[0]}, {seq_len}], got {tuple(context_valid_BS.shape)}"
@@ -68,13 +74,16 @@ def build_train_mask(
     backend: Backend,
     context_valid_BS: torch.Tensor | None = None,
     window: int | None = None,
+    context_start_BA: torch.Tensor | None = None,
 ) -> TrainMask:
-    """The DFlash training mask for queries [A*block_size] over keys [seq_len + A*block_size]; window: sliding layers'."""
-    _check_inputs(anchors_BA, valid_BA, seq_len, block_size, backend, context_valid_BS)
+    """The DFlash training mask for queries [A*block_size] over keys [seq_len + A*block_size]; window: sliding layers';
+    context_start_BA: the first context position each anchor's block may see (a packed row's sequence starts)."""
+    _check_inputs(anchors_BA, valid_BA, seq_len, block_size, backend, context_valid_BS, context_start_BA)
     if window is not None and window < block_size:
         raise ValueError(f"sliding window ({window}) must be >= block_size ({block_size}): a query sees its whole block")
     device = torch.device(device)
     anchor_BA = _effective_anchors(anchors_BA.to(device), valid_BA.to(device).bool())
+    start_BA = None if context_start_BA is None else context_start_BA.to(device).long()
     padded_context = context_valid_BS is not None  # None: every context position is a token (no mask term for it)
     if context_valid_BS is None:
         context_valid_BS = torch.ones(anchor_BA.shape[0], seq_len, dtype=torch.bool, device=device)
@@ -84,9 +93,9 @@ def build_train_mask(
     if window is not None and seq_len + block_size - 1 <= window:
         window = None  # no query reaches back past position 0: the sliding mask is the full one
     if backend == "sdpa":
-        mask = _dense_mask(anchor_BA, context_valid_BS, seq_len, block_size, window)
+        mask = _dense_mask(anchor_BA, context_valid_BS, seq_len, block_size, window, start_BA)
     else:
-        mask = _block_mask(anchor_BA, context_valid_BS, seq_len, block_size, device, window, padded_context)
+        mask = _block_mask(anchor_BA, context_valid_BS, seq_len, block_size, device, window, padded_context, start_BA)
     return TrainMask(backend, mask, q_len, kv_len)
 
 
@@ -103,6 +112,7 @@ def build_layer_masks(
     layer_types: list[str],
     sliding_window: int | None,
     context_valid_BS: torch.Tensor | None = None,
+    context_start_BA: torch.Tensor | None = None,
 ) -> dict[str, TrainMask]:
     """{layer type: its TrainMask} for the types in layer_types (what DFlashDrafter.forward takes)."""
     unknown = sorted(set(layer_types) - set(LAYER_TYPES))
@@ -115,25 +125,30 @@ def build_layer_masks(
             if kind == "sliding_attention" and window is None:
                 raise ValueError("sliding_attention layers need a sliding_window; set drafter.sliding_window")
             masks[kind] = build_train_mask(anchors_BA, valid_BA, seq_len, block_size, device, backend,
-                                           context_valid_BS=context_valid_BS, window=window)
+                                           context_valid_BS=context_valid_BS, window=window,
+                                           context_start_BA=context_start_BA)
     return masks
 
 
-def _context_lower_bound(anchor_BQ: torch.Tensor, block_size: int, window: int | None) -> torch.Tensor | None:
-    """First context position each query sees in a sliding layer (anchor + slot - window + 1), None without a window."""
-    if window is None:
-        return None
-    slot_Q = torch.arange(anchor_BQ.shape[1], device=anchor_BQ.device) % block_size
-    return anchor_BQ + slot_Q - (window - 1)
+def _context_lower_bound(anchor_BQ: torch.Tensor, block_size: int, window: int | None,
+                         start_BQ: torch.Tensor | None = None) -> torch.Tensor | None:
+    """First context position each query may see: in a sliding layer anchor + slot - window + 1, in a packed row its
+    sequence's start, the later of the two when both; None when neither bounds it."""
+    lo_BQ = start_BQ
+    if window is not None:
+        slot_Q = torch.arange(anchor_BQ.shape[1], device=anchor_BQ.device) % block_size
+        lo_BQ = anchor_BQ + slot_Q - (window - 1) if lo_BQ is None else torch.maximum(lo_BQ, anchor_BQ + slot_Q - (window - 1))
+    return lo_BQ
 
 
-def _dense_mask(anchor_BA, context_valid_BS, seq_len, block_size, window=None) -> torch.Tensor:
+def _dense_mask(anchor_BA, context_valid_BS, seq_len, block_size, window=None, start_BA=None) -> torch.Tensor:
     B, A = anchor_BA.shape
     device = anchor_BA.device
     pos_S = torch.arange(seq_len, device=device)
     anchor_BQ = anchor_BA.repeat_interleave(block_size, dim=1)
     sees_context_BQS = (pos_S[None, None, :] < anchor_BQ[:, :, None]) & context_valid_BS[:, None, :]
-    lo_BQ = _context_lower_bound(anchor_BQ, block_size, window)
+    start_BQ = None if start_BA is None else start_BA.repeat_interleave(block_size, dim=1)
+    lo_BQ = _context_lower_bound(anchor_BQ, block_size, window, start_BQ)
     if lo_BQ is not None:
         sees_context_BQS &= pos_S[None, None, :] >= lo_BQ[:, :, None]
     block_Q = torch.arange(A * block_size, device=device) // block_size
@@ -162,6 +177,7 @@ class FlexMask:
     block_size: int
     window: int | None
     lengths: tuple[int, int]  # padded (q, kv) lengths: whole tiles
+    start_BA: torch.Tensor | None = None  # a packed row: each anchor's sequence start (padded like anchor_BA)
 
 
 def _padded_len(n: int) -> int:
@@ -171,7 +187,7 @@ def _padded_len(n: int) -> int:
 
 
 def _block_mask(anchor_BA, context_valid_BS, seq_len, block_size, device, window=None,
-                padded_context=True) -> FlexMask:
+                padded_context=True, start_BA=None) -> FlexMask:
     """The flex mask built from tile-level facts with plain tensor ops (no compiled mask creation).
 
     padded_context=False (no context_valid given: every position is a token) drops the per-key context read
@@ -185,20 +201,21 @@ def _block_mask(anchor_BA, context_valid_BS, seq_len, block_size, device, window
     B, A = anchor_BA.shape
     q_len, kv_len = A * block_size, seq_len + A * block_size
     padded = (_padded_len(q_len), _padded_len(kv_len))
-    partial, full = _tile_lists(anchor_BA, context_valid_BS, seq_len, block_size, window)
+    partial, full = _tile_lists(anchor_BA, context_valid_BS, seq_len, block_size, window, start_BA)
     q_side = (*_as_indices(partial.transpose(1, 2)), *_as_indices(full.transpose(1, 2)))
     tiles = (*_as_indices(partial), *_as_indices(full), *q_side)
     # A padded query (rows past q_len, up to the last tile's end) reads the anchor of block q // block_size:
     # zeros past the real anchors (an invalid anchor's view: no context), so no index needs a clamp.
     anchor_BA = F.pad(anchor_BA, (0, padded[0] // block_size + 1 - A))
+    start_BA = None if start_BA is None else F.pad(start_BA, (0, padded[0] // block_size + 1 - A))
     valid_BK = F.pad(context_valid_BS, (0, padded[1] - seq_len)) if padded_context else None
     seq_len_t = torch.tensor(seq_len, dtype=torch.long).to(device, non_blocking=True)
-    return FlexMask(tiles, anchor_BA, seq_len_t, valid_BK, block_size, window, padded)
+    return FlexMask(tiles, anchor_BA, seq_len_t, valid_BK, block_size, window, padded, start_BA)
 
 
-def _mask_mod(anchor_BA, seq_len, context_valid_BK, block_size: int, window: int | None):
+def _mask_mod(anchor_BA, seq_len, context_valid_BK, block_size: int, window: int | None, start_BA=None):
     """The DFlash mask_mod over tensors (see FlexMask): a query sees context before its anchor (and, sliding,
-    inside its window) and its own block's slots."""
+    inside its window; packed, from its sequence's start) and its own block's slots."""
 
     def dflash_mask_mod(b, h, q_idx, kv_idx):
         q_block = q_idx // block_size
@@ -209,6 +226,8 @@ def _mask_mod(anchor_BA, seq_len, context_valid_BK, block_size: int, window: int
             sees_ctx = sees_ctx & context_valid_BK[b, kv_idx]
         if window is not None:
             sees_ctx = sees_ctx & (kv_idx > anchor + q_idx % block_size - window)
+        if start_BA is not None:
+            sees_ctx = sees_ctx & (kv_idx >= start_BA[b, q_block])
         sees_own = (~is_ctx) & ((kv_idx - seq_len) // block_size == q_block)
         return sees_ctx | sees_own
 
@@ -222,17 +241,19 @@ def as_block_mask(m: FlexMask, q_len=None, kv_len=None) -> BlockMask:
                      full_kv_num_blocks=m.tiles[2], full_kv_indices=m.tiles[3], q_num_blocks=m.tiles[4],
                      q_indices=m.tiles[5], full_q_num_blocks=m.tiles[6], full_q_indices=m.tiles[7],
                      BLOCK_SIZE=(FLEX_TILE, FLEX_TILE),
-                     mask_mod=_mask_mod(m.anchor_BA, m.seq_len, m.context_valid_BK, m.block_size, m.window))
+                     mask_mod=_mask_mod(m.anchor_BA, m.seq_len, m.context_valid_BK, m.block_size, m.window,
+                                        m.start_BA))
 
 
-def _tile_lists(anchor_BA, context_valid_BS, seq_len, block_size, window=None) -> tuple[torch.Tensor, torch.Tensor]:
+def _tile_lists(anchor_BA, context_valid_BS, seq_len, block_size, window=None,
+                start_BA=None) -> tuple[torch.Tensor, torch.Tensor]:
     """(partial, full) [B, Qt, Kt] booleans over 128 x 128 tiles: a tile with any visible pair is listed,
     as full only when every pair in it is visible (full tiles skip the mask_mod in the kernel).
 
     Context tiles: query q sees position p iff p < anchor(q) and p is not padding. Block tiles: a query
     sees its own block only, never a whole tile unless block_size covers it. Tiles that straddle the
     context end, or hold padded queries, are never full. With a window, query q also needs p >= lo(q)
-    (see _context_lower_bound): a context tile is listed when its valid span meets [min lo, max anchor)
+    (see _context_lower_bound; so with a packed row's sequence starts): a context tile is listed when its valid span meets [min lo, max anchor)
     of the query tile (a superset of the tiles with a visible pair), full only when every p >= max lo.
     """
     T = FLEX_TILE
@@ -241,10 +262,11 @@ def _tile_lists(anchor_BA, context_valid_BS, seq_len, block_size, window=None) -
     q_len, kv_len = A * block_size, seq_len + A * block_size
     Qt, Kt = _padded_len(q_len) // T, _padded_len(kv_len) // T
     anchor_BQ = anchor_BA.repeat_interleave(block_size, dim=1)
-    padded_BQ = torch.nn.functional.pad(anchor_BQ, (0, Qt * T - q_len))  # padded queries: anchor 0 (see nothing)
+    padded_BQ = F.pad(anchor_BQ, (0, Qt * T - q_len))  # padded queries: anchor 0 (see nothing)
     amax_Bq = padded_BQ.view(B, Qt, T).amax(-1)
     amin_Bq = padded_BQ.view(B, Qt, T).amin(-1)  # a tile with padded queries has amin 0: never full
-    lo_BQ = _context_lower_bound(padded_BQ, block_size, window)
+    start_BQ = None if start_BA is None else F.pad(start_BA.repeat_interleave(block_size, dim=1), (0, Qt * T - q_len))
+    lo_BQ = _context_lower_bound(padded_BQ, block_size, window, start_BQ)
     partial = torch.zeros(B, Qt, Kt, dtype=torch.bool, device=device)
     full = torch.zeros_like(partial)
     # Context tiles lying wholly before seq_len.
@@ -296,9 +318,9 @@ COMPILE_BACKEND = "inductor"  # tests on the CPU use "aot_eager": torch 2.10's i
 
 
 def _flex(q_BhnTD, k_BknTD, v_BknTD, tiles, anchor_BA, seq_len, context_valid_BK, block_size, window,
-          enable_gqa):
+          enable_gqa, start_BA=None):
     q, k, v = (t.flatten(2, 3) for t in (q_BhnTD, k_BknTD, v_BknTD))
-    m = FlexMask(tiles, anchor_BA, seq_len, context_valid_BK, block_size, window, (0, 0))
+    m = FlexMask(tiles, anchor_BA, seq_len, context_valid_BK, block_size, window, (0, 0), start_BA)
     return flex_attention(q, k, v, block_mask=as_block_mask(m, q.shape[2], k.shape[2]), enable_gqa=enable_gqa)
 
 
@@ -307,15 +329,16 @@ def _flex(q_BhnTD, k_BknTD, v_BknTD, tiles, anchor_BA, seq_len, context_valid_BK
 # With a plain dynamic length it cannot know that, and once a run had seen a second batch shape the backward
 # kernel ran ~1.6x slower (H200, 1024 x 32 bench shape). One function per mask kind: torch.compile keeps its
 # graphs per function, so the full and the sliding mask never evict each other's graphs or share a recompile limit.
-def _flex_full(q_BhnTD, k_BknTD, v_BknTD, tiles, anchor_BA, seq_len, context_valid_BK, block_size, enable_gqa):
+def _flex_full(q_BhnTD, k_BknTD, v_BknTD, tiles, anchor_BA, seq_len, context_valid_BK, block_size, enable_gqa,
+               start_BA=None):
     return _flex(q_BhnTD, k_BknTD, v_BknTD, tiles, anchor_BA, seq_len, context_valid_BK, block_size, None,
-                 enable_gqa)
+                 enable_gqa, start_BA)
 
 
 def _flex_sliding(q_BhnTD, k_BknTD, v_BknTD, tiles, anchor_BA, seq_len, context_valid_BK, block_size, window,
-                  enable_gqa):
+                  enable_gqa, start_BA=None):
     return _flex(q_BhnTD, k_BknTD, v_BknTD, tiles, anchor_BA, seq_len, context_valid_BK, block_size, window,
-                 enable_gqa)
+                 enable_gqa, start_BA)
 
 
 def compiled_on(device: torch.device) -> bool:
@@ -361,7 +384,7 @@ def _dynamic_sizes(m: FlexMask, tiles: tuple) -> None:
     for t in m.tiles:  # [B, 1, tiles(, tiles)]
         for dim in [0, *range(2, t.dim())]:
             torch._dynamo.maybe_mark_dynamic(t, dim)
-    for t in (m.anchor_BA, m.context_valid_BK):
+    for t in (m.anchor_BA, m.context_valid_BK, m.start_BA):
         if t is not None:
             torch._dynamo.maybe_mark_dynamic(t, 0)
             torch._dynamo.maybe_mark_dynamic(t, 1)
@@ -395,4 +418,4 @@ def attend_padded(q_BHQD: torch.Tensor, k_BKLD: torch.Tensor, v_BKLD: torch.Tens
     if fn not in (_flex_full, _flex_sliding):  # compiled: one graph for every batch shape
         _dynamic_sizes(m, tiles)
     window = () if m.window is None else (m.window,)
-    return fn(*tiles, m.tiles, m.anchor_BA, m.seq_len, m.context_valid_BK, m.block_size, *window, gqa)
+    return fn(*tiles, m.tiles, m.anchor_BA, m.seq_len, m.context_valid_BK, m.block_size, *window, gqa, m.start_BA)

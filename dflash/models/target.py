@@ -246,7 +246,10 @@ def bind_linear_attention(model: nn.Module, device: str | torch.device) -> nn.Mo
     was loaded with: load it on the device it runs on.
     """
     if linear_attention_path(torch.device(device).type, fla_installed()) == "torch":
-        use_torch_linear_attention(model)
+        return use_torch_linear_attention(model)
+    for module in model.modules():
+        if linear_attention_kernels(module):  # fla's kernels, reading a packed batch's boundaries
+            module.forward = MethodType(_packed_forward(type(module)), module)
     return model
 
 
@@ -271,9 +274,53 @@ def _kernels_called(forward: Callable) -> dict[str, Callable]:
 
 @functools.cache
 def _torch_forward(layer_class: type) -> FunctionType:
-    """`layer_class.forward` with the KERNEL_FUNCTIONS it calls resolving to transformers' PyTorch references."""
-    references = {name: inspect.unwrap(kernel) for name, kernel in _kernels_called(layer_class.forward).items()}
+    """`layer_class.forward` with the KERNEL_FUNCTIONS it calls resolving to transformers' PyTorch references, each
+    reading a packed batch's sequence boundaries (`packing_aware`)."""
+    references = {name: packing_aware(name, inspect.unwrap(kernel))
+                  for name, kernel in _kernels_called(layer_class.forward).items()}
     return _rebuilt(layer_class.forward, references)
+
+
+@functools.cache
+def _packed_forward(layer_class: type) -> FunctionType:
+    """`layer_class.forward` with the kernels transformers bound (fla's) as `packing_aware` calls them."""
+    kernels = {name: packing_aware(name, _dispatched(kernel)) for name, kernel in _kernels_called(layer_class.forward).items()}
+    return _rebuilt(layer_class.forward, kernels)
+
+
+def packing_aware(name: str, kernel: Callable) -> Callable:
+    """`kernel` (one of KERNEL_FUNCTIONS) as it must run on a packed batch (sequences end to end in one row, their
+    starts in the `cu_seqlens` / `cu_seq_lens_q` keyword transformers' Gated DeltaNet passes on): the causal
+    convolution restarts at each sequence (`causal_conv1d_shifts`), a delta rule without `cu_seqlens` of its own
+    (transformers' PyTorch reference) runs one sequence at a time. Without boundaries, `kernel` as it was. The
+    wrapper's __wrapped__ is `kernel`."""
+    if getattr(kernel, "dflash_packing_aware", False) or name == "causal_conv1d_update":  # decoding: one token
+        return kernel
+    if name == "causal_conv1d_fn":
+        @functools.wraps(kernel)
+        def conv(hidden_states, weight, bias=None, activation=None, **kwargs):
+            if kwargs.get("cu_seq_lens_q") is not None:
+                return causal_conv1d_shifts(hidden_states, weight, bias, activation, **kwargs)
+            return kernel(hidden_states, weight, bias, activation=activation, **kwargs)
+
+        conv.dflash_packing_aware = True
+        return conv
+    takes_boundaries = "cu_seqlens" in inspect.signature(_implementation(kernel)).parameters
+
+    @functools.wraps(kernel)
+    def delta_rule(query, key, value, *args, cu_seqlens=None, **kwargs):
+        if cu_seqlens is None or takes_boundaries:
+            return kernel(query, key, value, *args, cu_seqlens=cu_seqlens, **kwargs)
+        if kwargs.get("initial_state") is not None or kwargs.get("output_final_state"):
+            raise ValueError("a packed batch runs the delta rule without a recurrent state")
+        g, beta = kwargs.pop("g"), kwargs.pop("beta")
+        bounds = cu_seqlens.tolist()
+        outs = [kernel(query[:, s:e], key[:, s:e], value[:, s:e], *args, g=g[:, s:e], beta=beta[:, s:e], **kwargs)[0]
+                for s, e in zip(bounds[:-1], bounds[1:])]
+        return torch.cat(outs, dim=1), None
+
+    delta_rule.dflash_packing_aware = True
+    return delta_rule
 
 
 def _rebuilt(function: FunctionType, names: dict[str, Callable]) -> FunctionType:
@@ -355,24 +402,36 @@ def _traceable(name: str, kernel: Callable) -> Callable:
 
     @functools.wraps(causal_conv1d_shifts)
     def conv(*args, **kwargs):  # a layer that fell back to eager keeps transformers' conv (no float32 temporaries)
-        return causal_conv1d_shifts(*args, **kwargs) if torch.compiler.is_compiling() else eager(*args, **kwargs)
+        if torch.compiler.is_compiling() or kwargs.get("cu_seq_lens_q") is not None:  # packed: `packing_aware`'s rule
+            return causal_conv1d_shifts(*args, **kwargs)
+        return eager(*args, **kwargs)
 
+    conv.dflash_packing_aware = True
     return conv
 
 
 def causal_conv1d_shifts(hidden_states: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                         activation: str | None = None, **kwargs) -> torch.Tensor:
+                         activation: str | None = None, cu_seq_lens_q: torch.Tensor | None = None,
+                         **kwargs) -> torch.Tensor:
     """transformers' causal_conv1d_fn (a causal depthwise convolution of [B, C, S] by [C, K], then the activation) as
-    K shifted multiply-adds in float32: compiled, one elementwise kernel; its other keywords (seq_idx...) it ignores
-    as transformers' does."""
+    K shifted multiply-adds in float32: compiled, one elementwise kernel. With cu_seq_lens_q (a packed row's
+    sequence starts) a tap never reads across a start: each sequence gets the zeros it would see alone. Its other
+    keywords (seq_idx...) it ignores as transformers' does."""
     from transformers.activations import ACT2FN
 
     K, S = weight.shape[-1], hidden_states.shape[-1]
     x = F.pad(hidden_states.float(), (K - 1, 0))
     w = weight.float()
-    out = x[..., :S] * w[:, 0, None]
+    offset_S = None if cu_seq_lens_q is None else position_in_sequence(cu_seq_lens_q, S)
+
+    def tap(k: int) -> torch.Tensor:  # reads the input K - 1 - k positions back
+        term = x[..., k:k + S] * w[:, k, None]
+        back = K - 1 - k
+        return term if offset_S is None or back == 0 else torch.where(offset_S >= back, term, 0.0)
+
+    out = tap(0)
     for k in range(1, K):
-        out = out + x[..., k:k + S] * w[:, k, None]
+        out = out + tap(k)
     if bias is not None:
         out = out + bias.float()[:, None]
     if activation is not None:
@@ -410,22 +469,23 @@ def _opaque_delta_rule(kernel: Callable) -> Callable:
 
     @torch.library.custom_op(name, mutates_args=())
     def op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-           use_qk_l2norm_in_kernel: bool) -> torch.Tensor:
+           use_qk_l2norm_in_kernel: bool, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
+        bounds = {} if cu_seqlens is None else {"cu_seqlens": cu_seqlens}  # a packed batch's sequence starts
         return kernel(query, key, value, g=g, beta=beta, initial_state=None, output_final_state=False,
-                      use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)[0].contiguous()
+                      use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, **bounds)[0].contiguous()
 
     @op.register_fake
-    def _(query, key, value, g, beta, use_qk_l2norm_in_kernel):
+    def _(query, key, value, g, beta, use_qk_l2norm_in_kernel, cu_seqlens=None):
         return value.new_empty(value.shape, dtype=query.dtype)  # [B, S, value heads, value dim], contiguous like the op's
 
     def delta_rule(query, key, value, g, beta, initial_state=None, output_final_state=False,
                    use_qk_l2norm_in_kernel=False, cu_seqlens=None, **kwargs):
         # The decoder's own keywords (use_cache=False...) reach here too: the stateless forward ignores them.
-        if initial_state is not None or output_final_state or cu_seqlens is not None:
+        if initial_state is not None or output_final_state:
             return kernel(query, key, value, g=g, beta=beta, initial_state=initial_state,
                           output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
                           cu_seqlens=cu_seqlens, **kwargs)
-        return op(query, key, value, g, beta, use_qk_l2norm_in_kernel), None
+        return op(query, key, value, g, beta, use_qk_l2norm_in_kernel, cu_seqlens), None
 
     _DELTA_RULE_OPS.append(op)
     return delta_rule
@@ -479,6 +539,10 @@ def _mark_batch_dims(hidden_BSH: torch.Tensor, batch_dims: torch.Size, rest) -> 
     torch._dynamo.maybe_mark_dynamic(hidden_BSH, 0)
     torch._dynamo.maybe_mark_dynamic(hidden_BSH, 1)
     B, S = batch_dims
+    kwargs = rest[1] if isinstance(rest, tuple) and len(rest) == 2 and isinstance(rest[1], dict) else {}
+    for bounds in (kwargs.get(k) for k in PACKED_KEYWORDS):  # a packed batch's sequence starts: one per sequence
+        if isinstance(bounds, torch.Tensor) and bounds.shape[0] > 1:
+            torch._dynamo.maybe_mark_dynamic(bounds, 0)
     stack = [rest]
     while stack:
         item = stack.pop()
@@ -519,6 +583,77 @@ def decoder_of(model: nn.Module) -> nn.Module:
     return decoder
 
 
+# ---------------------------------------------------------------------------------------------
+# Packed batches: sequences laid end to end in one row [1, T], their starts in cu_seqlens [n + 1] (int32, 0 first,
+# T last) and each position's offset in its sequence as position_ids. Every layer then computes each sequence as if
+# it ran alone: RoPE reads the offsets, full attention is causal inside a sequence (`packed_attention`), a Gated
+# DeltaNet's convolution and recurrence restart at each start (`packing_aware`).
+
+PACKED_ATTENTION = "dflash_packed"  # the attention implementation a packed forward runs under
+PACKED_KEYWORDS = ("cu_seq_lens_q", "cu_seq_lens_k")  # how transformers' layers pass a packed row's starts on
+
+
+def position_in_sequence(cu_seqlens: torch.Tensor, length: int) -> torch.Tensor:
+    """[length] int64: each position's offset from the start of its sequence (cu_seqlens: the starts, then the end)."""
+    pos = torch.arange(length, device=cu_seqlens.device)
+    starts = cu_seqlens[:-1].long()
+    return pos - starts[torch.searchsorted(starts, pos, right=True) - 1]
+
+
+def packed_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """transformers' attention interface for a packed row: query [1, Hq, T, D], key/value [1, Hkv, T, D] ->
+    ([1, T, Hq, D], None), causal inside each sequence of cu_seq_lens_q. CUDA: torch's varlen flash attention;
+    elsewhere SDPA under a dense block-diagonal causal mask. A call without boundaries is SDPA's."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    cu = kwargs.get("cu_seq_lens_q")
+    if cu is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
+                                      **kwargs)
+    if query.shape[0] != 1:
+        raise ValueError(f"a packed batch is one row, got {query.shape[0]}")
+    T, D = query.shape[2], query.shape[3]
+    scale = D ** -0.5 if scaling is None else scaling
+    if query.is_cuda:
+        from torch.nn.attention.varlen import varlen_attn
+
+        q = query[0].transpose(0, 1) * (scale * D ** 0.5) if scale != D ** -0.5 else query[0].transpose(0, 1)
+        out_THD = varlen_attn(q, key[0].transpose(0, 1), value[0].transpose(0, 1), cu, cu, T, T, is_causal=True)
+        return out_THD[None], None
+    pos = torch.arange(T, device=query.device)
+    seq_T = torch.searchsorted(cu[1:-1].long(), pos, right=True)
+    mask_TT = (pos[None, :] <= pos[:, None]) & (seq_T[None, :] == seq_T[:, None])
+    out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask_TT[None, None], scale=scale,
+                                         enable_gqa=query.shape[1] != key.shape[1])
+    return out.transpose(1, 2).contiguous(), None
+
+
+@functools.cache
+def _register_packed_attention() -> None:
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(PACKED_ATTENTION, packed_attention)
+
+
+class _packed_attention_of:
+    """While open, every config of `model` names PACKED_ATTENTION (its full-attention layers read their boundaries
+    from the keywords; transformers builds no [T, T] mask for it); closed, each is as it was."""
+
+    def __init__(self, model: nn.Module):
+        _register_packed_attention()
+        self.configs = list({id(c): c for m in model.modules() if (c := getattr(m, "config", None)) is not None
+                             and hasattr(c, "_attn_implementation_internal")}.values())
+
+    def __enter__(self):
+        self.saved = [c._attn_implementation_internal for c in self.configs]
+        for c in self.configs:
+            c._attn_implementation_internal = PACKED_ATTENTION
+
+    def __exit__(self, *exc):
+        for c, saved in zip(self.configs, self.saved):
+            c._attn_implementation_internal = saved
+
+
 class _StopForward(Exception):
     pass
 
@@ -534,8 +669,12 @@ def target_features(
     attention_mask_BS: torch.Tensor | None,
     layer_ids: list[int],
     want_last: bool,
+    packed: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(context [B, S, n*H] = selected layer outputs concatenated, last hidden [B, S, H] after the final norm or None)."""
+    """(context [B, S, n*H] = selected layer outputs concatenated, last hidden [B, S, H] after the final norm or None).
+
+    packed: (position_ids [1, T], cu_seqlens [n + 1] int32) of a packed row (its sequences end to end, see
+    PACKED_ATTENTION); each sequence's features are then those it gets alone."""
     decoder = decoder_of(model)
     layers = decoder.layers
     num_layers = len(layers)
@@ -555,7 +694,13 @@ def target_features(
     handles = [layers[i].register_forward_hook(capture(i)) for i in sorted(set(layer_ids))]
     last_BSH = None
     try:
-        out = decoder(input_ids=input_ids_BS, attention_mask=attention_mask_BS, use_cache=False)
+        if packed is None:
+            out = decoder(input_ids=input_ids_BS, attention_mask=attention_mask_BS, use_cache=False)
+        else:
+            position_ids, cu_seqlens = packed
+            with _packed_attention_of(model):
+                out = decoder(input_ids=input_ids_BS, position_ids=position_ids, use_cache=False,
+                              **dict.fromkeys(PACKED_KEYWORDS, cu_seqlens))
         last_BSH = out.last_hidden_state
     except _StopForward:
         pass

@@ -127,11 +127,19 @@ class CachedTarget(LocalTarget):
 
     def features(self, k: int, batch: dict) -> tuple[torch.Tensor, torch.Tensor | None]:
         ids, lengths = batch["sample_ids"].tolist(), batch["lengths"].tolist()
+        if "cu_seqlens" in batch:  # a packed row: sample j is [cu[j], cu[j+1]) of row 0
+            spans = [(0, s, e) for s, e in zip(batch["cu_seqlens"][:-1].tolist(), batch["cu_seqlens"][1:].tolist())]
+        else:
+            spans = [(r, 0, n) for r, n in enumerate(lengths)]
         if any(i not in self.rows for i in ids):
             context_BSF, last_BSH = super().features(k, batch)
-            for r, (i, n) in enumerate(zip(ids, lengths)):
-                last = last_BSH[r, :n].clone() if last_BSH is not None else None
-                self.rows.setdefault(i, (context_BSF[r, :n].clone(), last))
+            for i, (r, s, e) in zip(ids, spans):
+                last = last_BSH[r, s:e].clone() if last_BSH is not None else None
+                self.rows.setdefault(i, (context_BSF[r, s:e].clone(), last))
+            return context_BSF, last_BSH
+        if "cu_seqlens" in batch:
+            context_BSF = torch.cat([self.rows[i][0] for i in ids])[None]
+            last_BSH = torch.cat([self.rows[i][1] for i in ids])[None] if self.want_last else None
             return context_BSF, last_BSH
         S = batch["input_ids"].shape[1]
         pad = lambda t: torch.nn.functional.pad(t, (0, 0, 0, S - t.shape[0]))  # noqa: E731

@@ -33,6 +33,7 @@ def sample_anchors(
     generator: torch.Generator | None = None,
     batch_anchors: int | None = None,
     eligible_B: torch.Tensor | None = None,
+    starts_BS: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Up to max_anchors sorted anchors per row [B, A] and their validity [B, A] (padding anchors are 0, invalid).
 
@@ -42,6 +43,8 @@ def sample_anchors(
     total is split over rows as evenly as their eligible counts allow (`anchor_quotas`).
     eligible_B: those counts per row on the host (the collated batch's `eligible_anchors`); without
     them they are read back from the device, which waits for all the GPU's queued work.
+    starts_BS: a packed row's sequence starts (True at each one's first position): a is eligible only when a + 1 is
+    in a's sequence.
     """
     if max_anchors < 1:
         raise ValueError(f"max_anchors must be >= 1, got {max_anchors}")
@@ -54,6 +57,8 @@ def sample_anchors(
         zeros = torch.zeros(B, 1, dtype=torch.long, device=device)
         return zeros, zeros.bool()
     eligible_BS = mask_BS[:, :-1] & mask_BS[:, 1:]
+    if starts_BS is not None:
+        eligible_BS = eligible_BS & ~starts_BS[:, 1:].bool()
     count_B = eligible_B.cpu() if eligible_B is not None else eligible_BS.sum(dim=1).cpu()
     cap_B = count_B.clamp(max=max_anchors)
     if batch_anchors is not None and int(cap_B.sum()) > batch_anchors:
@@ -101,18 +106,20 @@ def block_inputs(
     mask_token_id: int,
     loss_mask_BS: torch.Tensor | None = None,
     valid_BA: torch.Tensor | None = None,
+    end_BA: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(block token ids, labels, label validity, RoPE positions), each [B, A*block_size].
+    """(block token ids, labels, label validity, positions in the row), each [B, A*block_size].
 
-    Slot k of block j: label input_ids[anchor_j + k], valid inside the sequence, where the loss
-    mask is 1 (if given) and the anchor is valid (if given); position anchor_j + k.
+    Slot k of block j: label input_ids[anchor_j + k], valid inside the sequence (before end_BA, the end of the
+    anchor's sequence in a packed row, if given), where the loss mask is 1 (if given) and the anchor is valid (if
+    given); position anchor_j + k.
     """
     B, S = input_ids_BS.shape
     A = anchors_BA.shape[1]
     pos_BAk = anchors_BA[:, :, None] + torch.arange(block_size, device=anchors_BA.device)
     safe_BQ = pos_BAk.clamp(max=S - 1).reshape(B, A * block_size)
     labels_BQ = input_ids_BS.gather(1, safe_BQ)
-    valid_BAk = pos_BAk < S
+    valid_BAk = pos_BAk < S if end_BA is None else pos_BAk < end_BA[:, :, None]
     if loss_mask_BS is not None:
         valid_BAk &= loss_mask_BS.bool().gather(1, safe_BQ).view(B, A, block_size)
     if valid_BA is not None:
@@ -487,7 +494,15 @@ def target_step(target: torch.nn.Module, batch, layer_ids: list[int], want_last:
     not read the GPU to check it, and runs the causal kernels. Features at padded positions are then computed
     over padding; no anchor, context key or label reads them (dflash.models.attention, block_inputs)."""
     input_ids_BS = _batch_field(batch, "input_ids")
-    return target_features(target, input_ids_BS, None, layer_ids, want_last)
+    packed = (batch["position_ids"], batch["cu_seqlens"]) if "cu_seqlens" in batch else None
+    return target_features(target, input_ids_BS, None, layer_ids, want_last, packed)
+
+
+def sequence_bounds(cu_seqlens: torch.Tensor, anchors_BA: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(start, end) [B, A] of the sequence each anchor of a packed row lies in (cu_seqlens: the starts, then T)."""
+    cu = cu_seqlens.long()
+    seq_BA = torch.searchsorted(cu[1:-1], anchors_BA, right=True)
+    return cu[seq_BA], cu[seq_BA + 1]
 
 
 def drafter_step_math(
@@ -513,16 +528,29 @@ def drafter_step_math(
         raise ValueError("kl_weight > 0 needs the target's last hidden state")
 
     eligible_B = _batch_field(batch, "eligible_anchors", required=False)  # host counts: no read-back from the GPU
-    anchors_BA, valid_BA = sample_anchors(loss_mask_BS, tcfg.max_anchors, bs, generator, tcfg.batch_anchors, eligible_B)
+    packed = "cu_seqlens" in batch  # one row of sequences end to end (dflash.data.batching.collate_packed)
+    max_anchors, batch_anchors = tcfg.max_anchors, tcfg.batch_anchors
+    if packed:  # the row's anchors are the batch's: batch_anchors, else max_anchors for each of its sequences
+        max_anchors = batch_anchors or tcfg.max_anchors * (batch["cu_seqlens"].shape[0] - 1)
+        batch_anchors = None
+    starts_BS = batch["position_ids"] == 0 if packed else None
+    anchors_BA, valid_BA = sample_anchors(loss_mask_BS, max_anchors, bs, generator, batch_anchors, eligible_B, starts_BS)
+    start_BA, end_BA = sequence_bounds(batch["cu_seqlens"], anchors_BA) if packed else (None, None)
     block_ids_BQ, labels_BQ, label_valid_BQ, query_pos_BQ = block_inputs(
-        input_ids_BS, anchors_BA, bs, dcfg.mask_token_id, loss_mask_BS=loss_mask_BS, valid_BA=valid_BA
+        input_ids_BS, anchors_BA, bs, dcfg.mask_token_id, loss_mask_BS=loss_mask_BS, valid_BA=valid_BA, end_BA=end_BA
     )
     noise_BQH = F.embedding(block_ids_BQ, embed_VH)
     # No context mask: rows are right-padded and a valid anchor is a real token (loss_mask), so every context
     # position before it is real too; an invalid anchor sees no context. The kernels then read no padding mask.
-    attn = build_layer_masks(anchors_BA, valid_BA, S, bs, device, attn_backend, dcfg.layer_types, dcfg.sliding_window)
-    context_pos_BS = torch.arange(S, device=device).expand(B, S)
-    hidden_BQH = drafter(context_BSF, noise_BQH, context_pos_BS, query_pos_BQ, attn)
+    # Packed, each block sees context from its sequence's start on, at the positions that sequence has alone.
+    attn = build_layer_masks(anchors_BA, valid_BA, S, bs, device, attn_backend, dcfg.layer_types, dcfg.sliding_window,
+                             context_start_BA=start_BA)
+    if packed:
+        context_pos_BS = batch["position_ids"].expand(B, S)
+        rope_pos_BQ = query_pos_BQ - start_BA.repeat_interleave(bs, dim=1)
+    else:
+        context_pos_BS, rope_pos_BQ = torch.arange(S, device=device).expand(B, S), query_pos_BQ
+    hidden_BQH = drafter(context_BSF, noise_BQH, context_pos_BS, rope_pos_BQ, attn)
 
     A = anchors_BA.shape[1]
     weight_BQ = slot_weights(bs, tcfg.gamma, device).repeat(A)[None, :] * label_valid_BQ

@@ -137,7 +137,7 @@ def _target_main(cfg: RunConfig, me: Rank, resume_from: Path | None, share_group
             if k >= end:
                 return
             if k % me.n_targets == me.index:
-                batch = collate(dataset, indices, pad)
+                batch = collate(dataset, indices, pad, cfg.data.packing)
                 yield k, ({key: v.pin_memory() for key, v in batch.items()} if device.type == "cuda" else batch)
 
     for k, batch in prefetch(my_batches()):

@@ -356,7 +356,7 @@ class Trainer:
                 mine = []
                 for j, (_, _, indices) in enumerate(group):
                     if j % self.world == self.rank:
-                        batch = collate(self.dataset, indices, pad)
+                        batch = collate(self.dataset, indices, pad, self.cfg.data.packing)
                         batch["sample_ids"] = torch.tensor(indices)  # the feature cache's keys
                         mine.append((step * per_step + j, {k: v.pin_memory() for k, v in batch.items()}
                                      if pin else batch))

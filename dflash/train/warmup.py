@@ -72,7 +72,7 @@ def warm_steps(trainer, log=print) -> list[tuple[int, int]]:
     shapes, classes = [], []
     t0 = time.perf_counter()
     for k, (name, indices) in enumerate(warm_batches(trainer.sampler)):
-        batch = collate(trainer.dataset, indices, pad)
+        batch = collate(trainer.dataset, indices, pad, trainer.cfg.data.packing)
         batch["sample_ids"] = torch.tensor(indices)
         batch = to_device(batch, trainer.device)
         context = features(k, batch)

@@ -391,6 +391,39 @@ def test_best_never_leads_out_of_the_run_dir(finished_run, tmp_path):
             assert path is None and rundir.best_checkpoint(run_dir) is None and problem in why, (target, why)
 
 
+@pytest.mark.parametrize("failure", ["config-json", "safetensors"])
+def test_an_export_the_disk_refuses_leaves_the_previous_one_and_no_partial_folder(tmp_path, failure):
+    """write_export: the weights written, then config.json meets a full disk (an OSError), or safetensors' own error
+    wraps ENOSPC: the disk's OSError comes out (naming drafter.tmp when the error names no file), drafter.tmp is gone
+    and the previous export is as it was; a complete write replaces it."""
+    import errno
+
+    def config(text):
+        def write(folder):
+            folder.mkdir()
+            (folder / "config.json").write_text(text)
+        return write
+
+    ckpt.write_export(tmp_path, config("old"))
+    tmp = tmp_path / rundir.DRAFTER_TMP
+
+    def full(folder):
+        folder.mkdir()
+        (folder / "model.safetensors").write_bytes(bytes(4096))  # what fitted before the disk filled
+        if failure == "config-json":
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(folder / "config.json"))
+        raise RuntimeError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    with pytest.raises(OSError) as e:
+        ckpt.write_export(tmp_path, full)
+    assert e.value.errno == errno.ENOSPC
+    assert e.value.filename == str(tmp / "config.json" if failure == "config-json" else tmp)
+    assert not tmp.exists() and sorted(p.name for p in (tmp_path / rundir.DRAFTER_DIR).iterdir()) == ["config.json"]
+    assert (tmp_path / rundir.DRAFTER_DIR / "config.json").read_text() == "old"
+    ckpt.write_export(tmp_path, config("new"))
+    assert (tmp_path / rundir.DRAFTER_DIR / "config.json").read_text() == "new" and not tmp.exists()
+
+
 def test_no_full_unpickling_anywhere():
     sources = [p for top in ("dflash", "preflight", "bench") for p in (REPO / top).rglob("*.py")]
     offenders = [str(p.relative_to(REPO)) for p in sources

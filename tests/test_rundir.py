@@ -257,6 +257,64 @@ def test_a_full_disk_mid_run_is_one_line_even_when_the_clean_up_writes_fail_too(
     assert [c.name for c in rundir.list_checkpoints(run_dir)] == ["step_00000015", "step_00000020"]
 
 
+# dflash-train in a child whose disk fills after the last checkpoint, just before the export (argv: the folder to
+# fill, then dflash-train's arguments): everything the export writes meets a really full disk.
+FILL_BEFORE_EXPORT = """
+import sys
+from pathlib import Path
+
+from dflash.commands.train import train_main
+from dflash.train.trainer import Trainer
+
+export = Trainer._export
+
+
+def fill_then_export(self, weights=None):
+    with open(Path(sys.argv[1]) / "fill", "wb", buffering=0) as f:
+        try:
+            while True:
+                f.write(bytes(1 << 16))
+        except OSError:
+            pass
+    return export(self, weights)
+
+
+Trainer._export = fill_then_export
+train_main(sys.argv[2:])
+"""
+
+
+@pytest.mark.skipif(not USERNS, reason="needs a user namespace to mount a small tmpfs")
+def test_a_disk_that_fills_during_the_export_is_one_line_and_leaves_no_export(tmp_path, capsys):
+    """The run's 5 steps and its checkpoint fit an 8 MiB tmpfs, which is full when the export starts: exit 1 and one
+    line (safetensors' error as the disk gave it), no drafter/ nor drafter.tmp/ left, step 5 verifies, and the resume
+    the line names writes the export once there is space (the run dir copied out of the namespace)."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    cfg, raw = tiny_config(tmp_path, max_steps=5, save_every=5)
+    raw["output_dir"] = str(disk / "run")
+    config = write_toml(raw, tmp_path / "run.toml")
+    setup = 'mount -t tmpfs -o size=8m tmpfs "$0" && "$@"; rc=$?; cp -a "$0/run" "$0.copy"; exit $rc'
+    cmd = ["unshare", "-rm", "sh", "-c", setup, str(disk), sys.executable, "-c", FILL_BEFORE_EXPORT, str(disk),
+           "--config", str(config), "--no-progress", "--fresh", *WAIVE_SOURCE]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stderr and "During handling" not in proc.stderr, proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if "error" in line.lower()]
+    assert errors == [f"dflash-train: error: {disk / 'run' / rundir.DRAFTER_TMP}: No space left on device (ENOSPC); "
+                      "free space on that file system (df -h) or move output_dir to a larger disk; then the last "
+                      "checkpoint step_00000005 is intact: resume with --resume latest"], proc.stderr
+    run_dir = tmp_path / "disk.copy"
+    assert not (run_dir / rundir.DRAFTER_DIR).exists() and not (run_dir / rundir.DRAFTER_TMP).exists()
+    assert [c.name for c in rundir.list_checkpoints(run_dir)] == ["step_00000005"]
+    assert checkpoint_problem(rundir.checkpoint_path(run_dir, 5), deep=True) is None
+    raw["output_dir"] = str(run_dir)
+    assert train_main_here(write_toml(raw, tmp_path / "copy.toml"), "--resume", "latest", *WAIVE_SOURCE) == 0
+    assert f"drafter saved to {run_dir / rundir.DRAFTER_DIR}" in capsys.readouterr().out
+    assert sorted(p.name for p in (run_dir / rundir.DRAFTER_DIR).iterdir()) == ["config.json", "dflash.py", "model.safetensors"]
+    assert not (run_dir / rundir.DRAFTER_TMP).exists()
+
+
 def test_trim_metrics_keeps_rows_it_cannot_read_where_they_were(tmp_path):
     """A resume moves the rows logged after its step aside; odd rows (a step that is text, null, inf, a list, a
     number too long to convert, nesting too deep) and a torn last line stay, byte for byte, instead of crashing it."""

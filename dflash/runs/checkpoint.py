@@ -3,7 +3,8 @@
 The folder layout and its names belong to ``dflash.runs.rundir``; this module writes and reads the
 tensors. A save is written to ``step_X.tmp`` and renamed when complete, so a crash mid-save
 leaves the previous checkpoint loadable; only the newest keep_last are kept, and the one
-``checkpoints/best`` points to (``dflash.runs.rundir.set_best``).
+``checkpoints/best`` points to (``dflash.runs.rundir.set_best``). The final export is written the
+same way: to ``drafter.tmp``, renamed to ``drafter`` when complete (``write_export``).
 
 The trainer state is plain JSON (step, sampler position, ...) plus its tensors (RNG states) in
 safetensors, and the optimizer state is loaded with ``weights_only=True``: loading a checkpoint
@@ -36,6 +37,7 @@ from dflash.config import RunConfig
 from dflash.filehash import sha256_file
 from dflash.runs.rundir import (
     DRAFTER_DIR,
+    DRAFTER_TMP,
     FILES_KEY,
     META_NAME,
     OPTIMIZER_NAME,
@@ -286,10 +288,7 @@ def write_checkpoint(output_dir: str | Path, snap: Snapshot, cfg: RunConfig, dat
     except BaseException as e:  # a full disk, a kill's KeyboardInterrupt...: no partial step_N.tmp stays behind
         hashing.shutdown(wait=True, cancel_futures=True)  # no hash thread still reading what is removed
         shutil.rmtree(tmp, ignore_errors=True)
-        cause = io_cause(e) if isinstance(e, Exception) else None
-        if cause is not None and cause is not e:  # torch and safetensors wrap the disk's error: raise that
-            raise OSError(cause.errno, cause.strerror, cause.filename or str(tmp)) from e
-        raise
+        _raise_the_disks(e, tmp)
     finally:
         hashing.shutdown(wait=True)
     _fsync_dir(root)
@@ -299,6 +298,34 @@ def write_checkpoint(output_dir: str | Path, snap: Snapshot, cfg: RunConfig, dat
         if old != final and old != best:  # never the one just written, never checkpoints/best's
             shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def write_export(output_dir: str | Path, write) -> Path:
+    """Write <output_dir>/drafter whole or not at all: `write(folder)` fills drafter.tmp, which is fsynced and then
+    renamed over the previous export. A failure removes drafter.tmp, keeps the previous export and raises (an OSError
+    of the disk as the disk gave it)."""
+    final = Path(output_dir) / DRAFTER_DIR
+    tmp = final.with_name(DRAFTER_TMP)
+    _remove(tmp)
+    try:
+        write(tmp)
+        _fsync_tree(tmp)  # the bytes are on disk before the rename makes the export visible
+        _remove(final)
+        tmp.rename(final)
+    except BaseException as e:  # a full disk, a kill's KeyboardInterrupt...: no partial export stays behind
+        shutil.rmtree(tmp, ignore_errors=True)
+        _raise_the_disks(e, tmp)
+    _fsync_dir(final.parent)
+    return final
+
+
+def _raise_the_disks(e: BaseException, where: Path):
+    """Raise `e`, or the disk's OSError behind it when torch or safetensors wrapped one (``SafetensorError: ... No space
+    left on device (os error 28)``): what `dflash.runs.rundir.io_failure` turns into one line."""
+    cause = io_cause(e) if isinstance(e, Exception) else None
+    if cause is not None and cause is not e:
+        raise OSError(cause.errno, cause.strerror, cause.filename or str(where)) from e
+    raise e
 
 
 def _recorded(folder: Path, hashes: dict[Path, Future]) -> dict[str, dict]:

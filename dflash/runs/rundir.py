@@ -52,6 +52,7 @@ CONFIG_NAME = "config.json"
 PREFLIGHT_NAME = "preflight.json"
 METRICS_NAME = "metrics.jsonl"
 DRAFTER_DIR = "drafter"
+DRAFTER_TMP = "drafter.tmp"  # the final export while it is written; renamed to DRAFTER_DIR when complete
 STOPPED_NAME = "stopped.json"
 # dflash-train's exit code when a signal stopped the run after a checkpoint (sysexits EX_TEMPFAIL: try again
 # later): a scheduler resubmits with --resume latest; 0 means the run finished, 1 a failure, 2 bad input.
@@ -176,10 +177,11 @@ def write_problem(output_dir: str | Path) -> str | None:
 
 def leftovers(output_dir: str | Path) -> list[tuple[str, int, str]]:
     """What in the run dir could be deleted to free space, largest first: (name relative to the run dir, bytes, what
-    it is). Unfinished saves (``checkpoints/*.tmp``, left by a crash mid-save) and what a resume or --fresh moved
-    aside (never deleted by us)."""
+    it is). Unfinished saves (``checkpoints/*.tmp``, left by a crash mid-save), an unfinished export (``drafter.tmp``)
+    and what a resume or --fresh moved aside (never deleted by us)."""
     out = Path(output_dir)
     found = [(p, "an unfinished save") for p in sorted(checkpoints_dir(out).glob(f"{STEP_PREFIX}*{TMP_SUFFIX}"))]
+    found += [(p, "an unfinished export") for p in [out / DRAFTER_TMP] if p.exists()]
     for stem, what in ((ABANDONED_STEM, "moved aside by a resume"), (REPLACED_STEM, "moved aside by --fresh"),
                        (METRICS_ABANDONED_STEM, "metrics rows moved aside by a resume")):
         found += [(p, what) for p in sorted(out.glob(f"{stem}-*"))]

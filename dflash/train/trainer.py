@@ -568,7 +568,11 @@ class Trainer:
             self.log(f"stopped by {stop.signame or 'a peer signal'} at step {self.step}; checkpoint {path}")
             self.log(f"resume with: dflash-train --config <this config> --resume latest  (output_dir {self.out})")
             return 0
-        exported = self._export(weights) if not self.measure_only else "nothing: a fake process group trains nothing"
+        try:
+            exported = self._export(weights) if not self.measure_only else "nothing: a fake process group trains nothing"
+        except BaseException as e:  # a disk that fills during the export: the run's record says it failed
+            self.recorder.crashed(e, self.step)
+            raise
         rundir.clear_stopped(self.out)
         self.recorder.outcome.end("finished", self.step)
         self.log(f"done: {self.step} steps; checkpoint {path}; drafter saved to {self.out / rundir.DRAFTER_DIR} ({exported}); "
@@ -581,14 +585,14 @@ class Trainer:
     def _export(self, weights: dict | None = None) -> str:
         """Write <output_dir>/drafter, servable as published drafters are (bf16, the target's tokenizer files and
         ids): checkpoints/best's weights (eval.export = best) or the last step's (`weights`: a sharded drafter's,
-        gathered)."""
+        gathered). Whole or not at all (`ckpt.write_export`)."""
         best = self._verified_best() if self.heldout is not None and self.cfg.eval.export == "best" else None
         model, which = self.drafter, f"step {self.step}, the last"
         if best is not None:
             model, which = DFlashDrafter.from_pretrained(best / rundir.DRAFTER_DIR), f"{best.name}, checkpoints/best"
-        model.save_pretrained(self.out / rundir.DRAFTER_DIR, dtype=torch.bfloat16,
-                              target_dir=target_folder(self.cfg.target.path, self.log),
-                              state=weights if model is self.drafter else None)
+        target, state = target_folder(self.cfg.target.path, self.log), weights if model is self.drafter else None
+        ckpt.write_export(self.out, lambda folder: model.save_pretrained(folder, dtype=torch.bfloat16,
+                                                                         target_dir=target, state=state))
         return which
 
     def _verified_best(self) -> Path | None:

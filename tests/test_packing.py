@@ -1,13 +1,20 @@
-"""Packed batches (data.packing): the packs' fill and rules, the same packs every epoch in a new order, resume."""
+"""Packed batches (data.packing): the packs' fill and rules, the same packs every epoch in a new order, resume, and
+the plan that picks them."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import numpy as np
 import pytest
 
+from dflash.config import config_from_dict
 from dflash.data.buckets import BucketBatchSampler
 from dflash.data.identity import DatasetError
 from dflash.data.packing import PackedBatchSampler
+from dflash.data.plan import batch_sampler, schedule, schedule_change
+from dflash.data.shards import ShardDataset, write_shard
+from trainkit import run_config, split_raw, write_toml
 
 BUDGET, MAX_BS = 49152, 64  # the 27B presets' batching
 
@@ -120,4 +127,58 @@ def test_summary_lines():
     assert lines[0] == f"3,000 samples, {int(sampler.lengths.sum()):,} tokens; 169 packed batches per epoch " \
                        "(data.packing), 99.7% of the token budget used"
     assert lines[1].startswith("sequences per batch min ") and lines[1].endswith("(token_budget 49,152, max_batch_size 64)")
+
+
+# --- the plan that picks them ----------------------------------------------------------------
+
+LENGTHS = [300, 200, 200, 100, 100, 100, 60, 50, 40, 30, 20, 10]  # into 512-token packs: 3 of them, by hand below
+
+
+def write_dataset(path: Path, lengths: list[int]) -> Path:
+    """One real Arrow shard of rows with these lengths, the first third of each its prompt."""
+    ids = [[1 + (i + k) % 100 for k in range(n)] for i, n in enumerate(lengths)]
+    write_shard(path / "shard-00000.arrow", ids, [[0] * (n // 3) + [1] * (n - n // 3) for n in lengths])
+    return path
+
+
+def lengths_run(tmp_path: Path, **data) -> tuple[dict, Path]:
+    """(raw run config, its TOML file): the 12 samples of LENGTHS under a 512-token budget, split over 2 drafter ranks."""
+    data_dir = write_dataset(tmp_path / "data", LENGTHS)
+    _, raw = run_config(tmp_path, tmp_path / "no-target", data_dir, epochs=6)
+    del raw["train"]["max_steps"]  # the steps come from the epochs
+    raw["data"] = {**raw["data"], "max_batch_size": 64, **data}
+    raw = split_raw(raw)
+    return raw, write_toml(raw, tmp_path / "run.toml")
+
+
+def test_best_fit_by_hand():
+    """Longest first into the fullest pack it fits: 300+200 (12 left), 200+100+100+100 (12 left), 60..20 in a third
+    (its 332 free is the only room for them), and 10 into the first pack that has 12 left."""
+    packs = sorted(PackedBatchSampler(np.array(LENGTHS), 512, 64, seed=0).epoch_batches(0))
+    assert packs == [[0, 1, 11], [2, 3, 4, 5], [6, 7, 8, 9, 10]]
+
+
+def test_the_plan_picks_packs_for_the_trainer_and_the_held_out_eval(tmp_path):
+    from dflash.train.heldout import HeldOut
+
+    raw, _ = lengths_run(tmp_path, packing=True)
+    cfg = config_from_dict(raw)
+    dataset, sampler, total = schedule(cfg, drafter_ranks=2)
+    assert isinstance(sampler, PackedBatchSampler) and sampler.batches_per_epoch == 3
+    assert total == 6 * 3 // 2
+    assert isinstance(batch_sampler(config_from_dict({}), np.array(LENGTHS)), BucketBatchSampler)
+    held = HeldOut(cfg, ShardDataset(cfg.data.path), pad_id=0)
+    assert held.batches == sampler.epoch_batches(0)
+
+
+def test_turning_packing_on_is_a_named_cause_of_a_schedule_change(tmp_path):
+    raw, _ = lengths_run(tmp_path)
+    old = config_from_dict(raw)
+    _, buckets, old_total = schedule(old, 2)
+    meta = {"config": old.model_dump(), "dataset": {"samples": len(LENGTHS)}}
+    state = {"sampler": buckets.state_dict(), "n_drafters": 2}
+    new = config_from_dict({**raw, "data": {**raw["data"], "packing": True}})
+    assert old_total == 6 * buckets.batches_per_epoch // 2 == 27
+    assert schedule_change(meta, state, new) == "total steps 27 -> 9 (data.packing False -> True, batches per epoch 9 -> 3)"
+    assert schedule_change(meta, state, old) is None
 

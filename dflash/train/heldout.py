@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-from dflash.data.plan import SubsetDataset
+from dflash.data.plan import SubsetDataset, batch_sampler
 
 BATCH_INDEX_OFFSET = 1 << 40  # anchor generator index of held-out batch i: never a training batch's index
 BEST_KEYS = {"linear": "heldout_accept_len", "ddtree": "heldout_ddtree_accept_len"}  # eval.best_by -> metric
@@ -74,13 +74,9 @@ class HeldOut:
     """The held-out set of a run and the evaluation of a drafter on it (co-located: the target is in this process)."""
 
     def __init__(self, cfg, dataset, pad_id: int, log=print):
-        from dflash.data.buckets import BucketBatchSampler
-
         self.cfg, self.dataset, self.pad_id, self.log = cfg, dataset, pad_id, log
-        d = cfg.data
         # fixed batches: the training batcher's first epoch over the held-out lengths, same budget
-        self.batches = BucketBatchSampler(dataset.lengths, d.token_budget, d.max_batch_size, d.num_buckets,
-                                          cfg.train.seed).epoch_batches(0)
+        self.batches = batch_sampler(cfg, dataset.lengths).epoch_batches(0)
         self.prompts = self._prompts(cfg.eval.real_prompts)
         self._reference: list[tuple[list[int], list[float]]] | None = None  # target-only greedy (tokens, margins)
         # with train.cache_features (small co-located runs) the held-out batches' target features are kept too

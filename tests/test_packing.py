@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from dflash.commands.data import data_main
 from dflash.config import config_from_dict
 from dflash.data.buckets import BucketBatchSampler
 from dflash.data.identity import DatasetError
@@ -129,7 +130,7 @@ def test_summary_lines():
     assert lines[1].startswith("sequences per batch min ") and lines[1].endswith("(token_budget 49,152, max_batch_size 64)")
 
 
-# --- the plan that picks them ----------------------------------------------------------------
+# --- the plan that picks them, and dflash-data stats --config ------------------------------------
 
 LENGTHS = [300, 200, 200, 100, 100, 100, 60, 50, 40, 30, 20, 10]  # into 512-token packs: 3 of them, by hand below
 
@@ -149,6 +150,14 @@ def lengths_run(tmp_path: Path, **data) -> tuple[dict, Path]:
     raw["data"] = {**raw["data"], "max_batch_size": 64, **data}
     raw = split_raw(raw)
     return raw, write_toml(raw, tmp_path / "run.toml")
+
+
+def dflash_data(capsys, *args) -> tuple[int, list[str], list[str]]:
+    """(exit code, stdout lines, stderr lines) of the real console entry point, in this process."""
+    with pytest.raises(SystemExit) as e:
+        data_main([str(a) for a in args])
+    out, err = capsys.readouterr()
+    return e.value.code, out.splitlines(), err.splitlines()
 
 
 def test_best_fit_by_hand():
@@ -182,3 +191,58 @@ def test_turning_packing_on_is_a_named_cause_of_a_schedule_change(tmp_path):
     assert schedule_change(meta, state, new) == "total steps 27 -> 9 (data.packing False -> True, batches per epoch 9 -> 3)"
     assert schedule_change(meta, state, old) is None
 
+
+def test_stats_of_a_run_config_show_the_packs_batches_fill_and_steps_it_draws(tmp_path, capsys):
+    _, toml = lengths_run(tmp_path, packing=True)
+    code, lines, err = dflash_data(capsys, "stats", "--config", toml)
+    assert code == 0, err
+    plan = lines.index(f"plan of {toml}: 12 samples train, batched as packs (data.packing)")
+    assert lines[0] == f"{tmp_path / 'data'}: 12 samples, 1210 tokens, length min 10 mean 101 max 300"
+    assert lines[plan + 1:plan + 5] == [
+        "12 samples, 1,210 tokens; 3 packed batches per epoch (data.packing), 78.8% of the token budget used",
+        "sequences per batch min 3 / max 5 / avg 4.0; tokens per batch min 200 / max 510 (token_budget 512, "
+        "max_batch_size 64)",
+        "3 batches an epoch, 78.8% of the 512-token budget (real tokens / (batches x token_budget))",
+        "1.5 steps an epoch of 2 batches (train.grad_accum 1 x 2 drafter ranks); the run: 9 steps (train.epochs 6)"]
+    assert lines[-1].startswith("assistant turns per row")  # the shards' stats still close the report
+
+    # the same run bucketed (its own pack_remainders), and its eval holdout taken out of the plan
+    code, lines, err = dflash_data(capsys, "stats", "--config", toml, "--set", "data.packing=false",
+                                   "--set", "data.pack_remainders=true", "--set", "topology.target_gpus=[]",
+                                   "--set", "topology.drafter_gpus=[]", "--set", "eval.holdout=2",
+                                   "--set", "train.grad_accum=2")
+    assert code == 0, err
+    assert f"plan of {toml}: 10 samples train, 2 held out (eval.holdout), batched as length buckets " \
+           "(data.num_buckets 2, data.pack_remainders)" in lines
+    assert lines[-5:-3] == [  # 710 of the 1,210 tokens train
+        "3 batches an epoch, 46.2% of the 512-token budget (real tokens / (batches x token_budget))",
+        "1.5 steps an epoch of 2 batches (train.grad_accum 2 x 1 drafter rank); the run: 9 steps (train.epochs 6)"]
+
+
+def test_stats_of_a_path_alone_keep_their_options_and_say_the_fill(tmp_path, capsys):
+    data = write_dataset(tmp_path / "data", LENGTHS)
+    code, lines, err = dflash_data(capsys, "stats", data, "--token-budget", 512, "--num-buckets", 2)
+    assert code == 0, err
+    bucketed = BucketBatchSampler(np.array(LENGTHS), 512, 64, 2, seed=0)
+    assert f"{bucketed.batches_per_epoch} batches an epoch, {bucketed.fill:.1%} of the 512-token budget (real tokens " \
+           "/ (batches x token_budget))" in lines
+
+
+def test_stats_bad_input_is_one_line(tmp_path, capsys):
+    raw, toml = lengths_run(tmp_path)
+    raw["data"]["path"] = str(tmp_path / "nosuch")
+    gone = write_toml(raw, tmp_path / "gone.toml")
+    for args, code, says in (
+        (["--config", tmp_path / "nosuch.toml"], 2, f"{tmp_path / 'nosuch.toml'}: no such config file"),
+        (["--config", gone], 1, f"{tmp_path / 'nosuch'}: no such dataset folder; set data.path to a folder of "
+                                "*.arrow shards"),
+        (["--config", toml, "--set", "data.packing=true", "--set", "data.pack_remainders=true"], 2,
+         "set data.pack_remainders = false"),
+        (["--config", toml, "--token-budget", 1024], 2, "--token-budget is the run config's data.token_budget with "
+                                                        "--config; give --set data.token_budget=N instead"),
+        ([tmp_path / "data", "--config", toml], 2, "give a dataset folder PATH or --config RUN.toml, one of them"),
+        ([], 2, "give a dataset folder PATH or --config RUN.toml, one of them"),
+        ([tmp_path / "data", "--set", "data.packing=true"], 2, "--set overrides a run config field: give --config"),
+    ):
+        got, out, err = dflash_data(capsys, "stats", *args)
+        assert (got, len(err)) == (code, 1) and says in err[0] and err[0].startswith("dflash-data: error: "), err

@@ -129,22 +129,34 @@ class DrafterConfig(_Strict):
 
 class DataConfig(_Strict):
     path: str = Field("data/train", min_length=1, description="folder of Arrow shards with input_ids and loss_mask")
-    token_budget: int = Field(49152, ge=16, le=MAX_TOKENS, description="max padded tokens per batch (tokens; "
+    token_budget: int = Field(49152, ge=16, le=MAX_TOKENS, description="max padded tokens per batch, rows x longest row "
+                              "(with data.packing: the sum of its lengths) (tokens; "
                               f"at most {MAX_TOKENS}: more activations than any GPU holds)")
     max_batch_size: int = Field(64, ge=1, le=MAX_TOKENS, description="max sequences per batch (at most "
                                 f"{MAX_TOKENS}: a batch never holds more sequences than tokens)")
     num_buckets: int = Field(16, ge=1, le=1024, description="length buckets for batching")
     pack_remainders: bool = Field(False, description="pack the batches left part-full at each (bucket, batch size) "
                                   "group's end into as few batches as the budget allows, the same ones every epoch "
-                                  "(a lognormal mix around 2,826 tokens: 142 -> 97 batches an epoch, 64% -> 94% of the budget used)")
-    packing: bool = Field(False, description="lay each batch's samples end to end in one row, up to token_budget "
-                          "tokens, instead of padding them to a rectangle")
+                                  "(a lognormal mix around 2,826 tokens: 142 -> 97 batches an epoch, 64% -> 94% of the budget used); "
+                                  "bucketed batches only: refused with data.packing")
+    packing: bool = Field(False, description="each batch a pack: samples laid end to end in one row, their lengths "
+                          "summing to at most token_budget, at most max_batch_size of them; packed once (best fit, "
+                          "longest first), the same batches every epoch in a new order; num_buckets plays no part "
+                          "(a lognormal mix of 3,000 samples around 2,826 tokens: 169 batches an epoch, 99.7% of the "
+                          "budget used, against 178 and 94.7% bucketed with pack_remainders)")
     max_length: int | None = Field(
         None, ge=2, le=MAX_TOKENS, description="samples longer than this (tokens) fail the dataset check; "
         "None = token_budget"
     )
 
     _path = field_validator("path")(_no_nul)
+
+    @model_validator(mode="after")
+    def _packing_has_no_remainders(self) -> DataConfig:
+        if self.packing and self.pack_remainders:
+            raise ValueError("data.pack_remainders packs the bucketed batches' remainders, and with data.packing = true "
+                             "there are no buckets (every batch is a pack); set data.pack_remainders = false")
+        return self
 
 
 class TrainConfig(_Strict):
@@ -410,7 +422,8 @@ class RunConfig(_Strict):
         edges) and the batching knobs (warm-cache runs one batch of each shape class they make)."""
         key = {"target": self.target.path, "dtype": self.target.dtype, "compile": self.target.compile,
                "batches": [self.data.path, self.data.token_budget, self.data.max_batch_size, self.data.num_buckets,
-                           *([True] if self.data.pack_remainders else [])]}  # unset: the hash of earlier configs
+                           *([True] if self.data.pack_remainders else []),
+                           *(["packing"] if self.data.packing else [])]}  # unset: the hash of earlier configs
         return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
 
 

@@ -19,8 +19,8 @@ from typing import Any
 GROUPS = ("environment", "gpus", "code", "compile cache", "config", "data", "run")
 # Config fields that move speed though the memory model does not see them (or only sometimes).
 SPEED_FIELDS = {"train.compile", "train.recompute", "train.grad_accum", "train.cache_features", "data.num_buckets",
-                "data.token_budget", "data.max_batch_size", "train.max_anchors", "train.batch_anchors",
-                "train.loss_chunk", "drafter.num_layers", "drafter.block_size", "target.dtype", "topology.target_gpus",
+                "data.pack_remainders", "data.packing", "data.token_budget", "data.max_batch_size", "train.max_anchors",
+                "train.batch_anchors", "train.loss_chunk", "drafter.num_layers", "drafter.block_size", "target.dtype", "topology.target_gpus",
                 "topology.drafter_gpus", "topology.colocated_gpus", "topology.queue_depth", "device"}
 # Environment variables by what they move.
 MEMORY_ENV = ("PYTORCH_CUDA_ALLOC_CONF",)

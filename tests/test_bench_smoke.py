@@ -1,5 +1,5 @@
 """CPU smoke runs of the measurement scripts (bench/train_step.py, bench/memory_calibration.py, bench/data_check.py,
-bench/target_rate.py, bench/fp8_matmul.py, bench/regenerate_faults.py)."""
+bench/target_rate.py, bench/fp8_matmul.py, bench/regenerate_faults.py, bench/packing.py)."""
 
 from __future__ import annotations
 
@@ -136,3 +136,11 @@ def test_fake_rank_bench_trains_rank_0_of_8_with_an_eighth_of_the_drafter_on_cpu
     assert doc["drafter_params"] / 8 <= doc["local_params"] < doc["drafter_params"] / 6
     assert [s["step"] for s in doc["steps"]] == [1, 2, 3] and all(s["step_s"] > 0 for s in doc["steps"])
     assert "8 data-parallel drafter ranks, fsdp2" in proc.stdout
+
+
+def test_packing_bench_prints_each_samplers_batches_and_fill(tmp_path):
+    proc = _run(["bench/packing.py", "--samples", "3000"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [line.split() for line in proc.stdout.splitlines()[2:]]
+    assert [(r[0], r[-10], r[-7]) for r in rows] == [("buckets", "220", "76.6%"), ("buckets", "178", "94.7%"),
+                                                    ("packing", "169", "99.7%")]

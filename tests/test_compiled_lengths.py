@@ -35,11 +35,18 @@ def compiled_on_cpu(monkeypatch):
     torch._dynamo.reset()
 
 
-def _lognormal_run(root: Path, **train):
-    """The tiny preset on 400 lognormal-length samples (mean 48 tokens, sigma 0.6: 16 to 400 tokens), compiled."""
+def _lognormal_run(root: Path, packing: bool = False, **train):
+    """The tiny preset on 400 lognormal-length samples (mean 48 tokens, sigma 0.6: 16 to 400 tokens), compiled;
+    packing: its batches packed (data.packing)."""
+    from dflash.config import config_from_dict
+
     target = write_target(root / "tiny-target", TRAIN_TARGET)
     data = write_random_dataset(root / "data", samples=400, length=48, vocab=128, sigma=0.6, max_length=400)
-    return run_config(root, target, data, compile=True, **train)
+    cfg, raw = run_config(root, target, data, compile=True, **train)
+    if packing:
+        raw["data"]["packing"] = True
+        cfg = config_from_dict(raw)
+    return cfg, raw
 
 
 def test_a_length_mix_builds_no_graph_after_the_first_step(tmp_path, compiled_on_cpu, capsys):
@@ -51,21 +58,30 @@ def test_a_length_mix_builds_no_graph_after_the_first_step(tmp_path, compiled_on
                for line in capsys.readouterr().out.splitlines())
 
 
+def test_a_packed_length_mix_builds_no_graph_after_the_first_step(tmp_path, compiled_on_cpu, capsys):
+    """The same mix packed (one row a batch, up to 512 tokens of 1 to 8 sequences): one shape class, traced before
+    the first step, and no graph after it."""
+    _no_graph_after_the_first_step(tmp_path, "cpu", packing=True)
+    assert any(line.startswith("compile: 1 shape class(es) (packed)") for line in capsys.readouterr().out.splitlines())
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (inductor's Triton kernels)")
-def test_on_cuda_a_length_mix_builds_no_graph_after_the_first_step(tmp_path):
-    """The same on CUDA with inductor, whose kernels and autotuning add guards of their own."""
+@pytest.mark.parametrize("packing", [False, True])
+def test_on_cuda_a_length_mix_builds_no_graph_after_the_first_step(tmp_path, packing):
+    """The same on CUDA with inductor, whose kernels and autotuning add guards of their own (packed: the target's
+    varlen attention and fla's cu_seqlens kernels too)."""
     torch._dynamo.reset()
-    _no_graph_after_the_first_step(tmp_path, "cuda")
+    _no_graph_after_the_first_step(tmp_path, "cuda", packing=packing)
 
 
-def _no_graph_after_the_first_step(tmp_path, device: str):
+def _no_graph_after_the_first_step(tmp_path, device: str, packing: bool = False):
     from torch._dynamo.utils import counters
 
     from dflash.train.trainer import Trainer
     from dflash.train.warmup import warm_steps
 
-    cfg, raw = _lognormal_run(tmp_path, max_steps=40, save_every=1000)
+    cfg, raw = _lognormal_run(tmp_path, packing, max_steps=40, save_every=1000)
     if device != cfg.device:
         from dflash.config import config_from_dict
 
@@ -77,7 +93,7 @@ def _no_graph_after_the_first_step(tmp_path, device: str):
     out = Path(cfg.output_dir)
     rows = metrics(out)
     sizes = {len(b) for b in trainer.sampler.epoch_batches(0)}
-    assert len(rows) == 40 and min(sizes) == 1 and max(sizes) == 8, sizes
+    assert len(rows) == 40 and min(sizes) == (3 if packing else 1) and max(sizes) == 8, sizes
     outcome = json.loads((out / "outcome.json").read_text())
     graphs = outcome["compiled_graphs"]
     assert graphs["first_step"] >= 3 and graphs["last"] == graphs["first_step"], outcome.get("recompile_causes")

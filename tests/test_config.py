@@ -161,3 +161,16 @@ def test_ddtree_budget_needs_real_prompts_and_slot_weights_name_their_values():
         config_from_dict({"train": {"slot_weights": "CAP"}})
     with pytest.raises(ConfigError, match="train.cap_alpha: Input should be less than or equal to 1"):
         config_from_dict({"train": {"cap_alpha": 1.5}})
+
+
+def test_packing_refuses_pack_remainders_and_moves_the_target_hash():
+    """data.packing leaves no buckets, so pack_remainders (the buckets' remainders packed) has no meaning beside it:
+    one line naming both keys. The packs are other shapes than the buckets: another compile-cache target hash."""
+    line = refused({"data": {"packing": True, "pack_remainders": True}})
+    assert "data.pack_remainders" in line and "data.packing = true" in line
+    assert line.endswith("set data.pack_remainders = false")
+    plain, packed = config_from_dict({}), config_from_dict({"data": {"packing": True}})
+    assert packed.data.packing and not plain.data.packing
+    assert packed.target_hash() != plain.target_hash()
+    assert config_from_dict({"data": {"pack_remainders": True}}).target_hash() not in (plain.target_hash(),
+                                                                                        packed.target_hash())

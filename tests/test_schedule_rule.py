@@ -25,6 +25,7 @@ CHANGES_BY_EPOCHS = [
     ({"train.warmup_ratio": 0.3}, True),
     ({"train.grad_accum": 2}, True),
     ({"data.max_batch_size": 2}, True),
+    ({"data.packing": True}, True),  # 8 packs of 8 samples an epoch against 9 bucketed batches
     ({"train.weight_decay": 0.1}, False),
     ({"train.log_every": 5}, False),
 ]
@@ -33,6 +34,7 @@ CHANGES_BY_STEPS = [
     ({"data.num_buckets": 3}, False),
     ({"data.token_budget": 256}, False),
     ({"data.max_batch_size": 2}, False),
+    ({"data.packing": True}, False),
     ({"train.epochs": 5}, False),
     ({"train.max_steps": 9}, True),
 ]

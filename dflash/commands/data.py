@@ -1,6 +1,7 @@
 """dflash-data: make, merge, record and describe training datasets.
 
     uv run dflash-data stats data/train
+    uv run dflash-data stats --config configs/qwen3.6-27b-8gpu.toml    # the batches and steps that run draws
     uv run dflash-data manifest data/train --target models/qwen3-8b
 """
 
@@ -26,31 +27,87 @@ data_command.add_command(import_command, "import")
 data_command.add_command(regenerate_command)
 
 
-@data_command.command("stats")
-@click.argument("path", type=click.Path(exists=True, file_okay=False))
+@data_command.command("stats", epilog="\b\nExamples:\n  dflash-data stats data/train --token-budget 45056\n"
+                      "  dflash-data stats --config configs/qwen3.6-27b-8gpu.toml\n"
+                      "  dflash-data stats --config RUN.toml --set data.pack_remainders=false --set data.packing=true")
+@click.argument("path", required=False, type=click.Path(exists=True, file_okay=False))
+@click.option("--config", "config_path", metavar="RUN.toml", help="show the batches this run draws (its data.path, "
+              "[data] batching, eval.holdout, grad_accum and drafter ranks) instead of PATH's with the options below")
+@click.option("--set", "sets", multiple=True, metavar="KEY=VALUE", help="override a field of --config, as dflash-train "
+              "--set does, e.g. data.packing=true")
 @click.option("--token-budget", type=click.IntRange(16, MAX_TOKENS), default=49152, show_default=True)
 @click.option("--max-batch-size", type=click.IntRange(1, MAX_TOKENS), default=64, show_default=True)
 @click.option("--num-buckets", type=click.IntRange(1, 1024), default=16, show_default=True)
-def data_stats(path, token_budget, max_batch_size, num_buckets) -> None:
-    """Samples, tokens, length histogram and the bucket table the trainer would use."""
-    import numpy as np
-
+@click.pass_context
+def data_stats(ctx, path, config_path, sets, token_budget, max_batch_size, num_buckets) -> None:
+    """Samples, tokens, length histogram and the batches the trainer would draw from PATH, or from a run's --config
+    (then its own sampler: length buckets, pack_remainders or packing; batches and steps an epoch, the budget filled)."""
+    from dflash.config import load_config, parse_overrides
     from dflash.data.buckets import BucketBatchSampler
     from dflash.data.import_stats import stats_lines
     from dflash.data.shards import ShardDataset
 
-    ds = ShardDataset(path)
+    if (path is None) == (config_path is None):
+        raise click.UsageError("give a dataset folder PATH or --config RUN.toml, one of them "
+                               "(e.g. dflash-data stats data/train)")
+    if sets and config_path is None:
+        raise click.UsageError("--set overrides a run config field: give --config RUN.toml with it")
+    for name in ("token_budget", "max_batch_size", "num_buckets"):
+        if config_path is not None and ctx.get_parameter_source(name) is not click.core.ParameterSource.DEFAULT:
+            raise click.UsageError(f"--{name.replace('_', '-')} is the run config's data.{name} with --config; "
+                                   f"give --set data.{name}=N instead")
+    if config_path is None:
+        ds = ShardDataset(path)
+        sampler = BucketBatchSampler(ds.lengths, token_budget, max_batch_size, num_buckets, 0)
+        lines = [*_dataset_lines(path, ds), sampler.summary(), _fill_line(sampler)]
+    else:
+        ds, lines = _plan_lines(load_config(config_path, parse_overrides(sets)), config_path)
+    for line in [*lines, *stats_lines(ds.shards)]:
+        click.echo(line)
+
+
+def _dataset_lines(label, ds) -> list[str]:
+    import numpy as np
+
     lengths = ds.lengths
-    click.echo(f"{path}: {ds.num_samples} samples, {int(lengths.sum())} tokens, "
-               f"length min {lengths.min()} mean {lengths.mean():.0f} max {lengths.max()}")
+    lines = [f"{label}: {ds.num_samples} samples, {int(lengths.sum())} tokens, "
+             f"length min {lengths.min()} mean {lengths.mean():.0f} max {lengths.max()}"]
     edges = np.unique(np.quantile(lengths, np.linspace(0, 1, 11)).astype(int))
     counts, _ = np.histogram(lengths, bins=edges)
     for lo, hi, n in zip(edges[:-1], edges[1:], counts):
-        click.echo(f"  {lo:>7}-{hi:<7} {n:>9}  {'#' * int(40 * n / max(1, counts.max()))}")
-    sampler = BucketBatchSampler(lengths, token_budget, max_batch_size, num_buckets, 0)
-    click.echo(sampler.summary())
-    for line in stats_lines(ds.shards):
-        click.echo(line)
+        lines.append(f"  {lo:>7}-{hi:<7} {n:>9}  {'#' * int(40 * n / max(1, counts.max()))}")
+    return lines
+
+
+def _fill_line(sampler) -> str:
+    return (f"{sampler.batches_per_epoch:,} batches an epoch, {sampler.fill:.1%} of the {sampler.token_budget:,}-token "
+            "budget (real tokens / (batches x token_budget))")
+
+
+def _plan_lines(cfg, config_path: str):
+    """(data.path's dataset, lines): its histogram, then the sampler dflash.data.plan.schedule builds for the run and
+    the steps it makes of the batches."""
+    from dflash.data.plan import schedule
+
+    ranks = len(cfg.topology.trainer_gpus) or 1
+    dataset, sampler, total = schedule(cfg, ranks)
+    whole = getattr(dataset, "base", dataset)  # all of data.path, [eval] holdout's samples too
+    d, t = cfg.data, cfg.train
+    how = ("packs (data.packing)" if d.packing else
+           f"length buckets (data.num_buckets {d.num_buckets}{', data.pack_remainders' if d.pack_remainders else ''})")
+    held = f", {whole.num_samples - dataset.num_samples:,} held out (eval.holdout)" if dataset is not whole else ""
+    per_step = t.grad_accum * ranks
+    steps = sampler.batches_per_epoch / per_step
+    steps_text = f"{steps:,.0f}" if steps.is_integer() else f"{steps:,.1f}"
+    run = "train.max_steps" if t.max_steps else f"train.epochs {t.epochs}"
+    return whole, [
+        *_dataset_lines(cfg.data.path, whole),
+        f"plan of {config_path}: {dataset.num_samples:,} samples train{held}, batched as {how}",
+        sampler.summary(),
+        _fill_line(sampler),
+        f"{steps_text} steps an epoch of {per_step} batches (train.grad_accum {t.grad_accum} x {ranks} drafter "
+        f"rank{'s' if ranks > 1 else ''}); the run: {total:,} steps ({run})",
+    ]
 
 
 @data_command.command("prepare")

@@ -1,6 +1,8 @@
 """Length buckets: ``BucketBatchSampler`` groups samples of similar length so that every batch holds at most
 ``max_batch_size`` sequences and at most ``token_budget`` padded tokens; deterministic given (seed, epoch), resumable
-mid-epoch. Torch-free: the plan (dflash.data.plan) counts a run's batches with it.
+mid-epoch. ``EpochSampler`` is what it shares with the packing sampler (dflash.data.packing): the checks of the
+lengths, the position in the walk over epochs and its resume. Torch-free: the plan (dflash.data.plan) counts a run's
+batches with them.
 """
 
 from __future__ import annotations
@@ -13,70 +15,34 @@ from dflash.data.identity import DatasetError
 from dflash.data.shards import check_max_length
 
 
-class BucketBatchSampler:
-    """Length-bucketed batches under a token budget, deterministic per (seed, epoch), resumable.
+class EpochSampler:
+    """An endless walk over epochs of batches, ``batches_per_epoch`` of them in every epoch, resumable mid-epoch.
 
-    Samples are bucketed by length with quantile edges. Inside a bucket, each sample belongs to
-    the class of the largest batch size its length allows, ``min(max_batch_size, token_budget //
-    length)``; a batch is ``size`` samples of one (bucket, class) group, so every batch meets
-    ``len(batch) <= max_batch_size`` and ``max_len * len(batch) <= token_budget`` whatever the
-    shuffle, and the number of batches per epoch is the same in every epoch.
-    Each epoch: shuffle within groups, cut into batches, shuffle the batch order.
+    A subclass lists an epoch's batches in ``epoch_batches(epoch)`` (the same on every call, process and rank) and
+    sets ``batches_per_epoch``; this class checks the lengths and keeps the position.
     """
 
-    def __init__(self, lengths: np.ndarray, token_budget: int, max_batch_size: int, num_buckets: int, seed: int,
-                 pack_remainders: bool = False):
+    batches_per_epoch: int
+
+    def __init__(self, lengths: np.ndarray, token_budget: int, seed: int):
         lengths = np.asarray(lengths, dtype=np.int64)
-        if token_budget < 1 or max_batch_size < 1 or num_buckets < 1:
-            raise ValueError("token_budget, max_batch_size and num_buckets must be >= 1")
         if lengths.size == 0:
             raise DatasetError("no samples to batch")
         empty = np.flatnonzero(lengths < 1)
         if empty.size:
             raise DatasetError(f"sample {int(empty[0])} is empty (0 tokens); drop empty samples from the dataset")
         check_max_length(lengths, token_budget, field="data.token_budget")
-        self.lengths = lengths
-        self.token_budget, self.max_batch_size, self.num_buckets, self.seed = (
-            token_budget, max_batch_size, num_buckets, seed,
-        )
-        edges = np.unique(np.quantile(lengths, np.linspace(0.0, 1.0, num_buckets + 1)))
-        bucket = np.searchsorted(edges[1:-1], lengths, side="right")
-        _, bucket = np.unique(bucket, return_inverse=True)  # drop empty buckets
-        size = np.minimum(max_batch_size, token_budget // lengths)
-        key = bucket * (max_batch_size + 1) + size
-        order = np.argsort(key, kind="stable")
-        keys, starts = np.unique(key[order], return_index=True)
-        ends = np.append(starts[1:], order.size)
-        # one group per (bucket, batch size): its sample indices (ascending) and its batch size
-        self._groups = [(order[s:e], int(k % (max_batch_size + 1))) for k, s, e in zip(keys, starts, ends)]
-        self._group_bucket = (keys // (max_batch_size + 1)).astype(np.int64)
-        self._bucket = bucket
-        self._packed: list[np.ndarray] = []  # pack_remainders: the groups' remainders, packed once across groups
-        if pack_remainders:
-            self._groups, rest = _split_remainders(self._groups, lengths)
-            self._packed = _pack(rest, lengths, token_budget, max_batch_size)
-        sizes = []
-        for idx, b in self._groups:
-            full, rest = divmod(idx.size, b)
-            sizes += [b] * full + ([rest] if rest else [])
-        sizes += [p.size for p in self._packed]
-        self._batch_sizes = np.asarray(sizes)
-        self.batches_per_epoch = int(self._batch_sizes.size)
+        self.lengths, self.token_budget, self.seed = lengths, token_budget, seed
         self.epoch, self.index = 0, 0
         self._cache: tuple[int, list[list[int]]] | None = None
 
     def epoch_batches(self, epoch: int) -> list[list[int]]:
-        """All batches of ``epoch`` in order; the same on every call, process and rank."""
-        rng = np.random.default_rng([self.seed, epoch])
-        batches: list[list[int]] = []
-        for idx, b in self._groups:
-            if idx.size == 0:  # every sample of it went to the packed batches
-                continue
-            perm = rng.permutation(idx)
-            batches += np.split(perm, range(b, perm.size, b)) if perm.size > b else [perm]
-        batches += self._packed
-        order = rng.permutation(len(batches))
-        return [batches[j].tolist() for j in order]
+        raise NotImplementedError
+
+    @property
+    def fill(self) -> float:
+        """Share of the token budget an epoch's batches hold in real tokens: tokens / (batches x token_budget)."""
+        return float(self.lengths.sum()) / (self.batches_per_epoch * self.token_budget)
 
     def _batches(self, epoch: int) -> list[list[int]]:
         if self._cache is None or self._cache[0] != epoch:
@@ -108,6 +74,62 @@ class BucketBatchSampler:
         if index >= self.batches_per_epoch:
             epoch, index = epoch + 1, 0
         self.epoch, self.index = epoch, index
+
+
+class BucketBatchSampler(EpochSampler):
+    """Length-bucketed batches under a token budget, deterministic per (seed, epoch), resumable.
+
+    Samples are bucketed by length with quantile edges. Inside a bucket, each sample belongs to
+    the class of the largest batch size its length allows, ``min(max_batch_size, token_budget //
+    length)``; a batch is ``size`` samples of one (bucket, class) group, so every batch meets
+    ``len(batch) <= max_batch_size`` and ``max_len * len(batch) <= token_budget`` whatever the
+    shuffle, and the number of batches per epoch is the same in every epoch.
+    Each epoch: shuffle within groups, cut into batches, shuffle the batch order.
+    """
+
+    def __init__(self, lengths: np.ndarray, token_budget: int, max_batch_size: int, num_buckets: int, seed: int,
+                 pack_remainders: bool = False):
+        if token_budget < 1 or max_batch_size < 1 or num_buckets < 1:
+            raise ValueError("token_budget, max_batch_size and num_buckets must be >= 1")
+        super().__init__(lengths, token_budget, seed)
+        lengths = self.lengths
+        self.max_batch_size, self.num_buckets = max_batch_size, num_buckets
+        edges = np.unique(np.quantile(lengths, np.linspace(0.0, 1.0, num_buckets + 1)))
+        bucket = np.searchsorted(edges[1:-1], lengths, side="right")
+        _, bucket = np.unique(bucket, return_inverse=True)  # drop empty buckets
+        size = np.minimum(max_batch_size, token_budget // lengths)
+        key = bucket * (max_batch_size + 1) + size
+        order = np.argsort(key, kind="stable")
+        keys, starts = np.unique(key[order], return_index=True)
+        ends = np.append(starts[1:], order.size)
+        # one group per (bucket, batch size): its sample indices (ascending) and its batch size
+        self._groups = [(order[s:e], int(k % (max_batch_size + 1))) for k, s, e in zip(keys, starts, ends)]
+        self._group_bucket = (keys // (max_batch_size + 1)).astype(np.int64)
+        self._bucket = bucket
+        self._packed: list[np.ndarray] = []  # pack_remainders: the groups' remainders, packed once across groups
+        if pack_remainders:
+            self._groups, rest = _split_remainders(self._groups, lengths)
+            self._packed = _pack(rest, lengths, token_budget, max_batch_size)
+        sizes = []
+        for idx, b in self._groups:
+            full, rest = divmod(idx.size, b)
+            sizes += [b] * full + ([rest] if rest else [])
+        sizes += [p.size for p in self._packed]
+        self._batch_sizes = np.asarray(sizes)
+        self.batches_per_epoch = int(self._batch_sizes.size)
+
+    def epoch_batches(self, epoch: int) -> list[list[int]]:
+        """All batches of ``epoch`` in order; the same on every call, process and rank."""
+        rng = np.random.default_rng([self.seed, epoch])
+        batches: list[list[int]] = []
+        for idx, b in self._groups:
+            if idx.size == 0:  # every sample of it went to the packed batches
+                continue
+            perm = rng.permutation(idx)
+            batches += np.split(perm, range(b, perm.size, b)) if perm.size > b else [perm]
+        batches += self._packed
+        order = rng.permutation(len(batches))
+        return [batches[j].tolist() for j in order]
 
     def bucket_table(self) -> list[dict]:
         """One row per bucket: token range, samples, batches per epoch, share of all tokens."""

@@ -3,6 +3,7 @@ resume changes about them. The one owner of the schedule rule: the trainer, the 
 preflight's run-dir check all ask it, so the gate's warning and the trainer's refusal cannot disagree.
 
     dataset, sampler, total = schedule(cfg, drafter_ranks=1)   # every rank of every layout walks this sequence
+    batch_sampler(cfg, lengths)                                # data.packing's packs, else length buckets
     schedule_change(checkpoint, cfg)                           # "total steps 30 -> 3 (train.max_steps 30 -> 3)" | None
 """
 
@@ -15,6 +16,7 @@ import numpy as np
 
 from dflash.config import RunConfig
 from dflash.data.buckets import BucketBatchSampler
+from dflash.data.packing import PackedBatchSampler
 from dflash.data.shards import ShardDataset
 from dflash.errors import DflashError
 
@@ -103,6 +105,15 @@ def total_steps(cfg: RunConfig, batches_per_epoch: int, batches_per_step: int) -
     return steps
 
 
+def batch_sampler(cfg: RunConfig, lengths: np.ndarray) -> BucketBatchSampler | PackedBatchSampler:
+    """The batches cfg's [data] makes of samples of these lengths: packs with data.packing, else length buckets."""
+    d = cfg.data
+    if d.packing:
+        return PackedBatchSampler(lengths, d.token_budget, d.max_batch_size, cfg.train.seed)
+    return BucketBatchSampler(lengths, d.token_budget, d.max_batch_size, d.num_buckets, cfg.train.seed,
+                              d.pack_remainders)
+
+
 def schedule(cfg: RunConfig, drafter_ranks: int):
     """(dataset, sampler, total optimizer steps) of a run whose steps take grad_accum x drafter_ranks batches.
 
@@ -110,8 +121,7 @@ def schedule(cfg: RunConfig, drafter_ranks: int):
     """
 
     dataset = training_dataset(cfg, ShardDataset(cfg.data.path))  # less [eval] holdout's samples
-    sampler = BucketBatchSampler(dataset.lengths, cfg.data.token_budget, cfg.data.max_batch_size,
-                                 cfg.data.num_buckets, cfg.train.seed, cfg.data.pack_remainders)
+    sampler = batch_sampler(cfg, dataset.lengths)
     return dataset, sampler, total_steps(cfg, sampler.batches_per_epoch, cfg.train.grad_accum * drafter_ranks)
 
 
@@ -147,7 +157,8 @@ def schedule_change(meta: dict | None, state: dict | None, cfg: RunConfig) -> st
         return None
     causes = [f"{s}.{k} {getattr(getattr(old, s), k)} -> {getattr(getattr(cfg, s), k)}"
               for s, k in (("train", "max_steps"), ("train", "epochs"), ("train", "grad_accum"),
-                           ("data", "token_budget"), ("data", "max_batch_size"), ("data", "num_buckets"))
+                           ("data", "token_budget"), ("data", "max_batch_size"), ("data", "num_buckets"),
+                           ("data", "pack_remainders"), ("data", "packing"))
               if getattr(getattr(old, s), k) != getattr(getattr(cfg, s), k)]
     if old_ranks != new_ranks:
         causes.append(f"drafter ranks {old_ranks} -> {new_ranks}")

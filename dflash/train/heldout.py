@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-from dflash.data.plan import SubsetDataset
+from dflash.data.plan import SubsetDataset, batch_sampler
 
 BATCH_INDEX_OFFSET = 1 << 40  # anchor generator index of held-out batch i: never a training batch's index
 BEST_KEYS = {"linear": "heldout_accept_len", "ddtree": "heldout_ddtree_accept_len"}  # eval.best_by -> metric
@@ -74,13 +74,9 @@ class HeldOut:
     """The held-out set of a run and the evaluation of a drafter on it (co-located: the target is in this process)."""
 
     def __init__(self, cfg, dataset, pad_id: int, log=print):
-        from dflash.data.buckets import BucketBatchSampler
-
         self.cfg, self.dataset, self.pad_id, self.log = cfg, dataset, pad_id, log
-        d = cfg.data
         # fixed batches: the training batcher's first epoch over the held-out lengths, same budget
-        self.batches = BucketBatchSampler(dataset.lengths, d.token_budget, d.max_batch_size, d.num_buckets,
-                                          cfg.train.seed).epoch_batches(0)
+        self.batches = batch_sampler(cfg, dataset.lengths).epoch_batches(0)
         self.prompts = self._prompts(cfg.eval.real_prompts)
         self._reference: list[tuple[list[int], list[float]]] | None = None  # target-only greedy (tokens, margins)
         # with train.cache_features (small co-located runs) the held-out batches' target features are kept too
@@ -137,7 +133,8 @@ class HeldOut:
         embed_VH, head_VH = source.frozen_weights()
         total: dict = {}
         for i, indices in enumerate(self.batches):
-            batch = {k: v.to(device) for k, v in collate(self.dataset, indices, self.pad_id).items()}
+            batch = {k: v.to(device) for k, v in collate(self.dataset, indices, self.pad_id,
+                                                                     self.cfg.data.packing).items()}
             if self._features is not None and i in self._features:
                 features = self._features[i]
             else:
@@ -188,17 +185,16 @@ def local_features(source, batch: dict, device):
 def batch_sums(drafter, embed_VH, head_VH, batch: dict, features, cfg, device, attn_backend: str, index: int) -> dict:
     """Sums of one held-out batch (so batches and ranks merge exactly): the training step's math, no gradient."""
 
-    from dflash.train.loss import block_inputs, read_metrics, sample_anchors
+    from dflash.train.loss import batch_anchors, block_inputs, read_metrics
     from dflash.train.step import anchor_generator, micro_step
 
     loss, m = micro_step(drafter, embed_VH, head_VH, batch, features, cfg, device, attn_backend, index)
     (m,) = read_metrics([m])
     # the same anchors again (same generator), for the counts the means were taken over
     bs = drafter.config.block_size
-    anchors_BA, valid_BA = sample_anchors(batch["loss_mask"], cfg.train.max_anchors, bs,
-                                          anchor_generator(cfg, device, index), cfg.train.batch_anchors)
+    anchors_BA, valid_BA, _, end_BA = batch_anchors(batch, cfg.train, bs, anchor_generator(cfg, device, index))
     _, _, label_valid_BQ, _ = block_inputs(batch["input_ids"], anchors_BA, bs, drafter.config.mask_token_id,
-                                           loss_mask_BS=batch["loss_mask"], valid_BA=valid_BA)
+                                           loss_mask_BS=batch["loss_mask"], valid_BA=valid_BA, end_BA=end_BA)
     B, A = anchors_BA.shape
     weight_sum = m.pop("weight_sum")  # sum of the loss's slot weights (train.slot_weights: they read the drafter)
     slot_tokens = label_valid_BQ.view(B, A, bs)[:, :, 1:].sum(dim=(0, 1)).tolist()
@@ -206,7 +202,7 @@ def batch_sums(drafter, embed_VH, head_VH, batch: dict, features, cfg, device, a
         "loss": float(loss.detach()) * weight_sum, "ce": m["ce"] * weight_sum, "weight": weight_sum,
         "accept": m["accept_len"] * m["blocks"], "blocks": m["blocks"],
         "slot_ok": [round(a * n) for a, n in zip(m["acc_slot"], slot_tokens)], "slot_tokens": slot_tokens,
-        "samples": int(batch["input_ids"].shape[0]),
+        "samples": int(batch["lengths"].shape[0]),
     }
 
 

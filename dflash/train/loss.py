@@ -498,6 +498,23 @@ def target_step(target: torch.nn.Module, batch, layer_ids: list[int], want_last:
     return target_features(target, input_ids_BS, None, layer_ids, want_last, packed)
 
 
+def batch_anchors(batch, tcfg, block_size: int, generator: torch.Generator | None):
+    """(anchors, valid, start, end) [B, A] of a batch: `sample_anchors` under train.max_anchors / batch_anchors; start
+    and end (None unless packed) bound each anchor's sequence. A packed row's anchors are its batch's: batch_anchors,
+    else max_anchors for each of its sequences, drawn over the whole row."""
+    loss_mask_BS = _batch_field(batch, "loss_mask")
+    eligible_B = _batch_field(batch, "eligible_anchors", required=False)  # host counts: no read-back from the GPU
+    if "cu_seqlens" not in batch:
+        anchors_BA, valid_BA = sample_anchors(loss_mask_BS, tcfg.max_anchors, block_size, generator, tcfg.batch_anchors,
+                                              eligible_B)
+        return anchors_BA, valid_BA, None, None
+    cu = batch["cu_seqlens"]
+    cap = tcfg.batch_anchors or tcfg.max_anchors * (cu.shape[0] - 1)
+    anchors_BA, valid_BA = sample_anchors(loss_mask_BS, cap, block_size, generator, None, eligible_B,
+                                          batch["position_ids"] == 0)
+    return (anchors_BA, valid_BA, *sequence_bounds(cu, anchors_BA))
+
+
 def sequence_bounds(cu_seqlens: torch.Tensor, anchors_BA: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(start, end) [B, A] of the sequence each anchor of a packed row lies in (cu_seqlens: the starts, then T)."""
     cu = cu_seqlens.long()
@@ -527,15 +544,8 @@ def drafter_step_math(
     if want_last and last_BSH is None:
         raise ValueError("kl_weight > 0 needs the target's last hidden state")
 
-    eligible_B = _batch_field(batch, "eligible_anchors", required=False)  # host counts: no read-back from the GPU
     packed = "cu_seqlens" in batch  # one row of sequences end to end (dflash.data.batching.collate_packed)
-    max_anchors, batch_anchors = tcfg.max_anchors, tcfg.batch_anchors
-    if packed:  # the row's anchors are the batch's: batch_anchors, else max_anchors for each of its sequences
-        max_anchors = batch_anchors or tcfg.max_anchors * (batch["cu_seqlens"].shape[0] - 1)
-        batch_anchors = None
-    starts_BS = batch["position_ids"] == 0 if packed else None
-    anchors_BA, valid_BA = sample_anchors(loss_mask_BS, max_anchors, bs, generator, batch_anchors, eligible_B, starts_BS)
-    start_BA, end_BA = sequence_bounds(batch["cu_seqlens"], anchors_BA) if packed else (None, None)
+    anchors_BA, valid_BA, start_BA, end_BA = batch_anchors(batch, tcfg, bs, generator)
     block_ids_BQ, labels_BQ, label_valid_BQ, query_pos_BQ = block_inputs(
         input_ids_BS, anchors_BA, bs, dcfg.mask_token_id, loss_mask_BS=loss_mask_BS, valid_BA=valid_BA, end_BA=end_BA
     )

@@ -17,6 +17,7 @@ import torch
 
 from dflash.config import RunConfig
 from dflash.data.batching import collate, to_device
+from dflash.data.packing import PackedBatchSampler
 from dflash.train import compiled
 from dflash.train.features import CachedTarget, LocalTarget
 from dflash.train.step import micro_step, pad_token_id
@@ -40,9 +41,17 @@ def warm_batches(sampler) -> list[tuple[str, list[int]]]:
     of 1 (a one-row batch: the last partial batch of a bucket, or a sample as long as the budget), and a size on
     one side of a fixed one may be guarded (a batch with fewer context rows than the hidden width). So for batches
     of two rows or more and for one-row batches, the batch with the most and the one with the fewest padded tokens
-    of epoch 0 (every epoch has the same batch sizes), and the one with the most rows."""
+    of epoch 0 (every epoch has the same batch sizes), and the one with the most rows. Packed (data.packing), every
+    batch is one row: the packs with the most and the fewest tokens, and with the most and the fewest sequences."""
     lengths = sampler.lengths
     batches = sampler.epoch_batches(0)
+    if isinstance(sampler, PackedBatchSampler):  # one row each: one class, its sizes the tokens and the sequences
+        picked = []
+        for b in (max(batches, key=lambda b: int(lengths[b].sum())), min(batches, key=lambda b: int(lengths[b].sum())),
+                  max(batches, key=len), min(batches, key=len)):
+            if all(b != p for _, p in picked):
+                picked.append(("packed", list(b)))
+        return picked
 
     def tokens(b):
         return len(b) * int(lengths[b].max())

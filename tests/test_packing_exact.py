@@ -153,3 +153,31 @@ def test_flex_and_dense_masks_agree_on_a_packed_row():
         listed = (partial | full)[0]
         for qi, ki in torch.nonzero(dense).tolist():
             assert listed[qi // tiles, ki // tiles]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (varlen flash attention, fla's kernels)")
+@pytest.mark.parametrize("compiled", [False, True])
+@pytest.mark.parametrize("kind", ["qwen3", "hybrid"])
+def test_on_cuda_packed_target_features_are_each_sequence_alone(kind, compiled):
+    """On CUDA in bfloat16: torch's varlen flash attention (GQA) and, for the hybrid, fla's delta rule over
+    cu_seqlens with the convolution restarting, eager and inductor-compiled; each sequence as it is alone (the
+    alone run takes SDPA's causal kernel and fla without boundaries: the two differ by bfloat16 rounding only)."""
+    model = random_target(CONFIGS[kind](), seed=0).to("cuda", torch.bfloat16)
+    model = freeze(model)
+    if kind == "hybrid":
+        from dflash.models.target import bind_linear_attention
+
+        bind_linear_attention(model, "cuda")
+    if compiled:
+        model = compile_target(model)
+    lengths = [700, 1, 129, 64, 2000, 5]
+    data = Samples(lengths)
+    batch = {k: v.cuda() for k, v in collate_packed(data, range(len(lengths))).items()}
+    layer_ids = [0, 2, 5] if kind == "qwen3" else [1, 3, 7]
+    ctx, _ = target_step(model, batch, layer_ids, want_last=False)
+    cu = batch["cu_seqlens"].tolist()
+    for j, (s, e) in enumerate(zip(cu[:-1], cu[1:])):
+        alone, _ = target_features(model, batch["input_ids"][:, s:e], None, layer_ids, False)
+        err = ((ctx[0, s:e].float() - alone[0].float()).norm() / alone.float().norm()).item()
+        assert err < 2e-2, f"sequence {j} ({e - s} tokens): relative error {err:.4f}"

@@ -309,6 +309,10 @@ def packing_aware(name: str, kernel: Callable) -> Callable:
 
     @functools.wraps(kernel)
     def delta_rule(query, key, value, *args, cu_seqlens=None, **kwargs):
+        if cu_seqlens is None:  # a transformers version that passes the layer's keywords on as they came
+            cu_seqlens = kwargs.pop("cu_seq_lens_q", None)
+        for name in PACKED_KEYWORDS:
+            kwargs.pop(name, None)
         if cu_seqlens is None or takes_boundaries:
             return kernel(query, key, value, *args, cu_seqlens=cu_seqlens, **kwargs)
         if kwargs.get("initial_state") is not None or kwargs.get("output_final_state"):
@@ -481,6 +485,8 @@ def _opaque_delta_rule(kernel: Callable) -> Callable:
     def delta_rule(query, key, value, g, beta, initial_state=None, output_final_state=False,
                    use_qk_l2norm_in_kernel=False, cu_seqlens=None, **kwargs):
         # The decoder's own keywords (use_cache=False...) reach here too: the stateless forward ignores them.
+        if cu_seqlens is None:  # a transformers version that passes the layer's keywords on as they came
+            cu_seqlens = kwargs.get("cu_seq_lens_q")
         if initial_state is not None or output_final_state:
             return kernel(query, key, value, g=g, beta=beta, initial_state=initial_state,
                           output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
@@ -617,15 +623,40 @@ def packed_attention(module, query, key, value, attention_mask, scaling=None, dr
     if query.is_cuda:
         from torch.nn.attention.varlen import varlen_attn
 
-        q = query[0].transpose(0, 1) * (scale * D ** 0.5) if scale != D ** -0.5 else query[0].transpose(0, 1)
-        out_THD = varlen_attn(q, key[0].transpose(0, 1), value[0].transpose(0, 1), cu, cu, T, T, is_causal=True)
-        return out_THD[None], None
+        q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [T, heads, D]
+        causal, takes = _varlen_keywords()
+        keywords = dict(causal)
+        if "scale" in takes:
+            keywords["scale"] = scale
+        elif scale != D ** -0.5:
+            q = q * (scale * D ** 0.5)
+        if q.shape[1] != k.shape[1]:  # grouped-query attention
+            if "enable_gqa" in takes:
+                keywords["enable_gqa"] = True
+            else:
+                k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
+        return varlen_attn(q, k, v, cu, cu, T, T, **keywords)[None], None
     pos = torch.arange(T, device=query.device)
     seq_T = torch.searchsorted(cu[1:-1].long(), pos, right=True)
     mask_TT = (pos[None, :] <= pos[:, None]) & (seq_T[None, :] == seq_T[:, None])
     out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask_TT[None, None], scale=scale,
                                          enable_gqa=query.shape[1] != key.shape[1])
     return out.transpose(1, 2).contiguous(), None
+
+
+@functools.cache
+def _varlen_keywords() -> tuple[dict, frozenset]:
+    """(the keywords that make torch's varlen_attn causal, the names it takes): is_causal=True in torch 2.10, a
+    window of (-1, 0) in later versions (which also take scale and enable_gqa)."""
+    from torch.nn.attention.varlen import varlen_attn
+
+    params = frozenset(inspect.signature(varlen_attn).parameters)
+    if "is_causal" in params:
+        return {"is_causal": True}, params
+    if "window_size" in params:
+        return {"window_size": (-1, 0)}, params
+    raise RuntimeError(f"torch {torch.__version__}: varlen_attn{inspect.signature(varlen_attn)} takes neither "
+                       "is_causal nor window_size; packed batches need one of them")
 
 
 @functools.cache

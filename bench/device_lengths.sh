@@ -9,6 +9,7 @@
 #   PART=poll   bash bench/device_lengths.sh   # the run's log so far
 #   PART=gpu    bash bench/device_lengths.sh   # pytest -m gpu, whole (after the run: it shares the GPU otherwise)
 #   PART=collect bash bench/device_lengths.sh  # pace summaries, logs and outcome.json into $OUT
+#   PART=probe  bash bench/device_lengths.sh   # the mix run alone, in the foreground (a short look, STEPS steps)
 # Everything lands in .cache/lengths (kept between calls of one machine). CFG/STEPS/SAVE/REF_STEPS override; MIX_ARGS
 # adds settings to the mix run (and its warm-up), MIX_NAME names it: packed batches (issue #41) are
 #   MIX_NAME=q36-packed MIX_ARGS="--set data.packing=true --set data.pack_remainders=false" PART=start ...
@@ -53,6 +54,11 @@ for part in ${PART:-tests}; do
              MIX_ARGS="${MIX_ARGS:-}" bash "$0" \
              > "$L/run.log" 2>&1 < /dev/null &
            sleep 2; echo "started: $L/run.log" ;;
+    probe) python3 bench/make_synthetic.py --out "$MIX" --samples 1600 --length 2826 --sigma 0.6 --max-length 16384 \
+             --vocab 248320  # the mix run alone, in the foreground, from a cold cache: a short probe, no steady state
+           train "$MIX_NAME" "$MIX" "$STEPS" "${MIX_SET[@]}"; cat "$L/pace_$MIX_NAME.txt"
+           cp "runs/$MIX_NAME/metrics.jsonl" "$OUT/metrics_$MIX_NAME.jsonl"; cp "runs/$MIX_NAME/outcome.json" \
+             "$OUT/outcome_$MIX_NAME.json"; cp "$L"/*_"$MIX_NAME".* "$OUT/" ;;
     run) t0=$(date +%s)
          [ -n "${SKIP_WARM:-}" ] || python3 -m dflash.commands.train --config "$CFG" "${ONE_GPU[@]}" --set data.path=\"$MIX\" "${MIX_SET[@]}" --warm-cache \
            "${W[@]}" 2>&1 | grep -av Warning > "$L/warm.log"
@@ -71,6 +77,6 @@ for part in ${PART:-tests}; do
                  && cp "runs/$name/metrics.jsonl" "$L/metrics_$name.jsonl"
                cat "$L/pace_$name.txt" 2>/dev/null; done
              tar -C "$L" -czf "$OUT/lengths.tgz" . && ls -la "$OUT" ;;
-    *) echo "unknown PART $part (tests, start, run, poll, gpu, collect)"; exit 2 ;;
+    *) echo "unknown PART $part (tests, start, run, poll, gpu, collect, probe)"; exit 2 ;;
   esac
 done

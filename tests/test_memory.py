@@ -169,6 +169,17 @@ def test_workload_worst_case_is_many_short_sequences():
     assert workload(with_setting(cfg, "token_budget", 256)).queries == 255 * 32
 
 
+def test_a_packed_workload_is_one_row_of_the_budget_with_the_batch_s_anchors():
+    cfg = load_config(CFG_27B)
+    cfg.data.packing, cfg.data.pack_remainders = True, False
+    w = workload(cfg)  # batch_anchors 1024: the row's anchors, none of them padding
+    assert (w.sequences, w.seq_len, w.anchors_per_seq, w.valid_anchors) == (1, 49152, 1024, 1024)
+    assert (w.queries, w.loss_tokens, w.kv_tokens) == (1024 * 32, 1024 * 31, 49152 + 1024 * 32)
+    cfg.train.batch_anchors = None  # max_anchors for each of up to max_batch_size sequences, at most one per token
+    assert workload(cfg).valid_anchors == 49151
+    assert workload(with_setting(cfg, "max_anchors", 16)).valid_anchors == 16 * 64
+
+
 def test_tiny_totals_by_hand(tiny):
     ctx, nccl = int(0.5 * GiB), int(0.25 * GiB)
     # T=64 tokens, B=min(2, 64//4)=2 sequences of 32, Q=2*4*4=32 queries, KV=64+32=96, 1 feature layer

@@ -354,6 +354,11 @@ def estimate(
               f"intermediate {shape.intermediate}, {shape.heads}/{shape.kv_heads} heads x {shape.head_dim}, "
               f"vocab {shape.vocab}{', tied' if shape.tied else ''}; {shape.params / 1e9:.2f} B params in {cfg.target.dtype}")
     assumption = (
+        f"worst case: one packed row of {w.tokens} tokens (data.packing: its sequences end to end); {w.valid_anchors} "
+        f"anchors over the row (batch_anchors {cfg.train.batch_anchors}, else max_anchors {cfg.train.max_anchors} a "
+        f"sequence, at most {w.tokens - 1}) x block {cfg.drafter.block_size} = {w.queries} queries, {w.loss_tokens} "
+        f"through the lm_head; {recompute_note}"
+    ) if cfg.data.packing else (
         f"worst case: {w.sequences} sequences x {w.seq_len} tokens (padded) <= token_budget {w.tokens} "
         f"(max_batch_size {cfg.data.max_batch_size}, sequences shorter than block {cfg.drafter.block_size} ignored); "
         f"{w.anchors_per_seq} anchors (max_anchors {cfg.train.max_anchors}, at most seq_len - 1"

@@ -160,9 +160,16 @@ def workload(cfg: RunConfig) -> Workload:
     padded to the batch's largest eligible count, capped by max_anchors; a row of length S has
     at most S - 1 eligible anchors. train.batch_anchors caps the anchors with a loss over the
     batch; rows are still padded to the largest kept count. Rows shorter than a block are ignored.
+    Packed (data.packing): one row of token_budget tokens whose anchors are the batch's (no padding anchors).
     """
     t, bs, a_max = cfg.data.token_budget, cfg.drafter.block_size, cfg.train.max_anchors
     cap = cfg.train.batch_anchors
+    if cfg.data.packing:  # one row of token_budget tokens; its anchors: batch_anchors, else max_anchors a sequence
+        anchors = max(1, min(cap or a_max * cfg.data.max_batch_size, t - 1))
+        return Workload(tokens=t, sequences=1, seq_len=t, anchors_per_seq=anchors, queries_per_seq=anchors * bs,
+                        queries=anchors * bs, valid_anchors=anchors, loss_tokens=anchors * (bs - 1),
+                        kv_tokens=t + anchors * bs, feature_layers=num_feature_layers(cfg),
+                        loss_chunk=max(1, min(cfg.train.loss_chunk, anchors * (bs - 1))))
     best = (0, 1)
     for rows in range(1, max(1, min(cfg.data.max_batch_size, t // bs)) + 1):
         eligible = max(1, min(a_max, t // rows - 1))

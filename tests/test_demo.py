@@ -47,6 +47,9 @@ def test_pipeline_on_a_tiny_target(tmp_path, monkeypatch, capsys):
     for stage in range(1, demo.STAGES + 1):
         assert f"[{stage}/{demo.STAGES}]" in out
     assert "held-out acceptance length: trained" in out
+    evaluate = out.split(f"[5/{demo.STAGES}]")[1]  # stage 5 says what it measured prompt by prompt, never silent
+    for desc in ("target-only greedy", "speculative (untrained)", "speculative (trained)"):
+        assert f"  {desc}: prompt 3/3: " in evaluate, evaluate
     reports = json.loads((tmp_path / "run" / "demo-eval.json").read_text())
     assert [r["name"] for r in reports] == ["untrained", "trained"]
     assert all(r["lossless"] for r in reports)

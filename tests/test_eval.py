@@ -35,12 +35,22 @@ def _drafter(model, block_size=4, seed=0):
 def test_random_drafter_is_lossless(root, arch):
     model, tok = load_eval_target(str(chat_target(root, arch)), "cpu")
     prompts = [word_text(3 + i, start=i) for i in range(3)]
-    reports = evaluate_drafters(model, tok, {"random": _drafter(model)}, prompts, None, 24, progress=False)
+    lines = []
+    reports = evaluate_drafters(model, tok, {"random": _drafter(model)}, prompts, None, 24, lines.append,
+                                progress=False, ddtree=[4])
     r = reports["random"]
     assert r.lossless, r.mismatches
     assert r.new_tokens > 0 and r.verify_steps > 0
     assert 1.0 <= r.mean_accept_len <= 4.0
     assert sum(r.histogram.values()) == r.verify_steps
+    # no bar: a line per prompt of each pass as it finishes, the last with what the report says
+    for desc in ("target-only greedy", "speculative (random)", f"ddtree 4 ({r.ddtree[0]['mode']})"):
+        mine = [line for line in lines if line.startswith(f"  {desc}: prompt ")]
+        assert [m.split(": ")[1] for m in mine] == ["prompt 1/3", "prompt 2/3", "prompt 3/3"], lines
+    last = [line for line in lines if line.startswith("  speculative (random): prompt 3/3")][0]
+    assert f"mean acceptance length {r.mean_accept_len:.2f} so far" in last
+    tree_last = [line for line in lines if line.startswith("  ddtree 4 (") and "prompt 3/3" in line][0]
+    assert f"mean acceptance length {r.ddtree[0]['mean_accept_len']:.2f} so far" in tree_last
 
 
 class _Oracle:

@@ -18,6 +18,8 @@ demo run there is moved aside, not deleted).
 
 from __future__ import annotations
 
+import os
+import sys
 import time
 from pathlib import Path
 
@@ -38,8 +40,25 @@ def _stage(n: int, text: str, t0: float) -> None:
     print(f"\n[{n}/{STAGES}] {text}  (t = {time.perf_counter() - t0:.0f} s)", flush=True)
 
 
+def yielding_threads(log=print) -> None:
+    """Let torch's CPU threads sleep while they wait (OMP_WAIT_POLICY=PASSIVE) unless the user chose a policy.
+
+    torch's OpenMP threads spin while they wait for each other. On a 2-core machine where anything else runs, the
+    spinning thread and the other program take turns on the core the step waits for: the demo's 82 first steps took
+    161 s beside one busy core against 59 s alone, and 101 s with passive waiting (62.5 s alone;
+    bench/README.md, "The demo"). OpenMP reads the policy once, when torch loads it, so this must run first."""
+    if "OMP_WAIT_POLICY" in os.environ:
+        return
+    if "torch" in sys.modules:
+        log("demo: torch was imported before the demo could set OMP_WAIT_POLICY=PASSIVE; its threads spin while "
+            "they wait (slow where other programs share the cores)")
+        return
+    os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+
+
 def run_demo(log=print) -> int:
     """The README's main command; returns the exit code."""
+    yielding_threads(log)
     return run_pipeline("smollm2", "chitchat", PROMPTS, MAX_NEW_TOKENS, HELD_OUT_SPEC, EVAL_PROMPTS,
                         EVAL_MAX_NEW_TOKENS, log=log)
 

@@ -178,6 +178,31 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
+class PromptPhase:
+    """One pass of an evaluation over its prompts, shown as it goes: a bar on a terminal (`progress`), else a line per
+    prompt through `log` (None: silent, as the trainer's held-out decoding is), each with what it measured so far."""
+
+    def __init__(self, desc: str, prompt_ids: list[list[int]], progress: bool, log=None):
+        from tqdm import tqdm
+
+        self.desc, self.n, self.log, self.t0 = desc, len(prompt_ids), None if progress else log, time.perf_counter()
+        self.bar = tqdm(prompt_ids, desc=desc, unit="prompt", disable=not progress, dynamic_ncols=True)
+
+    def __iter__(self):
+        return iter(enumerate(self.bar))
+
+    def done(self, i: int, text: str) -> None:
+        """Prompt i is decoded: `text` is what the phase measured so far."""
+        if self.log is not None:
+            self.log(f"  {self.desc}: prompt {i + 1}/{self.n}: {text} ({time.perf_counter() - self.t0:.1f} s)")
+        else:
+            self.bar.set_postfix_str(text, refresh=False)
+
+
+def _mean(values: list[int]) -> float:
+    return sum(values) / max(1, len(values))
+
+
 def evaluate_drafters(target, tokenizer, drafters: dict[str, DFlashDrafter], prompts: list[str],
                       block_size: int | None, max_new_tokens: int, log=print, progress: bool | None = None,
                       ddtree: list[int] | None = None, ddtree_mode: str = "auto", ddtree_drafters: set | None = None
@@ -189,8 +214,6 @@ def evaluate_drafters(target, tokenizer, drafters: dict[str, DFlashDrafter], pro
     ddtree_drafters: the names it runs for (None = all)."""
     import sys
 
-    from tqdm import tqdm
-
     eos_ids = eos_ids_of(target, tokenizer)
     prompt_ids = prompts_within(tokenizer, prompts, getattr(target.config, "max_position_embeddings", None))
     device = next(target.parameters()).device
@@ -198,12 +221,14 @@ def evaluate_drafters(target, tokenizer, drafters: dict[str, DFlashDrafter], pro
     base = Decoder(target, None, eos_ids)
     base.greedy(prompt_ids[0], 4)  # warm-up: first calls allocate
     reference, base_time = [], 0.0
-    for ids in tqdm(prompt_ids, desc="target-only greedy", unit="prompt", disable=not progress, dynamic_ncols=True):
+    phase = PromptPhase("target-only greedy", prompt_ids, progress, log)
+    for i, ids in phase:
         _sync(device)
         t0 = time.perf_counter()
         reference.append(base.greedy(ids, max_new_tokens))
         _sync(device)
         base_time += time.perf_counter() - t0
+        phase.done(i, f"{len(reference[-1][0])} tokens, {sum(len(t) for t, _ in reference) / base_time:.1f} tok/s")
     ref_tokens = sum(len(t) for t, _ in reference)
 
     reports = {}
@@ -215,8 +240,8 @@ def evaluate_drafters(target, tokenizer, drafters: dict[str, DFlashDrafter], pro
                             linear_mode="verified" if cache_rolls_back(target) else "computed")
         linear = Decoder.speculative if report.linear_mode == "verified" else computed_linear
         accepts, spec_time = [], 0.0
-        for i, ids in enumerate(tqdm(prompt_ids, desc=f"speculative ({name})", unit="prompt",
-                                     disable=not progress, dynamic_ncols=True)):
+        phase = PromptPhase(f"speculative ({name})", prompt_ids, progress, log)
+        for i, ids in phase:
             _sync(device)
             t0 = time.perf_counter()
             tokens, acc = linear(dec, ids, max_new_tokens, bs)
@@ -231,6 +256,8 @@ def evaluate_drafters(target, tokenizer, drafters: dict[str, DFlashDrafter], pro
             elif found:
                 report.lossless = False
                 report.mismatches.append(f"prompt {i}: output differs from target-only greedy at {found[1]}")
+            phase.done(i, f"{len(tokens)} tokens in {len(acc)} verify steps; mean acceptance length "
+                          f"{_mean(accepts):.2f} so far{'' if found is None or found[0] == 'tie' else '; NOT lossless'}")
         report.verify_steps = len(accepts)
         report.new_tokens = ref_tokens
         report.mean_accept_len = round(sum(accepts) / max(1, len(accepts)), 3)
@@ -240,7 +267,7 @@ def evaluate_drafters(target, tokenizer, drafters: dict[str, DFlashDrafter], pro
         report.speedup = round(report.spec_tok_s / max(report.target_tok_s, 1e-9), 2)
         for budget in (ddtree or []) if ddtree_drafters is None or name in ddtree_drafters else []:
             report.ddtree.append(asdict(tree_report(dec, prompt_ids, reference, bs, budget, max_new_tokens,
-                                                    ddtree_mode, report.target_tok_s, ref_tokens, progress)))
+                                                    ddtree_mode, report.target_tok_s, ref_tokens, progress, log)))
         reports[name] = report
     return reports
 
@@ -266,18 +293,17 @@ def tree_mode(target, mode: str = "auto") -> str:
 
 
 def tree_report(dec: Decoder, prompt_ids: list[list[int]], reference: list, block_size: int, budget: int,
-                max_new_tokens: int, mode: str, target_tok_s: float, ref_tokens: int, progress: bool = False
-                ) -> TreeReport:
-    """DDTree decoding of every prompt at one budget, checked against target-only greedy as the linear one is."""
-    from tqdm import tqdm
-
+                max_new_tokens: int, mode: str, target_tok_s: float, ref_tokens: int, progress: bool = False,
+                log=None) -> TreeReport:
+    """DDTree decoding of every prompt at one budget, checked against target-only greedy as the linear one is
+    (a line per prompt through `log` where no bar shows; None: silent)."""
     from dflash.eval.ddtree import ddtree_decode
 
     mode = tree_mode(dec.target, mode)
     r = TreeReport(budget, mode)
     accepts, nodes, spent = [], [], 0.0
-    for i, ids in enumerate(tqdm(prompt_ids, desc=f"ddtree {budget} ({mode})", unit="prompt", disable=not progress,
-                                 dynamic_ncols=True)):
+    phase = PromptPhase(f"ddtree {budget} ({mode})", prompt_ids, progress, log)
+    for i, ids in phase:
         _sync(dec.device)
         t0 = time.perf_counter()
         tokens, acc, n = ddtree_decode(dec, ids, max_new_tokens, block_size, budget, verified=mode == "verified")
@@ -292,6 +318,8 @@ def tree_report(dec: Decoder, prompt_ids: list[list[int]], reference: list, bloc
         elif found:
             r.lossless = False
             r.mismatches.append(f"prompt {i}: output differs from target-only greedy at {found[1]}")
+        phase.done(i, f"{len(tokens)} tokens in {len(acc)} rounds; mean acceptance length {_mean(accepts):.2f} so far"
+                      f"{'' if found is None or found[0] == 'tie' else '; NOT lossless'}")
     r.rounds = len(accepts)
     r.mean_accept_len = round(sum(accepts) / max(1, len(accepts)), 3)
     r.histogram = dict(sorted(Counter(accepts).items()))

@@ -608,8 +608,9 @@ def position_in_sequence(cu_seqlens: torch.Tensor, length: int) -> torch.Tensor:
 
 def packed_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """transformers' attention interface for a packed row: query [1, Hq, T, D], key/value [1, Hkv, T, D] ->
-    ([1, T, Hq, D], None), causal inside each sequence of cu_seq_lens_q. CUDA: torch's varlen flash attention;
-    elsewhere SDPA under a dense block-diagonal causal mask. A call without boundaries is SDPA's."""
+    ([1, T, Hq, D], None), causal inside each sequence of cu_seq_lens_q. CUDA in bf16/fp16: torch's varlen flash
+    attention; elsewhere (CPU, or a float32 target, which flash attention does not take) SDPA under a dense
+    block-diagonal causal mask. A call without boundaries is SDPA's."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     cu = kwargs.get("cu_seq_lens_q")
@@ -620,7 +621,7 @@ def packed_attention(module, query, key, value, attention_mask, scaling=None, dr
         raise ValueError(f"a packed batch is one row, got {query.shape[0]}")
     T, D = query.shape[2], query.shape[3]
     scale = D ** -0.5 if scaling is None else scaling
-    if query.is_cuda:
+    if query.is_cuda and query.dtype in (torch.bfloat16, torch.float16):
         from torch.nn.attention.varlen import varlen_attn
 
         q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [T, heads, D]

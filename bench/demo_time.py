@@ -6,6 +6,7 @@ the time each stage began (the demo prints "[n/5] ... (t = N s)"), the wall time
 lengths it printed. Runs go one after another, never side by side (the demo is the only load it is measured under).
 
     uv run python bench/demo_time.py --commit c94b32a --commit HEAD --runs 3 --out bench/results/cpu2_demo_time.json
+    uv run python bench/demo_time.py --commit HEAD --runs 1 --busy 1   # beside one busy core (another program)
     uv run python bench/demo_time.py --parse demo.log          # the same figures from the output of a demo run
 
 Prints a table (one row per run: the five stages' seconds, wall, trained / DDTree / untrained acceptance) and,
@@ -52,8 +53,9 @@ def parse(text: str) -> dict:
     return out
 
 
-def run_once(commit: str, keep: Path | None) -> dict:
-    """One fresh clone at `commit`, an empty cache, `uv run dflash-train --demo` timed from the outside."""
+def run_once(commit: str, keep: Path | None, busy: int = 0) -> dict:
+    """One fresh clone at `commit`, an empty cache, `uv run dflash-train --demo` timed from the outside, beside `busy`
+    processes that each keep one core busy (a machine that is not the demo's alone)."""
     with tempfile.TemporaryDirectory(prefix="dflash-demo-") as tmp:
         clone, cache = Path(tmp) / "clone", Path(tmp) / "cache"
         subprocess.run(["git", "clone", "-q", str(REPO), str(clone)], check=True)
@@ -63,18 +65,23 @@ def run_once(commit: str, keep: Path | None) -> dict:
         env = {**os.environ, "DFLASH_CACHE": str(cache), "UV_NO_PROGRESS": "1"}
         env.pop("VIRTUAL_ENV", None)
         subprocess.run(["uv", "sync", "-q"], cwd=clone, env=env, check=True)  # the environment, not the demo
-        t0 = time.perf_counter()
-        proc = subprocess.run(["uv", "run", "dflash-train", "--demo"], cwd=clone, env=env, text=True,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-        wall = time.perf_counter() - t0
+        hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(busy)]
+        try:
+            t0 = time.perf_counter()
+            proc = subprocess.run(["uv", "run", "dflash-train", "--demo"], cwd=clone, env=env, text=True,
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+            wall = time.perf_counter() - t0
+        finally:
+            for h in hogs:
+                h.kill()
         if keep:
             (keep / f"demo-{sha}-{int(time.time())}.log").write_text(proc.stdout)
-    return {"commit": sha, "exit": proc.returncode, "wall_s": round(wall, 1), **parse(proc.stdout)}
+    return {"commit": sha, "busy_cores": busy, "exit": proc.returncode, "wall_s": round(wall, 1), **parse(proc.stdout)}
 
 
 def row(r: dict) -> str:
     stages = " ".join(f"{r['stage_s'][s] if r['stage_s'][s] is not None else '-':>5}" for s in STAGES)
-    return (f"{r.get('commit', '-'):>8} {stages} {r.get('wall_s', r.get('demo_s', '-')):>7}  "
+    return (f"{r.get('commit', '-'):>8}{'+busy' * r.get('busy_cores', 0)} {stages} {r.get('wall_s', r.get('demo_s', '-')):>7}  "
             f"{r.get('trained', '-')} / {r.get('ddtree', '-')} / {r.get('untrained', '-')}"
             f"{'' if r.get('lossless') else '  (not lossless or unfinished)'}")
 
@@ -83,21 +90,22 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--commit", action="append", default=[], help="commit to time (repeat for several; runs alternate)")
     ap.add_argument("--runs", type=int, default=3, help="runs per commit")
+    ap.add_argument("--busy", type=int, default=0, help="processes each keeping one core busy beside every run")
     ap.add_argument("--parse", nargs="*", default=[], metavar="LOG", help="read demo outputs instead of running")
     ap.add_argument("--keep-logs", type=Path, help="folder to keep each run's output in")
     ap.add_argument("--out", type=Path, help="JSON file for every figure")
     args = ap.parse_args()
     if not args.commit and not args.parse:
         ap.error("give --commit COMMIT (to run) or --parse LOG")
-    if args.runs < 1:
-        ap.error("--runs must be at least 1")
+    if args.runs < 1 or args.busy < 0:
+        ap.error("--runs must be at least 1 and --busy at least 0")
     results = [{"log": str(p), **parse(Path(p).read_text(errors="replace"))} for p in args.parse]
     print(f"{'commit':>8} {' '.join(f'{s[:5]:>5}' for s in STAGES)} {'wall s':>7}  trained / DDTree / untrained")
     for r in results:
         print(row(r), flush=True)
     for _ in range(args.runs if args.commit else 0):
         for commit in args.commit:  # alternating, so a slow hour of the machine falls on every commit alike
-            r = run_once(commit, args.keep_logs)
+            r = run_once(commit, args.keep_logs, args.busy)
             results.append(r)
             print(row(r), flush=True)
     if args.out:

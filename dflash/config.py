@@ -189,6 +189,12 @@ class TrainConfig(_Strict):
     )
     loss_chunk: int = Field(8192, ge=16, le=MAX_TOKENS, description="query tokens per logits/loss chunk (one fp32 [chunk, vocab] buffer; "
                             "two with kl_weight > 0)")
+    memory_headroom_gib: float = Field(
+        3.0, ge=0.0, le=64.0, description="GiB of each GPU left free beyond the memory model's predicted peak: "
+        "recompute and data_parallel = auto choose only what fits with it, and preflight's gpu-memory check and "
+        "dflash-estimate judge fits with it (NVML, which counts the whole card, read 2.99 GiB above the prediction "
+        "for one rank of the users' FSDP2 preset: 96.47 vs 93.48 GiB)",
+    )
     recompute: Literal["auto", "off", "mlp", "layer"] = Field(
         "auto", description="activation recompute per drafter layer: off (fastest), mlp (recompute each layer's MLP in "
         "backward), layer (whole layers); auto = the fastest the memory model fits on the GPU (off on CPU)",

@@ -7,6 +7,9 @@ same stages with a tiny target in seconds, and check the demo preset itself vali
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 
@@ -24,6 +27,26 @@ def test_demo_preset_validates():
     cfg = load_config(demo.CONFIG)
     assert cfg.device == "cpu" and cfg.target.path == "smollm2" and cfg.target.dtype == "float32"
     assert max(cfg.drafter.target_layer_ids) <= 30 - 3  # SmolLM2 has 30 layers
+
+
+@pytest.mark.parametrize("user", [None, "ACTIVE"])
+def test_the_demo_lets_torch_threads_sleep_while_they_wait_unless_the_user_chose(user):
+    """Before torch loads OpenMP the demo sets OMP_WAIT_POLICY=PASSIVE; a policy the user set stays."""
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"} | ({"OMP_WAIT_POLICY": user} if user else {})
+    code = ("import os, sys; from dflash.commands.demo import yielding_threads; yielding_threads(); "
+            "assert 'torch' not in sys.modules; print(os.environ['OMP_WAIT_POLICY'])")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    assert out.strip() == (user or "PASSIVE")
+
+
+def test_the_demo_says_when_torch_was_loaded_before_it_could_set_the_policy(monkeypatch):
+    import torch  # noqa: F401  (loaded, as in this test process)
+
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    lines = []
+    demo.yielding_threads(lines.append)
+    assert "OMP_WAIT_POLICY" not in os.environ
+    assert len(lines) == 1 and "torch was imported before the demo could set OMP_WAIT_POLICY=PASSIVE" in lines[0]
 
 
 def test_pipeline_on_a_tiny_target(tmp_path, monkeypatch, capsys):

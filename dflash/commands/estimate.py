@@ -42,8 +42,9 @@ def format_estimate(est: Estimate, cuda_source: str = "") -> str:
         lines += [f"  {r.component:<{width}}{_gib(r.bytes):>9}" for r in role.rows]
         lines.append(f"  {'total':<{width}}{_gib(role.total_bytes):>9}")
         lines.append(f"  {'GPU':<{width}}{_gib(role.gpu_bytes):>9}")
-        mark = "" if role.fits is not False else "  DOES NOT FIT"
+        mark = "" if role.fits is not False else f"  DOES NOT FIT (keeps {_gib(role.keep_bytes)} GiB free)"
         lines.append(f"  {'headroom':<{width}}{_gib(role.headroom_bytes):>9}{mark}")
+        lines.append(f"  {'kept free (train.memory_headroom_gib)':<{width}}{_gib(role.keep_bytes):>9}")
     lines += ["", *format_layouts(est), *format_pace(est), ""]
     if not est.limits:
         lines.append("limits: give --gpu-memory SIZE or --from-nvml to search the largest settings that fit")

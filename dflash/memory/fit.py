@@ -19,6 +19,8 @@ from dflash.memory.parts import (
     choose_parallel,
     choose_recompute,
     drafter_params,
+    fits_gpu,
+    headroom_bytes,
     parallel_mode,
     role_parts,
     sent_features_bytes,
@@ -42,7 +44,8 @@ class RoleEstimate(BaseModel):
     rows: list[Row]
     total_bytes: int
     gpu_bytes: int | None
-    headroom_bytes: int | None = Field(description="gpu_bytes - total_bytes; negative: does not fit")
+    headroom_bytes: int | None = Field(description="gpu_bytes - total_bytes; below keep_bytes: does not fit")
+    keep_bytes: int = Field(0, description="what the run keeps free beyond its peak (train.memory_headroom_gib)")
     fits: bool | None
     data_parallel: str = Field("none", description="how this role's drafter ranks hold the drafter: none, ddp or fsdp2")
 
@@ -146,7 +149,7 @@ def _limit(cfg: RunConfig, shape: TargetShape, role: GpuRole, setting: Setting, 
                      note="the target forward does not depend on it")
 
     def fits(v: int) -> bool:
-        return sum(p.bytes for p in role_parts(cfg_for(v), shape, role, cuda, cal)) <= gpu
+        return fits_gpu(cfg, sum(p.bytes for p in role_parts(cfg_for(v), shape, role, cuda, cal)), gpu)
 
     def cfg_for(v: int) -> RunConfig:
         return with_setting(cfg, setting, v)
@@ -228,7 +231,7 @@ def _judge(case: RunConfig, recompute: str, shape: TargetShape, cuda: str, gpu_b
             mode = "off"
         need[role] = sum(p.bytes for p in role_parts(with_recompute(case, mode), shape, role, cuda, cal))
         modes[role] = mode
-    return need, modes, None if gpu_bytes is None else all(v <= gpu_bytes for v in need.values())
+    return need, modes, None if gpu_bytes is None else all(fits_gpu(case, v, gpu_bytes) for v in need.values())
 
 
 def layout_pace(cfg: RunConfig, shape: TargetShape, cuda: str, gpu_bytes: int | None, layouts: list[LayoutFit],
@@ -342,8 +345,8 @@ def estimate(
         headroom = None if gpu_bytes is None else gpu_bytes - total
         out.append(RoleEstimate(
             role=role, gpus=role_gpus(cfg, role), rows=[Row(component=p.component, bytes=p.bytes) for p in parts],
-            total_bytes=total, gpu_bytes=gpu_bytes, headroom_bytes=headroom,
-            fits=None if headroom is None else headroom >= 0, data_parallel="none" if role == "target" else parallel_mode(cfg),
+            total_bytes=total, gpu_bytes=gpu_bytes, headroom_bytes=headroom, keep_bytes=headroom_bytes(cfg),
+            fits=None if gpu_bytes is None else fits_gpu(cfg, total, gpu_bytes), data_parallel="none" if role == "target" else parallel_mode(cfg),
         ))
     limits = []
     if gpu_bytes is not None:

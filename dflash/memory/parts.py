@@ -408,7 +408,8 @@ def choose_parallel(cfg: RunConfig, role: GpuRole, cuda: str, gpu_bytes: int, ca
     One drafter rank: "none" (no wrapper). A split's drafter ranks: "ddp". Co-located data parallel with
     train.data_parallel = auto: "ddp" where DDP fits at some recompute mode (train.recompute = auto: the fastest that
     fits, as choose_recompute), else "fsdp2" (with its own fastest recompute); ddp or fsdp2 as configured otherwise.
-    When nothing fits, the last mode tried is returned with its need above gpu_bytes (the caller refuses it). On a
+    Fits: fits_gpu, the run's headroom kept. When nothing fits, the last mode tried is returned with its need (the
+    caller refuses it). On a
     CPU run (device = "cpu") auto is ddp and recompute auto is off, as the trainer reads them there.
     """
     shape = shape or load_target_shape(cfg.target.path)
@@ -430,7 +431,7 @@ def choose_parallel(cfg: RunConfig, role: GpuRole, cuda: str, gpu_bytes: int, ca
             recompute = recompute_mode(case)
             need = sum(p.bytes for p in role_parts(with_recompute(case, recompute), shape, role, cuda, cal))
         out = (dp, recompute, need)
-        if need <= gpu_bytes:
+        if fits_gpu(cfg, need, gpu_bytes):
             break
     return out
 
@@ -460,14 +461,25 @@ def recompute_mode(cfg: RunConfig) -> str:
     return "off" if cfg.train.recompute == "auto" else cfg.train.recompute
 
 
+def headroom_bytes(cfg: RunConfig) -> int:
+    """train.memory_headroom_gib in bytes: what a GPU keeps free beyond the predicted peak."""
+    return int(cfg.train.memory_headroom_gib * GiB)
+
+
+def fits_gpu(cfg: RunConfig, need_bytes: int, gpu_bytes: int) -> bool:
+    """The one fit rule: the predicted peak and the run's headroom (train.memory_headroom_gib) within gpu_bytes."""
+    return need_bytes + headroom_bytes(cfg) <= gpu_bytes
+
+
 def choose_recompute(cfg: RunConfig, role: GpuRole, cuda: str, gpu_bytes: int, cal: Calibration = DEFAULT_CALIBRATION,
                      shape: TargetShape | None = None) -> tuple[str, int]:
-    """(mode, need bytes) for train.recompute = auto: the fastest mode whose peak fits gpu_bytes, else "layer"."""
+    """(mode, need bytes) for train.recompute = auto: the fastest mode whose peak fits gpu_bytes with the run's
+    headroom (fits_gpu), else "layer"."""
     shape = shape or load_target_shape(cfg.target.path)
     need = 0
     for mode in ("off", "mlp", "layer"):
         need = sum(p.bytes for p in role_parts(with_recompute(cfg, mode), shape, role, cuda, cal))
-        if need <= gpu_bytes:
+        if fits_gpu(cfg, need, gpu_bytes):
             return mode, need
     return "layer", need
 

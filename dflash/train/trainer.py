@@ -185,7 +185,8 @@ class Trainer:
                                                      usable)
         except ValueError as e:  # a shape the memory model cannot read: the replica DDP always was
             return "ddp", f"auto: memory model unavailable ({e})"
-        return mode, f"auto: predicted peak {need / 2**30:.1f} GiB of {usable / 2**30:.1f} GiB usable on {self.device}"
+        return mode, (f"auto: predicted peak {need / 2**30:.1f} GiB + {self.cfg.train.memory_headroom_gib:g} kept free "
+                      f"of {usable / 2**30:.1f} GiB usable on {self.device}")
 
     def _usable_bytes(self) -> int:
         """What this process can hold on its GPU (free + its own cache), the smallest over the drafter ranks: every
@@ -216,7 +217,8 @@ class Trainer:
                                           usable)
         except ValueError as e:  # a shape the memory model cannot read: keep every activation
             return recompute_mode(self.cfg), f"auto: memory model unavailable ({e})"
-        return mode, f"auto: predicted peak {need / 2**30:.1f} GiB of {usable / 2**30:.1f} GiB usable on {self.device}"
+        return mode, (f"auto: predicted peak {need / 2**30:.1f} GiB + {self.cfg.train.memory_headroom_gib:g} kept free "
+                      f"of {usable / 2**30:.1f} GiB usable on {self.device}")
 
     def _resolved(self) -> RunConfig:
         """The run config with train.data_parallel as chosen (the memory model counts what this run holds)."""

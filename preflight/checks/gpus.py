@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 from dflash.config import ConfigError, GpuRole
 from dflash.errors import DflashError
-from dflash.memory.parts import choose_parallel, role_need_bytes, with_parallel
+from dflash.memory.parts import choose_parallel, fits_gpu, headroom_bytes, role_need_bytes, with_parallel
 from preflight.checks.common import MiB, config_arg, gib, listing, no_shape, on_cpu, result
 from preflight.estimate import DEFAULT_CUDA
 from preflight.facts.context import Context
@@ -125,20 +125,21 @@ def check_gpu_memory(ctx: Context, need_fn: Callable[[Context, GpuRole], tuple[i
         except DflashError as e:
             return result("gpu-memory", "fail", f"memory model failed: {e.one_line()}",
                           f"dflash-estimate --config {config_arg(ctx)}")
-        head = gpu.memory_free - need
+        head, keep = gpu.memory_free - need, headroom_bytes(ctx.config)
         rows.append({"name": name, "uuid": gpu.uuid, "role": role, "need_bytes": need,
-                     "free_bytes": gpu.memory_free, "headroom_bytes": head})
+                     "free_bytes": gpu.memory_free, "headroom_bytes": head, "keep_bytes": keep})
         lines.append(f"{role} GPU {name} need {gib(need)} / free {gib(gpu.memory_free)} ({'+' if head >= 0 else ''}{gib(head)})")
-        if head < 0:
-            short.append(f"{role} GPU {name} ({gpu.uuid[:12]}…): need {gib(need)}, free {gib(gpu.memory_free)}, "
-                         f"short {gib(-head)}")
+        if not fits_gpu(ctx.config, need, gpu.memory_free):
+            short.append(f"{role} GPU {name} ({gpu.uuid[:12]}…): need {gib(need)} + {gib(keep)} kept free "
+                         f"(train.memory_headroom_gib), free {gib(gpu.memory_free)}, short {gib(need + keep - gpu.memory_free)}")
     if not rows:
         return result("gpu-memory", "skip", "no assigned GPU is visible (see gpu-visibility)")
     label = f" [{model}]" if model else ""
     data = dict(gpus=rows, model=model)
     if short:
         return result("gpu-memory", "fail", f"{listing(short, 3)}{label}",
-                      "free the GPUs (see gpu-processes), or lower data.token_budget / train.max_anchors in "
+                      "free the GPUs (see gpu-processes), or lower data.token_budget / train.max_anchors (or "
+                      "train.memory_headroom_gib, at the risk of an OOM the model did not predict) in "
                       f"{config_arg(ctx)} (`dflash-estimate --config {config_arg(ctx)}` shows what fits)", **data)
     return result("gpu-memory", "pass", "; ".join(lines) + label, **data)
 

@@ -29,24 +29,33 @@ def test_demo_preset_validates():
     assert max(cfg.drafter.target_layer_ids) <= 30 - 3  # SmolLM2 has 30 layers
 
 
-@pytest.mark.parametrize("user", [None, "ACTIVE"])
-def test_the_demo_lets_torch_threads_sleep_while_they_wait_unless_the_user_chose(user):
-    """Before torch loads OpenMP the demo sets OMP_WAIT_POLICY=PASSIVE; a policy the user set stays."""
+@pytest.mark.parametrize("user, busy, policy", [(None, 1.0, "PASSIVE"), (None, 0.1, None), ("ACTIVE", 1.0, "ACTIVE")])
+def test_the_demo_lets_torch_threads_sleep_on_a_busy_machine_unless_the_user_chose(user, busy, policy):
+    """Before torch loads OpenMP: beside a busy core the demo sets OMP_WAIT_POLICY=PASSIVE and says so; alone it leaves
+    OpenMP's default; a policy the user set stays."""
     env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"} | ({"OMP_WAIT_POLICY": user} if user else {})
-    code = ("import os, sys; from dflash.commands.demo import yielding_threads; yielding_threads(); "
-            "assert 'torch' not in sys.modules; print(os.environ['OMP_WAIT_POLICY'])")
+    code = ("import os, sys; from dflash.commands.demo import yielding_threads; "
+            f"yielding_threads(busy={busy}); assert 'torch' not in sys.modules; "
+            "print(os.environ.get('OMP_WAIT_POLICY'))")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
-    assert out.strip() == (user or "PASSIVE")
+    lines = out.strip().splitlines()
+    assert lines[-1] == str(policy)
+    assert (len(lines) == 2 and "keep 1.0 of" in lines[0]) == (policy == "PASSIVE" and user is None), lines
 
 
-def test_the_demo_says_when_torch_was_loaded_before_it_could_set_the_policy(monkeypatch):
+def test_busy_cores_reads_the_machine():
+    busy = demo.busy_cores(0.2)
+    assert busy is not None and 0.0 <= busy <= os.cpu_count() + 1e-9
+
+
+def test_the_demo_says_when_torch_was_loaded_before_it_could_choose(monkeypatch):
     import torch  # noqa: F401  (loaded, as in this test process)
 
     monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
     lines = []
-    demo.yielding_threads(lines.append)
+    demo.yielding_threads(lines.append, busy=2.0)
     assert "OMP_WAIT_POLICY" not in os.environ
-    assert len(lines) == 1 and "torch was imported before the demo could set OMP_WAIT_POLICY=PASSIVE" in lines[0]
+    assert len(lines) == 1 and "torch was loaded before the demo could choose how its threads wait" in lines[0]
 
 
 def test_pipeline_on_a_tiny_target(tmp_path, monkeypatch, capsys):

@@ -40,20 +40,47 @@ def _stage(n: int, text: str, t0: float) -> None:
     print(f"\n[{n}/{STAGES}] {text}  (t = {time.perf_counter() - t0:.0f} s)", flush=True)
 
 
-def yielding_threads(log=print) -> None:
-    """Let torch's CPU threads sleep while they wait (OMP_WAIT_POLICY=PASSIVE) unless the user chose a policy.
+BUSY_CORES = 0.5  # other programs keeping at least this many cores busy when the demo starts: threads wait passively
 
-    torch's OpenMP threads spin while they wait for each other. On a 2-core machine where anything else runs, the
-    spinning thread and the other program take turns on the core the step waits for: the demo's 82 first steps took
-    161 s beside one busy core against 59 s alone, and 101 s with passive waiting (62.5 s alone;
-    bench/README.md, "The demo"). OpenMP reads the policy once, when torch loads it, so this must run first."""
+
+def busy_cores(sample_s: float = 0.5) -> float | None:
+    """Cores other programs kept busy over the next `sample_s` seconds, from /proc/stat (this process sleeps meanwhile);
+    None where it cannot be read (not Linux)."""
+    def read() -> tuple[int, int]:
+        with open("/proc/stat") as f:
+            ticks = [int(x) for x in f.readline().split()[1:]]
+        return sum(ticks), ticks[3] + ticks[4]  # all, idle + iowait
+
+    try:
+        total0, idle0 = read()
+        time.sleep(sample_s)
+        total1, idle1 = read()
+    except (OSError, ValueError, IndexError):
+        return None
+    if total1 <= total0:
+        return None
+    return (1 - (idle1 - idle0) / (total1 - total0)) * (os.cpu_count() or 1)
+
+
+def yielding_threads(log=print, busy: float | None = None) -> None:
+    """Where other programs keep a core busy, let torch's CPU threads sleep while they wait (OMP_WAIT_POLICY=PASSIVE),
+    unless the user chose a policy. `busy`: cores in use by others (None: measured now, busy_cores).
+
+    torch's OpenMP threads spin while they wait for each other. On a 2-core machine where another program runs, the
+    spinning and that program take turns on the core a step waits for: 82 demo steps took 161 s beside one busy core
+    against 59 s alone, and 101 s waiting passively. Alone, passive waiting costs: the whole demo took 280-291 s
+    against 232-247 (bench/README.md, "The demo, timed"), so it is set only on a busy machine. OpenMP reads the policy
+    once, when torch loads it, so this runs first."""
     if "OMP_WAIT_POLICY" in os.environ:
         return
     if "torch" in sys.modules:
-        log("demo: torch was imported before the demo could set OMP_WAIT_POLICY=PASSIVE; its threads spin while "
-            "they wait (slow where other programs share the cores)")
+        log("demo: torch was loaded before the demo could choose how its threads wait (OMP_WAIT_POLICY)")
         return
-    os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+    busy = busy_cores() if busy is None else busy
+    if busy is not None and busy >= BUSY_CORES:
+        os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+        log(f"demo: other programs keep {busy:.1f} of {os.cpu_count()} cores busy; torch's threads will sleep while "
+            "they wait (OMP_WAIT_POLICY=PASSIVE), which is faster beside them (set OMP_WAIT_POLICY to choose)")
 
 
 def run_demo(log=print) -> int:

@@ -99,6 +99,9 @@ def main() -> int:
         ap.error("give --commit COMMIT (to run) or --parse LOG")
     if args.runs < 1 or args.busy < 0:
         ap.error("--runs must be at least 1 and --busy at least 0")
+    missing = [p for p in args.parse if not Path(p).is_file()]
+    if missing:
+        ap.error(f"--parse {missing[0]}: no such file (give the saved output of a demo run)")
     results = [{"log": str(p), **parse(Path(p).read_text(errors="replace"))} for p in args.parse]
     print(f"{'commit':>8} {' '.join(f'{s[:5]:>5}' for s in STAGES)} {'wall s':>7}  trained / DDTree / untrained")
     for r in results:

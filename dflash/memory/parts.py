@@ -409,8 +409,8 @@ def choose_parallel(cfg: RunConfig, role: GpuRole, cuda: str, gpu_bytes: int, ca
     train.data_parallel = auto: "ddp" where DDP fits at some recompute mode (train.recompute = auto: the fastest that
     fits, as choose_recompute), else "fsdp2" (with its own fastest recompute); ddp or fsdp2 as configured otherwise.
     Fits: fits_gpu, the run's headroom kept. When nothing fits, the last mode tried is returned with its need (the
-    caller refuses it). On a
-    CPU run (device = "cpu") auto is ddp and recompute auto is off, as the trainer reads them there.
+    caller refuses it). On a CPU run (device = "cpu") auto is ddp and recompute auto is off, as the trainer reads
+    them there.
     """
     shape = shape or load_target_shape(cfg.target.path)
     if role == "target":

@@ -476,6 +476,9 @@ def _ended(o: dict | None) -> str:
     how = e.get("how") or "unknown"
     if how == "running":
         return f"running or killed without a word (last update step {o.get('step')}, {o.get('updated_utc')})"
+    if how == "stopping":
+        return (f"stopping or killed while stopping at step {e.get('step')} ({o.get('updated_utc')}): its checkpoint "
+                "may be missing, the earlier ones stand")
     where = f" at step {e['step']}" if e.get("step") is not None else ""
     who = ""
     if how == "crashed" and e.get("rank") is not None:

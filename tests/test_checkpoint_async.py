@@ -4,6 +4,7 @@ leaves (the previous checkpoint, a .tmp the next save of that step removes). A f
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -211,9 +212,10 @@ def test_kill_9_mid_background_write_resumes_from_the_previous_checkpoint(tmp_pa
     assert all(checkpoint_problem(c, deep=True) is None for c in rundir.list_checkpoints(out))
 
 
-def test_sigterm_mid_background_write_finishes_it_stops_and_resumes_exactly(tmp_path):
-    """SIGTERM while the step-5 save is written in the background: the run finishes its step, waits for that write,
-    saves the step it stopped at, exits 75 with no .tmp left; the resumed run's losses equal an uninterrupted run's."""
+def test_sigterm_mid_background_write_gives_it_up_for_the_stops_own_and_resumes_exactly(tmp_path):
+    """SIGTERM while the step-5 save is written in the background: the run finishes its step and gives that write up
+    for the stop's own checkpoint (waiting for it would spend the scheduler's grace), exits 75 with no .tmp left and
+    says so; the resumed run's losses equal an uninterrupted run's."""
     ref_cfg, _ = tiny_config(tmp_path / "ref", max_steps=20, save_every=5)
     assert run(ref_cfg, None, log=lambda *_: None, progress=False) == 0
     ref = {r["step"]: r for r in metrics(Path(ref_cfg.output_dir))}
@@ -227,13 +229,17 @@ def test_sigterm_mid_background_write_finishes_it_stops_and_resumes_exactly(tmp_
     proc.send_signal(signal.SIGTERM)
     text, _ = proc.communicate(timeout=120)
     assert proc.returncode == 75, text
+    assert "the save still being written is given up for the stop's own checkpoint" in text
     saved = rundir.list_checkpoints(out)
     stopped_at = metrics(out)[-1]["step"]
-    assert rundir.checkpoint_path(out, 5) in saved and saved[-1] == rundir.checkpoint_path(out, stopped_at)
-    assert 5 < stopped_at < 20 and not list(rundir.checkpoints_dir(out).glob("*.tmp"))
+    assert saved == [rundir.checkpoint_path(out, stopped_at)] and 5 < stopped_at < 20
+    assert not list(rundir.checkpoints_dir(out).glob("*.tmp"))
     assert all(checkpoint_problem(c, deep=True) is None for c in saved)
+    assert any(r.get("save_step") == 5 and r.get("save_superseded") for r in metrics(out))
     marker = json.loads((out / rundir.STOPPED_NAME).read_text())
     assert marker["step"] == stopped_at and marker["checkpoint"] == str(saved[-1])
+    ended = json.loads((out / "outcome.json").read_text())["ended"]
+    assert ended["how"] == "stopped" and ended["stop"]["superseded"] and ended["stop"]["total_s"] >= 0
     again = subprocess.run(train_cmd(config, "--resume", "latest"), cwd=REPO, capture_output=True, text=True)
     assert again.returncode == 0, again.stdout + again.stderr
     assert f"resumed from {saved[-1]} at step {stopped_at}" in again.stdout
@@ -241,3 +247,66 @@ def test_sigterm_mid_background_write_finishes_it_stops_and_resumes_exactly(tmp_
     assert [r["step"] for r in rows] == list(range(1, 21))
     for r in rows:
         assert r["loss"] == pytest.approx(ref[r["step"]]["loss"], rel=1e-5, abs=1e-6), r["step"]
+
+
+def test_sigterm_twice_to_the_process_group_stops_with_75_every_time(tmp_path):
+    """A scheduler's cancel signals the whole process group, and a launcher (uv run) forwards the same signal: the
+    second SIGTERM can land after the loop returned. It must never turn a clean stop into a kill (exit 143)."""
+    cfg, raw = tiny_config(tmp_path, max_steps=5000, save_every=1000)
+    config = write_toml(raw, tmp_path / "run.toml")
+    out = Path(cfg.output_dir)
+    for attempt in range(2):
+        proc = subprocess.Popen(train_cmd(config, "--fresh" if attempt == 0 else "--resume", *(["latest"] if attempt
+                                                                                               else [])),
+                                cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                start_new_session=True)
+        rows = len(metrics(out)) if (out / "metrics.jsonl").exists() else 0
+        deadline = time.time() + 120
+        while time.time() < deadline and len(metrics(out) if (out / "metrics.jsonl").exists() else []) <= rows:
+            assert proc.poll() is None, proc.stdout.read()
+            time.sleep(0.05)
+        os.killpg(proc.pid, signal.SIGTERM)
+        time.sleep(0.3)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        text, _ = proc.communicate(timeout=120)
+        assert proc.returncode == 75, text
+        assert "stopped by SIGTERM at step" in text and "s from the signal to the checkpoint" in text
+        last = rundir.list_checkpoints(out)[-1]
+        assert checkpoint_problem(last, deep=True) is None
+        ended = json.loads((out / "outcome.json").read_text())["ended"]
+        assert ended["how"] == "stopped" and ended["step"] == int(last.name.split("_")[1])
+
+
+def test_kill_9_while_stopping_keeps_the_previous_checkpoint_and_says_stopping(tmp_path):
+    """SIGTERM, then SIGKILL while the stop's checkpoint is written (a scheduler's grace ran out): the run dir keeps
+    the checkpoint before it, outcome.json says the run was stopping (never "running"), and --resume latest goes on
+    from the earlier checkpoint."""
+    cfg, raw = tiny_config(tmp_path, max_steps=200, save_every=5)
+    config = write_toml(raw, tmp_path / "run.toml")
+    out = Path(cfg.output_dir)
+    proc = subprocess.Popen(train_cmd(config, "--fresh"), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, env=_slow_saves(4))
+    _wait_for(rundir.checkpoints_dir(out) / "step_00000005" / rundir.META_NAME, proc)
+    while proc.poll() is None and metrics(out)[-1]["step"] < 6:
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGTERM)
+    deadline = time.time() + 60
+    while time.time() < deadline and json.loads((out / "outcome.json").read_text())["ended"]["how"] != "stopping":
+        assert proc.poll() is None, proc.stdout.read()
+        time.sleep(0.02)
+    tmp = next(iter(rundir.checkpoints_dir(out).glob("*.tmp")), None)
+    while time.time() < deadline and tmp is None:
+        time.sleep(0.02)
+        tmp = next(iter(rundir.checkpoints_dir(out).glob("*.tmp")), None)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    ended = json.loads((out / "outcome.json").read_text())["ended"]
+    assert ended["how"] == "stopping" and "killed while stopping" in ended["detail"]
+    saved = rundir.list_checkpoints(out)
+    assert saved and saved[-1] != tmp and all(checkpoint_problem(c, deep=True) is None for c in saved)
+    again = subprocess.run(train_cmd(config, "--resume", "latest", "--max-steps", str(int(saved[-1].name[5:]) + 1),
+                                     "--allow-schedule-change"),
+                           cwd=REPO, capture_output=True, text=True)
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert f"resumed from {saved[-1]}" in again.stdout

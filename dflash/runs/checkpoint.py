@@ -21,7 +21,9 @@ from an intact one before loading it (``dflash.runs.verify.checkpoint_problem``)
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import hashlib
 import json
 import os
 import shutil
@@ -238,11 +240,35 @@ def save_checkpoint(output_dir: str | Path, step: int, drafter, optimizer, train
                             keep_last, provenance)
 
 
+class SaveCancelled(Exception):
+    """A background save given up for a newer one (a stop's checkpoint supersedes a periodic save still writing)."""
+
+
+class _HashingFile:
+    """A file that hashes what is written through it (sha256, the recorded digest) as it is written, so a large file
+    is not read back to be hashed, and that gives up between writes once `cancel` is set."""
+
+    def __init__(self, f, cancel: threading.Event | None):
+        self.f, self.cancel, self.sha = f, cancel, hashlib.sha256()
+
+    def write(self, data) -> int:
+        if self.cancel is not None and self.cancel.is_set():
+            raise SaveCancelled("superseded by a newer save")
+        self.sha.update(data)
+        return self.f.write(data)
+
+    def flush(self) -> None:
+        self.f.flush()
+
+
 def write_checkpoint(output_dir: str | Path, snap: Snapshot, cfg: RunConfig, dataset_meta: dict, keep_last: int,
-                     provenance: dict | None = None) -> Path:
+                     provenance: dict | None = None, cancel: threading.Event | None = None,
+                     phases: dict | None = None) -> Path:
     """Write a snapshot as checkpoint `snap.step`: files to step_N.tmp, each hashed as soon as it is written (threads,
-    while the next one is written), meta.json last, fsync, rename to step_N, then prune to keep_last. A failure
-    removes step_N.tmp and raises (an OSError of the disk as the disk gave it)."""
+    while the next one is written; the optimizer state, the largest, while it is written), meta.json last, fsync,
+    rename to step_N, then prune to keep_last. A failure removes step_N.tmp and raises (an OSError of the disk as the
+    disk gave it); so does `cancel` set before the last file (SaveCancelled). `phases` receives the seconds of each
+    part (weights_s, optimizer_s, hash_wait_s, fsync_s, rename_s): where a save's time goes."""
     step = snap.step
     final = checkpoint_path(output_dir, step)
     root = final.parent
@@ -251,11 +277,22 @@ def write_checkpoint(output_dir: str | Path, snap: Snapshot, cfg: RunConfig, dat
     _remove(tmp)
     tmp.mkdir()
     hashing = ThreadPoolExecutor(2, thread_name_prefix="dflash-sha256")
-    hashes: dict[Path, Future] = {}
+    hashes: dict[Path, Future | str] = {}
+    phases = {} if phases is None else phases
+    clock = [time.perf_counter()]
+
+    def lap(name: str) -> None:
+        now = time.perf_counter()
+        phases[name] = round(now - clock[0], 3)
+        clock[0] = now
 
     def written(*paths: Path) -> None:
         for path in paths:
             hashes[path] = hashing.submit(sha256_file, path)
+
+    def cancelled() -> None:
+        if cancel is not None and cancel.is_set():
+            raise SaveCancelled("superseded by a newer save")
 
     try:
         drafter_dir = tmp / DRAFTER_DIR
@@ -264,14 +301,19 @@ def write_checkpoint(output_dir: str | Path, snap: Snapshot, cfg: RunConfig, dat
         else:
             snap.drafter.save_pretrained(drafter_dir, state=snap.weights)
         written(*sorted(p for p in drafter_dir.rglob("*") if p.is_file()))
+        lap("weights_s")
+        cancelled()
         with open(tmp / OPTIMIZER_NAME, "wb") as f:  # a file of ours: a failed write keeps its OSError (errno)
-            torch.save(snap.optimizer_state, f)
-        written(tmp / OPTIMIZER_NAME)
+            through = _HashingFile(f, cancel)
+            torch.save(snap.optimizer_state, through)
+        hashes[tmp / OPTIMIZER_NAME] = through.sha.hexdigest()
+        lap("optimizer_s")
         save_trainer_state(tmp, snap.trainer_state)
         written(tmp / STATE_TENSORS, tmp / STATE_JSON)
         delay = float(os.environ.get(SAVE_DELAY_ENV) or 0)
         if delay > 0:
             time.sleep(delay)
+        cancelled()
         meta = {
             "format": FORMAT,
             "step": step,
@@ -281,8 +323,10 @@ def write_checkpoint(output_dir: str | Path, snap: Snapshot, cfg: RunConfig, dat
             **(provenance or {}),
             FILES_KEY: _recorded(tmp, hashes),  # size + sha256 of every file: a resume verifies them (dflash.runs.rundir)
         }
+        lap("hash_wait_s")
         (tmp / META_NAME).write_text(json.dumps(meta, indent=2))  # last: a folder with meta.json is finished
         _fsync_tree(tmp)  # the bytes are on disk before the rename makes the checkpoint visible
+        lap("fsync_s")
         _remove(final)
         tmp.rename(final)
     except BaseException as e:  # a full disk, a kill's KeyboardInterrupt...: no partial step_N.tmp stays behind
@@ -292,6 +336,7 @@ def write_checkpoint(output_dir: str | Path, snap: Snapshot, cfg: RunConfig, dat
     finally:
         hashing.shutdown(wait=True)
     _fsync_dir(root)
+    lap("rename_s")
     best = best_checkpoint(output_dir)
     # real folders only (list_checkpoints never lists a symlink), up to the one just written
     for old in [c for c in list_checkpoints(output_dir) if checkpoint_step(c) <= step][:-keep_last]:
@@ -328,14 +373,44 @@ def _raise_the_disks(e: BaseException, where: Path):
     raise e
 
 
-def _recorded(folder: Path, hashes: dict[Path, Future]) -> dict[str, dict]:
+def _recorded(folder: Path, hashes: dict[Path, Future | str]) -> dict[str, dict]:
     """meta.json's record of every file but meta.json (as ``dflash.runs.verify.record_files`` makes it), from the hashes taken
     as the files were written; a file written some other way is hashed here. Raises OSError."""
     out = {}
     for p in sorted(p for p in folder.rglob("*") if p.is_file() and p != folder / META_NAME):
-        digest = hashes[p].result() if p in hashes else sha256_file(p)
+        digest = hashes.get(p) or sha256_file(p)
+        digest = digest if isinstance(digest, str) else digest.result()
         out[p.relative_to(folder).as_posix()] = {"bytes": p.stat().st_size, "sha256": digest}
     return out
+
+
+DISK_PROBE_BYTES = 256 << 20  # written and fsynced once, to time this disk before the first save
+
+
+def state_bytes(drafter, optimizer) -> int:
+    """The bytes a checkpoint of (drafter, optimizer) writes: every tensor of their state dicts."""
+    tensors = [t for _k, t in _tensors("weights", drafter.state_dict())]
+    tensors += [t for _k, t in _tensors("optimizer", optimizer.state_dict())]
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def disk_write_rate(folder: str | Path, nbytes: int = DISK_PROBE_BYTES) -> float | None:
+    """Bytes a second this disk takes, written and fsynced (a probe file, removed); None when it cannot be written."""
+    path = Path(folder) / ".disk-probe.tmp"
+    block = os.urandom(1 << 20)
+    try:
+        t0 = time.perf_counter()
+        with open(path, "wb") as f:
+            for _ in range(max(1, nbytes >> 20)):
+                f.write(block)
+            f.flush()
+            os.fsync(f.fileno())
+        return nbytes / max(time.perf_counter() - t0, 1e-6)
+    except OSError:
+        return None
+    finally:
+        with contextlib.suppress(OSError):
+            path.unlink()
 
 
 class CheckpointWriter:
@@ -360,6 +435,9 @@ class CheckpointWriter:
         self._error: BaseException | None = None
         self._written: list[dict] = []  # {"save_step", "save_write_s"} of background saves finished, not yet taken
         self._pin_reported = False
+        self._cancel: threading.Event | None = None  # the save in flight gives up when set (``supersede``)
+        self._then_in_flight = False
+        self.phases: dict = {}  # where the last finished save's time went (write_checkpoint's phases)
 
     def save(self, step: int, drafter, optimizer, trainer_state: dict, cfg: RunConfig, dataset_meta: dict,
              keep_last: int, provenance: dict | None = None, then=None, full_state=None) -> dict:
@@ -374,14 +452,17 @@ class CheckpointWriter:
         if self.host is not None and self.host.reserve_s is not None and not self._pin_reported:
             times["save_pin_s"] = self.host.reserve_s  # the first save's row: how long pinning its buffers took
             self._pin_reported = True
+        times["save_snapshot_s"] = round(time.perf_counter() - t0 - waited - pinning, 3)
         if not self.background:
-            path = write_checkpoint(self.out, snap, cfg, dataset_meta, keep_last, provenance)
+            self.phases = {}
+            path = write_checkpoint(self.out, snap, cfg, dataset_meta, keep_last, provenance, phases=self.phases)
             if then is not None:
                 then(path)
             times["save_write_s"] = round(time.perf_counter() - t0 - waited, 3)
         else:
+            self._cancel, self._then_in_flight = threading.Event(), then is not None
             self._thread = threading.Thread(target=self._write, name=f"dflash-checkpoint-{step}",
-                                            args=(snap, cfg, dataset_meta, keep_last, provenance, then))
+                                            args=(snap, cfg, dataset_meta, keep_last, provenance, then, self._cancel))
             self._thread.start()  # not a daemon: an exiting interpreter waits for the rename
         times["save_stall_s"] = round(time.perf_counter() - t0, 3)
         return times
@@ -391,15 +472,29 @@ class CheckpointWriter:
         if self.host is not None:
             self.host.reserve(drafter, optimizer)
 
-    def _write(self, snap: Snapshot, cfg, dataset_meta, keep_last, provenance, then) -> None:
+    def supersede(self) -> bool:
+        """Give up the save in flight, if any, for the one about to be made (a stop's: it holds a newer step, and
+        waiting for the older one to be written would spend a scheduler's grace). A save that moves checkpoints/best
+        is finished instead. The older checkpoints stay. Returns whether one was given up."""
+        if not self.busy() or self._then_in_flight or self._cancel is None:
+            return False
+        self._cancel.set()
+        return True
+
+    def _write(self, snap: Snapshot, cfg, dataset_meta, keep_last, provenance, then, cancel) -> None:
         t0 = time.perf_counter()
+        phases: dict = {}
         try:
-            path = write_checkpoint(self.out, snap, cfg, dataset_meta, keep_last, provenance)
+            path = write_checkpoint(self.out, snap, cfg, dataset_meta, keep_last, provenance, cancel, phases)
             if then is not None:
                 then(path)
+        except SaveCancelled:
+            self._written.append({"save_step": snap.step, "save_superseded": True})
+            return
         except BaseException as e:  # raised on the training thread by check() / wait()
             self._error = e
             return
+        self.phases = phases
         self._written.append({"save_step": snap.step, "save_write_s": round(time.perf_counter() - t0, 3)})
 
     def busy(self) -> bool:

@@ -36,7 +36,8 @@ outcome.json::
      "steady": {"tok_per_s", "target_tok_s_per_gpu", "drafter_tok_s_per_gpu", "drafter_wait_frac", "target_wait_frac"},
      "peak": {"gpus": {uuid: bytes used (NVML)}, "torch_allocated_bytes", "host_rss_bytes"},
      "last": {"loss", "accept_len"},
-     "ended": {"how": "running"|"finished"|"stopped"|"crashed"|"interrupted", "step", "detail", "rank", "role", "gpu"}}
+     "ended": {"how": "running"|"finished"|"stopping"|"stopped"|"crashed"|"interrupted", "step", "detail", "rank", "role",
+               "gpu", "stop": {"total_s", "step_s", "weights_s", "optimizer_s", "hash_wait_s", "fsync_s", ...}}}
 """
 
 from __future__ import annotations
@@ -432,9 +433,11 @@ class Outcome:
         self._sample()
         self.write()
 
-    def end(self, how: str, step: int, detail: str | None = None) -> None:
-        """finished | stopped (by a signal, after a checkpoint) | crashed (an exception here) | interrupted."""
-        self.data["ended"] = {"how": how, "step": step, "detail": detail, "rank": 0 if how == "crashed" else None}
+    def end(self, how: str, step: int, detail: str | None = None, stop: dict | None = None) -> None:
+        """finished | stopping (a signal came; the checkpoint is being written) | stopped (by a signal, after a
+        checkpoint; `stop`: where the stop's seconds went) | crashed (an exception here) | interrupted."""
+        self.data["ended"] = {"how": how, "step": step, "detail": detail, "rank": 0 if how == "crashed" else None,
+                              **({"stop": stop} if stop else {})}
         self._sample()
         self.write()
 

@@ -166,3 +166,41 @@ def test_demo_time_reads_each_stage_and_the_result_from_a_demo_output(tmp_path):
     log.write_text(log.read_text().replace("held-out acceptance", "demo: FAILED: speculative decoding did not "
                                            "reproduce target-only greedy decoding\nheld-out acceptance"))
     assert _run(["bench/demo_time.py", "--parse", str(log)], tmp_path).returncode == 1  # not lossless: exit 1
+
+
+@pytest.mark.slow
+def test_the_gpu_runner_stops_a_run_at_its_deadline_resumes_it_and_summarises(tmp_path):
+    """bench/runner.py's CPU half: the tiny recipe, SIGTERM to its process group before the deadline (exit 75 and a
+    checkpoint), then a second call that resumes from it; each call leaves RECIPE.json and RECIPE.tar.gz."""
+    import tarfile
+
+    out = tmp_path / "out"
+    runs = REPO / "runs" / "tiny-cpu"
+    args = ["bench/runner.py", "tiny-cpu", "--deadline", "75", "--grace", "30", "--reserve", "5", "--out", str(out)]
+    first = _run([*args, "--fresh"], tmp_path)
+    assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-3000:]
+    one = json.loads((out / "tiny-cpu.json").read_text())
+    assert one["fresh"] and one["rc"] == 75 and one["stop"]["signalled"] and not one["stop"].get("killed_after_grace")
+    assert one["ended"]["how"] == "stopped" and one["ended"]["stop"]["total_s"] is not None
+    stopped_at = one["ended"]["step"]
+    assert 0 < stopped_at and one["pace"]["steps"] == stopped_at
+    with tarfile.open(out / "tiny-cpu.tar.gz") as tar:
+        names = set(tar.getnames())
+        log = tar.extractfile("train.log").read().decode()
+    assert {"metrics.jsonl", "outcome.json", "train.log", "estimate.txt", "nvml.csv"} <= names
+    assert f"stopped by SIGTERM at step {stopped_at}" in log and "s from the signal to the checkpoint" in log
+    second = _run(args, tmp_path)
+    assert second.returncode == 0, second.stdout[-2000:] + second.stderr[-3000:]
+    two = json.loads((out / "tiny-cpu.json").read_text())
+    assert not two["fresh"] and two["ended"]["step"] > stopped_at
+    with tarfile.open(out / "tiny-cpu.tar.gz") as tar:
+        assert f"resumed from {runs / 'checkpoints'}" in tar.extractfile("train.log").read().decode()
+    assert "tiny-cpu:" in second.stdout and "resumed" in second.stdout
+
+
+def test_the_gpu_runner_refuses_bad_arguments_in_one_line(tmp_path):
+    for argv, words in ((["nope"], "unknown recipe 'nope'"), (["train"], "'train' needs --config and --data"),
+                        (["train", "--config", "x.toml", "--data", "syn:1,2"], "syn:SAMPLES,LENGTH,SIGMA"),
+                        (["tiny-cpu", "--deadline", "0"], "--deadline and --grace must be > 0")):
+        proc = _run(["bench/runner.py", *argv], tmp_path)
+        assert proc.returncode == 2 and words in proc.stderr and "Traceback" not in proc.stderr, proc.stderr

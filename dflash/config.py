@@ -66,7 +66,8 @@ class TargetConfig(_Strict):
         "bfloat16", description="dtype the frozen target runs in"
     )
     random_init: bool = Field(
-        False, description="build the target from config.json with random weights (benchmarks, tests)"
+        False, description="build the target from config.json with random weights: memory and speed measurements only "
+        "(the drafter learns nothing useful; the gate and every start warn); refused when target.path holds weights"
     )
     compile: bool = Field(
         True, description="torch.compile each target decoder layer on CUDA (one graph per layer type, any batch shape; "

@@ -91,13 +91,15 @@ def run_estimate(
     rates: str | None = None,
     rates_from: str | None = None,
     link_gbps: str | None = None,
+    overrides: dict | None = None,
 ) -> tuple[Estimate, str]:
     """The estimate dflash-estimate prints, and where its CUDA version came from. `rates` ("TARGET,DRAFTER" busy
     tok/s per GPU) or `rates_from` (a split run's dir, its busy rates as its summary printed them) add each layout's
-    tokens/s, its communication priced at `link_gbps` (GB/s one way per GPU; default the users' PCIe Gen5 x16)."""
+    tokens/s, its communication priced at `link_gbps` (GB/s one way per GPU; default the users' PCIe Gen5 x16).
+    `overrides` (dotted, as the GPU-list flags give them) apply after `sets`."""
     if gpu_memory and from_nvml:
         raise EstimateError("give --gpu-memory or --from-nvml, not both")
-    cfg = load_config(config_path, parse_overrides(sets))
+    cfg = load_config(config_path, {**parse_overrides(sets), **(overrides or {})})
     refused = target_custom_code(cfg)
     if refused:  # dflash-train refuses this target, and the memory model knows only the architectures it ships
         raise EstimateError(refused)

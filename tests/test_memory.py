@@ -572,6 +572,25 @@ def test_cli_prints_which_layouts_fit(capsys):
     assert "  fits         split: 5 target + 3 drafter GPUs: target" in out
 
 
+def test_gpu_list_flags_replace_the_configs_layout(capsys):
+    """--colocated-gpus on a split preset clears its target/drafter lists, --target-gpus/--drafter-gpus on a co-located
+    one clear its colocated_gpus: the layout printed is the flags' alone (as in dflash-train)."""
+    split = str(REPO / "configs/qwen3.6-27b-5t3d.toml")
+    code, out, err = estimate_cli(capsys, "--config", split, "--gpu-memory", "95GiB", "--colocated-gpus", "0,1,2,3,4,5,6,7")
+    assert code == 0 and err == "", err
+    assert "\ncolocated (GPUs 0, 1, 2, 3, 4, 5, 6, 7: each a whole target + 1/8 of the drafter, FSDP2)\n" in out
+    assert "\ntarget (GPUs" not in out and "\ndrafter (GPUs" not in out
+    code, out, err = estimate_cli(capsys, "--config", str(REPO / "configs/qwen3.6-27b-8gpu.toml"), "--gpu-memory", "95GiB",
+                                  "--target-gpus", "0,1,2,3,4,5", "--drafter-gpus", "6,7", "--set", "train.data_parallel=auto")
+    assert code == 0, err
+    assert "\ntarget (GPUs 0, 1, 2, 3, 4, 5)\n" in out and "\ndrafter (GPUs 6, 7)\n" in out and "\ncolocated" not in out
+    code, out, err = estimate_cli(capsys, "--config", split, "--target-gpus", "0", "--drafter-gpus", "1,2")
+    assert code == 0 and "\ntarget (GPUs 0)\n" in out and "\ndrafter (GPUs 1, 2)\n" in out, err
+    code, _, err = estimate_cli(capsys, "--config", split, "--target-gpus", "0", "--colocated-gpus", "1,2")
+    assert code == 2 and err == ("dflash-estimate: error: --colocated-gpus gives every GPU both roles, "
+                                 "--target-gpus/--drafter-gpus split them: give one layout\n")
+
+
 def test_pace_of_each_layout_from_busy_rates():
     """dflash.memory.pace: one GPU running both roles adds their times; the users' 27B job measured co-located on
     one H200 at 8.1K tok/s, the rule at the split run's busy rates (target 9.8K, drafter 41K) says 7.9K."""

@@ -4,6 +4,7 @@
     uv run dflash-estimate --config configs/qwen3-8b-1gpu.toml --from-nvml --json
     uv run dflash-estimate --config RUN.toml --gpu-memory 80GB --set data.token_budget=45056
     uv run dflash-estimate --config configs/qwen3.6-27b-8gpu.toml --gpu-memory 95GiB --rates 12.55k,46.3k --link-gbps 50
+    uv run dflash-estimate --config configs/qwen3.6-27b-5t3d.toml --gpu-memory 95GiB --colocated-gpus 0,1,2,3,4,5,6,7
 
 Exit codes: 0 every role fits (or no GPU size given), 1 some role does not fit, 2 bad input.
 This module only formats and maps to exit codes; ``preflight.estimate`` decides.
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import click
 
+from dflash.commands.common import gpu_options, gpu_overrides
 from dflash.errors import DflashError, UsageError, run_cli
 from dflash.memory.fit import Estimate
 from dflash.memory.shape import GiB
@@ -107,14 +109,17 @@ def format_pace(est: Estimate) -> list[str]:
               "printed them (instead of --rates)")
 @click.option("--link-gbps", metavar="GB/S", help="bandwidth of the link between GPUs, GB/s one way per GPU, that "
               "the pace prices each layout's communication at (default 50: PCIe Gen5 x16 as measured; 63 in theory)")
+@gpu_options
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object instead of tables")
 def command(config_path: str, gpu_memory: str | None, from_nvml: bool, cuda: str | None, sets: tuple[str, ...],
-            rates: str | None, rates_from: str | None, link_gbps: str | None, as_json: bool) -> int:
+            rates: str | None, rates_from: str | None, link_gbps: str | None, target_gpus: str | None,
+            drafter_gpus: str | None, colocated_gpus: str | None, as_json: bool) -> int:
     """Per-role GPU memory estimate of a DFlash run, the largest settings that fit and, given busy rates, which
     layout trains fastest."""
     try:
         est, cuda_source = run_estimate(config_path, sets, gpu_memory, from_nvml, cuda, rates=rates,
-                                        rates_from=rates_from, link_gbps=link_gbps)
+                                        rates_from=rates_from, link_gbps=link_gbps,
+                                        overrides=gpu_overrides(target_gpus, drafter_gpus, colocated_gpus))
     except DflashError as e:
         raise UsageError(e.one_line()) from None
     click.echo(est.model_dump_json(indent=2) if as_json else format_estimate(est, cuda_source))

@@ -99,7 +99,7 @@ def run_estimate(
     `overrides` (dotted, as the GPU-list flags give them) apply after `sets`."""
     if gpu_memory and from_nvml:
         raise EstimateError("give --gpu-memory or --from-nvml, not both")
-    cfg = load_config(config_path, {**parse_overrides(sets), **(overrides or {})})
+    cfg = load_config(config_path, parse_overrides(sets).merge(overrides or {}))
     refused = target_custom_code(cfg)
     if refused:  # dflash-train refuses this target, and the memory model knows only the architectures it ships
         raise EstimateError(refused)

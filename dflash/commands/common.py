@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import click
 
+from dflash.config import Overrides
+
 CONTEXT = {"help_option_names": ["-h", "--help"]}
 
 
@@ -27,7 +29,7 @@ def _gpu_list(flag: str, text: str | None) -> list[str] | None:
     return items
 
 
-def gpu_overrides(target_gpus: str | None, drafter_gpus: str | None, colocated_gpus: str | None) -> dict:
+def gpu_overrides(target_gpus: str | None, drafter_gpus: str | None, colocated_gpus: str | None) -> Overrides:
     """--target-gpus / --drafter-gpus / --colocated-gpus as config overrides that replace the preset's layout: a split
     list given clears topology.colocated_gpus, --colocated-gpus clears both split lists (a list not given keeps the
     config's, beside the other split list). The one reading every command with these flags uses."""
@@ -38,11 +40,18 @@ def gpu_overrides(target_gpus: str | None, drafter_gpus: str | None, colocated_g
     if colocated is not None and given:
         raise click.UsageError("--colocated-gpus gives every GPU both roles, --target-gpus/--drafter-gpus split them: "
                                "give one layout")
+    out = Overrides()
     if colocated is not None:
-        return {"topology.colocated_gpus": colocated, "topology.target_gpus": [], "topology.drafter_gpus": []}
-    if given:
-        return {"topology.colocated_gpus": [], **{f"topology.{k}": v for k, v in given.items()}}
-    return {}
+        how = f"--colocated-gpus {colocated_gpus}"
+        for key, value in (("colocated_gpus", colocated), ("target_gpus", []), ("drafter_gpus", [])):
+            out.put(f"topology.{key}", value, how)
+    elif given:
+        how = ", ".join(f"--{k.replace('_', '-')} {text}" for k, text in (("target_gpus", target_gpus),
+                                                                           ("drafter_gpus", drafter_gpus)) if k in given)
+        out.put("topology.colocated_gpus", [], how)
+        for key, value in given.items():
+            out.put(f"topology.{key}", value, how)
+    return out
 
 
 def gpu_options(command):

@@ -77,10 +77,10 @@ def train_command(config_path, demo, resume, fresh, sets, max_steps, output_dir,
         raise click.UsageError("--resume needs `latest` or a checkpoint folder")
     overrides = parse_overrides(sets)
     if max_steps:
-        overrides["train.max_steps"] = max_steps
+        overrides.put("train.max_steps", max_steps, f"--max-steps {max_steps}")
     if output_dir is not None:
-        overrides["output_dir"] = output_dir
-    overrides.update(gpu_overrides(target_gpus, drafter_gpus, colocated_gpus))
+        overrides.put("output_dir", output_dir, f"--output-dir {output_dir!r}")
+    overrides.merge(gpu_overrides(target_gpus, drafter_gpus, colocated_gpus))
     if init_from is not None:
         if resume:
             raise click.UsageError("--init-from starts a fresh run from a drafter's weights; --resume continues a "
@@ -88,9 +88,9 @@ def train_command(config_path, demo, resume, fresh, sets, max_steps, output_dir,
         from dflash.train.warmstart import read_init_config
 
         read_init_config(init_from)  # a folder that is no drafter is one line, before anything loads
-        overrides["init_from"] = str(init_from)
+        overrides.put("init_from", str(init_from), f"--init-from {init_from}")
     if report_to:
-        overrides["report_to"] = _trackers(report_to)
+        overrides.put("report_to", _trackers(report_to), f"--report-to {','.join(report_to)}")
     cfg = load_config(config_path, overrides)
     if cfg.report_to:
         from dflash.train.trackers import check_available

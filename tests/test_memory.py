@@ -881,3 +881,15 @@ def test_pace_says_which_figures_rest_on_rates_of_another_recompute_and_calls_cl
     code, out, _ = estimate_cli(capsys, "--config", str(USERS_BOX), "--gpu-memory", "95GiB", "--rates", "12.55k,46.3k",
                                 "--rates-recompute", "mlp")
     assert "FSDP2 on 8 GPUs: 78,989 tok/s (link 12.11 GB, 0.24 s a step)\n" in out
+
+
+def test_rates_from_a_run_dir_are_taken_at_the_recompute_its_gate_resolved(tmp_path):
+    """--rates-from RUN: the drafter's recompute comes from the run's snapshot (memory roles), so the pace knows which
+    layouts rest on a rate of another mode; a dir without a snapshot says nothing (off is then assumed)."""
+    from preflight.estimate import run_recompute
+
+    (tmp_path / "snapshot.json").write_text(json.dumps({
+        "format": "dflash-snapshot/1", "run": {}, "environment": {}, "config": {},
+        "memory": {"roles": {"target": {"bytes": 1, "recompute": "off"}, "drafter": {"bytes": 1, "recompute": "mlp"}}}}))
+    assert run_recompute(str(tmp_path)) == "mlp"
+    assert run_recompute(str(tmp_path / "nosuch")) is None

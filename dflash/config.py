@@ -529,6 +529,10 @@ def _format_validation(err: ValidationError, source: str, raw: dict | None = Non
         msg = e["msg"].removeprefix("Value error, ")  # pydantic's prefix for a validator's ValueError
         if e["type"] == "extra_forbidden":
             msg = f"unknown key{did_you_mean(loc)} (check spelling; see configs/ for the allowed keys)"
+        elif (e["type"] == "list_type" and len(loc) == 2 and loc[0] == "topology" and str(loc[1]).endswith("_gpus")
+              and isinstance(e["input"], (str, int))):
+            names = [n.strip() for n in str(e["input"]).split(",") if n.strip()] or ["0", "1"]
+            msg = f"give a list of GPU names, got {e['input']!r}; {_gpu_names({loc[0]: {loc[1]: names}}, loc, how)}"
         elif (e["type"] == "string_type" and len(loc) == 3 and loc[0] == "topology" and str(loc[1]).endswith("_gpus")):
             if loc[:2] in quoted:
                 continue

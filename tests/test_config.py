@@ -198,6 +198,10 @@ def test_errors_blame_where_the_value_came_from(tmp_path):
         load_config(path)
     assert str(e.value) == (f'{path}: topology.colocated_gpus: GPU names are strings, got 0; quote each GPU name: '
                             'colocated_gpus = ["0", "1", "2"]')
+    with pytest.raises(ConfigError) as e:
+        load_config(path, parse_overrides(["topology.colocated_gpus=4,5"]))
+    assert str(e.value) == ("--set topology.colocated_gpus=4,5: topology.colocated_gpus: give a list of GPU names, got "
+                            """'4,5'; quote each GPU name: --set 'topology.colocated_gpus=["4","5"]'""")
 
 
 @pytest.mark.parametrize("raw, says", [

@@ -276,7 +276,7 @@ def test_config_refuses_random_init_when_the_target_folder_holds_weights(tmp_pat
     assert r.status == "fail", r.summary
     assert r.summary.startswith(f"target.random_init = true but target.path {folder} holds weights ({weights[0]}")
     assert r.summary.endswith("the run would ignore them and train against random weights"), r.summary
-    assert r.fix == "remove random_init from [target] in run.toml (or set it to false) to train against those weights"
+    assert r.fix == "drop target.random_init (from run.toml or the --set that gives it) to train against those weights"
 
 
 def test_config_refuses_a_target_folder_of_shapes_alone_naming_both_ways_out(tmp_path):

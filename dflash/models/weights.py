@@ -45,7 +45,7 @@ def weights_problem(random_init: bool, path: str, weights: list[str], where: str
         shown = ", ".join(weights[:3]) + (f" (+{len(weights) - 3} more)" if len(weights) > 3 else "")
         return ("fail", f"target.random_init = true but target.path {path} holds weights ({shown}): the run would "
                 f"ignore them and train against random weights",
-                f"remove random_init from [target] in {where} (or set it to false) to train against those weights")
+                f"drop target.random_init (from {where} or the --set that gives it) to train against those weights")
     if not random_init and not weights:
         return ("fail", f"target.path {path} holds no weights ({' or '.join(WEIGHT_FILES[1::2])}), only the model's "
                 "shapes", f"set target.path in {where} to the folder of your model's weights; for memory and speed "

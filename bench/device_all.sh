@@ -29,11 +29,11 @@ wait
 python3 bench/make_synthetic.py --out .cache/syn-2816 --samples 200 --length 2816
 python3 bench/make_synthetic.py --out .cache/syn-3072 --samples 256 --length 3072
 echo "=== Qwen3.6-27B 1+1 $(date +%T)"
-timeout ${Q36_S:-200} python3 -m dflash.commands.train --config configs/qwen3.6-27b-5t3d.toml --target-gpus 0 --drafter-gpus 1 \
+timeout ${Q36_S:-200} python3 -m dflash.commands.train --config configs/qwen3.6-27b-5t3d.toml --set target.random_init=true --target-gpus 0 --drafter-gpus 1 \
   --set data.path=\".cache/syn-2816\" --set output_dir=\"runs/q36-1t1d\" --set train.log_every=2 --set train.keep_last=1 \
   --fresh --max-steps ${STEPS_Q36:-8} --no-progress "${W[@]}" 2>&1 | grep -v Warning | tail -25
 echo "=== Qwen3-8B 1+1 $(date +%T)"
-timeout 100 python3 -m dflash.commands.train --config configs/qwen3-8b-1t1d.toml --set data.path=\".cache/syn-3072\" \
+timeout 100 python3 -m dflash.commands.train --config configs/qwen3-8b-1t1d.toml --set target.random_init=true --set data.path=\".cache/syn-3072\" \
   --set output_dir=\"runs/8b-1t1d\" --fresh --max-steps 20 --no-progress "${W[@]}" 2>&1 | grep -v Warning | tail -6
 echo "=== dflash-diff"; python3 -m dflash.commands.diff runs/8b-1t1d runs/q36-1t1d; echo "rc=$?"
 echo "=== dflash-diff --here"; python3 -m dflash.commands.diff --here runs/8b-1t1d; echo "rc=$?"

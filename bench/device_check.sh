@@ -21,7 +21,7 @@ python3 -m pip install -q --no-deps --no-index --target .cache/fla .whl/fla/*.wh
   timeout 220 python3 bench/train_step.py --sweep --profile 12 --compile-times --json "$OUT/sweep.json"
   if [ -z "${SKIP_EPOCH:-}" ]; then
   python3 bench/make_synthetic.py --out .cache/syn-mix --samples 400 --length 1500 --sigma 0.8 --max-length 8192
-  TORCH_LOGS=recompiles timeout 150 python3 -m dflash.commands.train --config configs/qwen3-8b-1gpu.toml --set data.path=\".cache/syn-mix\" \
+  TORCH_LOGS=recompiles timeout 150 python3 -m dflash.commands.train --config configs/qwen3-8b-1gpu.toml --set target.random_init=true --set data.path=\".cache/syn-mix\" \
     --set output_dir=\"runs/bucketed\" --set data.token_budget=16384 --set data.max_batch_size=16 \
     --set train.max_anchors=1024 --set train.batch_anchors=1024 --set train.epochs=1 --set train.log_every=5 \
     --set train.keep_last=1 --fresh --no-progress "${W[@]}" > "$OUT/bucketed.log" 2>&1
@@ -43,7 +43,7 @@ cat "$OUT/cal.log"
 [ -n "${SKIP_Q36:-}" ] && exit 0
 python3 bench/make_synthetic.py --out .cache/syn-2816 --samples 200 --length 2816 --vocab 248320 > /dev/null
 echo "=== Qwen3.6-27B 1+1 $(date +%T)"
-timeout ${Q36_S:-230} python3 -m dflash.commands.train --config configs/qwen3.6-27b-5t3d.toml --target-gpus 0 --drafter-gpus 1 \
+timeout ${Q36_S:-230} python3 -m dflash.commands.train --config configs/qwen3.6-27b-5t3d.toml --set target.random_init=true --target-gpus 0 --drafter-gpus 1 \
   --set data.path=\".cache/syn-2816\" --set output_dir=\"runs/q36-1t1d\" --set train.log_every=2 --set train.keep_last=1 \
   --fresh --max-steps ${STEPS_Q36:-8} --no-progress "${W[@]}" > "$OUT/q36.log" 2>&1
 grep -v Warning "$OUT/q36.log" | grep -E "estimate|GiB|step|suggested|measured|done|target|drafter|Error" | tail -22

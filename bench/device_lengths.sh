@@ -29,7 +29,7 @@ ONE_GPU=(--set 'topology.target_gpus=[]' --set 'topology.drafter_gpus=[]')
 train() {  # name, data, steps, extra args...: one co-located dflash-train run, NVML every 250 ms, its pace summary
   local name=$1 data=$2 steps=$3; shift 3
   nvidia-smi --query-gpu=index,memory.used --format=csv,noheader,nounits -lms 250 > "$L/nvml_$name.csv" & local smi=$!
-  python3 -m dflash.commands.train --config "$CFG" "${ONE_GPU[@]}" --set output_dir=\"runs/$name\" \
+  python3 -m dflash.commands.train --config "$CFG" --set target.random_init=true "${ONE_GPU[@]}" --set output_dir=\"runs/$name\" \
     --set data.path=\"$data\" --set train.log_every=5 --set train.save_every=$SAVE --set train.keep_last=1 \
     --max-steps "$steps" --fresh \
     --no-progress "${W[@]}" "$@" 2>&1 | grep -av Warning > "$L/train_$name.log"
@@ -60,7 +60,7 @@ for part in ${PART:-tests}; do
            cp "runs/$MIX_NAME/metrics.jsonl" "$OUT/metrics_$MIX_NAME.jsonl"; cp "runs/$MIX_NAME/outcome.json" \
              "$OUT/outcome_$MIX_NAME.json"; cp "$L"/*_"$MIX_NAME".* "$OUT/" ;;
     run) t0=$(date +%s)
-         [ -n "${SKIP_WARM:-}" ] || python3 -m dflash.commands.train --config "$CFG" "${ONE_GPU[@]}" --set data.path=\"$MIX\" "${MIX_SET[@]}" --warm-cache \
+         [ -n "${SKIP_WARM:-}" ] || python3 -m dflash.commands.train --config "$CFG" --set target.random_init=true "${ONE_GPU[@]}" --set data.path=\"$MIX\" "${MIX_SET[@]}" --warm-cache \
            "${W[@]}" 2>&1 | grep -av Warning > "$L/warm.log"
          echo "warm-cache rc=${PIPESTATUS[0]} $(( $(date +%s) - t0 )) s $(date +%T)" | tee -a "$L/progress.txt"
          train "$MIX_NAME" "$MIX" "$STEPS" "${MIX_SET[@]}"

@@ -29,7 +29,7 @@ train() {  # name, extra args...: one dflash-train run, its log, NVML every 250 
   if command -v nvidia-smi >/dev/null; then
     nvidia-smi --query-gpu=index,memory.used --format=csv,noheader,nounits -lms 250 > "$OUT/nvml_$name.csv" & smi=$!
   fi
-  python3 -m dflash.commands.train --config "$CFG" --set output_dir=\"runs/$name\" "${COMMON[@]}" "$@" 2>&1 \
+  python3 -m dflash.commands.train --config "$CFG" --set target.random_init=true --set output_dir=\"runs/$name\" "${COMMON[@]}" "$@" 2>&1 \
     | grep -v Warning > "$OUT/train_$name.log"
   echo "$name: dflash-train rc=${PIPESTATUS[0]}"; [ -z "$smi" ] || kill $smi
   tail -n 12 "$OUT/train_$name.log"
@@ -39,7 +39,7 @@ train() {  # name, extra args...: one dflash-train run, its log, NVML every 250 
 for part in ${PART:-warm 27b}; do (  # a subshell each: one part's CFG, DATA and COMMON never reach the next
   echo "=== $part $(date +%T)"
   case $part in
-    warm) python3 -m dflash.commands.train --config "$CFG" --target-gpus 0 --drafter-gpus 1 --warm-cache \
+    warm) python3 -m dflash.commands.train --config "$CFG" --set target.random_init=true --target-gpus 0 --drafter-gpus 1 --warm-cache \
             --set data.path=\"$DATA\" "${W[@]}" 2>&1 | grep -v Warning | tail -n 20 ;;
     27b) python3 -m dflash.commands.estimate --config "$CFG" --set topology.target_gpus=[\"0\"] \
            --set topology.drafter_gpus=[\"1\"] --from-nvml > "$OUT/estimate_27b_1t1d.txt" 2>&1

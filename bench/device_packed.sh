@@ -24,7 +24,7 @@ train() {  # name, data, steps, deadline, extra args...: one dflash-train run, N
   local name=$1 data=$2 steps=$3 deadline=$4; shift 4
   nvidia-smi --query-gpu=index,memory.used --format=csv,noheader,nounits -lms 250 >> "$OUT/nvml_$name.csv" & local smi=$!
   local t0; t0=$(date +%s)
-  timeout -k 90 -s TERM "$deadline" python3 -m dflash.commands.train --config "$CFG" "${PACKED[@]}" \
+  timeout -k 90 -s TERM "$deadline" python3 -m dflash.commands.train --config "$CFG" --set target.random_init=true "${PACKED[@]}" \
     --set output_dir=\"runs/$name\" --set data.path=\"$data\" --max-steps "$steps" --no-progress "${W[@]}" "$@" 2>&1 \
     | grep -av Warning >> "$OUT/train_$name.log"
   echo "$name $*: dflash-train rc=${PIPESTATUS[0]} in $(( $(date +%s) - t0 )) s" | tee -a "$OUT/progress_$name.txt"

@@ -23,12 +23,12 @@ PY
 }
 if [ "${RUN_8B:-1}" = 1 ]; then
 python3 bench/make_synthetic.py --out .cache/syn-3072 --samples 2048 --length 3072
-python3 -m dflash.commands.preflight --profile train-cu128 --config configs/qwen3-8b-1t1d.toml --fresh --json "${W[@]}" \
+python3 -m dflash.commands.preflight --profile train-cu128 --config configs/qwen3-8b-1t1d.toml --set target.random_init=true --fresh --json "${W[@]}" \
   > "$OUT/preflight_8b_1t1d.json"; echo "preflight rc=$?"
 python3 -m dflash.commands.estimate --config configs/qwen3-8b-1t1d.toml --from-nvml > "$OUT/estimate_8b_1t1d.txt" 2>&1
 echo "=== 8B 1+1 $(date +%T)"
 watch_start nvml_8b_1t1d.csv
-python3 -m dflash.commands.train --config configs/qwen3-8b-1t1d.toml --fresh --max-steps ${STEPS_8B:-150} --no-progress \
+python3 -m dflash.commands.train --config configs/qwen3-8b-1t1d.toml --set target.random_init=true --fresh --max-steps ${STEPS_8B:-150} --no-progress \
   "${W[@]}" 2>&1 | tee "$OUT/train_8b_1t1d.log" | grep -v Warning
 watch_stop nvml_8b_1t1d.csv
 cp runs/qwen3-8b-1t1d/metrics.jsonl "$OUT/metrics_8b_1t1d.jsonl"
@@ -37,7 +37,7 @@ if [ "${TORCHRUN_STEPS:-0}" -gt 0 ]; then
   echo "=== 8B 1+1 torchrun $(date +%T)"
   watch_start nvml_8b_torchrun.csv
   python3 -m torch.distributed.run --standalone --nproc-per-node 2 -m dflash.commands.torchrun \
-    --config configs/qwen3-8b-1t1d.toml --set output_dir=\"runs/qwen3-8b-torchrun\" \
+    --config configs/qwen3-8b-1t1d.toml --set target.random_init=true --set output_dir=\"runs/qwen3-8b-torchrun\" \
     --set train.max_steps=${TORCHRUN_STEPS} --fresh "${W[@]}" 2>&1 | tee "$OUT/train_8b_torchrun.log" | grep -v Warning
   watch_stop nvml_8b_torchrun.csv
   cp runs/qwen3-8b-torchrun/metrics.jsonl "$OUT/metrics_8b_torchrun.jsonl"
@@ -51,7 +51,7 @@ python3 bench/make_synthetic.py --out .cache/syn-2816 --samples 400 --length 281
 python3 -m dflash.commands.estimate --config "$CFG_27B" --set topology.target_gpus=[\"0\"] \
   --set topology.drafter_gpus=[\"1\"] --from-nvml > "$OUT/estimate_27b_1t1d.txt" 2>&1
 watch_start nvml_27b_1t1d.csv
-python3 -m dflash.commands.train --config "$CFG_27B" --target-gpus 0 --drafter-gpus 1 \
+python3 -m dflash.commands.train --config "$CFG_27B" --set target.random_init=true --target-gpus 0 --drafter-gpus 1 \
   --set data.path=\".cache/syn-2816\" --set output_dir=\"runs/qwen3-27b-1t1d\" --set train.log_every=5 \
   --fresh --max-steps ${STEPS_27B:-25} --no-progress "${W[@]}" --waive gpu-memory --reason "measuring it" \
   2>&1 | tee "$OUT/train_27b_1t1d.log" | grep -v Warning

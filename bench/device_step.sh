@@ -29,7 +29,7 @@ CAL_ONLY=${CAL_ONLY:-}  # e.g. "--only 8b-16k-a512-b16-d5 --only ..."
   echo "== warm cache"; timeout 120 python3 bench/train_step.py --warmup 2 --steps 3 | grep -E "first step|ms/step"
   echo "== bucketed epoch $(date +%T)"
   python3 bench/make_synthetic.py --out .cache/syn-mix --samples 400 --length 1500 --sigma 0.8 --max-length 8192
-  TORCH_LOGS=recompiles timeout 240 python3 -m dflash.commands.train --config configs/qwen3-8b-1gpu.toml --set data.path=\".cache/syn-mix\" \
+  TORCH_LOGS=recompiles timeout 240 python3 -m dflash.commands.train --config configs/qwen3-8b-1gpu.toml --set target.random_init=true --set data.path=\".cache/syn-mix\" \
     --set output_dir=\"runs/bucketed\" --set data.token_budget=16384 --set data.max_batch_size=16 \
     --set train.max_anchors=1024 --set train.batch_anchors=1024 --set train.epochs=1 --set train.log_every=5 \
     --set train.keep_last=1 --fresh --no-progress "${W[@]}" > "$OUT/bucketed.log" 2>&1

@@ -130,6 +130,7 @@ def main(argv: list[str] | None = None) -> int:
         args.config = str(tiny_config(root, args.world or 8))
     overrides = parse_sets(args.sets, args.config, prog)
     overrides.update({"train.max_steps": args.max_steps, "train.log_every": 1})
+    overrides.setdefault("target.random_init", True)  # one rank's memory and compute: the shapes, not the weights
     cfg = load_config(args.config, overrides)
     world = args.world or len(cfg.topology.colocated_gpus)
     if cfg.topology.layout != "colocated-dp" or world < 2:

@@ -141,6 +141,7 @@ def measure(name: str, overrides: dict, args, data_root: Path, out_root: Path) -
     from dflash.config import load_config
     from dflash.train.trainer import Trainer
 
+    overrides = {"target.random_init": True, **overrides}  # shapes only: a step's time and memory do not need weights
     cfg = load_config(args.config, overrides)
     length = cfg.data.token_budget // cfg.data.max_batch_size
     vocab = _vocab(cfg.target.path)

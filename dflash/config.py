@@ -66,7 +66,8 @@ class TargetConfig(_Strict):
         "bfloat16", description="dtype the frozen target runs in"
     )
     random_init: bool = Field(
-        False, description="build the target from config.json with random weights (benchmarks, tests)"
+        False, description="build the target from config.json with random weights: memory and speed measurements only "
+        "(the drafter learns nothing useful; the gate and every start warn); refused when target.path holds weights"
     )
     compile: bool = Field(
         True, description="torch.compile each target decoder layer on CUDA (one graph per layer type, any batch shape; "
@@ -439,22 +440,112 @@ class ConfigError(DflashError):
     exit_code = 2  # bad input
 
 
-def _format_validation(err: ValidationError, source: str) -> str:
-    """Every validation error on one line: `source: field: problem; field: problem`."""
-    parts = []
+class Overrides(dict):
+    """Dotted overrides of a run config ({"train.lr": 1e-4}), each with how the user gave it ("--set train.lr=1e-4",
+    "--colocated-gpus 0,1"): a value that does not validate is blamed on that, never on the config file."""
+
+    def __init__(self, values: dict | None = None, given: dict[str, str] | None = None):
+        super().__init__(values or {})
+        self.given = dict(given or {})
+
+    def put(self, key: str, value, given: str) -> None:
+        self[key] = value
+        self.given[key] = given
+
+    def merge(self, other: dict) -> Overrides:
+        """`other`'s overrides on top of these, with how they were given (a plain dict's: unnamed)."""
+        self.update(other)
+        self.given.update(getattr(other, "given", {}))
+        return self
+
+
+def _blame(loc: tuple, source: str, given: dict[str, str], file_raw: dict) -> str:
+    """Who gave the value at `loc`: the override that set it or a value above it; the overrides inside it when the
+    file does not have it; else the file, with the overrides inside it when they changed part of it (a section's
+    rule, the whole config's)."""
+    where = ".".join(str(p) for p in loc)
+    for key, how in given.items():
+        if where == key or where.startswith(key + "."):
+            return how
+    inside = list(dict.fromkeys(how for key, how in given.items() if not where or key.startswith(where + ".")))
+    if not inside:
+        return source
+    node = file_raw
+    for part in loc:
+        node = node.get(part) if isinstance(node, dict) else None
+    return ", ".join(inside) if loc and node is None else f"{source} with {', '.join(inside)}"
+
+
+def _section_model(loc: tuple) -> type[BaseModel] | None:
+    """The config model (RunConfig or one of its sections) that holds the field at `loc`, else None."""
+    model: type[BaseModel] = RunConfig
+    for part in loc[:-1]:
+        field = model.model_fields.get(part) if isinstance(part, str) else None
+        if field is None or not (isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel)):
+            return None
+        model = field.annotation
+    return model
+
+
+def did_you_mean(loc: tuple) -> str:
+    """' (did you mean data.token_budget?)' for an unknown key at `loc`: the same name in another section, else the
+    closest name in its own; '' when nothing is close."""
+    import difflib
+
+    key, model = loc[-1], _section_model(loc)
+    if model is None or not isinstance(key, str):
+        return ""
+    sections = {name: f.annotation for name, f in RunConfig.model_fields.items()
+                if isinstance(f.annotation, type) and issubclass(f.annotation, BaseModel)}
+    elsewhere = [f"{name}.{key}" for name, sec in sections.items() if key in sec.model_fields and sec is not model]
+    if elsewhere:
+        return f"; did you mean {elsewhere[0]}?"
+    close = difflib.get_close_matches(key, list(model.model_fields), n=1, cutoff=0.6)
+    prefix = ".".join(str(p) for p in loc[:-1])
+    return f"; did you mean {prefix + '.' if prefix else ''}{close[0]}?" if close else ""
+
+
+def _gpu_names(raw: dict, loc: tuple, how: str) -> str:
+    """The fix for GPU names given as numbers: the list as it should be written, quoted, in the form it was given."""
+    names = raw.get(loc[0], {}).get(loc[1]) if isinstance(raw.get(loc[0]), dict) else None
+    names = [str(n) for n in names] if isinstance(names, list) else ["0", "1"]
+    if how.startswith("--set "):
+        return f"quote each GPU name: --set '{loc[0]}.{loc[1]}={json.dumps(names, separators=(',', ':'))}'"
+    return f"quote each GPU name: {loc[1]} = {json.dumps(names)}"
+
+
+def _format_validation(err: ValidationError, source: str, raw: dict | None = None,
+                       overrides: dict | None = None, file_raw: dict | None = None) -> str:
+    """Every validation error on one line: `source: field: problem; field: problem`, each blamed on where its value
+    came from (the file, or the --set or flag that gave it), an unknown key with the closest known one, GPU names
+    given as numbers with the list quoted."""
+    given = {key: getattr(overrides, "given", {}).get(key, f"the override {key}") for key in overrides or {}}
+    groups: dict[str, list[str]] = {}
+    quoted = set()
     for e in err.errors():
-        where = ".".join(str(p) for p in e["loc"]) or "(top level)"
-        msg = e["msg"]
+        loc = e["loc"]
+        where = ".".join(str(p) for p in loc) or "(top level)"
+        how = _blame(loc, source, given, file_raw if file_raw is not None else raw or {})
+        msg = e["msg"].removeprefix("Value error, ")  # pydantic's prefix for a validator's ValueError
         if e["type"] == "extra_forbidden":
-            msg = "unknown key (check spelling; see configs/ for the allowed keys)"
-        parts.append(f"{where}: {msg}")
-    return f"{source}: " + "; ".join(parts)
+            msg = f"unknown key{did_you_mean(loc)} (check spelling; see configs/ for the allowed keys)"
+        elif (e["type"] == "list_type" and len(loc) == 2 and loc[0] == "topology" and str(loc[1]).endswith("_gpus")
+              and isinstance(e["input"], (str, int))):
+            names = [n.strip() for n in str(e["input"]).split(",") if n.strip()] or ["0", "1"]
+            msg = f"give a list of GPU names, got {e['input']!r}; {_gpu_names({loc[0]: {loc[1]: names}}, loc, how)}"
+        elif (e["type"] == "string_type" and len(loc) == 3 and loc[0] == "topology" and str(loc[1]).endswith("_gpus")):
+            if loc[:2] in quoted:
+                continue
+            quoted.add(loc[:2])
+            where, msg = f"{loc[0]}.{loc[1]}", f"GPU names are strings, got {e['input']!r}; {_gpu_names(raw or {}, loc, how)}"
+        groups.setdefault(how, []).append(f"{where}: {msg}")
+    return "; ".join(f"{how}: " + "; ".join(parts) for how, parts in groups.items())
 
 
 _DATE_TIME = (datetime.date, datetime.time, datetime.datetime)
 
 
-def parse_overrides(pairs: tuple[str, ...] | list[str]) -> dict:
+def parse_overrides(pairs: tuple[str, ...] | list[str]) -> Overrides:
     """`--set` pairs -> dotted overrides, the one parser every command uses.
 
     Values are TOML values, so lists and numbers work (`topology.target_gpus=["0","1"]`,
@@ -462,7 +553,7 @@ def parse_overrides(pairs: tuple[str, ...] | list[str]) -> dict:
     a bare string (`target.path=/models/qwen3`). A table (`train={lr=1}`) is refused: it would
     replace the whole section, every other field falling back to its default.
     """
-    out = {}
+    out = Overrides()
     for pair in pairs:
         key, sep, raw = pair.partition("=")
         key = key.strip()
@@ -480,7 +571,7 @@ def parse_overrides(pairs: tuple[str, ...] | list[str]) -> dict:
             first, example = next(iter(value.items()), ("KEY", "VALUE"))
             raise ConfigError(f"--set {pair!r}: a table would replace all of {key}, every other field falling back to "
                               f"its default; set one field per --set, e.g. --set {key}.{first}={json.dumps(example, default=str)}")
-        out[".".join(part.strip() for part in key.split("."))] = value
+        out.put(".".join(part.strip() for part in key.split(".")), value, f"--set {pair.strip()}")
     return out
 
 
@@ -509,7 +600,7 @@ def config_from_dict(raw: dict, overrides: dict | None = None, source: str = "co
     """Apply dotted overrides to a parsed config (a copy), validate; every problem is one ConfigError line."""
     if not isinstance(raw, dict):
         raise ConfigError(f"{source}: expected a table of sections, got {type(raw).__name__}; see configs/")
-    raw = copy.deepcopy(raw)  # TOML dates and times stay as they are: validation names the field they are in
+    file_raw, raw = raw, copy.deepcopy(raw)  # TOML dates and times stay as they are: validation names their field
     for dotted, value in (overrides or {}).items():
         node = raw
         *parents, leaf = dotted.split(".")
@@ -517,13 +608,14 @@ def config_from_dict(raw: dict, overrides: dict | None = None, source: str = "co
             node = node.setdefault(p, {})
             if not isinstance(node, dict):
                 where = ".".join(parents[: depth + 1])
-                raise ConfigError(f"{source}: cannot set {dotted}: {where} is a value ({node!r}), not a section; "
+                how = getattr(overrides, "given", {}).get(dotted, source)
+                raise ConfigError(f"{how}: cannot set {dotted}: {where} is a value ({node!r}), not a section; "
                                   f"set {where}=VALUE")
         node[leaf] = value
     try:
         return RunConfig.model_validate(raw)
     except ValidationError as e:
-        raise ConfigError(_format_validation(e, source)) from None
+        raise ConfigError(_format_validation(e, source, raw, overrides, file_raw)) from None
     except RecursionError:
         raise ConfigError(f"{source}: values nested too deeply to be a run config; see configs/ for the layout") from None
 

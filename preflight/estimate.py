@@ -51,6 +51,25 @@ def parse_size(text: str) -> int:
     return int(size)
 
 
+_DECIMAL = {"kb": 3, "mb": 6, "gb": 9, "tb": 12}
+
+
+def size_reading(text: str) -> tuple[str, str | None]:
+    """How parse_size read `text`, for the header line ("--gpu-memory 95GB: decimal, 95 x 10^9 bytes"; "" for a
+    binary unit), and a warning when the unit is decimal and written in lowercase ("gb": often meant as GiB)."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]+)\s*", text)
+    unit = m.group(2) if m else ""
+    if unit.lower() not in _DECIMAL:
+        return "", None
+    exp = _DECIMAL[unit.lower()]
+    said = f"--gpu-memory {text.strip()}: decimal {unit.upper()}, {m.group(1)} x 10^{exp} bytes"
+    if unit == unit.upper():
+        return said, None
+    gib = float(m.group(1)) * 10**exp / 2**30
+    return said, (f"--gpu-memory {text.strip()} is read as decimal {unit.upper()}: {m.group(1)} x 10^{exp} bytes = "
+                  f"{gib:.2f} GiB; if the GPU has {m.group(1)} GiB, write {m.group(1)}{unit[0].upper()}iB")
+
+
 def profile_cuda(profile: str) -> tuple[str, str]:
     """The CUDA version of the config's profile manifest, else the default, and where it came from."""
     try:
@@ -91,13 +110,17 @@ def run_estimate(
     rates: str | None = None,
     rates_from: str | None = None,
     link_gbps: str | None = None,
+    overrides: dict | None = None,
+    rates_recompute: str | None = None,
 ) -> tuple[Estimate, str]:
     """The estimate dflash-estimate prints, and where its CUDA version came from. `rates` ("TARGET,DRAFTER" busy
     tok/s per GPU) or `rates_from` (a split run's dir, its busy rates as its summary printed them) add each layout's
-    tokens/s, its communication priced at `link_gbps` (GB/s one way per GPU; default the users' PCIe Gen5 x16)."""
+    tokens/s, its communication priced at `link_gbps` (GB/s one way per GPU; default the users' PCIe Gen5 x16).
+    `overrides` (dotted, as the GPU-list flags give them) apply after `sets`. `rates_recompute`: the recompute the
+    drafter's rate was measured at (default: the --rates-from run's, else off); pace lines at another say so."""
     if gpu_memory and from_nvml:
         raise EstimateError("give --gpu-memory or --from-nvml, not both")
-    cfg = load_config(config_path, parse_overrides(sets))
+    cfg = load_config(config_path, parse_overrides(sets).merge(overrides or {}))
     refused = target_custom_code(cfg)
     if refused:  # dflash-train refuses this target, and the memory model knows only the architectures it ships
         raise EstimateError(refused)
@@ -110,7 +133,27 @@ def run_estimate(
         gpu_bytes = nvml_gpu_bytes(gpus, gpu_info)
     link = parse_link(link_gbps) if link_gbps is not None else None
     busy = parse_rates(rates, rates_from) if rates or rates_from else None
-    return estimate(cfg, cuda, gpu_bytes, source=config_path, rates=busy, link_gbps=link), cuda_source
+    measured = rates_recompute or (run_recompute(rates_from) if rates_from else None) or "off"
+    est = estimate(cfg, cuda, gpu_bytes, source=config_path, rates=busy, link_gbps=link, rates_recompute=measured)
+    if gpu_memory:
+        est.gpu_source, warning = size_reading(gpu_memory)
+        est.warnings += [warning] if warning else []
+    elif from_nvml:
+        est.gpu_source = "NVML: the smallest total memory of the run's GPUs"
+    return est, cuda_source
+
+
+def run_recompute(run_dir: str) -> str | None:
+    """The recompute a run dir's drafter ran at, as its gate resolved it (snapshot.json's memory roles), or None."""
+    from dflash.runs.records import SnapshotError, load
+
+    try:
+        snap = load(run_dir)[0]
+    except (SnapshotError, OSError):
+        return None
+    roles = (snap.get("memory") or {}).get("roles") or {}
+    modes = [r.get("recompute") for name, r in roles.items() if name != "target" and isinstance(r, dict)]
+    return modes[0] if modes and modes[0] in ("off", "mlp", "layer") else None
 
 
 MAX_LINK_GBPS = 100_000.0  # 100 TB/s: no link between two GPUs comes near (NVLink 5 is 900 GB/s a way); more is a typo

@@ -174,13 +174,18 @@ def write_snapshot(cfg: RunConfig, report: Report, facts: Context) -> list[str]:
     return []
 
 
+# Warnings the gate prints as it lets a run start (the others stay in the report): the config check's is about what
+# the run learns (a target with random weights: dflash.models.weights).
+SAID_WARNINGS = ("config",)
+
+
 @dataclass
 class GateResult:
     """The gate's decision for one run, with the lines an entry point prints."""
 
     report: Report
     ok: bool
-    notes: list[str] = field(default_factory=list)  # one line per waived or failed check (stderr)
+    notes: list[str] = field(default_factory=list)  # one line per SAID_WARNINGS warning, waived or failed check (stderr)
     verdict: str = ""  # the last line: "preflight: ok (...)" or "refusing to start: ..." (stderr when not ok)
 
 
@@ -206,6 +211,7 @@ def run_gate(
     failed, waived = report.with_status("fail"), report.with_status("waived")
     if not failed and report.run is not None:
         notes += write_snapshot(cfg, report, facts)
+    notes += [f"preflight: WARN {c.id}: {c.summary}" for c in report.with_status("warn") if c.id in SAID_WARNINGS]
     notes += [f"preflight: waived {c.id}: {c.summary}" for c in waived]
     notes += [f"preflight: FAIL {c.id}: {c.summary}" + (f"  fix: {c.fix}" if c.fix else "") for c in failed]
     if failed:

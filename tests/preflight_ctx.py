@@ -8,6 +8,7 @@ from pathlib import Path
 
 from dflash.config import config_from_dict
 from dflash.data.identity import ValueStats
+from dflash.models.weights import weights_in
 from preflight.facts.context import Context
 from preflight.facts.dataset import Dataset, Shard
 from preflight.facts.environment import TorchBuild
@@ -78,7 +79,7 @@ def make_ctx(tmp_path: Path, config: dict | None = None, gpus: dict | None = Non
         run_dir=RunDir(cfg.output_dir, False, True),
         dataset=healthy_dataset(cfg.data.path, shape),
         disk=Disk(cfg.output_dir, free_bytes=500 * GiB),
-        target_shape=shape, target_error=shape_error,
+        target_shape=shape, target_error=shape_error, target_weights=weights_in(cfg.target.path),
         host={"pid": 4242},
     )
     return ctx

@@ -37,7 +37,7 @@ def test_floats_must_be_finite(field, value):
     ("drafter.target_layer_ids=[3, -1]", "drafter.target_layer_ids.1: Input should be greater than or equal to 0"),
     ("drafter.mask_token_id=100000000000000000000000", "drafter.mask_token_id: Input should be less than or equal to"),
     ('output_dir=""', "output_dir: String should have at least 1 character"),
-    ('target.path="a\\u0000b"', "target.path: Value error, contains a NUL character"),
+    ('target.path="a\\u0000b"', "target.path: contains a NUL character"),
 ])
 def test_values_that_can_never_work_are_refused_with_their_range(setting, says):
     assert says in refused(sets=(setting,))
@@ -174,3 +174,43 @@ def test_packing_refuses_pack_remainders_and_moves_the_target_hash():
     assert packed.target_hash() != plain.target_hash()
     assert config_from_dict({"data": {"pack_remainders": True}}).target_hash() not in (plain.target_hash(),
                                                                                         packed.target_hash())
+
+
+def test_errors_blame_where_the_value_came_from(tmp_path):
+    """A value from --set is blamed on that --set; a section's rule broken by a flag names the file and the flag; a
+    value of the file alone names the file."""
+    from dflash.config import Overrides
+
+    path = tmp_path / "run.toml"
+    path.write_text('[train]\ndata_parallel = "fsdp2"\n[topology]\ncolocated_gpus = ["0", "1"]\n')
+    with pytest.raises(ConfigError) as e:
+        load_config(path, parse_overrides(["train.lr=2"]))
+    assert str(e.value) == "--set train.lr=2: train.lr: Input should be less than or equal to 1"
+    flags = Overrides()
+    for key, value in (("topology.colocated_gpus", []), ("topology.target_gpus", ["0"]), ("topology.drafter_gpus", ["1"])):
+        flags.put(key, value, "--target-gpus 0, --drafter-gpus 1")
+    with pytest.raises(ConfigError) as e:
+        load_config(path, flags)
+    assert str(e.value).startswith(f"{path} with --target-gpus 0, --drafter-gpus 1: (top level): train.data_parallel "
+                                   '= "fsdp2" shards the drafter over co-located data-parallel ranks')
+    path.write_text("[topology]\ncolocated_gpus = [0, 1, 2]\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(path)
+    assert str(e.value) == (f'{path}: topology.colocated_gpus: GPU names are strings, got 0; quote each GPU name: '
+                            'colocated_gpus = ["0", "1", "2"]')
+    with pytest.raises(ConfigError) as e:
+        load_config(path, parse_overrides(["topology.colocated_gpus=4,5"]))
+    assert str(e.value) == ("--set topology.colocated_gpus=4,5: topology.colocated_gpus: give a list of GPU names, got "
+                            """'4,5'; quote each GPU name: --set 'topology.colocated_gpus=["4","5"]'""")
+
+
+@pytest.mark.parametrize("raw, says", [
+    ({"data": {"token_budjet": 1}}, "data.token_budjet: unknown key; did you mean data.token_budget? (check spelling"),
+    ({"train": {"token_budget": 1}}, "train.token_budget: unknown key; did you mean data.token_budget?"),
+    ({"trian": {}}, "trian: unknown key; did you mean train?"),
+    ({"train": {"zzz": 1}}, "train.zzz: unknown key (check spelling; see configs/ for the allowed keys)"),
+])
+def test_unknown_keys_name_the_closest_known_one(raw, says):
+    with pytest.raises(ConfigError) as e:
+        config_from_dict(raw)
+    assert str(e.value).startswith(f"config: {says}"), str(e.value)

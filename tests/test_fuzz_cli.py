@@ -71,6 +71,8 @@ def world(tmp_path_factory):
         "deep.toml": b"a = " + b"[" * 3000 + b"]" * 3000 + b"\n",
         "nul-path.toml": with_line(raw, "target", 'path = "a\\u0000b"').encode(),
         "colocated-split.toml": toml_text(raw).encode(),
+        "gpu-numbers.toml": (toml_text(raw) + "[topology]\ncolocated_gpus = [0, 1]\n").encode(),
+        "misspelt-key.toml": with_line(raw, "data", "token_budjet = 512").encode(),
         "prompts-not-utf8.txt": b"hello \xff\xfe world\n",
         "prompts-empty.txt": b"\n\n",
         "prompts-bad.jsonl": b'{"prompt": "hi"}\n{not json\n',
@@ -176,6 +178,10 @@ CASES = [
     ("dflash-train", ["--config", f"{B}/not-toml.toml"], "not valid TOML", 2, None),
     ("dflash-train", ["--config", f"{B}/datetime.toml"], "output_dir: Input should be a valid string", 2, None),
     ("dflash-train", ["--config", f"{B}/unknown-key.toml"], "train.learning_rate: unknown key", 2, None),
+    ("dflash-train", ["--config", f"{B}/misspelt-key.toml"], "misspelt-key.toml: data.token_budjet: unknown key; did you "
+     "mean data.token_budget?", 2, None),
+    ("dflash-train", ["--config", f"{B}/gpu-numbers.toml"], 'gpu-numbers.toml: topology.colocated_gpus: GPU names are '
+     'strings, got 0; quote each GPU name: colocated_gpus = ["0", "1"]', 2, None),
     ("dflash-train", ["--config", f"{B}/section-scalar.toml"], "train: Input should be a valid dictionary", 2, None),
     ("dflash-train", ["--config", f"{B}/wd-inf.toml", "--fresh"], "train.weight_decay: Input should be a finite number", 2, None),
     ("dflash-train", ["--config", f"{B}/lr-nan.toml"], "train.lr: Input should be a finite number", 2, None),
@@ -184,14 +190,23 @@ CASES = [
     ("dflash-train", ["--config", f"{B}/layer-negative.toml"], "drafter.target_layer_ids.0: Input should be greater", 2, None),
     ("dflash-train", ["--config", f"{B}/seed-negative.toml"], "train.seed: Input should be greater than or equal to 0", 2, None),
     ("dflash-train", ["--config", f"{B}/deep.toml"], "nested too deeply", 2, None),
-    ("dflash-train", ["--config", f"{B}/nul-path.toml"], "target.path: Value error, contains a NUL character", 2, None),
+    ("dflash-train", ["--config", f"{B}/nul-path.toml"], "target.path: contains a NUL character", 2, None),
     ("dflash-train", ["--config", B], "is a directory", 2, None),
     # ---- dflash-train: flags (a valid config whose run dir holds checkpoints)
     ("dflash-train", [*TRAIN, "--fresh", "--set", "train.lr.x=1"], "cannot set train.lr.x: train.lr is a value", 2, None),
     ("dflash-train", [*TRAIN, "--fresh", "--set", "train={lr=1}"], "a table would replace all of train", 2, None),
     ("dflash-train", [*TRAIN, "--fresh", "--set", "train..lr=1"], "empty name", 2, None),
     ("dflash-train", [*TRAIN, "--fresh", "--set", "=1"], "expected SECTION.KEY=VALUE", 2, None),
-    ("dflash-train", [*TRAIN, "--fresh", "--set", "train.weight_decay=inf"], "train.weight_decay: Input should be a finite", 2, None),
+    # a --set value is blamed on that --set, not on the file
+    ("dflash-train", [*TRAIN, "--fresh", "--set", "train.weight_decay=inf"],
+     "error: --set train.weight_decay=inf: train.weight_decay: Input should be a finite", 2, None),
+    ("dflash-train", [*TRAIN, "--fresh", "--set", "topology.colocated_gpus=[0,1]"], "error: --set topology.colocated_gpus="
+     "[0,1]: topology.colocated_gpus: GPU names are strings, got 0; quote each GPU name: --set "
+     "'topology.colocated_gpus=[\"0\",\"1\"]'", 2, None),
+    ("dflash-train", [*TRAIN, "--fresh", "--set", "trian.lr=1"], "error: --set trian.lr=1: trian: unknown key; did you "
+     "mean train?", 2, None),
+    ("dflash-train", [*TRAIN, "--fresh", "--set", "train.token_budget=1"], "error: --set train.token_budget=1: "
+     "train.token_budget: unknown key; did you mean data.token_budget?", 2, None),
     ("dflash-train", [*TRAIN, "--fresh", "--set", f"data.token_budget={BIG}"], "data.token_budget: Input should be less", 2, None),
     ("dflash-train", [*TRAIN, "--fresh", "--set", "nosuch.key=1"], "nosuch: unknown key", 2, None),
     ("dflash-train", [*TRAIN, "--fresh", "--waive", "nosuch", "--reason", "x"], "--waive nosuch: unknown check id", 2, None),
@@ -225,8 +240,9 @@ CASES = [
     ("dflash-data", ["bogus"], "No such command 'bogus'", 2, None),
     ("dflash-data", ["stats", f"{R}/nosuch"], "does not exist", 2, None),
     ("dflash-data", ["stats", G], "is a file", 2, None),
-    ("dflash-data", ["stats", f"{B}/empty-dir"], "empty-dir: no *.arrow shards", 1, None),
-    ("dflash-data", ["stats", f"{B}/garbage-shards"], "shard-00000.arrow: not a readable Arrow IPC file", 1, None),
+    ("dflash-data", ["stats", f"{B}/empty-dir"], "empty-dir: no *.arrow shards in this folder; write them with "
+     "dflash-data import (conversations) or dflash-data prepare (prompts)", 2, None),
+    ("dflash-data", ["stats", f"{B}/garbage-shards"], "shard-00000.arrow: not a readable Arrow IPC file", 2, None),
     ("dflash-data", ["stats", f"{R}/data", "--token-budget", BIG], "--token-budget", 2, None),
     ("dflash-data", ["stats", f"{R}/data", "--num-buckets", "0"], "--num-buckets", 2, None),
     ("dflash-data", ["prepare", "--device", "tpu", "--out", f"{R}/new", "--prompts", f"{B}/prompts-empty.txt"],
@@ -318,7 +334,9 @@ CASES = [
     ("dflash-lock", ["write", "extra"], "unexpected extra argument", 2, None),
     # ---- dflash-diff (the world's run dir was made without the gate: it has no snapshot.json)
     ("dflash-diff", [], "Missing argument 'A'", 2, None),
-    ("dflash-diff", [f"{R}/run"], "run holds no earlier run (previous/); give two run dirs", 2, None),
+    # A alone, no snapshot: that line, not a suggestion (--here A) that fails the same way
+    ("dflash-diff", [f"{R}/run"], "run: no snapshot.json (not a run dir, or a run started before snapshots were "
+     "written); give a run dir a dflash-train run wrote", 2, None),
     ("dflash-diff", ["--here", f"{R}/run", f"{R}/run"], "give one run dir with --here", 2, None),
     ("dflash-diff", [f"{R}/nosuch", f"{R}/run"], "nosuch: no such run dir", 2, None),
     ("dflash-diff", [f"{R}/run", f"{R}/run"], "run: no snapshot.json", 2, None),

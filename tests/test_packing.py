@@ -234,7 +234,7 @@ def test_stats_bad_input_is_one_line(tmp_path, capsys):
     gone = write_toml(raw, tmp_path / "gone.toml")
     for args, code, says in (
         (["--config", tmp_path / "nosuch.toml"], 2, f"{tmp_path / 'nosuch.toml'}: no such config file"),
-        (["--config", gone], 1, f"{tmp_path / 'nosuch'}: no such dataset folder; set data.path to a folder of "
+        (["--config", gone], 2, f"{tmp_path / 'nosuch'}: no such dataset folder; set data.path to a folder of "
                                 "*.arrow shards"),
         (["--config", toml, "--set", "data.packing=true", "--set", "data.pack_remainders=true"], 2,
          "set data.pack_remainders = false"),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -247,3 +248,60 @@ def test_config_checks_fp8_against_the_drafters_gpu_and_sizes(tmp_path):
     for g in unknown["gpus"]:
         g["compute_capability"] = "0.0"  # older recorded snapshots: not judged
     assert check_config(make_ctx(tmp_path, config={"train": {"fp8": "mlp"}}, gpus=unknown)).status == "pass"
+
+
+# ---------------------------------------------------------------- config: real weights, or random ones on purpose
+
+SHAPES = {"model_type": "qwen3", "num_hidden_layers": 8, "hidden_size": 64, "intermediate_size": 128,
+          "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 1000}
+
+
+def _target(tmp_path, *weights: str) -> Path:
+    """A target folder of shapes (config.json), plus empty files of these weight names."""
+    folder = tmp_path / "target"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(SHAPES))
+    for name in weights:
+        (folder / name).write_bytes(b"")
+    return folder
+
+
+@pytest.mark.parametrize("weights", [("model.safetensors",), ("model.safetensors.index.json",
+                                                              "model-00001-of-00002.safetensors"),
+                                     ("pytorch_model.bin",), ("model-00001-of-00002.safetensors",)])
+def test_config_refuses_random_init_when_the_target_folder_holds_weights(tmp_path, weights):
+    """The preset's random_init left in, target.path pointed at real weights: one line naming both, and the fix."""
+    folder = _target(tmp_path, *weights)
+    r = check_config(make_ctx(tmp_path, config={"target": {"path": str(folder), "random_init": True}}))
+    assert r.status == "fail", r.summary
+    assert r.summary.startswith(f"target.random_init = true but target.path {folder} holds weights ({weights[0]}")
+    assert r.summary.endswith("the run would ignore them and train against random weights"), r.summary
+    assert r.fix == "drop target.random_init (from run.toml or the --set that gives it) to train against those weights"
+
+
+def test_config_refuses_a_target_folder_of_shapes_alone_naming_both_ways_out(tmp_path):
+    """What a preset as shipped meets: configs/targets/... hold config.json alone, and random_init is off."""
+    folder = _target(tmp_path)
+    r = check_config(make_ctx(tmp_path, config={"target": {"path": str(folder)}}))
+    assert r.status == "fail"
+    assert r.summary == (f"target.path {folder} holds no weights (model.safetensors or pytorch_model.bin), only the "
+                         "model's shapes")
+    assert r.fix == ("set target.path in run.toml to the folder of your model's weights; for memory and speed "
+                     "measurements on these shapes alone, add --set target.random_init=true")
+
+
+def test_config_warns_that_random_weights_teach_the_drafter_nothing(tmp_path):
+    folder = _target(tmp_path)
+    r = check_config(make_ctx(tmp_path, config={"target": {"path": str(folder), "random_init": True}}))
+    assert r.status == "warn", r.summary
+    assert r.summary.startswith("the target has random weights: the drafter learns nothing useful "
+                                f"(target.random_init = true; {folder} holds no weights); ")
+    assert "8 layers, vocab 1,000" in r.summary and r.data["random_init"] is True
+    assert r.fix.startswith("for a drafter worth training, set target.path in run.toml to your model's weights")
+
+
+def test_config_with_real_weights_and_random_init_off_passes_as_before(tmp_path):
+    folder = _target(tmp_path, "model.safetensors")
+    r = check_config(make_ctx(tmp_path, config={"target": {"path": str(folder)}}))
+    assert r.status == "pass" and r.data["weights"] == ["model.safetensors"], r.summary
+    assert check_config(make_ctx(tmp_path)).status == "pass"  # the embedded SmolLM2 holds its GGUF

@@ -162,6 +162,7 @@ def test_a_target_folder_with_its_own_code_fails_the_config_check_exit_1(capsys,
         "model_type": "evil_lm", "auto_map": {"AutoModelForCausalLM": "modeling_evil.EvilForCausalLM"},
         "num_hidden_layers": 12, "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4, "vocab_size": 1000}))
     (target / "modeling_evil.py").write_text("raise SystemExit('the folder ran its code')\n")
+    (target / "model.safetensors").write_bytes(b"")  # weights, as a downloaded model has
     config = write_run(tmp_path, device="cpu")
     config.write_text(config.read_text() + f'[target]\npath = "{target}"\n')
     code, out, _ = run(capsys, "--profile", "train-cu128", "--config", str(config), "--nvml-fake", "none")
@@ -310,3 +311,48 @@ def test_real_process_usage_error(tmp_path):
                        capture_output=True, text=True, timeout=60)
     assert p.returncode == 2 and p.stdout == ""
     assert p.stderr == "dflash-preflight: error: unknown profile 'nope' (known: infer-cu130, train-cu128)\n"
+
+
+# ---------------------------------------------------------------- random weights only on purpose
+
+
+GPU_PRESETS = sorted(p.name for p in (REPO / "configs").glob("*.toml") if p.name != "demo-cpu.toml")
+
+
+def test_no_preset_builds_its_target_with_random_weights():
+    """Users start from the presets: none sets target.random_init (a measurement says so on its own command line)."""
+    import tomllib
+
+    assert len(GPU_PRESETS) >= 5
+    for name in GPU_PRESETS:
+        raw = tomllib.loads((REPO / "configs" / name).read_text())
+        assert "random_init" not in raw.get("target", {}), name
+
+
+def test_a_preset_as_shipped_fails_preflight_in_one_line_naming_target_path_and_the_measurement_flag(capsys, tmp_path):
+    preset = f"configs/{GPU_PRESETS[0]}"
+    code, out, _ = run(capsys, "--profile", "train-cu128", "--json", "--nvml-fake", "none", "--config", preset,
+                       "--set", f'output_dir="{tmp_path / "run"}"')
+    config = next(c for c in json.loads(out)["checks"] if c["id"] == "config")
+    assert code == 1 and config["status"] == "fail", config
+    assert config["summary"].startswith("target.path configs/targets/") and config["summary"].endswith(
+        " holds no weights (model.safetensors or pytorch_model.bin), only the model's shapes")
+    assert config["fix"] == (f"set target.path in {preset} to the folder of your model's weights; for memory and speed "
+                             "measurements on these shapes alone, add --set target.random_init=true")
+    code, out, _ = run(capsys, "--profile", "train-cu128", "--json", "--nvml-fake", "none", "--config", preset,
+                       "--set", f'output_dir="{tmp_path / "run"}"', "--set", "target.random_init=true")
+    assert statuses(out)["config"] == "warn"
+
+
+def test_the_gate_prints_the_random_weights_warning_as_it_lets_the_run_start(tmp_path):
+    cfg = config_from_dict({"output_dir": str(tmp_path / "run"), "device": "cpu", "data": {"path": str(tmp_path / "no")},
+                            "target": {"path": "configs/targets/qwen3-0.6b", "random_init": True}})
+    gate = run_gate(cfg, {"dataset": "data arrives later"}, "fresh")
+    warned = [n for n in gate.notes if n.startswith("preflight: WARN ")]
+    assert len(warned) == 1 and warned[0].startswith(
+        "preflight: WARN config: the target has random weights: the drafter learns nothing useful (target.random_init "
+        "= true; configs/targets/qwen3-0.6b holds no weights); configs/targets/qwen3-0.6b: 28 layers"), gate.notes
+    off = run_gate(cfg.model_copy(update={"target": cfg.target.model_copy(update={"random_init": False})}),
+                   {"dataset": "data arrives later"}, "fresh")
+    assert not any("random weights" in n for n in off.notes)
+    assert any(n.startswith("preflight: FAIL config: target.path configs/targets/qwen3-0.6b holds no weights") for n in off.notes)

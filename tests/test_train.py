@@ -30,6 +30,46 @@ def test_cosine_schedule_warms_up_then_decays():
     assert all(a >= b for a, b in zip(lrs[9:], lrs[10:])) and lrs[-1] < 0.01
 
 
+def test_every_start_of_a_random_weight_target_says_so_first(tmp_path):
+    """target.random_init = true on a folder of shapes alone: the trainer's plan opens with the warning, fresh or
+    resumed (print_plan is the start of every run)."""
+    from dflash.config import config_from_dict
+    from dflash.data.synthetic import write_target
+    from trainkit import TRAIN_TARGET
+
+    _, raw = tiny_config(tmp_path)
+    shapes = write_target(tmp_path / "shapes", TRAIN_TARGET, weights=False)
+    raw["target"] = {"path": str(shapes), "dtype": "float32", "random_init": True}
+    lines = []
+    Trainer.colocated(config_from_dict(raw), log=lines.append).print_plan()
+    assert lines[0] == "warning: the target has random weights: the drafter learns nothing useful (target.random_init = true)"
+    raw["target"]["random_init"] = False
+    raw["target"]["path"] = str(tmp_path / "tiny-target")  # real weights: no warning
+    lines.clear()
+    Trainer.colocated(config_from_dict(raw), log=lines.append).print_plan()
+    assert not any("random weights" in line for line in lines), lines
+
+
+def test_gpu_list_flags_replace_the_presets_layout(tmp_path, capsys):
+    """The README's `dflash-train --config RUN.toml --fresh --colocated-gpus 0,...,7` on the split preset: the flag
+    replaces the preset's target/drafter lists, so the config validates and the run goes to the gate (which refuses
+    it here: no GPU), never `topology.colocated_gpus excludes target_gpus and drafter_gpus`."""
+    import json
+
+    preset = REPO / "configs/qwen3.6-27b-5t3d.toml"
+    out = tmp_path / "run"
+    code = train_main_here(preset, "--fresh", "--set", f'output_dir="{out}"', "--set", "target.random_init=true",
+                           "--colocated-gpus", "0,1,2,3,4,5,6,7")
+    err = capsys.readouterr().err
+    assert code == 1 and "excludes" not in err and "refusing to start" in err, err
+    from dflash.config import config_sha256, load_config
+
+    judged = json.loads((out / "preflight.json").read_text())["run"]["config_sha256"]
+    expected = load_config(preset, {"output_dir": str(out), "target.random_init": True, "topology.target_gpus": [],
+                                    "topology.drafter_gpus": [], "topology.colocated_gpus": [str(i) for i in range(8)]})
+    assert judged == config_sha256(expected)  # the gate judged the flag's layout alone
+
+
 def test_loss_falls_over_30_steps(tmp_path):
     cfg, _ = tiny_config(tmp_path, max_steps=30)
     assert run(cfg, None, log=lambda *_: None, progress=False) == 0

@@ -84,6 +84,7 @@ def command(a, b, here, as_json) -> int:
     if not here and b is None:
         earlier = previous_runs(a) if os.path.isdir(a) else []
         if not earlier:
+            load(a)  # a folder that is no run dir: that line, not a suggestion that fails the same way
             raise click.UsageError(f"{a} holds no earlier run (previous/); give two run dirs (dflash-diff {a} OTHER_RUN), "
                                    f"or compare with this machine: dflash-diff --here {a}")
         a, b = str(earlier[-1]), a

@@ -4,6 +4,7 @@
     uv run dflash-estimate --config configs/qwen3-8b-1gpu.toml --from-nvml --json
     uv run dflash-estimate --config RUN.toml --gpu-memory 80GB --set data.token_budget=45056
     uv run dflash-estimate --config configs/qwen3.6-27b-8gpu.toml --gpu-memory 95GiB --rates 12.55k,46.3k --link-gbps 50
+    uv run dflash-estimate --config configs/qwen3.6-27b-5t3d.toml --gpu-memory 95GiB --colocated-gpus 0,1,2,3,4,5,6,7
 
 Exit codes: 0 every role fits (or no GPU size given), 1 some role does not fit, 2 bad input.
 This module only formats and maps to exit codes; ``preflight.estimate`` decides.
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import click
 
+from dflash.commands.common import gpu_options, gpu_overrides
 from dflash.errors import DflashError, UsageError, run_cli
 from dflash.memory.fit import Estimate
 from dflash.memory.shape import GiB
@@ -28,9 +30,14 @@ def format_estimate(est: Estimate, cuda_source: str = "") -> str:
     lines = [
         f"config: {est.config}",
         f"target: {est.target}",
-        f"CUDA {est.cuda}{f' ({cuda_source})' if cuda_source else ''}; GPU {_gib(est.gpu_bytes)} GiB",
+        f"CUDA {est.cuda}{f' ({cuda_source})' if cuda_source else ''}; GPU {_gib(est.gpu_bytes)} GiB"
+        + (f" ({est.gpu_source})" if est.gpu_source else ""),
         est.assumption,
     ]
+    if est.decisions:
+        lines.append(f"decisions on GPUs of {_gib(est.gpu_bytes)} GiB (a mode fits when its peak + what "
+                     "train.memory_headroom_gib keeps free is within the GPU; GiB):")
+        lines += [f"  {d}" for d in est.decisions]
     width = max(len(r.component) for role in est.roles for r in role.rows) + 2
     for role in est.roles:
         gpus = f" (GPUs {', '.join(role.gpus)})" if role.gpus else " (one GPU: target + drafter)"
@@ -55,7 +62,8 @@ def format_estimate(est: Estimate, cuda_source: str = "") -> str:
         value = {"none_fit": "none", "no_effect": "-"}.get(lim.status, str(lim.value))
         if lim.status == "unbounded":
             value = f">={lim.value}"
-        lines.append(f"  {lim.role:<10}{lim.setting:<16}{lim.configured:>11} {value:>11}  {lim.note}")
+        configured = "unset" if lim.configured is None else str(lim.configured)
+        lines.append(f"  {lim.role:<10}{lim.setting:<16}{configured:>11} {value:>11}  {lim.note}")
     return "\n".join(lines)
 
 
@@ -71,24 +79,38 @@ def format_layouts(est: Estimate) -> list[str]:
     return lines
 
 
+def _slower(tok_s: float, best: float) -> str:
+    return f"{1 - tok_s / best:.1%} slower" if tok_s < best else "the same"
+
+
 def format_pace(est: Estimate) -> list[str]:
-    """Each layout's tokens/s at the busy rates given, its link time per step, and the fastest of those that fit
-    (dflash.memory.pace)."""
+    """Each layout's tokens/s at the busy rates given, its link time per step, and the fastest of those that fit, or a
+    tie when others are within the rates' noise (dflash.memory.pace)."""
+    from dflash.memory.pace import RATE_NOISE, fastest
+
     if not est.pace:
         return []
     r = est.rates or {}
+    measured = est.rates_recompute or "off"
     lines = ["", f"pace at busy rates of target {r.get('target', 0):,.0f} and drafter {r.get('drafter', 0):,.0f} tok/s "
-             f"per GPU, link {est.link_gbps:g} GB/s one way per GPU; communication overlapped with the drafter's "
-             "compute, not the target's (dflash.memory.pace):"]
+             f"per GPU (the drafter's measured at recompute {measured}), link {est.link_gbps:g} GB/s one way per GPU; "
+             "communication overlapped with the drafter's compute, not the target's (dflash.memory.pace):"]
     for p in est.pace:
         verdict = {True: "fits", False: "DOES NOT FIT", None: "-"}[p.fits]
         link = f" (link {p.link_bytes / 1e9:.2f} GB, {p.link_s:.2f} s a step)" if p.link_bytes else ""
+        other = (f"; drafter rate measured at recompute {measured}, here {p.recompute}: slower than shown"
+                 if p.recompute != measured else "")
         lines.append(f"  {verdict:<13}{p.description} on {p.gpus} GPU{'s' if p.gpus > 1 else ''}: "
-                     f"{p.tok_per_s:,.0f} tok/s{link}")
+                     f"{p.tok_per_s:,.0f} tok/s{link}{other}")
     n = max(p.gpus for p in est.pace)
-    best = max((p for p in est.pace if p.gpus == n and p.fits is not False), key=lambda p: p.tok_per_s, default=None)
+    best, tied = fastest([p for p in est.pace if p.gpus == n and p.fits is not False])
     if best is None:
         lines.append(f"no layout of {n} GPUs fits GPUs of {_gib(est.gpu_bytes)} GiB")
+    elif tied:
+        lines.append(f"fastest on {n} GPUs{' that fits' if best.fits else ' (no GPU size given)'}: a tie within the "
+                     f"rates' {RATE_NOISE:.0%} noise: {best.description}, {best.tok_per_s:,.0f} tok/s; " + "; ".join(
+                         f"{p.description}, {p.tok_per_s:,.0f} tok/s ({_slower(p.tok_per_s, best.tok_per_s)})"
+                         for p in tied))
     else:
         lines.append(f"fastest on {n} GPUs{' that fits' if best.fits else ' (no GPU size given)'}: {best.description}, "
                      f"{best.tok_per_s:,.0f} tok/s")
@@ -105,18 +127,26 @@ def format_pace(est: Estimate) -> list[str]:
               "summary prints them), e.g. 12.5k,41k: adds each layout's tokens/s and the fastest that fits")
 @click.option("--rates-from", metavar="RUN_DIR", help="the busy rates of a split run dir's metrics, as its summary "
               "printed them (instead of --rates)")
+@click.option("--rates-recompute", type=click.Choice(["off", "mlp", "layer"]), help="the recompute the drafter's "
+              "rate was measured at (default: the --rates-from run's, else off); pace lines at another say so")
 @click.option("--link-gbps", metavar="GB/S", help="bandwidth of the link between GPUs, GB/s one way per GPU, that "
               "the pace prices each layout's communication at (default 50: PCIe Gen5 x16 as measured; 63 in theory)")
+@gpu_options
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object instead of tables")
 def command(config_path: str, gpu_memory: str | None, from_nvml: bool, cuda: str | None, sets: tuple[str, ...],
-            rates: str | None, rates_from: str | None, link_gbps: str | None, as_json: bool) -> int:
+            rates: str | None, rates_recompute: str | None, rates_from: str | None, link_gbps: str | None,
+            target_gpus: str | None, drafter_gpus: str | None, colocated_gpus: str | None, as_json: bool) -> int:
     """Per-role GPU memory estimate of a DFlash run, the largest settings that fit and, given busy rates, which
     layout trains fastest."""
     try:
         est, cuda_source = run_estimate(config_path, sets, gpu_memory, from_nvml, cuda, rates=rates,
-                                        rates_from=rates_from, link_gbps=link_gbps)
+                                        rates_from=rates_from, link_gbps=link_gbps,
+                                        overrides=gpu_overrides(target_gpus, drafter_gpus, colocated_gpus),
+                                        rates_recompute=rates_recompute)
     except DflashError as e:
         raise UsageError(e.one_line()) from None
+    for warning in est.warnings:
+        click.echo(f"dflash-estimate: warning: {warning}", err=True)
     click.echo(est.model_dump_json(indent=2) if as_json else format_estimate(est, cuda_source))
     return 1 if any(r.fits is False for r in est.roles) else 0
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import click
 
-from dflash.commands.common import CONTEXT, _gpu_list, parse_waivers
+from dflash.commands.common import CONTEXT, gpu_options, gpu_overrides, parse_waivers
 from dflash.config import RunConfig, load_config, parse_overrides
 from dflash.errors import Command, DflashError, run_cli
 
@@ -47,10 +47,7 @@ def _gate(cfg: RunConfig, waivers: dict[str, str], intent: str | None, verify_da
 @click.option("--set", "sets", multiple=True, metavar="KEY=VALUE", help="override a config field, e.g. train.lr=1e-4")
 @click.option("--max-steps", type=click.IntRange(min=1), help="stop after N optimizer steps")
 @click.option("--output-dir", help="override output_dir")
-@click.option("--target-gpus", help="comma list of GPUs for the frozen target, e.g. 0,1,2,3,4")
-@click.option("--drafter-gpus", help="comma list of GPUs training the drafter, e.g. 5,6,7")
-@click.option("--colocated-gpus", help="comma list of GPUs each running a target + drafter replica (co-located data "
-              "parallel), e.g. 0,1,2,3,4,5,6,7")
+@gpu_options
 @click.option("--waive", multiple=True, metavar="CHECK_ID", help="waive a failing preflight check (needs --reason)")
 @click.option("--reason", multiple=True, help="why the matching --waive is acceptable (kept in the report)")
 @click.option("--warm-cache", is_flag=True, help="compile the kernels for the configured shapes and write the "
@@ -80,14 +77,10 @@ def train_command(config_path, demo, resume, fresh, sets, max_steps, output_dir,
         raise click.UsageError("--resume needs `latest` or a checkpoint folder")
     overrides = parse_overrides(sets)
     if max_steps:
-        overrides["train.max_steps"] = max_steps
+        overrides.put("train.max_steps", max_steps, f"--max-steps {max_steps}")
     if output_dir is not None:
-        overrides["output_dir"] = output_dir
-    if target_gpus is not None or drafter_gpus is not None:
-        overrides["topology.target_gpus"] = _gpu_list(target_gpus) or []
-        overrides["topology.drafter_gpus"] = _gpu_list(drafter_gpus) or []
-    if colocated_gpus is not None:
-        overrides["topology.colocated_gpus"] = _gpu_list(colocated_gpus) or []
+        overrides.put("output_dir", output_dir, f"--output-dir {output_dir!r}")
+    overrides.merge(gpu_overrides(target_gpus, drafter_gpus, colocated_gpus))
     if init_from is not None:
         if resume:
             raise click.UsageError("--init-from starts a fresh run from a drafter's weights; --resume continues a "
@@ -95,9 +88,9 @@ def train_command(config_path, demo, resume, fresh, sets, max_steps, output_dir,
         from dflash.train.warmstart import read_init_config
 
         read_init_config(init_from)  # a folder that is no drafter is one line, before anything loads
-        overrides["init_from"] = str(init_from)
+        overrides.put("init_from", str(init_from), f"--init-from {init_from}")
     if report_to:
-        overrides["report_to"] = _trackers(report_to)
+        overrides.put("report_to", _trackers(report_to), f"--report-to {','.join(report_to)}")
     cfg = load_config(config_path, overrides)
     if cfg.report_to:
         from dflash.train.trackers import check_available

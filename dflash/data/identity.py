@@ -49,6 +49,8 @@ _MAX_READ_ALLOC = 1 << 20  # bytes
 class DatasetError(DflashError):
     """A dataset that cannot be used as is; the message is one line naming the file and the fix."""
 
+    exit_code = 2  # bad input
+
 
 # ---------------------------------------------------------------------------------------------
 # Identity: which shards a data path names, and the fingerprint checkpoints and preflight compare

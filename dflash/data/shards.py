@@ -252,7 +252,8 @@ class ShardDataset:
         if not shards and not path.is_dir():
             raise DatasetError(f"{path}: no such dataset folder; set data.path to a folder of *.arrow shards")
         if not shards:
-            raise DatasetError(f"{path}: no *.arrow shards in this folder; write them with dflash.data.shards.write_shard")
+            raise DatasetError(f"{path}: no *.arrow shards in this folder; write them with dflash-data import "
+                               "(conversations) or dflash-data prepare (prompts)")
         return shards
 
     def _open_shard(self, shard: Path, part_lengths: list[np.ndarray]) -> tuple[int, int]:

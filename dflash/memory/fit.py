@@ -14,6 +14,7 @@ from pydantic import BaseModel, Field
 from dflash.config import MAX_TOKENS, GpuRole, RunConfig
 from dflash.memory.parts import (
     DEFAULT_CALIBRATION,
+    RECOMPUTE_MODES,
     Calibration,
     Workload,
     choose_parallel,
@@ -22,6 +23,9 @@ from dflash.memory.parts import (
     fits_gpu,
     headroom_bytes,
     parallel_mode,
+    parallel_tries,
+    recompute_mode,
+    recompute_trials,
     role_parts,
     sent_features_bytes,
     with_parallel,
@@ -50,14 +54,14 @@ class RoleEstimate(BaseModel):
     data_parallel: str = Field("none", description="how this role's drafter ranks hold the drafter: none, ddp or fsdp2")
 
 
-Setting = Literal["token_budget", "max_batch_size", "max_anchors"]
+Setting = Literal["token_budget", "max_batch_size", "max_anchors", "batch_anchors"]
 LimitStatus = Literal["fits", "none_fit", "unbounded", "no_effect"]
 
 
 class Limit(BaseModel):
     role: GpuRole
     setting: Setting
-    configured: int
+    configured: int | None = Field(description="the config's value (None: unset, batch_anchors uncapped)")
     value: int | None = Field(description="largest value that fits, the others as configured")
     status: LimitStatus
     note: str
@@ -84,6 +88,7 @@ class LayoutPace(BaseModel):
     link_bytes: float = Field(0.0, description="bytes the busiest GPU moves over its link per optimizer step, one "
                                                "direction (a split: a drafter's received features + its all-reduce)")
     link_s: float = Field(0.0, description="link_bytes at the link's bandwidth, seconds")
+    recompute: str = Field("off", description="the recompute of the layout's drafter (its trainer role)")
 
 
 class Estimate(BaseModel):
@@ -99,6 +104,11 @@ class Estimate(BaseModel):
     rates: dict[str, float] | None = Field(None, description="busy tok/s per GPU of each role the pace is for")
     pace: list[LayoutPace] = Field(default_factory=list, description="each layout's tokens/s at those rates")
     link_gbps: float | None = Field(None, description="GB/s one way per GPU the pace prices communication at")
+    rates_recompute: str | None = Field(None, description="the recompute the drafter's busy rate was measured at")
+    decisions: list[str] = Field(default_factory=list, description="each auto choice (train.data_parallel, "
+                                 "train.recompute) with the numbers that made it")
+    gpu_source: str = Field("", description="how the GPU size was given (its unit named)")
+    warnings: list[str] = Field(default_factory=list, description="what the input may not mean as read")
     calibration: dict
 
 
@@ -106,10 +116,11 @@ _SETTINGS: dict[Setting, tuple[str, str]] = {
     "token_budget": ("data", "token_budget"),
     "max_batch_size": ("data", "max_batch_size"),
     "max_anchors": ("train", "max_anchors"),
+    "batch_anchors": ("train", "batch_anchors"),
 }
 
 
-def with_setting(cfg: RunConfig, setting: Setting, value: int) -> RunConfig:
+def with_setting(cfg: RunConfig, setting: Setting, value: int | None) -> RunConfig:
     section, key = _SETTINGS[setting]
     new = cfg.model_copy(deep=True)
     setattr(getattr(new, section), key, value)
@@ -141,27 +152,37 @@ def largest_fitting(fits: Callable[[int], bool], lo: int, cap: int) -> tuple[int
     return good, False
 
 
-def _limit(cfg: RunConfig, shape: TargetShape, role: GpuRole, setting: Setting, cuda: str, gpu: int, cal: Calibration) -> Limit:
+def _limit(cfg: RunConfig, shape: TargetShape, role: GpuRole, setting: Setting, cuda: str, gpu: int, cal: Calibration,
+           auto_recompute: bool = False) -> Limit:
+    """The largest value of `setting` that fits `role` on a GPU of `gpu` bytes, the others as configured. With
+    auto_recompute (train.recompute = auto) each mode is searched and the note says up to where each one fits."""
     section, key = _SETTINGS[setting]
     configured = getattr(getattr(cfg, section), key)
     if role == "target" and setting != "token_budget":
         return Limit(role=role, setting=setting, configured=configured, value=None, status="no_effect",
                      note="the target forward does not depend on it")
-
-    def fits(v: int) -> bool:
-        return fits_gpu(cfg, sum(p.bytes for p in role_parts(cfg_for(v), shape, role, cuda, cal)), gpu)
-
-    def cfg_for(v: int) -> RunConfig:
-        return with_setting(cfg, setting, v)
-
     bs = cfg.drafter.block_size
     if setting == "token_budget":
         lo, cap = max(16, bs), MAX_TOKENS  # the run config refuses more
     elif setting == "max_batch_size":
         lo, cap = 1, max(1, cfg.data.token_budget // bs)
-    else:
+    elif setting == "max_anchors":
         lo, cap = 1, max(1, cfg.data.token_budget - 1)  # a row never has more eligible anchors
-    value, at_cap = largest_fitting(fits, lo, cap)
+    else:
+        lo, cap = 1, max(1, workload(with_setting(cfg, setting, None)).valid_anchors)  # more caps nothing
+
+    def search(mode: str | None) -> tuple[int | None, bool]:
+        base = cfg if mode is None else with_recompute(cfg, mode)
+        return largest_fitting(lambda v: fits_gpu(cfg, sum(p.bytes for p in role_parts(
+            with_setting(base, setting, v), shape, role, cuda, cal)), gpu), lo, cap)
+
+    modes = RECOMPUTE_MODES if auto_recompute and role != "target" else (None,)
+    found = {mode: search(mode) for mode in modes}
+    value, at_cap = max(found.values(), key=lambda f: (f[0] is not None, f[0] or 0, f[1]))
+    by_mode = ""
+    if len(modes) > 1:  # where auto moves from one mode to the next
+        by_mode = "; recompute auto: " + ", ".join(
+            f"{m} {'none' if v is None else ('any' if top else f'up to {v:,}')}" for m, (v, top) in found.items())
     if value is None:
         note = f"even {setting} = {lo} does not fit; lower another setting or use more GPU memory"
         return Limit(role=role, setting=setting, configured=configured, value=None, status="none_fit", note=note)
@@ -169,10 +190,15 @@ def _limit(cfg: RunConfig, shape: TargetShape, role: GpuRole, setting: Setting, 
         note = {
             "max_batch_size": f"every value fits: a batch holds at most token_budget // block_size = {cap} sequences",
             "max_anchors": f"every value fits: a row of token_budget tokens has at most {cap} eligible anchors",
+            "batch_anchors": f"every value fits: the batch has at most {cap} eligible anchors uncapped",
         }.get(setting, "fits at any value tried")
-        return Limit(role=role, setting=setting, configured=configured, value=value, status="unbounded", note=note)
-    verdict = "configured value fits" if configured <= value else "configured value does NOT fit"
-    return Limit(role=role, setting=setting, configured=configured, value=value, status="fits", note=verdict)
+        return Limit(role=role, setting=setting, configured=configured, value=value, status="unbounded",
+                     note=note + by_mode)
+    if configured is None:  # batch_anchors unset: the batch's whole anchors, more than the largest that fits
+        verdict = f"unset (uncapped: {cap} anchors) does NOT fit"
+    else:
+        verdict = "configured value fits" if configured <= value else "configured value does NOT fit"
+    return Limit(role=role, setting=setting, configured=configured, value=value, status="fits", note=verdict + by_mode)
 
 
 def role_gpus(cfg: RunConfig, role: GpuRole) -> list[str]:
@@ -256,10 +282,10 @@ def layout_pace(cfg: RunConfig, shape: TargetShape, cuda: str, gpu_bytes: int | 
     p = drafter_params(cfg, shape)
     feats = sent_features_bytes(cfg, shape)
 
-    def split_pace(t: int, d: int, text: str, fits: bool | None) -> LayoutPace:
+    def split_pace(t: int, d: int, text: str, fits: bool | None, recompute: str) -> LayoutPace:
         ar = ddp_step_bytes(d, p)
         moved = batches * feats + ar
-        return LayoutPace(layout="split", gpus=t + d, description=text, fits=fits, link_bytes=moved,
+        return LayoutPace(layout="split", gpus=t + d, description=text, fits=fits, link_bytes=moved, recompute=recompute,
                           link_s=link_seconds(moved, link),
                           tok_per_s=split_link_tok_s(t, d, target_tok_s, drafter_tok_s, tokens, feats, link, batches, ar))
 
@@ -271,22 +297,25 @@ def layout_pace(cfg: RunConfig, shape: TargetShape, cuda: str, gpu_bytes: int | 
         if lay.layout == "split":
             t, d = lay.split
             splits.add((t, d))
-            out.append(split_pace(t, d, f"split {t} target + {d} drafter", lay.fits))
+            out.append(split_pace(t, d, f"split {t} target + {d} drafter", lay.fits, lay.recompute["drafter"]))
         elif lay.layout == "colocated":
-            out.append(LayoutPace(layout=lay.layout, gpus=1, description=names[lay.layout], tok_per_s=one, fits=lay.fits))
+            out.append(LayoutPace(layout=lay.layout, gpus=1, description=names[lay.layout], tok_per_s=one, fits=lay.fits,
+                                  recompute=lay.recompute["colocated"]))
         else:
             moved = (fsdp2_step_bytes(lay.gpus, p, batches) if lay.data_parallel == "fsdp2"
                      else ddp_step_bytes(lay.gpus, p))
             out.append(LayoutPace(layout=lay.layout, gpus=lay.gpus, description=names[lay.layout], fits=lay.fits,
-                                  link_bytes=moved, link_s=link_seconds(moved, link),
+                                  link_bytes=moved, link_s=link_seconds(moved, link), recompute=lay.recompute["colocated"],
                                   tok_per_s=colocated_dp_tok_s(lay.gpus, target_tok_s, drafter_tok_s, tokens, moved,
                                                                link, batches)))
     n = max(lay.gpus for lay in layouts)
     if n >= 2:
         t, d = suggest_split(n, target_tok_s, drafter_tok_s)
         if (t, d) not in splits:
-            fits = _judge(with_topology(cfg, target=t, drafter=d), cfg.train.recompute, shape, cuda, gpu_bytes, cal)[2]
-            out.append(split_pace(t, d, f"split {t} target + {d} drafter (the best split of {n} GPUs)", fits))
+            _, modes, fits = _judge(with_topology(cfg, target=t, drafter=d), cfg.train.recompute, shape, cuda, gpu_bytes,
+                                    cal)
+            out.append(split_pace(t, d, f"split {t} target + {d} drafter (the best split of {n} GPUs)", fits,
+                                  modes["drafter"]))
     return out
 
 
@@ -302,11 +331,65 @@ def _resolve_auto(cfg: RunConfig, shape: TargetShape, cuda: str, gpu_bytes: int 
         note = "recompute auto -> off" if cfg.train.recompute == "auto" else f"recompute {cfg.train.recompute}"
         note += "; data_parallel auto -> ddp" if auto_dp else ""
         return with_recompute(cfg, recompute_of(cfg)), note + " (give a GPU size to let it choose)"
-    dp, mode, _ = choose_parallel(cfg, cfg.topology.trainer_role, cuda, gpu_bytes, cal, shape)
+    dp, mode, need = choose_parallel(cfg, cfg.topology.trainer_role, cuda, gpu_bytes, cal, shape)
     note = (f"recompute auto -> {mode}" if cfg.train.recompute == "auto" else f"recompute {mode}")
     if cfg.topology.layout == "colocated-dp":
         note += f", data_parallel auto -> {dp}" if auto_dp else f", data_parallel {dp}"
-    return with_recompute(with_parallel(cfg, dp), mode), f"{note} (the fastest mode that fits {gpu_bytes / GiB:.1f} GiB)"
+    why = (f"the fastest mode that fits {gpu_bytes / GiB:.2f} GiB" if fits_gpu(cfg, need, gpu_bytes) else
+           f"nothing fits {gpu_bytes / GiB:.2f} GiB: the least memory shown")
+    return with_recompute(with_parallel(cfg, dp), mode), f"{note} ({why})"
+
+
+def _g(n: int) -> str:
+    return f"{n / GiB:.2f}"
+
+
+def auto_decisions(cfg: RunConfig, shape: TargetShape, cuda: str, gpu_bytes: int | None,
+                   cal: Calibration = DEFAULT_CALIBRATION) -> list[str]:
+    """Each auto choice the trainer makes for the GPU that trains the drafter (train.data_parallel, train.recompute),
+    with the numbers that made it: every mode tried, in the order choose_parallel and choose_recompute try them, its
+    peak, what is kept free and the GPU (the one fit rule, fits_gpu). [] without a GPU size or an auto choice."""
+    auto_rc = cfg.train.recompute == "auto" and cfg.device == "cuda"
+    tries = parallel_tries(cfg)
+    auto_dp = len(tries) > 1
+    if gpu_bytes is None or not (auto_rc or auto_dp):
+        return []
+    role, keep = cfg.topology.trainer_role, headroom_bytes(cfg)
+
+    def trials(case: RunConfig) -> list[tuple[str, int, bool]]:
+        if not auto_rc:
+            mode = recompute_mode(case)
+            need = sum(p.bytes for p in role_parts(with_recompute(case, mode), shape, role, cuda, cal))
+            return [(mode, need, fits_gpu(case, need, gpu_bytes))]
+        out = []
+        for trial in recompute_trials(case, role, cuda, gpu_bytes, cal, shape):
+            out.append(trial)
+            if trial[2]:
+                break
+        return out
+
+    def chain(ts: list[tuple[str, int, bool]]) -> str:
+        return " -> ".join(f"{mode} {_g(need)} + {_g(keep)} kept free {'<=' if fits else '>'} {_g(gpu_bytes)}"
+                           for mode, need, fits in ts)
+
+    lines, refused = [], []
+    for i, dp in enumerate(tries):
+        ts = trials(with_parallel(cfg, dp))
+        fits = ts[-1][2]
+        if not fits and i < len(tries) - 1:
+            refused.append(f"{dp} does not fit at {'any recompute' if auto_rc else f'recompute {ts[-1][0]}'} "
+                           f"({chain(ts)})")
+            continue
+        if auto_dp:
+            lines.append(f"data_parallel auto -> {dp}: " + ("; ".join(refused) if refused else f"{dp} is tried first"))
+        where = f" ({dp})" if auto_dp else ""
+        if not fits:
+            lines.append(f"recompute{' auto' if auto_rc else ''}{where}: {chain(ts)}: nothing fits {_g(gpu_bytes)} "
+                         "GiB; lower data.token_budget, train.batch_anchors or max_batch_size, or use larger GPUs")
+        elif auto_rc:
+            lines.append(f"recompute auto -> {ts[-1][0]}{where}: {chain(ts)}")
+        break
+    return lines
 
 
 def recompute_of(cfg: RunConfig) -> str:
@@ -321,10 +404,12 @@ def estimate(
     source: str = "",
     rates: tuple[float, float] | None = None,
     link_gbps: float | None = None,
+    rates_recompute: str = "off",
 ) -> Estimate:
     """Per-role component table, totals, headroom and the largest settings that fit; with `rates` (busy tok/s per GPU
-    of a target and a drafter) each layout's pace, its communication priced at link_gbps (GB/s one way per GPU;
-    default pace.DEFAULT_LINK_GBPS, the users' PCIe Gen5 x16)."""
+    of a target and a drafter, the drafter's measured at recompute `rates_recompute`) each layout's pace, its
+    communication priced at link_gbps (GB/s one way per GPU; default pace.DEFAULT_LINK_GBPS, the users' PCIe Gen5 x16),
+    and each auto choice with its numbers (auto_decisions)."""
     from dflash.memory.pace import DEFAULT_LINK_GBPS
 
     if link_gbps is not None and not (0 < link_gbps < float("inf")):
@@ -350,9 +435,10 @@ def estimate(
         ))
     limits = []
     if gpu_bytes is not None:
+        auto = original.train.recompute == "auto" and original.device == "cuda"
         for role in role_list:
             for setting in _SETTINGS:
-                limits.append(_limit(cfg, shape, role, setting, cuda, gpu_bytes, cal))
+                limits.append(_limit(cfg, shape, role, setting, cuda, gpu_bytes, cal, auto))
     target = (f"{shape.model_type or 'decoder'} {shape.num_layers} layers, hidden {shape.hidden}, "
               f"intermediate {shape.intermediate}, {shape.heads}/{shape.kv_heads} heads x {shape.head_dim}, "
               f"vocab {shape.vocab}{', tied' if shape.tied else ''}; {shape.params / 1e9:.2f} B params in {cfg.target.dtype}")
@@ -374,4 +460,5 @@ def estimate(
     return Estimate(config=source, target=target, cuda=cuda, gpu_bytes=gpu_bytes, workload=w, assumption=assumption,
                     roles=out, limits=limits, calibration=asdict(cal), layouts=layouts,
                     rates={"target": rates[0], "drafter": rates[1]} if rates else None, pace=pace,
-                    link_gbps=link if rates else None)
+                    link_gbps=link if rates else None, rates_recompute=rates_recompute if rates else None,
+                    decisions=auto_decisions(original, shape, cuda, gpu_bytes, cal))

@@ -30,6 +30,21 @@ DEFAULT_LINK_GBPS = 50.0
 GB = 1e9  # link bandwidths are in GB/s (decimal), as links are specified
 
 
+# How far apart two paces must be to call one faster: the rates they rest on move about this much within one run (the
+# users' Qwen3.6-27B job co-located on one H200, lognormal lengths: 9,554 tok/s median against 9,107 mean over its
+# steps, 4.7% apart; docs/results.md), so layouts closer than this are a tie.
+RATE_NOISE = 0.05
+
+
+def fastest(paces: list, noise: float = RATE_NOISE) -> tuple[object | None, list]:
+    """(the fastest of `paces` (objects with tok_per_s), the others within `noise` of it: a tie); (None, []) for
+    none."""
+    if not paces:
+        return None, []
+    best = max(paces, key=lambda p: p.tok_per_s)
+    return best, [p for p in paces if p is not best and p.tok_per_s >= (1 - noise) * best.tok_per_s]
+
+
 def suggest_split(n_gpus: int, target_tok_s_per_gpu: float, drafter_tok_s_per_gpu: float) -> tuple[int, int]:
     """(targets, drafters) for n_gpus that train the most tokens per second: the t in 1..n-1 maximising
     split_tok_s(t, n - t, ...) (the fewest target GPUs on a tie). Give busy rates: a target's excluding its send

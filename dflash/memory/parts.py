@@ -29,6 +29,7 @@ tensors the kernels really keep) is a named constant in :class:`Calibration`, fi
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
@@ -400,6 +401,17 @@ def with_parallel(cfg: RunConfig, mode: str) -> RunConfig:
     return out
 
 
+def parallel_tries(cfg: RunConfig) -> list[DataParallel]:
+    """The data-parallel modes choose_parallel tries for the drafter's ranks, in order: one for a single rank, a
+    split's or a configured mode; ddp then fsdp2 for co-located data parallel with auto on CUDA."""
+    mode = parallel_mode(cfg)
+    if mode == "none":
+        return ["none"]
+    if mode == "fsdp2" or cfg.train.data_parallel == "ddp" or cfg.topology.layout != "colocated-dp":
+        return [mode]
+    return ["ddp"] if cfg.device != "cuda" else ["ddp", "fsdp2"]
+
+
 def choose_parallel(cfg: RunConfig, role: GpuRole, cuda: str, gpu_bytes: int, cal: Calibration = DEFAULT_CALIBRATION,
                     shape: TargetShape | None = None) -> tuple[DataParallel, str, int]:
     """(data_parallel, recompute, need bytes) one GPU of ``role`` runs with, as the trainer resolves "auto" on a GPU
@@ -415,15 +427,8 @@ def choose_parallel(cfg: RunConfig, role: GpuRole, cuda: str, gpu_bytes: int, ca
     shape = shape or load_target_shape(cfg.target.path)
     if role == "target":
         return "none", recompute_mode(cfg), sum(p.bytes for p in role_parts(cfg, shape, role, cuda, cal))
-    mode = parallel_mode(cfg)
-    if mode == "none":
-        tries: list[DataParallel] = ["none"]
-    elif mode == "fsdp2" or cfg.train.data_parallel == "ddp" or cfg.topology.layout != "colocated-dp":
-        tries = [mode]
-    else:
-        tries = ["ddp"] if cfg.device != "cuda" else ["ddp", "fsdp2"]
     out: tuple[DataParallel, str, int] = ("none", "off", 0)
-    for dp in tries:
+    for dp in parallel_tries(cfg):
         case = with_parallel(cfg, dp)
         if cfg.train.recompute == "auto" and cfg.device == "cuda":
             recompute, need = choose_recompute(case, role, cuda, gpu_bytes, cal, shape)
@@ -471,15 +476,26 @@ def fits_gpu(cfg: RunConfig, need_bytes: int, gpu_bytes: int) -> bool:
     return need_bytes + headroom_bytes(cfg) <= gpu_bytes
 
 
+RECOMPUTE_MODES = ("off", "mlp", "layer")  # fastest first, each keeping fewer activations
+
+
+def recompute_trials(cfg: RunConfig, role: GpuRole, cuda: str, gpu_bytes: int, cal: Calibration = DEFAULT_CALIBRATION,
+                     shape: TargetShape | None = None) -> Iterator[tuple[str, int, bool]]:
+    """(mode, need bytes, fits) of each recompute mode, fastest first: what train.recompute = auto tries, in order
+    (a caller that stops at the first fit computes no more)."""
+    shape = shape or load_target_shape(cfg.target.path)
+    for mode in RECOMPUTE_MODES:
+        need = sum(p.bytes for p in role_parts(with_recompute(cfg, mode), shape, role, cuda, cal))
+        yield mode, need, fits_gpu(cfg, need, gpu_bytes)
+
+
 def choose_recompute(cfg: RunConfig, role: GpuRole, cuda: str, gpu_bytes: int, cal: Calibration = DEFAULT_CALIBRATION,
                      shape: TargetShape | None = None) -> tuple[str, int]:
     """(mode, need bytes) for train.recompute = auto: the fastest mode whose peak fits gpu_bytes with the run's
     headroom (fits_gpu), else "layer"."""
-    shape = shape or load_target_shape(cfg.target.path)
     need = 0
-    for mode in ("off", "mlp", "layer"):
-        need = sum(p.bytes for p in role_parts(with_recompute(cfg, mode), shape, role, cuda, cal))
-        if fits_gpu(cfg, need, gpu_bytes):
+    for mode, need, fits in recompute_trials(cfg, role, cuda, gpu_bytes, cal, shape):
+        if fits:
             return mode, need
     return "layer", need
 

@@ -26,6 +26,7 @@ from torch import nn
 from dflash.config import resolve_target_dir
 from dflash.errors import DflashError
 from dflash.models.custom_code import custom_code_problem
+from dflash.models.weights import RANDOM_INIT_FLAG, WEIGHT_FILES
 
 # The one map from a config's dtype name (target.dtype) to the torch dtype.
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -51,8 +52,6 @@ class TargetError(DflashError):
 # runs code the folder carries: trust_remote_code=False on every call, and a folder that would need its own code
 # is refused before transformers is asked (transformers' own question about it reads stdin).
 
-# Where transformers looks for a folder's weights, in its order (an index names the shard files).
-WEIGHT_FILES = ("model.safetensors.index.json", "model.safetensors", "pytorch_model.bin.index.json", "pytorch_model.bin")
 
 
 def _short(e: BaseException, limit: int = 160) -> str:
@@ -140,7 +139,8 @@ def weight_files(folder: Path) -> list[Path]:
     first = next((folder / name for name in WEIGHT_FILES if (folder / name).exists()), None)
     if first is None:
         raise TargetError(f"target {folder}: no weights there ({' or '.join(WEIGHT_FILES[1::2])}); copy the model's "
-                          "weights into the folder")
+                          f"weights into the folder (for memory and speed measurements on its shapes alone: "
+                          f"{RANDOM_INIT_FLAG})")
     files = [first]
     if first.name.endswith(".index.json"):
         weight_map = _folder_json(folder, first.name, required=True).get("weight_map")

@@ -36,6 +36,7 @@ from dflash.data.plan import RunError, schedule
 from dflash.models.attention import backend_for, compiled_on
 from dflash.models.drafter import DFlashDrafter, drafter_config_for_run, start_compile_workers
 from dflash.models.fp8 import fp8_problem
+from dflash.models.weights import RANDOM_WEIGHTS_WARNING
 from dflash.runs import checkpoint as ckpt
 from dflash.runs import rundir
 from dflash.runs.resume import incompatible, incompatible_fix, restore_position
@@ -396,6 +397,8 @@ class Trainer:
         yield from prefetch(collated())
 
     def print_plan(self) -> None:
+        if self.cfg.target.random_init:  # at every start, beside the gate's warning (dflash.models.weights)
+            self.log(f"warning: {RANDOM_WEIGHTS_WARNING} (target.random_init = true)")
         self.log(f"dataset {self.cfg.data.path}: {self.dataset.num_samples} samples, "
                  f"{int(self.dataset.lengths.sum())} tokens")
         self.log(self.sampler.summary())

@@ -8,6 +8,7 @@ import os
 from dflash.config import FP8_MIN_CAPABILITY, default_target_layer_ids
 from dflash.memory.shape import drafter_shape, drafter_state_bytes
 from dflash.models.custom_code import CUSTOM_CODE_FIX
+from dflash.models.weights import weights_problem
 from dflash.runs.resume import incompatible, incompatible_fix
 from dflash.runs.rundir import describe_leftovers
 from preflight.checks.common import GiB, MiB, config_arg, gib, no_shape, result
@@ -17,7 +18,8 @@ from preflight.report import CheckResult
 
 
 def check_config(ctx: Context) -> CheckResult:
-    """What the config schema cannot judge alone: the target must load, and the values that index into it fit it."""
+    """What the config schema cannot judge alone: the target must load, with real weights unless target.random_init
+    says otherwise (dflash.models.weights), and the values that index into it fit it."""
     cfg, where = ctx.config, config_arg(ctx)
     shape = ctx.target_shape
     if shape is None:
@@ -32,6 +34,13 @@ def check_config(ctx: Context) -> CheckResult:
         fixes.append(f"set target.path in {where} to a model whose architecture transformers ships (a folder without "
                      "its own code), or upgrade transformers")
         data["custom_code"] = ctx.target_custom_code
+    weights = None
+    if ctx.target_weights is not None:  # gathered (tests that do not state it judge the rest)
+        data["weights"] = ctx.target_weights
+        weights = weights_problem(cfg.target.random_init, cfg.target.path, ctx.target_weights, where)
+        if weights and weights[0] == "fail":
+            problems.append(weights[1])
+            fixes.append(weights[2])
     ids = list(cfg.drafter.target_layer_ids)
     if ids:
         outside = [i for i in ids if i >= layers]
@@ -57,6 +66,11 @@ def check_config(ctx: Context) -> CheckResult:
     data.update(target_layer_ids=ids, mask_token_id=mask)
     if problems:
         return result("config", "fail", "; ".join(problems), "; ".join(fixes), problems=problems, **data)
+    if weights:  # random weights, allowed: said first
+        data["random_init"] = True
+        return result("config", "warn", f"{weights[1]}; {cfg.target.path}: {layers} layers, vocab {vocab:,}; the "
+                      f"drafter reads layers {ids}, mask token {'from the target' if mask is None else mask}",
+                      weights[2], **data)
     return result("config", "pass", f"target {cfg.target.path}: {layers} layers, vocab {vocab:,}; the drafter reads layers "
                   f"{ids}, mask token {'from the target' if mask is None else mask}", **data)
 

@@ -45,6 +45,7 @@ class Context:
     target_shape: TargetShape | None = None  # the target's sizes (dflash.memory.shape.load_target_shape), when readable
     target_error: str | None = None  # why they are not: the file, the problem and the fix
     target_custom_code: str | None = None  # why loading the target would be refused: it needs its own code
+    target_weights: list[str] | None = None  # weight files in target.path (dflash.models.weights); None: not gathered
     run_dir: RunDir | None = None
     dataset: Dataset | None = None
     disk: Disk | None = None

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 from dflash.config import RunConfig
+from dflash.models.weights import weights_in
 from preflight.envs import locate
 from preflight.facts.context import Context
 from preflight.facts.dataset import dataset
@@ -85,6 +86,7 @@ def gather(
     if config is not None:
         ctx.target_shape, ctx.target_error = target_shape(config)
         ctx.target_custom_code = target_custom_code(config)
+        ctx.target_weights = weights_in(config.target.path)
         resuming = resume_intent == "resume"
         ctx.run_dir = run_dir(config.output_dir, deep=verify_data and resuming, config=config if resuming else None)
         ctx.dataset = dataset(config, deep=verify_data)

@@ -49,6 +49,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -105,6 +106,11 @@ class Runner:
         if found is None:
             raise DocError(f"{command!r}: no console script {words[2]} in this environment")
         return [found, *words[3:]]
+
+    def prefetch(self, commands: set[str], workers: int = 4) -> None:
+        """Run the commands not yet seen side by side (each mostly waits on its imports)."""
+        with ThreadPoolExecutor(workers) as pool:
+            list(pool.map(self, sorted(commands - self.seen.keys())))
 
     def __call__(self, command: str) -> Output:
         if command not in self.seen:
@@ -192,19 +198,32 @@ def regen(path: Path, run: Runner, text: str | None = None) -> str:
         raise DocError(f"{path}: {e}") from None
 
 
+def commands_of(path: Path, text: str) -> set[str]:
+    """Every command the page's markers name."""
+    if path.suffix == ".toml":
+        return {parse_spec(m["spec"])[0] for m in TOML_BLOCK.finditer(text)}
+    return {parse_spec(m["spec"])[0] for m in MD_BLOCK.finditer(text)} | {m["command"] for m in MD_CMD.finditer(text)}
+
+
 def pages(root: Path = ROOT) -> list[Path]:
     return [p for pattern in PAGES for p in sorted(root.glob(pattern))]
+
+
+def shown(path: Path, root: Path = ROOT) -> Path:
+    return path.relative_to(root) if path.is_relative_to(root) else path
 
 
 def drift(paths: list[Path], run: Runner) -> dict[Path, str]:
     """Page -> unified diff of what its commands print today against what it shows; pages that match are left out."""
     stale = {}
-    for path in paths:
-        old = path.read_text(encoding="utf-8")
+    texts = {path: path.read_text(encoding="utf-8") for path in paths}
+    run.prefetch(set().union(*(commands_of(path, text) for path, text in texts.items())))
+    for path, old in texts.items():
         new = regen(path, run, old)
         if new != old:
+            name = shown(path, run.root)
             stale[path] = "".join(difflib.unified_diff(old.splitlines(keepends=True), new.splitlines(keepends=True),
-                                                       f"{path} (on the page)", f"{path} (printed now)"))
+                                                       f"{name} (on the page)", f"{name} (printed now)"))
     return stale
 
 
@@ -223,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
     for path, diff in stale.items():
         if args.write:
             path.write_text(regen(path, run), encoding="utf-8")
-            print(f"rewrote {path.relative_to(ROOT)}")
+            print(f"rewrote {shown(path)}")
         else:
             sys.stdout.write(diff)
     if stale and not args.write:

@@ -16,8 +16,14 @@ Markdown, a block: the fenced block right after the marker holds `$ COMMAND` and
 
 `from: TEXT` keeps the output from the first line that starts with TEXT (leading spaces ignored) to the end of its
 paragraph (the next blank line); several are kept in order, with a `...` line where lines are left out. Without
-`from:` the whole output. `exit: N` is the exit code the command must give (default 0: a command that fails is an
-error, never a sample).
+`from:` the whole output. `head: N` keeps at most N lines of each part. `exit: N` is the exit code the command must
+give (default 0: a command that fails is an error, never a sample).
+
+Markdown, a recorded sample (output of a command that ran on another machine, a GPU box, and was kept in the
+repository): checked, never rewritten. Every line of the fenced block after the marker but `...` must be a line of
+the file, in the file's order.
+
+    <!-- recorded: tests/data/preflight_h200_run.txt -->
 
 Markdown, a figure in prose or a table cell (HTML comments, so the page shows only the value):
 
@@ -58,6 +64,7 @@ PAGES = ("README.md", "docs/*.md", "configs/*.toml")
 
 MD_BLOCK = re.compile(r"(?P<marker><!-- output: (?P<spec>.*?) -->)\n(?P<open>```[^\n]*)\n(?P<body>.*?)(?P<close>^```)",
                       re.S | re.M)
+MD_RECORDED = re.compile(r"<!-- recorded: (?P<file>\S+) -->\n```[^\n]*\n(?P<body>.*?)^```", re.S | re.M)
 MD_CMD = re.compile(r"<!-- cmd (?P<name>[\w.-]+): (?P<command>.*?) -->")
 MD_FIG = re.compile(r"(?P<open><!-- fig (?P<name>[\w.-]+): (?P<pattern>.*?) -->)(?P<value>.*?)(?P<close><!-- /fig -->)")
 TOML_BLOCK = re.compile(r"^# output: (?P<spec>.*)\n(?P<body>(?:#.*\n)*?)# end output$", re.M)
@@ -75,19 +82,27 @@ class Output:
     text: str
 
 
-def parse_spec(spec: str) -> tuple[str, list[str], int]:
-    """`COMMAND | from: A | from: B | exit: N` -> (command, ["A", "B"], N)."""
+@dataclass(frozen=True)
+class Spec:
+    command: str
+    starts: tuple[str, ...] = ()  # `from:` texts, in order
+    code: int = 0  # the exit code the command must give
+    head: int | None = None  # at most this many lines of each part
+
+
+def parse_spec(spec: str) -> Spec:
+    """`COMMAND | from: A | from: B | head: N | exit: N` -> Spec."""
     command, *options = [s.strip() for s in spec.split(" | ")]
-    starts, code = [], 0
+    starts, code, head = [], 0, None
     for opt in options:
-        key, _, value = opt.partition(":")
-        if key.strip() == "from" and value.strip():
-            starts.append(value.strip())
-        elif key.strip() == "exit" and value.strip().isdigit():
-            code = int(value)
+        key, _, value = (t.strip() for t in opt.partition(":"))
+        if key == "from" and value:
+            starts.append(value)
+        elif key in ("exit", "head") and value.isdigit():
+            code, head = (int(value), head) if key == "exit" else (code, int(value))
         else:
-            raise DocError(f"{spec!r}: unknown option {opt!r} (from: TEXT, exit: N)")
-    return command, starts, code
+            raise DocError(f"{spec!r}: unknown option {opt!r} (from: TEXT, head: N, exit: N)")
+    return Spec(command, tuple(starts), code, head)
 
 
 class Runner:
@@ -122,18 +137,21 @@ class Runner:
         return self.seen[command]
 
 
-def excerpt(out: Output, starts: list[str]) -> list[str]:
-    """The lines a block shows: all of them, or from each `from:` line to the end of its paragraph, `...` between."""
+def excerpt(out: Output, spec: Spec) -> list[str]:
+    """The lines a block shows: all of them, or from each `from:` line to the end of its paragraph, each part cut to
+    `head:` lines; `...` where lines are left out."""
     lines = out.text.split("\n")
-    if not starts:
-        return lines
     kept: list[str] = []
     at = 0
-    for start in starts:
-        first = next((i for i in range(at, len(lines)) if lines[i].lstrip().startswith(start)), None)
+    for start in spec.starts or [None]:
+        first = 0 if start is None else next(
+            (i for i in range(at, len(lines)) if lines[i].lstrip().startswith(start)), None)
         if first is None:
             raise DocError(f"{out.command!r}: no line after line {at + 1} of its output starts with {start!r}")
-        last = next((i for i in range(first, len(lines)) if not lines[i].strip()), len(lines))
+        last = len(lines) if start is None else next(
+            (i for i in range(first, len(lines)) if not lines[i].strip()), len(lines))
+        if spec.head is not None:
+            last = min(last, first + spec.head)
         skipped = lines[at:first]
         kept += ["..."] if any(line.strip() for line in skipped) else skipped
         kept += lines[first:last]
@@ -143,10 +161,10 @@ def excerpt(out: Output, starts: list[str]) -> list[str]:
     return kept
 
 
-def block(out: Output, starts: list[str], code: int) -> list[str]:
-    if out.code != code:
-        raise DocError(f"{out.command!r} exited {out.code}, the marker expects {code} (`| exit: {out.code}` if meant)")
-    return excerpt(out, starts)
+def block(out: Output, spec: Spec) -> list[str]:
+    if out.code != spec.code:
+        raise DocError(f"{out.command!r} exited {out.code}, the marker expects {spec.code} (`| exit: {out.code}` if meant)")
+    return excerpt(out, spec)
 
 
 def figure(out: Output, pattern: str) -> str:
@@ -164,12 +182,25 @@ def figure(out: Output, pattern: str) -> str:
     return found.group(1)
 
 
+def check_recorded(text: str, root: Path) -> None:
+    """Every recorded sample's lines are lines of its file, in order (`...` stands for lines left out)."""
+    for m in MD_RECORDED.finditer(text):
+        path = root / m["file"]
+        if not path.is_file():
+            raise DocError(f"recorded sample of {m['file']}: no such file")
+        source = iter(path.read_text(encoding="utf-8").split("\n"))
+        for line in m["body"].rstrip("\n").split("\n"):
+            if line != "..." and not any(line == have for have in source):
+                raise DocError(f"recorded sample of {m['file']}: {line!r} is not a line of it (or not in its order)")
+
+
 def regen_markdown(text: str, run: Runner) -> str:
+    check_recorded(text, run.root)
     commands = {m["name"]: m["command"] for m in MD_CMD.finditer(text)}
 
     def one_block(m: re.Match) -> str:
-        command, starts, code = parse_spec(m["spec"])
-        body = [f"$ {command}", *block(run(command), starts, code)]
+        spec = parse_spec(m["spec"])
+        body = [f"$ {spec.command}", *block(run(spec.command), spec)]
         return f"{m['marker']}\n{m['open']}\n" + "\n".join(body) + "\n" + m["close"]
 
     def one_figure(m: re.Match) -> str:
@@ -182,8 +213,8 @@ def regen_markdown(text: str, run: Runner) -> str:
 
 def regen_toml(text: str, run: Runner) -> str:
     def one_block(m: re.Match) -> str:
-        command, starts, code = parse_spec(m["spec"])
-        body = "".join(f"# {line}".rstrip() + "\n" for line in block(run(command), starts, code))
+        spec = parse_spec(m["spec"])
+        body = "".join(f"# {line}".rstrip() + "\n" for line in block(run(spec.command), spec))
         return f"# output: {m['spec']}\n{body}# end output"
 
     return TOML_BLOCK.sub(one_block, text)
@@ -201,8 +232,8 @@ def regen(path: Path, run: Runner, text: str | None = None) -> str:
 def commands_of(path: Path, text: str) -> set[str]:
     """Every command the page's markers name."""
     if path.suffix == ".toml":
-        return {parse_spec(m["spec"])[0] for m in TOML_BLOCK.finditer(text)}
-    return {parse_spec(m["spec"])[0] for m in MD_BLOCK.finditer(text)} | {m["command"] for m in MD_CMD.finditer(text)}
+        return {parse_spec(m["spec"]).command for m in TOML_BLOCK.finditer(text)}
+    return {parse_spec(m["spec"]).command for m in MD_BLOCK.finditer(text)} | {m["command"] for m in MD_CMD.finditer(text)}
 
 
 def pages(root: Path = ROOT) -> list[Path]:

@@ -81,6 +81,29 @@ def test_a_marker_the_output_does_not_hold_is_an_error(run, tmp_path):
         regen.regen(page, run)
 
 
+def test_a_recorded_sample_must_be_lines_of_its_recording(run, tmp_path):
+    assert "<!-- recorded: tests/data/preflight_h200_run.txt -->" in (ROOT / "docs/preflight.md").read_text()
+    edited = _copy(tmp_path, "docs/preflight.md", "need 24.9 GiB / free 139.8 GiB", "need 23.9 GiB / free 139.8 GiB")
+    with pytest.raises(regen.DocError, match="is not a line of it"):
+        regen.drift([edited], run)
+    reordered = tmp_path / "page.md"  # the verdict before a check: each line is in the file, not in its order
+    reordered.write_text("<!-- recorded: tests/data/preflight_h200_run.txt -->\n```\n"
+                         "preflight train-cu128: FAILED: 3 check(s) failed: torch-build, env-drift, cuda-libs (2 warnings)\n"
+                         "PASS   gpu-processes   no other process holds memory on the 1 assigned GPU(s)\n```\n")
+    with pytest.raises(regen.DocError, match="not in its order"):
+        regen.regen(reordered, run)
+
+
+def test_head_and_from_cut_the_output_where_the_page_says():
+    out = regen.Output("c", 0, "a\nb\nc\n\nd one\ne\nf\n\ng")
+    assert regen.excerpt(out, regen.parse_spec("c | head: 2")) == ["a", "b", "..."]
+    assert regen.excerpt(out, regen.parse_spec("c | from: d | head: 2")) == ["...", "d one", "e", "..."]
+    assert regen.excerpt(out, regen.parse_spec("c | from: a | from: g")) == ["a", "b", "c", "...", "g"]
+    assert regen.excerpt(out, regen.parse_spec("c | from: a | from: d")) == ["a", "b", "c", "", "d one", "e", "f", "..."]
+    with pytest.raises(regen.DocError, match="unknown option"):
+        regen.parse_spec("c | form: a")
+
+
 def test_the_command_line_check_exits_1_with_a_diff_and_0_when_current(tmp_path):
     page = _copy(tmp_path, "configs/qwen3.6-27b-5t3d.toml", "(recompute off)", "(recompute layer)")
     stale = subprocess.run([sys.executable, str(ROOT / "docs" / "regen.py"), str(page)], capture_output=True, text=True)

@@ -128,6 +128,28 @@ def _script(words: list[str]) -> list[str]:
     return [str(Path(sys.executable).parent / words[2]), *words[3:]]
 
 
+def _set(config: str, section: str, assignment: str) -> str:
+    """`config` with `assignment` (`key = value`) in `[section]`: replacing the key there, else added to the section,
+    else in a new section at the end."""
+    key = assignment.split(" = ", 1)[0]
+    head = re.search(rf"(?m)^\[{section}\][^\n]*\n", config)
+    if head is None:
+        return config.rstrip("\n") + f"\n\n[{section}]\n{assignment}\n"
+    end = re.compile(r"(?m)^\[").search(config, head.end())
+    body = config[head.end():end.start() if end else len(config)]
+    new = re.sub(rf"(?m)^{key} = .*$", lambda _: assignment, body, count=1)
+    if new == body:
+        new = f"{assignment}\n{body}"
+    return config[:head.end()] + new + config[head.end() + len(body):]
+
+
+def test_set_puts_a_key_in_its_section():
+    toml = '[target]\npath = "a"  # c\n[data]\nx = 1\n'
+    assert _set(toml, "target", 'path = "b"') == '[target]\npath = "b"\n[data]\nx = 1\n'
+    assert _set(toml, "data", 'path = "d"') == '[target]\npath = "a"  # c\n[data]\npath = "d"\nx = 1\n'
+    assert _set(toml, "topology", 'colocated_gpus = ["0"]').endswith('x = 1\n\n[topology]\ncolocated_gpus = ["0"]\n')
+
+
 def test_the_readme_walk_through_runs_as_written_on_cpu(tmp_path):
     lines = _walk_through()
     assert lines[0] == "cp configs/qwen3.6-27b-8gpu.toml run.toml"
@@ -137,13 +159,9 @@ def test_the_readme_walk_through_runs_as_written_on_cpu(tmp_path):
     settings = {m[1]: m[2] for m in (re.match(r"#\s+\[(\w+)\]\s+(\w+ = .*?)\s{2,}", line) for line in lines) if m}
     assert set(settings) == {"target", "data", "topology"}, settings
     write_shard(tmp_path / "data" / "shard-00000.arrow", [[1, 2, 3, 4, 5] * 40] * 4, [[0, 1, 1, 1, 1] * 40] * 4)
-    config = preset
-    config = re.sub(r'(?m)^path = "configs/targets/qwen3.6-27b".*$', f'path = "{ROOT / "configs/targets/qwen3.6-27b"}"',
-                    config)
-    assert "[data]\n" in config
-    config = config.replace("[data]\n", f'[data]\npath = "{tmp_path / "data"}"\n', 1)
-    gpus = settings["topology"].split(" = ", 1)[1]
-    config = re.sub(r"(?m)^colocated_gpus = .*$", f"colocated_gpus = {gpus}", config)
+    config = _set(preset, "target", f'path = "{ROOT / "configs/targets/qwen3.6-27b"}"')
+    config = _set(config, "data", f'path = "{tmp_path / "data"}"')
+    config = _set(config, "topology", settings["topology"])
     (tmp_path / "run.toml").write_text(config, encoding="utf-8")
 
     estimate = next(line for line in lines if line.startswith("uv run dflash-estimate"))

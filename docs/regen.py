@@ -32,7 +32,8 @@ Markdown, a figure in prose or a table cell (HTML comments, so the page shows on
 
 `cmd NAME: COMMAND` names a command once per page, anywhere in it. Between `fig` and `/fig` stands what the command
 printed at `{}` (a number or a word): the text around `{}` must match the output, a run of spaces matching any run of
-spaces and `...` any text, across lines too; the first match counts.
+spaces and `...` any text, across lines too; the first match counts. Never inside `code` (the page would show the
+marker there): write `recompute auto` -> <!-- fig ... -->mlp<!-- /fig -->.
 
 TOML (configs/), a block of comment lines:
 
@@ -204,6 +205,9 @@ def regen_markdown(text: str, run: Runner) -> str:
         return f"{m['marker']}\n{m['open']}\n" + "\n".join(body) + "\n" + m["close"]
 
     def one_figure(m: re.Match) -> str:
+        before = m.string[m.string.rfind("\n", 0, m.start()) + 1:m.start()]
+        if before.count("`") % 2:
+            raise DocError(f"figure {m['pattern']!r} stands inside `code`, where the page would show its marker")
         if m["name"] not in commands:
             raise DocError(f"figure {m['pattern']!r}: no `<!-- cmd {m['name']}: ... -->` on this page")
         return m["open"] + figure(run(commands[m["name"]]), m["pattern"]) + m["close"]

@@ -73,6 +73,9 @@ def test_a_marker_the_output_does_not_hold_is_an_error(run, tmp_path):
     page.write_text(f"<!-- cmd e: {cmd} -->\n<!-- fig e: DDP: colocated {{}} GiB -->1<!-- /fig -->\n")
     with pytest.raises(regen.DocError, match="holds nothing like"):
         regen.regen(page, run)
+    page.write_text(f"<!-- cmd e: {cmd} -->\n`recompute auto -> <!-- fig e: recompute auto -> {{}} -->mlp<!-- /fig -->`\n")
+    with pytest.raises(regen.DocError, match="inside `code`"):
+        regen.regen(page, run)
     page.write_text(f"<!-- output: {cmd} | from: no such line -->\n```\n```\n")
     with pytest.raises(regen.DocError, match="starts with 'no such line'"):
         regen.regen(page, run)

@@ -69,7 +69,7 @@ def test_a_changed_figure_is_caught_and_rewritten(run, tmp_path, page, old, new)
 
 def test_a_marker_the_output_does_not_hold_is_an_error(run, tmp_path):
     cmd = "uv run dflash-estimate --config configs/qwen3.6-27b-8gpu.toml --gpu-memory 95GiB"
-    page = tmp_path / "page.md"
+    page = tmp_path / "a-page"
     page.write_text(f"<!-- cmd e: {cmd} -->\n<!-- fig e: DDP: colocated {{}} GiB -->1<!-- /fig -->\n")
     with pytest.raises(regen.DocError, match="holds nothing like"):
         regen.regen(page, run)
@@ -89,7 +89,7 @@ def test_a_recorded_sample_must_be_lines_of_its_recording(run, tmp_path):
     edited = _copy(tmp_path, "docs/preflight.md", "need 24.9 GiB / free 139.8 GiB", "need 23.9 GiB / free 139.8 GiB")
     with pytest.raises(regen.DocError, match="is not a line of it"):
         regen.drift([edited], run)
-    reordered = tmp_path / "page.md"  # the verdict before a check: each line is in the file, not in its order
+    reordered = tmp_path / "a-page"  # the verdict before a check: each line is in the file, not in its order
     reordered.write_text("<!-- recorded: tests/data/preflight_h200_run.txt -->\n```\n"
                          "preflight train-cu128: FAILED: 3 check(s) failed: torch-build, env-drift, cuda-libs (2 warnings)\n"
                          "PASS   gpu-processes   no other process holds memory on the 1 assigned GPU(s)\n```\n")

@@ -11,7 +11,7 @@ Run (from the repository root; no install needed besides the packages):
 
     PYTHONPATH=. python3 bench/train_step.py                                   # configs/qwen3-8b-1gpu.toml
     PYTHONPATH=. python3 bench/train_step.py --set train.max_anchors=1024 --set drafter.block_size=32
-    PYTHONPATH=. python3 bench/train_step.py --sweep --json out/train_step.json  # vs SpecForge (DESIGN.md)
+    PYTHONPATH=. python3 bench/train_step.py --sweep --json out/train_step.json  # vs SpecForge (docs/design.md)
     PYTHONPATH=. python3 bench/train_step.py --device cpu --tiny --sweep         # CPU smoke run, seconds
 
 --sweep times two shape sets in one invocation (batch 1 x 3072 tokens, 512 anchors x block 16
@@ -48,7 +48,7 @@ from dflash.data.synthetic import write_random_dataset, write_target
 DEFAULT_CONFIG = "configs/qwen3-8b-1gpu.toml"
 
 # SpecForge (HF target backend) on one H200, Qwen3-8B-shaped target, batch 1 x 3072, 5-layer
-# drafter: ../shared/DESIGN.md, "The speed to beat".
+# drafter: docs/design.md, "The speed to beat".
 SPECFORGE = {
     "512x16": {"step_ms": 306.0, "target_ms": 104.0, "drafter_ms": 65.0 + 104.0 + 33.0, "peak_alloc_gib": 46.9,
                "tok_s": 10.0e3},
@@ -357,7 +357,7 @@ def print_table(results: list[dict], sweep: bool) -> None:
               f"{gib(r['nvml_device_used_peak_bytes']):>9}")
     if not sweep:
         return
-    print("\nvs SpecForge on one H200 (../shared/DESIGN.md): speedup = theirs / ours")
+    print("\nvs SpecForge on one H200 (docs/design.md): speedup = theirs / ours")
     print(f"{'shape':<10} {'step ms ours/SF':>18} {'x':>6} {'drafter ms ours/SF':>20} {'x':>6} {'tok/s ours/SF':>16} "
           f"{'peak alloc GiB ours/SF':>24}")
     for r in results:

@@ -28,7 +28,7 @@ the file, in the file's order.
 Markdown, a figure in prose or a table cell (HTML comments, so the page shows only the value):
 
     <!-- cmd e8: uv run dflash-estimate --config configs/qwen3.6-27b-8gpu.toml --gpu-memory 95GiB -->
-    ... fits at <!-- fig e8: FSDP2: colocated {} GiB -->83.24<!-- /fig --> GiB ...
+    ... fits at <!-- fig e8: FSDP2: colocated {} GiB -->91.39<!-- /fig --> GiB ...
 
 `cmd NAME: COMMAND` names a command once per page, anywhere in it. Between `fig` and `/fig` stands what the command
 printed at `{}` (a number or a word): the text around `{}` must match the output, a run of spaces matching any run of

@@ -74,8 +74,9 @@ RECIPES = {r.name: r for r in [
            "(sigma 0.6): the packed rate's claim (one H200)", Q36, Q36_MIX, 115, 50, [*SHAPES, *PACKED]),
     Recipe("q36-packed-one", "the same, every sample 2,826 tokens: the reference beside the mix (one H200)", Q36,
            Q36_ONE, 45, 30, [*SHAPES, *PACKED]),
-    Recipe("q36-packed-mix-cap", "q36-packed-mix with train.slot_weights = cap", Q36, Q36_MIX, 40, 1000,
-           [*SHAPES, *PACKED, 'train.slot_weights="cap"']),
+    Recipe("q36-packed-mix-gamma", "q36-packed-mix with train.slot_weights = gamma (the preset's is cap): the "
+           "two slot weightings' step time, same batches", Q36, Q36_MIX, 40, 1000,
+           [*SHAPES, *PACKED, 'train.slot_weights="gamma"']),
     Recipe("q8-packed-mix", "the Qwen3-8B preset co-located and packed (budget 16,384) on a lognormal mix around "
            "1,500 tokens (sigma 0.7): the packed ratio on an H100", Q8, Q8_MIX, 120, 60,
            [*SHAPES, *PACKED, *Q8_PACKED]),

@@ -244,18 +244,29 @@ class SaveCancelled(Exception):
     """A background save given up for a newer one (a stop's checkpoint supersedes a periodic save still writing)."""
 
 
+HASH_BESIDE_BYTES = 1 << 20  # a write at least this large is hashed on another thread while it is written
+
+
 class _HashingFile:
     """A file that hashes what is written through it (sha256, the recorded digest) as it is written, so a large file
-    is not read back to be hashed, and that gives up between writes once `cancel` is set."""
+    is not read back to be hashed, and that gives up between writes once `cancel` is set. A large write is hashed on
+    `pool`'s thread while this one writes it (both release the GIL), and both finish before `write` returns: the
+    caller may reuse its buffer."""
 
-    def __init__(self, f, cancel: threading.Event | None):
-        self.f, self.cancel, self.sha = f, cancel, hashlib.sha256()
+    def __init__(self, f, cancel: threading.Event | None, pool: ThreadPoolExecutor):
+        self.f, self.cancel, self.pool, self.sha = f, cancel, pool, hashlib.sha256()
 
     def write(self, data) -> int:
         if self.cancel is not None and self.cancel.is_set():
             raise SaveCancelled("superseded by a newer save")
-        self.sha.update(data)
-        return self.f.write(data)
+        if memoryview(data).nbytes < HASH_BESIDE_BYTES:
+            self.sha.update(data)
+            return self.f.write(data)
+        hashed = self.pool.submit(self.sha.update, data)
+        try:
+            return self.f.write(data)
+        finally:
+            hashed.result()
 
     def flush(self) -> None:
         self.f.flush()
@@ -304,7 +315,7 @@ def write_checkpoint(output_dir: str | Path, snap: Snapshot, cfg: RunConfig, dat
         lap("weights_s")
         cancelled()
         with open(tmp / OPTIMIZER_NAME, "wb") as f:  # a file of ours: a failed write keeps its OSError (errno)
-            through = _HashingFile(f, cancel)
+            through = _HashingFile(f, cancel, hashing)
             torch.save(snap.optimizer_state, through)
         hashes[tmp / OPTIMIZER_NAME] = through.sha.hexdigest()
         lap("optimizer_s")

@@ -11,6 +11,7 @@ from dflash.memory.shape import TargetShape
 from preflight.facts.dataset import Dataset
 from preflight.facts.environment import EnvIdentity, Records, SyncRecord, TorchBuild
 from preflight.facts.gpus import GpuFacts
+from preflight.facts.overhead import Overhead
 from preflight.facts.paths import LibDir, PathEntry
 from preflight.facts.run import Disk, RunDir
 from preflight.facts.source import CompileCache, ModelSource
@@ -50,6 +51,7 @@ class Context:
     disk: Disk | None = None
     host: dict = field(default_factory=dict)
     own_gpus: dict[str, str] | None = None  # a torchrun rank checks only its GPU: {cuda index: role}
+    overhead: Overhead | None = None  # the probe's memory outside torch per GPU (preflight.probe); None: not probed
 
     @cached_property
     def lock(self) -> LockFile | None:

@@ -198,7 +198,7 @@ def probe_gpus(gpus: dict[str, Gpu], states: dict[str, MachineState], timeout: f
                 continue
             except ValueError as e:
                 out = {"ok": False, "error": str(e)}
-        result.gpus[gpu.uuid] = GpuOverhead(gpu.uuid, "constant", note=(
+        result.gpus[gpu.uuid] = GpuOverhead(gpu.uuid, "constant", pid=out.get("pid"), note=(
             f"GPU {name} not probed: {out.get('error')}; the calibrated constant is used"))
     if use_cache:
         for state, measured in fresh.items():

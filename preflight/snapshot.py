@@ -78,9 +78,14 @@ def here(snap: dict, gpu_info=None) -> dict:
         environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(compile_cache_dir(cfg.profile)))
     except ProfileError:
         pass  # an unknown profile now: the environment section shows what is there
-    if gpu_info is None and cfg.device != "cpu":
+    real = gpu_info is None and cfg.device != "cpu"
+    if real:
         gpu_info = NvmlGpuInfo()
     ctx = gather(cfg.profile, cfg, None, gpu_info, environ=environ)
+    if real:  # the memory outside torch on this machine now (cached per machine state: a probe only after a change)
+        from preflight.probe import probe_for_run
+
+        ctx.overhead = probe_for_run(ctx)
     out = take(ctx)
     out["run"] = {"here": True, "time_utc": now_utc()}
     return out

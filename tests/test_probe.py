@@ -192,6 +192,8 @@ def test_a_probe_past_its_timeout_is_killed_and_reaped(tmp_path):
     gpu = snapshot_from_dict(recorded()).gpus[0]
     got = probe_gpus({"0": gpu}, {gpu.uuid: state()}, timeout=0.01, cache=tmp_path)
     assert got.gpus[gpu.uuid].note == "GPU 0 not probed: probe timed out after 0.01 s (killed); the calibrated constant is used"
+    with pytest.raises(ProcessLookupError):  # killed and reaped: no probe left behind
+        os.kill(got.gpus[gpu.uuid].pid, 0)
 
 
 def test_a_broken_environment_is_one_line(tmp_path):
@@ -286,3 +288,76 @@ def test_the_snapshot_records_the_overhead_and_diff_shows_its_change(tmp_path):
     torch_line = next(x for x in d.differences if x.key == "torch")
     assert torch_line.effect is None  # measured on both machines: the outside-torch line says what the build cost
     assert not [x for x in compare(a, copy.deepcopy(a)).differences if x.key == "outside torch"]
+
+
+# ---------------------------------------------------------------- on its own, and in dflash-estimate
+
+
+def test_the_probe_prints_each_gpu_its_readings_and_why_not():
+    from preflight.probe import format_overhead
+
+    snap = snapshot_from_dict(recorded())
+    g0, g1 = snap.gpus[0], snap.gpus[1]
+    out = {"baseline_device_used_bytes": 0, "steps": [
+        {"step": "context", "process_bytes": int(0.60 * GiB), "torch_reserved_bytes": 0, "device_used_bytes": int(1.07 * GiB)},
+        {"step": "matmul", "process_bytes": int(0.94 * GiB), "torch_reserved_bytes": int(0.28 * GiB),
+         "device_used_bytes": int(1.41 * GiB)}]}
+    overhead = Overhead({g0.uuid: from_probe(g0.uuid, out, state(), "2026-12-07T01:00:00Z"),
+                         g1.uuid: GpuOverhead(g1.uuid, "constant", note="GPU 1 not probed: held by pid 7; the "
+                                                                         "calibrated constant is used")})
+    assert format_overhead(overhead, {"0": g0, "1": g1}) == [
+        f"GPU 0 ({g0.name}, {g0.uuid[:12]}…): outside torch 0.66 GiB (context and kernels 0.66) [measured, "
+        "2026-12-07T01:00:00Z]",
+        "  after context    process 0.60 GiB, torch reserved 0.00, card used 1.07",
+        "  after matmul     process 0.94 GiB, torch reserved 0.28, card used 1.41",
+        f"GPU 1 ({g1.name}, {g1.uuid[:12]}…): GPU 1 not probed: held by pid 7; the calibrated constant is used"]
+
+
+def test_estimate_probe_without_a_driver_says_so_and_keeps_the_constant(capsys):
+    from dflash.commands.estimate import main
+    from preflight.profiles import REPO_ROOT
+
+    with pytest.raises(SystemExit) as e:
+        main(["--config", str(REPO_ROOT / "configs/qwen3-8b-1gpu.toml"), "--gpu-memory", "80GiB", "--probe"])
+    out = capsys.readouterr().out.splitlines()
+    assert e.value.code == 0
+    assert out[3] == "outside torch: not probed (no NVIDIA driver (NVML not found)); the calibrated constant is used"
+
+
+def test_estimate_probe_uses_the_measured_overhead(monkeypatch):
+    """probed_calibration with the probe's answer faked at its one seam below NVML (probe_named)."""
+    import preflight.probe as probe
+    from preflight.estimate import probed_calibration
+    from preflight.facts.environment import torch_build
+    from preflight.profiles import REPO_ROOT
+
+    build = torch_build()
+    gpu = snapshot_from_dict(recorded()).gpus[0]
+    got = GpuOverhead(gpu.uuid, "measured", context_bytes=int(0.66 * GiB))
+    monkeypatch.setattr(probe, "probe_named", lambda names, steps, timeout: (Overhead({gpu.uuid: got}), {"0": gpu}))
+    from dflash.config import load_config
+
+    cfg = load_config(REPO_ROOT / "configs/qwen3-8b-1gpu.toml")
+    cal, line = probed_calibration(cfg, build.cuda)
+    assert cal.context_bytes(build.cuda) == int(0.66 * GiB)
+    assert line == (f"outside torch: measured 0.66 GiB per GPU (context and kernels 0.66; measured, torch "
+                    f"{build.version}, GPUs 0); steps context, matmul, attention")
+    other = "13.0" if build.cuda.startswith("12") else "12.8"
+    cal, line = probed_calibration(cfg, other)
+    assert cal == DEFAULT_CALIBRATION and "not CUDA" in line
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not os.path.exists("/dev/nvidia0"), reason="needs a CUDA GPU (the real probe)")
+def test_on_a_gpu_the_probe_measures_and_leaves_nothing_behind(tmp_path):
+    from preflight.nvml import NvmlGpuInfo
+    from preflight.probe import probe_named
+
+    got, gpus = probe_named(["0"], ("context", "matmul", "attention", "nccl"), use_cache=False)
+    g = got.gpus[gpus["0"].uuid]
+    assert g.measured, g.note
+    assert 0.2 * GiB < g.context_bytes < 4 * GiB and g.nccl_bytes is not None
+    after = NvmlGpuInfo().snapshot().gpus[gpus["0"].index]
+    assert g.pid and g.pid not in {p.pid for p in after.processes}
+    with pytest.raises(ProcessLookupError):
+        os.kill(g.pid, 0)

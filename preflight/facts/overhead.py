@@ -79,6 +79,7 @@ class GpuOverhead:
     state: dict | None = None  # the MachineState it was measured in
     note: str | None = None  # why the constant is used (busy GPU, probe failed), or a cache note
     time_utc: str | None = None  # when it was measured
+    pid: int | None = None  # the probe's process (gone when the probe returned)
 
     @property
     def measured(self) -> bool:
@@ -97,7 +98,7 @@ class GpuOverhead:
     @classmethod
     def from_dict(cls, d: dict) -> GpuOverhead:
         keys = ("uuid", "source", "context_bytes", "nccl_bytes", "torch_reserved_bytes", "process_bytes", "steps",
-                "state", "note", "time_utc")
+                "state", "note", "time_utc", "pid")
         return cls(**{k: d[k] for k in keys if k in d})
 
 
@@ -147,5 +148,5 @@ def from_probe(uuid: str, out: dict, state: MachineState, time_utc: str | None =
     last = steps[-1]
     return GpuOverhead(uuid=uuid, source="measured", context_bytes=context, nccl_bytes=nccl_bytes,
                        torch_reserved_bytes=last.get("torch_reserved_bytes"), process_bytes=last.get("process_bytes"),
-                       steps=steps, state=state.to_dict(), time_utc=time_utc,
+                       steps=steps, state=state.to_dict(), time_utc=time_utc, pid=out.get("pid"),
                        note="; ".join(f"{k}: {v}" for k, v in (out.get("skipped") or {}).items()) or None)

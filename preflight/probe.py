@@ -211,15 +211,13 @@ def probe_gpus(gpus: dict[str, Gpu], states: dict[str, MachineState], timeout: f
 def probe_for_run(ctx, timeout: float = DEFAULT_TIMEOUT_S, use_cache: bool = True) -> Overhead | None:
     """The gate's probe (a preflight.facts.context.Context gathered with a run config on CUDA): each assigned GPU
     NVML sees, with the steps the run loads; None when there is nothing to probe (no config, CPU, no NVML)."""
-    from preflight.checks.gpus import resolved_gpus
-
     snap = ctx.gpus.snapshot
     if ctx.config is None or ctx.config.device != "cuda" or snap is None:
         return None
     steps = run_steps(ctx.config, ctx.target_shape)
     me = ctx.host.get("pid", os.getpid())
     gpus, busy = {}, {}
-    for name, _role, gpu, _why in resolved_gpus(ctx):
+    for name, _role, gpu, _why in ctx.resolved_gpus():
         if gpu is not None and gpu.uuid not in {g.uuid for g in gpus.values()}:
             gpus[name] = gpu
             busy[gpu.uuid] = [p.pid for p in gpu.processes if p.pid != me]

@@ -22,15 +22,13 @@ from preflight.checks.common import GiB, MiB, config_arg, gib, listing, no_shape
 from preflight.estimate import DEFAULT_CUDA
 from preflight.facts.context import Context
 from preflight.facts.overhead import GpuOverhead
-from preflight.nvml import NO_DRIVER, Gpu, resolve_gpu, visible_gpus
+from preflight.nvml import NO_DRIVER, Gpu, visible_gpus
 from preflight.report import CheckResult
 
 
 def assigned_gpus(ctx: Context) -> dict[str, GpuRole]:
-    """GPU name in the run config -> its role (dflash.config.TopologyConfig.gpu_roles); a torchrun rank its own."""
-    if ctx.own_gpus is not None:
-        return ctx.own_gpus
-    return ctx.config.topology.gpu_roles
+    """GPU name in the run config -> its role (Context.assigned_gpus)."""
+    return ctx.assigned_gpus()
 
 
 def _gpu_gate(ctx: Context, check_id: str) -> CheckResult | None:
@@ -43,14 +41,8 @@ def _gpu_gate(ctx: Context, check_id: str) -> CheckResult | None:
 
 
 def resolved_gpus(ctx: Context) -> list[tuple[str, GpuRole, Gpu | None, str | None]]:
-    """(name, role, the GPU it resolves to or None, why not) for each GPU the run is assigned."""
-    snap = ctx.gpus.snapshot
-    visible, _ = visible_gpus(snap.gpus, ctx.gpus.cuda_visible_devices)
-    rows = []
-    for name, role in assigned_gpus(ctx).items():
-        gpu, why = resolve_gpu(name, visible, snap.gpus)
-        rows.append((name, role, gpu, why))
-    return rows
+    """(name, role, the GPU it resolves to or None, why not) for each GPU the run is assigned (Context.resolved_gpus)."""
+    return ctx.resolved_gpus()
 
 
 def check_gpu_visibility(ctx: Context) -> CheckResult:

@@ -38,6 +38,7 @@ DEFAULT_TIMEOUT_S = 120.0  # per probe: a context, a few kernels and an NCCL com
 BASE_STEPS = ("context", "matmul", "attention")  # what every GPU run loads (preflight.probe_gpu.STEPS)
 ENV_KEYS = ("CUDA_MODULE_LOADING",)  # besides NCCL_*: variables that change what loading costs
 CACHE_FOLDER = "probe"
+KILL_WAIT_S = 10.0  # how long a killed probe may take to go (a process stuck in the driver is not waited for)
 
 
 def run_steps(cfg, shape) -> tuple[str, ...]:
@@ -134,7 +135,10 @@ def _kill(proc: subprocess.Popen) -> None:
         os.killpg(proc.pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
         pass
-    proc.communicate()
+    try:
+        proc.communicate(timeout=KILL_WAIT_S)
+    except subprocess.TimeoutExpired:  # stuck in the driver: preflight goes on, never hangs on it
+        pass
 
 
 def _finish(child: _Child, deadline: float, timeout: float) -> dict:
@@ -188,9 +192,14 @@ def probe_gpus(gpus: dict[str, Gpu], states: dict[str, MachineState], timeout: f
     children = {name: _start(gpu.uuid, states[gpu.uuid].steps, env, python) for name, gpu in todo.items()}
     stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     fresh: dict[MachineState, dict[str, GpuOverhead]] = {}
-    for name, child in children.items():
+    try:
+        outs = {name: _finish(child, start + timeout, timeout) for name, child in children.items()}
+    finally:  # interrupted (Ctrl-C, a signal): no probe outlives the preflight that started it
+        for child in children.values():
+            if child.proc is not None and child.proc.poll() is None:
+                _kill(child.proc)
+    for name, out in outs.items():
         gpu, state = todo[name], states[todo[name].uuid]
-        out = _finish(child, start + timeout, timeout)
         if out.get("ok"):
             try:
                 result.gpus[gpu.uuid] = from_probe(gpu.uuid, out, state, stamp)

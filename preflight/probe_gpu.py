@@ -124,7 +124,12 @@ def probe(uuid: str, steps: list[str]) -> dict:
                "device": torch.cuda.get_device_name(0), "baseline_device_used_bytes": baseline, "steps": [],
                "skipped": {}}
         for name in steps:
-            note = _step(name, torch, cleanups)
+            try:
+                note = _step(name, torch, cleanups)
+            except ProbeFailed:
+                raise
+            except Exception as e:  # the step that broke, named: the run would break there too
+                raise ProbeFailed(f"step {name} failed: {type(e).__name__}: {' '.join(str(e).split())[:240]}") from None
             if note:
                 out["skipped"][name] = note
                 continue

@@ -361,3 +361,13 @@ def test_on_a_gpu_the_probe_measures_and_leaves_nothing_behind(tmp_path):
     assert g.pid and g.pid not in {p.pid for p in after.processes}
     with pytest.raises(ProcessLookupError):
         os.kill(g.pid, 0)
+
+
+def test_the_probe_process_refuses_an_unknown_step_in_one_json_line(capsys):
+    from preflight.probe_gpu import main
+
+    assert main(["--uuid", "GPU-0", "--steps", "context,warp"]) == 1
+    out = capsys.readouterr().out
+    assert json.loads(out) == {"ok": False, "error": "unknown step(s) warp (known: context, matmul, attention, flex, "
+                                                     "fla, nccl)"}
+    assert out.count("\n") == 1

@@ -220,9 +220,6 @@ def _memory(ctx: Context) -> dict:
     cuda = (ctx.torch.cuda if ctx.torch and ctx.torch.cuda else None) or (ctx.profile.cuda if ctx.profile else DEFAULT_CUDA)
     expandable = "expandable_segments:true" in ctx.env.get("PYTORCH_CUDA_ALLOC_CONF", "").replace(" ", "").lower()
     out: dict = {"cuda": cuda, "expandable_segments": expandable, "roles": {}}
-    if ctx.target_shape is None:
-        out["error"] = ctx.target_error
-        return out
     free, measured = {}, {}
     for d in _gpus(ctx)["devices"]:
         ov = ctx.overhead.gpus.get(d["uuid"]) if ctx.overhead is not None else None
@@ -234,6 +231,9 @@ def _memory(ctx: Context) -> dict:
             free[role] = min(free.get(role, d["free_bytes"]), d["free_bytes"])
             if ov is not None and ov.measured and ov.outside_torch_bytes >= measured.get(role, (-1,))[0]:
                 measured[role] = (ov.outside_torch_bytes, ov)
+    if ctx.target_shape is None:
+        out["error"] = ctx.target_error
+        return out
     try:
         for role in cfg.topology.roles:
             mode, dp = recompute_mode(cfg), parallel_mode(cfg)

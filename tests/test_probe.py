@@ -371,3 +371,22 @@ def test_the_probe_process_refuses_an_unknown_step_in_one_json_line(capsys):
     assert json.loads(out) == {"ok": False, "error": "unknown step(s) warp (known: context, matmul, attention, flex, "
                                                      "fla, nccl)"}
     assert out.count("\n") == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not os.path.exists("/dev/nvidia0"), reason="needs a CUDA GPU (the real probe)")
+def test_on_a_gpu_preflight_reports_and_uses_the_measured_overhead(tmp_path):
+    from dflash.config import load_config
+    from preflight.gate import build_report
+    from preflight.profiles import REPO_ROOT
+
+    cfg = load_config(REPO_ROOT / "configs/qwen3-8b-1gpu.toml", {"output_dir": str(tmp_path / "run")})
+    check = next(c for c in build_report(cfg.profile, cfg).checks if c.id == "gpu-memory")
+    row = check.data["gpus"][0]
+    assert row["outside_torch_source"] in ("measured", "cached"), check.summary
+    assert "outside torch measured" in check.summary
+    from dflash.memory.parts import with_recompute
+
+    mode = check.data["model"].rpartition("-> ")[2] if "->" in check.data["model"] else cfg.train.recompute
+    cal = with_measured_overhead(DEFAULT_CALIBRATION, "12.8", row["outside_torch_bytes"])  # one GPU: no NCCL
+    assert row["need_bytes"] == role_need_bytes(with_recompute(cfg, mode), "colocated", "12.8", cal)

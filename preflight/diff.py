@@ -86,6 +86,7 @@ class _Model:
     expandable: bool
     recompute: dict[str, str]
     data_parallel: dict[str, str] = field(default_factory=dict)  # per role, as resolved (older snapshots: none)
+    overhead: dict[str, tuple[int, int | None]] = field(default_factory=dict)  # per GPU role: measured (context, NCCL)
 
 
 def _model(snap: dict) -> _Model | None:
@@ -99,16 +100,31 @@ def _model(snap: dict) -> _Model | None:
     try:
         cfg = config_from_dict(snap["config"], source="snapshot config")
         known = {k: v for k, v in shape.items() if v is not None}  # an older snapshot's shape: its fields' defaults
+        measured: dict[str, tuple[int, int | None]] = {}
+        for o in (mem.get("overhead") or {}).values():
+            if o.get("context_bytes") is None:
+                continue
+            for role in o.get("roles") or []:
+                if o["context_bytes"] + (o.get("nccl_bytes") or 0) > sum(x or 0 for x in measured.get(role, (-1, 0))):
+                    measured[role] = (int(o["context_bytes"]), o.get("nccl_bytes"))
         return _Model(cfg, TargetShape(**known), str(mem["cuda"]), bool(mem.get("expandable_segments", True)),
                       {r: v.get("recompute") for r, v in (mem.get("roles") or {}).items()},
-                      {r: v["data_parallel"] for r, v in (mem.get("roles") or {}).items() if v.get("data_parallel")})
+                      {r: v["data_parallel"] for r, v in (mem.get("roles") or {}).items() if v.get("data_parallel")},
+                      measured)
     except (DflashError, TypeError, ValueError):
         return None  # a snapshot of another version's config or shape: no prediction
 
 
 def _peaks(m: _Model, cfg=None, cuda: str | None = None, expandable: bool | None = None) -> dict[str, int] | None:
     from dflash.errors import DflashError
-    from dflash.memory.parts import recompute_mode, role_parts, with_parallel, with_recompute
+    from dflash.memory.parts import (
+        DEFAULT_CALIBRATION,
+        recompute_mode,
+        role_parts,
+        with_measured_overhead,
+        with_parallel,
+        with_recompute,
+    )
 
     cfg = cfg or m.cfg
     resolved = cfg.train.recompute == m.cfg.train.recompute  # else a what-if of train.recompute itself
@@ -118,7 +134,10 @@ def _peaks(m: _Model, cfg=None, cuda: str | None = None, expandable: bool | None
         for role in cfg.topology.roles:
             mode = (m.recompute.get(role) if resolved else None) or recompute_mode(cfg)
             dp = (m.data_parallel.get(role) if dp_resolved else None) or "none"
-            parts = role_parts(with_recompute(with_parallel(cfg, dp), mode), m.shape, role, cuda or m.cuda,
+            cal, measured = DEFAULT_CALIBRATION, m.overhead.get("drafter" if role == "colocated" else role)
+            if measured is not None and (cuda is None or cuda == m.cuda):  # what the probe measured on that machine
+                cal = with_measured_overhead(cal, m.cuda, *measured)
+            parts = role_parts(with_recompute(with_parallel(cfg, dp), mode), m.shape, role, cuda or m.cuda, cal,
                                expandable=m.expandable if expandable is None else expandable)
             out[role] = sum(p.bytes for p in parts)
     except (DflashError, ValueError, TypeError, ArithmeticError):  # a shape no real target has (0 heads, 2^63 layers)
@@ -175,7 +194,7 @@ def _environment(a: dict, b: dict, ma: _Model | None, mb: _Model | None) -> list
     ta, tb = _get(a, "environment", "torch") or {}, _get(b, "environment", "torch") or {}
     if (ta.get("version"), ta.get("cuda")) != (tb.get("version"), tb.get("cuda")):
         effect = None
-        if ma and ta.get("cuda") != tb.get("cuda") and tb.get("cuda"):
+        if ma and ta.get("cuda") != tb.get("cuda") and tb.get("cuda") and not (ma.overhead and mb and mb.overhead):
             effect = _effect(_peaks(ma), _peaks(ma, cuda=tb["cuda"]), per_gpu=True)
             effect = effect and effect.replace("memory model: ", "memory model: CUDA context ")
         out.append(Difference("environment", "torch", ta, tb, f"torch {_build(ta)} -> {_build(tb)}", "memory, speed",
@@ -273,10 +292,62 @@ def _gpus(a: dict, b: dict) -> list[Difference]:
         elif x["uuid"] != y["uuid"]:
             out.append(Difference("gpus", f"{label} uuid", x["uuid"], y["uuid"],
                                   f"{label}: another GPU of the same kind ({x['uuid'][:12]}… -> {y['uuid'][:12]}…)"))
+    out += _overhead(a, b)
     na, nb = len(_get(a, "gpus", "devices", default=[])), len(_get(b, "gpus", "devices", default=[]))
     if na != nb and na and nb:
         out.append(Difference("gpus", "count", na, nb, f"GPUs on the machine {na} -> {nb}"))
     return out
+
+
+OVERHEAD_TOLERANCE = 16 * MiB  # the memory outside torch measured twice on one machine differs by less
+
+
+def _overhead(a: dict, b: dict) -> list[Difference]:
+    """The memory outside torch the probe measured per GPU (snapshot memory.overhead), A -> B, with the machine
+    state that changed: 'outside torch: 1.12 -> 1.31 GiB per GPU; torch 2.10.0+cu128 -> 2.10.0+cu130'."""
+    from preflight.facts.overhead import state_changes
+
+    oa, ob = _get(a, "memory", "overhead", default={}), _get(b, "memory", "overhead", default={})
+    if not oa and not ob:
+        return []
+    ra, rb = _overhead_by_role(a, oa), _overhead_by_role(b, ob)
+    changed = {}
+    for label in sorted(set(ra) & set(rb)):
+        x, y = ra[label], rb[label]
+        vx, vy = x.get("outside_torch_bytes"), y.get("outside_torch_bytes")
+        if vx is not None and vy is not None and abs(vy - vx) < OVERHEAD_TOLERANCE:
+            continue
+        if vx is None and vy is None:
+            continue
+        changed[label] = (x, y)
+    if not changed:
+        return []
+    shown = {label: (_measured(x), _measured(y)) for label, (x, y) in changed.items()}
+    x, y = next(iter(changed.values()))
+    cause = state_changes(x.get("state"), y.get("state"))
+    tail = f"; {'; '.join(cause)}" if cause else ""
+    whole = len(changed) == len(set(ra) & set(rb))
+    if whole and len(set(shown.values())) == 1:
+        before, after = next(iter(shown.values()))
+        if before.endswith(" GiB") and after.endswith(" GiB"):
+            before = before.removesuffix(" GiB")
+        text = f"outside torch: {before} -> {after} per GPU{tail}"
+    else:
+        text = "outside torch: " + ", ".join(f"{label} {p} -> {q}" for label, (p, q) in shown.items()) + tail
+    vx, vy = x.get("outside_torch_bytes"), y.get("outside_torch_bytes")
+    effect = f"memory model: {_signed(vy - vx)} per GPU" if vx is not None and vy is not None else None
+    return [Difference("gpus", "outside torch", {k: v[0].get("outside_torch_bytes") for k, v in changed.items()},
+                       {k: v[1].get("outside_torch_bytes") for k, v in changed.items()}, text, "memory", effect)]
+
+
+def _overhead_by_role(snap: dict, overhead: dict) -> dict[str, dict]:
+    labels = {d["uuid"]: label for label, d in _by_role(_get(snap, "gpus", "devices", default=[])).items()}
+    return {labels[u]: o for u, o in overhead.items() if u in labels}
+
+
+def _measured(o: dict) -> str:
+    v = o.get("outside_torch_bytes")
+    return f"{v / GiB:.2f} GiB" if v is not None else "not measured (calibrated constant)"
 
 
 def _by_role(devices: list[dict]) -> dict[str, dict]:

@@ -19,6 +19,7 @@ import re
 from dflash.config import load_config, parse_overrides
 from dflash.errors import DflashError
 from dflash.memory.fit import Estimate, estimate, role_gpus
+from dflash.memory.parts import DEFAULT_CALIBRATION, Calibration, with_measured_overhead
 from preflight.facts.run import target_custom_code
 from preflight.nvml import GpuInfo, NvmlGpuInfo, NvmlUnavailable, resolve_gpu, visible_gpus
 from preflight.profiles import ProfileError, load_profile
@@ -112,12 +113,15 @@ def run_estimate(
     link_gbps: str | None = None,
     overrides: dict | None = None,
     rates_recompute: str | None = None,
+    probe: bool = False,
+    probe_timeout: float | None = None,
 ) -> tuple[Estimate, str]:
     """The estimate dflash-estimate prints, and where its CUDA version came from. `rates` ("TARGET,DRAFTER" busy
     tok/s per GPU) or `rates_from` (a split run's dir, its busy rates as its summary printed them) add each layout's
     tokens/s, its communication priced at `link_gbps` (GB/s one way per GPU; default the users' PCIe Gen5 x16).
     `overrides` (dotted, as the GPU-list flags give them) apply after `sets`. `rates_recompute`: the recompute the
-    drafter's rate was measured at (default: the --rates-from run's, else off); pace lines at another say so."""
+    drafter's rate was measured at (default: the --rates-from run's, else off); pace lines at another say so.
+    `probe`: measure the memory outside torch on the config's GPUs (preflight.probe) and use it."""
     if gpu_memory and from_nvml:
         raise EstimateError("give --gpu-memory or --from-nvml, not both")
     cfg = load_config(config_path, parse_overrides(sets).merge(overrides or {}))
@@ -134,7 +138,9 @@ def run_estimate(
     link = parse_link(link_gbps) if link_gbps is not None else None
     busy = parse_rates(rates, rates_from) if rates or rates_from else None
     measured = rates_recompute or (run_recompute(rates_from) if rates_from else None) or "off"
-    est = estimate(cfg, cuda, gpu_bytes, source=config_path, rates=busy, link_gbps=link, rates_recompute=measured)
+    cal, note = (probed_calibration(cfg, cuda, probe_timeout) if probe else (DEFAULT_CALIBRATION, None))
+    est = estimate(cfg, cuda, gpu_bytes, cal, source=config_path, rates=busy, link_gbps=link, rates_recompute=measured)
+    est.overhead = note
     if gpu_memory:
         est.gpu_source, warning = size_reading(gpu_memory)
         est.warnings += [warning] if warning else []
@@ -144,16 +150,46 @@ def run_estimate(
 
 
 def run_recompute(run_dir: str) -> str | None:
-    """The recompute a run dir's drafter ran at, as its gate resolved it (snapshot.json's memory roles), or None."""
+    """The recompute a run's drafter resolved to, as its snapshot recorded it (None: no snapshot says)."""
     from dflash.runs.records import SnapshotError, load
 
     try:
-        snap = load(run_dir)[0]
+        snap, _, _ = load(run_dir)
     except (SnapshotError, OSError):
         return None
     roles = (snap.get("memory") or {}).get("roles") or {}
-    modes = [r.get("recompute") for name, r in roles.items() if name != "target" and isinstance(r, dict)]
-    return modes[0] if modes and modes[0] in ("off", "mlp", "layer") else None
+    mode = (roles.get("drafter") or roles.get("colocated") or {}).get("recompute")
+    return mode if mode in ("off", "mlp", "layer") else None
+
+
+def probed_calibration(cfg, cuda: str, timeout: float | None = None) -> tuple[Calibration, str]:
+    """The calibration with the memory outside torch measured on the GPUs the config names (GPU 0 when it names
+    none), the most any of them measured, and the line that says so; the calibrated constants and why, when the
+    probe could not measure or measured another CUDA than the estimate's."""
+    from dflash.memory.shape import GiB, cuda_major, load_target_shape
+    from preflight.facts.environment import torch_build
+    from preflight.probe import DEFAULT_TIMEOUT_S, probe_named, run_steps
+
+    names = sorted({g for role in cfg.topology.roles for g in role_gpus(cfg, role)}) or ["0"]
+    steps = run_steps(cfg, load_target_shape(cfg.target.path))
+    try:
+        overhead, gpus = probe_named(names, steps, timeout or DEFAULT_TIMEOUT_S)
+    except (NvmlUnavailable, ValueError) as e:
+        return DEFAULT_CALIBRATION, f"outside torch: not probed ({e}); the calibrated constant is used"
+    got = [overhead.gpus[g.uuid] for g in gpus.values() if overhead.gpus[g.uuid].measured]
+    if not got:
+        why = "; ".join(g.note or "" for g in overhead.gpus.values())
+        return DEFAULT_CALIBRATION, f"outside torch: {why}"
+    build = torch_build()
+    if build is None or not build.cuda or cuda_major(build.cuda) != cuda_major(cuda):
+        return DEFAULT_CALIBRATION, (f"outside torch: measured under torch {build.version if build else 'none'}, not "
+                                     f"CUDA {cuda}; the calibrated constant is used")
+    top = max(got, key=lambda g: g.outside_torch_bytes)
+    nccl = f", NCCL {top.nccl_bytes / GiB:.2f}" if top.nccl_bytes is not None else ""
+    return (with_measured_overhead(DEFAULT_CALIBRATION, cuda, top.context_bytes, top.nccl_bytes),
+            f"outside torch: measured {top.outside_torch_bytes / GiB:.2f} GiB per GPU (context and kernels "
+            f"{top.context_bytes / GiB:.2f}{nccl}; {top.source}, torch {build.version}, GPUs {', '.join(names)}); "
+            f"steps {', '.join(steps)}")
 
 
 MAX_LINK_GBPS = 100_000.0  # 100 TB/s: no link between two GPUs comes near (NVLink 5 is 900 GB/s a way); more is a typo

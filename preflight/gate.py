@@ -20,7 +20,7 @@ import json
 import os
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -30,8 +30,10 @@ from dflash.runs.rundir import PREFLIGHT_NAME
 from preflight.checks.registry import CHECK_IDS, run_checks
 from preflight.facts.context import Context
 from preflight.facts.gather import gather
+from preflight.facts.overhead import Overhead
 from preflight.facts.source import git_commit
 from preflight.nvml import GpuInfo, NvmlGpuInfo
+from preflight.probe import probe_for_run
 from preflight.profiles import REPO_ROOT, ProfileError, compile_cache_dir, lock_path, profile_env
 from preflight.report import Report, apply_waivers
 
@@ -108,13 +110,15 @@ def build_report(
     config_path: str | None = None,
     gpu_override: dict[str, str] | None = None,
     verify_data: bool = False,
+    probe: Callable[[Context], Overhead | None] | None = None,
 ) -> Report:
     """Gather facts, run every check, apply waivers. GPU info defaults to real NVML (not asked when device = cpu).
 
     gpu_override {cuda index: role} replaces the config's GPU lists (a torchrun rank checks its own GPU).
     verify_data: also hash every shard and the checkpoint a resume loads against their recorded sha256.
     """
-    return check_run(profile_name, cfg, waivers, resume_intent, gpu_info, config_path, gpu_override, verify_data)[0]
+    return check_run(profile_name, cfg, waivers, resume_intent, gpu_info, config_path, gpu_override, verify_data,
+                     probe)[0]
 
 
 def check_run(
@@ -126,16 +130,25 @@ def check_run(
     config_path: str | None = None,
     gpu_override: dict[str, str] | None = None,
     verify_data: bool = False,
+    probe: Callable[[Context], Overhead | None] | None = None,
 ) -> tuple[Report, Context]:
-    """`build_report`, with the facts it judged (the gate keeps them for the run's snapshot)."""
+    """`build_report`, with the facts it judged (the gate keeps them for the run's snapshot).
+
+    probe: what measures the memory outside torch on the run's GPUs (preflight.probe.probe_for_run, the default with
+    the real NVML; none with a recorded one unless given)."""
     if resume_intent not in (None, "resume", "fresh"):
         raise ValueError(f"resume intent must be 'resume', 'fresh' or None, got {resume_intent!r}")
     waivers = validate_waivers(waivers or {})
-    if gpu_info is None and not (cfg is not None and cfg.device == "cpu"):
+    real_nvml = gpu_info is None and not (cfg is not None and cfg.device == "cpu")
+    if real_nvml:
         gpu_info = NvmlGpuInfo()
     t0 = time.perf_counter()
     ctx = gather(profile_name, cfg, resume_intent, gpu_info, config_path=config_path, verify_data=verify_data)
     ctx.own_gpus = gpu_override
+    if probe is None and real_nvml:
+        probe = probe_for_run
+    if probe is not None:
+        ctx.overhead = probe(ctx)  # a fact too: the memory outside torch, measured on each assigned GPU
     checks = apply_waivers(run_checks(ctx), waivers)
     host = dict(ctx.host, preflight_seconds=round(time.perf_counter() - t0, 3))
     return Report.build(profile_name, checks, host), ctx

@@ -78,9 +78,14 @@ def here(snap: dict, gpu_info=None) -> dict:
         environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(compile_cache_dir(cfg.profile)))
     except ProfileError:
         pass  # an unknown profile now: the environment section shows what is there
-    if gpu_info is None and cfg.device != "cpu":
+    real = gpu_info is None and cfg.device != "cpu"
+    if real:
         gpu_info = NvmlGpuInfo()
     ctx = gather(cfg.profile, cfg, None, gpu_info, environ=environ)
+    if real:  # the memory outside torch on this machine now (cached per machine state: a probe only after a change)
+        from preflight.probe import probe_for_run
+
+        ctx.overhead = probe_for_run(ctx)
     out = take(ctx)
     out["run"] = {"here": True, "time_utc": now_utc()}
     return out
@@ -196,29 +201,51 @@ def _target(ctx: Context) -> dict:
 
 def _memory(ctx: Context) -> dict:
     """The memory model's peak per role of this run, with the CUDA of the installed torch build (the one the run
-    loads) and recompute = auto resolved as the trainer will, on the free memory of the role's GPU."""
+    loads), the memory outside torch the probe measured on the role's GPUs (`overhead`, per GPU UUID) and
+    recompute = auto resolved as the trainer will, on the free memory of the role's GPU."""
     from dflash.errors import DflashError
-    from dflash.memory.parts import choose_parallel, parallel_mode, recompute_mode, role_need_bytes, with_parallel, with_recompute
+    from dflash.memory.parts import (
+        DEFAULT_CALIBRATION,
+        choose_parallel,
+        parallel_mode,
+        recompute_mode,
+        role_need_bytes,
+        with_measured_overhead,
+        with_parallel,
+        with_recompute,
+    )
     from preflight.estimate import DEFAULT_CUDA
 
     cfg = ctx.config
     cuda = (ctx.torch.cuda if ctx.torch and ctx.torch.cuda else None) or (ctx.profile.cuda if ctx.profile else DEFAULT_CUDA)
     expandable = "expandable_segments:true" in ctx.env.get("PYTORCH_CUDA_ALLOC_CONF", "").replace(" ", "").lower()
     out: dict = {"cuda": cuda, "expandable_segments": expandable, "roles": {}}
+    free, measured = {}, {}
+    for d in _gpus(ctx)["devices"]:
+        ov = ctx.overhead.gpus.get(d["uuid"]) if ctx.overhead is not None else None
+        if ov is not None:
+            out.setdefault("overhead", {})[d["uuid"]] = {
+                "source": ov.source, "outside_torch_bytes": ov.outside_torch_bytes, "context_bytes": ov.context_bytes,
+                "nccl_bytes": ov.nccl_bytes, "note": ov.note, "state": ov.state, "roles": d["roles"]}
+        for role in d["roles"]:
+            free[role] = min(free.get(role, d["free_bytes"]), d["free_bytes"])
+            if ov is not None and ov.measured and ov.outside_torch_bytes >= measured.get(role, (-1,))[0]:
+                measured[role] = (ov.outside_torch_bytes, ov)
     if ctx.target_shape is None:
         out["error"] = ctx.target_error
         return out
-    free = {}
-    for d in _gpus(ctx)["devices"]:
-        for role in d["roles"]:
-            free[role] = min(free.get(role, d["free_bytes"]), d["free_bytes"])
     try:
         for role in cfg.topology.roles:
             mode, dp = recompute_mode(cfg), parallel_mode(cfg)
-            gpu_free = free.get("drafter" if role == "colocated" else role)
+            key = "drafter" if role == "colocated" else role
+            gpu_free = free.get(key)
+            cal = DEFAULT_CALIBRATION  # the role's GPU that measured the most outside torch, if any did
+            if key in measured:
+                ov = measured[key][1]
+                cal = with_measured_overhead(cal, cuda, ov.context_bytes, ov.nccl_bytes)
             if role != "target" and cfg.device == "cuda" and gpu_free is not None:
-                dp, mode, _ = choose_parallel(cfg, role, cuda, gpu_free, shape=ctx.target_shape)
-            need = role_need_bytes(with_recompute(with_parallel(cfg, dp), mode), role, cuda, shape=ctx.target_shape)
+                dp, mode, _ = choose_parallel(cfg, role, cuda, gpu_free, cal, shape=ctx.target_shape)
+            need = role_need_bytes(with_recompute(with_parallel(cfg, dp), mode), role, cuda, cal, shape=ctx.target_shape)
             out["roles"][role] = {"bytes": need, "recompute": mode, "data_parallel": dp}
     except DflashError as e:
         out["error"] = e.one_line()

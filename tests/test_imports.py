@@ -4,7 +4,9 @@
   package graph has no circle, and no module imports from a circle either (no module-level cycle).
 - Only the command modules (dflash/commands/) import preflight; the library hears of it from them.
 - The on-disk contracts, the plan and the memory model never import torch or transformers, not even lazily, so
-  preflight and the estimator stay light (TORCH_FREE, walked through every project module they reach).
+  preflight and the estimator stay light (TORCH_FREE, walked through every project module they reach). A module
+  started as its own process (`[python, "-m", "dflash.x"]`) counts for the floors and circles, but its imports load
+  in that process, not in the one that starts it: the walk for torch does not follow it.
 """
 
 from __future__ import annotations
@@ -27,9 +29,9 @@ LAYERS = {"dflash.errors": 0, "dflash.filehash": 0, "dflash.config": 1, "dflash.
 TORCH_FREE = ("dflash.config", "dflash.errors", "dflash.filehash", "dflash.runs.rundir", "dflash.runs.verify",
               "dflash.runs.lock", "dflash.runs.metrics", "dflash.runs.resume", "dflash.runs.compile_manifest",
               "dflash.runs.records", "dflash.data.identity", "dflash.data.shards", "dflash.data.buckets", "dflash.data.packing",
-              "dflash.data.plan", "dflash.models.custom_code", "dflash.models.weights", "dflash.memory.shape", "dflash.memory.parts",
-              "dflash.memory.fit",
-              "dflash.memory.pace", "preflight.diff",
+              "dflash.data.plan", "dflash.models.custom_code", "dflash.models.weights", "dflash.memory.shape",
+              "dflash.memory.parts", "dflash.memory.fit", "dflash.memory.pace", "preflight.diff", "preflight.probe",
+              "preflight.facts.overhead",
               "preflight.gate", "preflight.checks.registry", "preflight.facts.gather", "dflash.eval.results")
 HEAVY = ("torch", "transformers", "triton")
 
@@ -73,6 +75,20 @@ def imported(name: str, path: Path) -> set[str]:
     return out
 
 
+def process_targets(path: Path) -> set[str]:
+    """Project modules the file starts as processes: a string right after "-m" in a list or tuple literal."""
+    known = modules()
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, (ast.List, ast.Tuple)):
+            items = node.elts
+            for flag, target in zip(items, items[1:]):
+                if (isinstance(flag, ast.Constant) and flag.value == "-m" and isinstance(target, ast.Constant)
+                        and target.value in known):
+                    out.add(target.value)
+    return out
+
+
 def package_of(module: str) -> str:
     """The floor a module lives on: its LAYERS entry (the longest prefix that names one)."""
     parts = module.split(".")
@@ -98,6 +114,15 @@ def test_the_walk_sees_lazy_and_package_imports(tmp_path):
     found = imported("dflash.m", src)
     assert {"preflight.gate", "preflight.profiles", "dflash.commands.train", "dflash.commands.torchrun"} <= found
     assert "dflash.data.plan" not in found  # a docstring names, it does not import
+
+
+def test_a_module_started_as_a_process_is_not_an_import_of_its_torch(tmp_path):
+    src = tmp_path / "m.py"
+    src.write_text('import subprocess, sys\ndef f():\n    subprocess.run([sys.executable, "-m", "preflight.probe_gpu"])\n'
+                   '    return "dflash.data.plan"\n')
+    assert {"preflight.probe_gpu", "dflash.data.plan"} <= imported("preflight.m", src)  # floors and circles see both
+    assert process_targets(src) == {"preflight.probe_gpu"}  # the torch walk follows only the in-process one
+    assert "preflight.probe_gpu" in process_targets(modules()["preflight.probe"])
 
 
 def test_only_the_command_modules_import_preflight():
@@ -149,13 +174,27 @@ def test_no_import_circle_between_modules():
 
 
 def reach(module: str) -> set[str]:
+    """The project modules loaded in the process that imports `module` (not those it starts as processes)."""
     seen, todo = set(), [module]
     while todo:
         m = todo.pop()
         if m not in seen:
             seen.add(m)
-            todo.extend(graph()[m])
+            started = process_targets(modules()[m]) - {i for i in imported(m, modules()[m]) if _imported_in_code(m, i)}
+            todo.extend(graph()[m] - started)
     return seen
+
+
+def _imported_in_code(module: str, target: str) -> bool:
+    """`module` imports `target` with an import statement (not only names it as a string)."""
+    tree = ast.parse(modules()[module].read_text())
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import) and any(a.name == target for a in node.names):
+            return True
+        if isinstance(node, ast.ImportFrom) and (node.module == target or any(
+                f"{node.module}.{a.name}" == target for a in node.names)):
+            return True
+    return False
 
 
 @pytest.mark.parametrize("module", TORCH_FREE)

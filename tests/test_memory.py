@@ -623,8 +623,10 @@ def test_cli_says_which_layout_is_fastest_at_given_rates_and_refuses_bad_rates(c
             "co-located data parallel, FSDP2, 63,276 tok/s (the same)\n") in out
     code, out, err = estimate_cli(capsys, "--config", config, "--gpu-memory", "95GiB", "--rates", "9800, 41000")
     # DDP is too big for 95 GiB: not chosen; FSDP2 fits and its communication hides under the drafter's steps
-    assert "DOES NOT FIT co-located data parallel, DDP on 8 GPUs: 63,276 tok/s (link 12.11 GB, 0.24 s a step)" in out
-    assert "fastest on 8 GPUs that fits: co-located data parallel, FSDP2, 63,276 tok/s" in out
+    # (at 95 GiB DDP needs layer recompute and FSDP2 mlp: each priced as the extra forward work it does)
+    assert ("DOES NOT FIT co-located data parallel, DDP on 8 GPUs: 60,824 tok/s (recompute layer; drafter 33,915, link "
+            "12.11 GB, 0.24 s a step)") in out
+    assert "fastest on 8 GPUs that fits: co-located data parallel, FSDP2, 61,322 tok/s" in out
     for bad in ("abc", "1,2,3", "0,41000", "nan,5", "12.5k"):
         code, out, err = estimate_cli(capsys, "--config", config, "--rates", bad)
         assert code == 2 and out == "" and len(err.strip().splitlines()) == 1 and "--rates" in err, (bad, err)
@@ -790,11 +792,57 @@ def test_cli_link_gbps_prints_the_fsdp2_rows_and_refuses_bad_values(capsys):
     assert "link 64 GB/s one way per GPU; communication overlapped with the drafter's compute" in out
     assert ("  fits         co-located data parallel over 8 GPUs: each target + 1/8 of the drafter, FSDP2: "
             "colocated 83.24 GiB (recompute mlp)") in out
-    assert "  fits         co-located data parallel, FSDP2 on 8 GPUs: 78,989 tok/s (link 12.11 GB, 0.19 s a step)" in out
+    assert ("  fits         co-located data parallel, FSDP2 on 8 GPUs: 76,303 tok/s (recompute mlp; drafter 39,739, link "
+            "12.11 GB, 0.19 s a step)") in out
     assert "DDP's gradient all-reduce not counted" not in out
     for bad in ("0", "abc", "-5", "nan", "inf", ""):
         code, out, err = estimate_cli(capsys, "--config", config, "--link-gbps", bad)
         assert code == 2 and out == "" and len(err.strip().splitlines()) == 1 and "--link-gbps" in err, (bad, err)
+
+
+def test_pace_prices_each_layouts_recompute_as_extra_forward_work(capsys):
+    """Rates are measured at one recompute; a layout that must recompute more runs its drafter slower by the forward
+    work it repeats (pace.recompute_cost), one that recomputes what the rates' run did is priced as measured."""
+    from dflash.memory.pace import colocated_dp_tok_s, drafter_step_flops, recompute_cost
+
+    cfg = load_config(USERS)
+    shape = load_target_shape(cfg.target.path)
+    off, mlp, layer = (drafter_step_flops(cfg, shape, m) for m in ("off", "mlp", "layer"))
+    assert off < mlp < layer and recompute_cost(cfg, shape, "off") == 1.0
+    assert recompute_cost(cfg, shape, "mlp", "layer") == pytest.approx(1 / recompute_cost(cfg, shape, "layer", "mlp"))
+    wide = load_config(USERS, {"drafter.intermediate_size": 4 * 17408})  # a wider MLP costs more to recompute
+    assert recompute_cost(wide, shape, "mlp") > recompute_cost(cfg, shape, "mlp")
+    at_off = {p.description: p for p in estimate(cfg, "12.8", 95 * GiB, rates=(12_550, 46_300)).pace}
+    fsdp2 = at_off["co-located data parallel, FSDP2"]
+    assert fsdp2.recompute == "mlp" and fsdp2.drafter_tok_s == pytest.approx(46_300 / recompute_cost(cfg, shape, "mlp"))
+    split = at_off["split 5 target + 3 drafter"]
+    assert (split.recompute, split.drafter_tok_s) == ("off", 46_300)
+    est = estimate(cfg, "12.8", 95 * GiB, rates=(12_550, 46_300), rates_recompute="mlp")  # measured with mlp on
+    at_mlp = {p.description: p for p in est.pace}
+    assert at_mlp["co-located data parallel, FSDP2"].tok_per_s == pytest.approx(colocated_dp_tok_s(
+        8, 12_550, 46_300, 49_152, fsdp2.link_bytes, 50))
+    assert at_mlp["split 5 target + 3 drafter"].drafter_tok_s > 46_300  # off does less than the rates' run did
+    assert est.recompute_cost["mlp"] == 1.0 and est.recompute_cost["off"] < 1.0
+    with pytest.raises(Exception, match="the rates' recompute must be off, mlp or layer"):
+        estimate(cfg, "12.8", 95 * GiB, rates=(1, 2), rates_recompute="auto")
+    code, out, err = estimate_cli(capsys, "--config", str(USERS), "--gpu-memory", "95GiB", "--rates", "12.55k,46.3k")
+    assert code == 0, err
+    assert ("  the drafter rate is taken as measured at recompute off; each layout's drafter is priced at the recompute "
+            "it resolves to, as the extra forward work of the parts it recomputes (matmul FLOPs of a drafter step "
+            "against off: mlp x1.165, layer x1.209)") in out
+    code, out, err = estimate_cli(capsys, "--config", str(USERS), "--rates", "1,2", "--rates-recompute", "auto")
+    assert code == 2 and "--rates-recompute" in err
+
+
+def test_rates_from_a_run_are_priced_at_the_recompute_its_snapshot_recorded(tmp_path):
+    from dflash.runs.records import FORMAT, write_snapshot
+    from preflight.estimate import run_recompute
+
+    snap = {"format": FORMAT, "run": {}, "environment": {}, "config": {},
+            "memory": {"cuda": "12.8", "roles": {"drafter": {"bytes": 1, "recompute": "mlp"}}}}
+    write_snapshot(tmp_path / "run", snap)
+    assert run_recompute(str(tmp_path / "run")) == "mlp"
+    assert run_recompute(str(tmp_path / "none")) is None
 
 
 def test_the_users_box_keeps_free_what_nvml_showed_the_model_misses():

@@ -5,6 +5,7 @@
     uv run dflash-estimate --config RUN.toml --gpu-memory 80GB --set data.token_budget=45056
     uv run dflash-estimate --config configs/qwen3.6-27b-8gpu.toml --gpu-memory 95GiB --rates 12.55k,46.3k --link-gbps 50
     uv run dflash-estimate --config configs/qwen3.6-27b-5t3d.toml --gpu-memory 95GiB --colocated-gpus 0,1,2,3,4,5,6,7
+    uv run dflash-estimate --config RUN.toml --from-nvml --probe      # the memory outside torch measured on its GPUs
 
 Exit codes: 0 every role fits (or no GPU size given), 1 some role does not fit, 2 bad input.
 This module only formats and maps to exit codes; ``preflight.estimate`` decides.
@@ -32,6 +33,7 @@ def format_estimate(est: Estimate, cuda_source: str = "") -> str:
         f"target: {est.target}",
         f"CUDA {est.cuda}{f' ({cuda_source})' if cuda_source else ''}; GPU {_gib(est.gpu_bytes)} GiB"
         + (f" ({est.gpu_source})" if est.gpu_source else ""),
+        *([est.overhead] if est.overhead else []),
         est.assumption,
     ]
     if est.decisions:
@@ -93,15 +95,20 @@ def format_pace(est: Estimate) -> list[str]:
     r = est.rates or {}
     measured = est.rates_recompute or "off"
     lines = ["", f"pace at busy rates of target {r.get('target', 0):,.0f} and drafter {r.get('drafter', 0):,.0f} tok/s "
-             f"per GPU (the drafter's measured at recompute {measured}), link {est.link_gbps:g} GB/s one way per GPU; "
-             "communication overlapped with the drafter's compute, not the target's (dflash.memory.pace):"]
+             f"per GPU, link {est.link_gbps:g} GB/s one way per GPU; communication overlapped with the drafter's "
+             "compute, not the target's (dflash.memory.pace):"]
+    if est.recompute_cost:
+        at = measured
+        others = [f"{m} x{c:.3f}" for m, c in est.recompute_cost.items() if m != at]
+        lines.append(f"  the drafter rate is taken as measured at recompute {at}; each layout's drafter is priced at the "
+                     "recompute it resolves to, as the extra forward work of the parts it recomputes (matmul FLOPs of "
+                     f"a drafter step against {at}: {', '.join(others)})")
     for p in est.pace:
         verdict = {True: "fits", False: "DOES NOT FIT", None: "-"}[p.fits]
-        link = f" (link {p.link_bytes / 1e9:.2f} GB, {p.link_s:.2f} s a step)" if p.link_bytes else ""
-        other = (f"; drafter rate measured at recompute {measured}, here {p.recompute}: slower than shown"
-                 if p.recompute != measured else "")
+        link = f", link {p.link_bytes / 1e9:.2f} GB, {p.link_s:.2f} s a step" if p.link_bytes else ""
+        drafter = f"; drafter {p.drafter_tok_s:,.0f}" if p.recompute != measured else ""
         lines.append(f"  {verdict:<13}{p.description} on {p.gpus} GPU{'s' if p.gpus > 1 else ''}: "
-                     f"{p.tok_per_s:,.0f} tok/s{link}{other}")
+                     f"{p.tok_per_s:,.0f} tok/s (recompute {p.recompute}{drafter}{link})")
     n = max(p.gpus for p in est.pace)
     best, tied = fastest([p for p in est.pace if p.gpus == n and p.fits is not False])
     if best is None:
@@ -131,16 +138,19 @@ def format_pace(est: Estimate) -> list[str]:
               "rate was measured at (default: the --rates-from run's, else off); pace lines at another say so")
 @click.option("--link-gbps", metavar="GB/S", help="bandwidth of the link between GPUs, GB/s one way per GPU, that "
               "the pace prices each layout's communication at (default 50: PCIe Gen5 x16 as measured; 63 in theory)")
+@click.option("--probe", is_flag=True, help="measure the memory a run's process holds outside torch on the config's "
+              "GPUs (a subprocess per GPU, cached per machine state) and use it instead of the calibrated constant")
 @gpu_options
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object instead of tables")
 def command(config_path: str, gpu_memory: str | None, from_nvml: bool, cuda: str | None, sets: tuple[str, ...],
             rates: str | None, rates_recompute: str | None, rates_from: str | None, link_gbps: str | None,
-            target_gpus: str | None, drafter_gpus: str | None, colocated_gpus: str | None, as_json: bool) -> int:
+            probe: bool, target_gpus: str | None, drafter_gpus: str | None, colocated_gpus: str | None,
+            as_json: bool) -> int:
     """Per-role GPU memory estimate of a DFlash run, the largest settings that fit and, given busy rates, which
     layout trains fastest."""
     try:
         est, cuda_source = run_estimate(config_path, sets, gpu_memory, from_nvml, cuda, rates=rates,
-                                        rates_from=rates_from, link_gbps=link_gbps,
+                                        rates_from=rates_from, link_gbps=link_gbps, probe=probe,
                                         overrides=gpu_overrides(target_gpus, drafter_gpus, colocated_gpus),
                                         rates_recompute=rates_recompute)
     except DflashError as e:

@@ -12,7 +12,9 @@ This process never imports torch and never creates a CUDA context (GPUs are read
 
 from __future__ import annotations
 
+import json
 import sys
+from pathlib import Path
 
 import click
 
@@ -39,7 +41,10 @@ EXIT_OK, EXIT_FAIL = 0, 1  # a usage error (click.UsageError) exits 2 through ru
 @click.option("--set", "sets", multiple=True, metavar="KEY=VALUE", help="override a config field, as dflash-train "
               "--set does, e.g. data.token_budget=45056 (needs --config)")
 @click.option("--nvml-fake", metavar="JSON|none", hidden=True, help="replay a recorded NVML snapshot (tests)")
-def command(profile_name, config_path, as_json, waive, reason, resume, fresh, verify_data, sets, nvml_fake) -> int:
+@click.option("--probe-fake", metavar="JSON|real", hidden=True, help="with --nvml-fake: a recorded probe of the memory "
+              "outside torch (preflight.facts.overhead.Overhead), or `real` to run the real probe on the recorded GPUs")
+def command(profile_name, config_path, as_json, waive, reason, resume, fresh, verify_data, sets, nvml_fake,
+            probe_fake) -> int:
     """Check the environment profile NAME (and a run config) before training."""
     from dflash.config import ConfigError, load_config, parse_overrides
     from preflight.gate import build_report, validate_waivers
@@ -72,8 +77,20 @@ def command(profile_name, config_path, as_json, waive, reason, resume, fresh, ve
             gpu_info = FakeGpuInfo(None) if nvml_fake == "none" else FakeGpuInfo.from_json(nvml_fake)
         except (OSError, ValueError) as e:
             raise click.UsageError(f"--nvml-fake {nvml_fake}: {e}") from None
+    probe = None
+    if probe_fake == "real":
+        from preflight.probe import probe_for_run as probe
+    elif probe_fake:
+        from preflight.facts.overhead import Overhead
+
+        try:
+            recorded = Overhead.from_dict(json.loads(Path(probe_fake).read_text()))
+        except (OSError, ValueError, TypeError, KeyError) as e:
+            raise click.UsageError(f"--probe-fake {probe_fake}: {e}") from None
+        probe = lambda ctx: recorded  # noqa: E731
     intent = "resume" if resume else "fresh" if fresh else None
-    report = build_report(profile_name, cfg, waivers, intent, gpu_info, config_path, verify_data=verify_data)
+    report = build_report(profile_name, cfg, waivers, intent, gpu_info, config_path, verify_data=verify_data,
+                          probe=probe)
     if as_json:
         click.echo(report.to_json())
     else:

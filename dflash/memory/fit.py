@@ -88,7 +88,9 @@ class LayoutPace(BaseModel):
     link_bytes: float = Field(0.0, description="bytes the busiest GPU moves over its link per optimizer step, one "
                                                "direction (a split: a drafter's received features + its all-reduce)")
     link_s: float = Field(0.0, description="link_bytes at the link's bandwidth, seconds")
-    recompute: str = Field("off", description="the recompute of the layout's drafter (its trainer role)")
+    recompute: str = Field("off", description="the drafter's recompute mode in this layout (LayoutFit.recompute)")
+    drafter_tok_s: float = Field(0.0, description="the drafter busy rate priced at that recompute: the given rate "
+                                                  "over dflash.memory.pace.recompute_cost")
 
 
 class Estimate(BaseModel):
@@ -102,6 +104,8 @@ class Estimate(BaseModel):
     limits: list[Limit]
     layouts: list[LayoutFit] = Field(default_factory=list, description="which layouts of this run fit gpu_bytes")
     rates: dict[str, float] | None = Field(None, description="busy tok/s per GPU of each role the pace is for")
+    recompute_cost: dict[str, float] = Field(default_factory=dict, description="per recompute mode, a drafter step's "
+                                             "time relative to rates_recompute (dflash.memory.pace.recompute_cost)")
     pace: list[LayoutPace] = Field(default_factory=list, description="each layout's tokens/s at those rates")
     link_gbps: float | None = Field(None, description="GB/s one way per GPU the pace prices communication at")
     rates_recompute: str | None = Field(None, description="the recompute the drafter's busy rate was measured at")
@@ -110,6 +114,8 @@ class Estimate(BaseModel):
     gpu_source: str = Field("", description="how the GPU size was given (its unit named)")
     warnings: list[str] = Field(default_factory=list, description="what the input may not mean as read")
     calibration: dict
+    overhead: str | None = Field(None, description="where the memory outside torch came from: the probe's measurement "
+                                 "on this machine (dflash-estimate --probe), or why the calibrated constant stands")
 
 
 _SETTINGS: dict[Setting, tuple[str, str]] = {
@@ -262,10 +268,12 @@ def _judge(case: RunConfig, recompute: str, shape: TargetShape, cuda: str, gpu_b
 
 def layout_pace(cfg: RunConfig, shape: TargetShape, cuda: str, gpu_bytes: int | None, layouts: list[LayoutFit],
                 target_tok_s: float, drafter_tok_s: float, cal: Calibration = DEFAULT_CALIBRATION,
-                link_gbps: float | None = None) -> list[LayoutPace]:
+                link_gbps: float | None = None, rates_recompute: str = "off") -> list[LayoutPace]:
     """The tokens/s of each layout at the given busy rates (``dflash.memory.pace``), each step's communication priced
     at link_gbps (GB/s one way per GPU; default the users' PCIe Gen5 x16, pace.DEFAULT_LINK_GBPS), plus the best split
-    of the data-parallel layout's GPU count when the config does not name it (its memory judged as a layout's is)."""
+    of the data-parallel layout's GPU count when the config does not name it (its memory judged as a layout's is).
+    The drafter rate was measured at rates_recompute; each layout's drafter runs at the recompute it resolves to,
+    priced as the extra forward work of what it recomputes (pace.recompute_cost)."""
     from dflash.memory.pace import (
         DEFAULT_LINK_GBPS,
         colocated_dp_tok_s,
@@ -273,6 +281,7 @@ def layout_pace(cfg: RunConfig, shape: TargetShape, cuda: str, gpu_bytes: int | 
         ddp_step_bytes,
         fsdp2_step_bytes,
         link_seconds,
+        recompute_cost,
         split_link_tok_s,
         suggest_split,
     )
@@ -282,40 +291,46 @@ def layout_pace(cfg: RunConfig, shape: TargetShape, cuda: str, gpu_bytes: int | 
     p = drafter_params(cfg, shape)
     feats = sent_features_bytes(cfg, shape)
 
-    def split_pace(t: int, d: int, text: str, fits: bool | None, recompute: str) -> LayoutPace:
+    def drafter_at(mode: str) -> float:
+        return drafter_tok_s / recompute_cost(cfg, shape, mode, rates_recompute)
+
+    def split_pace(t: int, d: int, text: str, fits: bool | None, mode: str) -> LayoutPace:
         ar = ddp_step_bytes(d, p)
         moved = batches * feats + ar
-        return LayoutPace(layout="split", gpus=t + d, description=text, fits=fits, link_bytes=moved, recompute=recompute,
-                          link_s=link_seconds(moved, link),
-                          tok_per_s=split_link_tok_s(t, d, target_tok_s, drafter_tok_s, tokens, feats, link, batches, ar))
+        rate = drafter_at(mode)
+        return LayoutPace(layout="split", gpus=t + d, description=text, fits=fits, link_bytes=moved,
+                          link_s=link_seconds(moved, link), recompute=mode, drafter_tok_s=rate,
+                          tok_per_s=split_link_tok_s(t, d, target_tok_s, rate, tokens, feats, link, batches, ar))
 
-    one = colocated_tok_s(target_tok_s, drafter_tok_s)
     names = {"colocated": "co-located", "colocated-dp": "co-located data parallel, DDP",
              "colocated-fsdp2": "co-located data parallel, FSDP2"}
     out, splits = [], set()
     for lay in layouts:
+        mode = lay.recompute.get("drafter", lay.recompute.get("colocated", "off"))
+        rate = drafter_at(mode)
         if lay.layout == "split":
             t, d = lay.split
             splits.add((t, d))
-            out.append(split_pace(t, d, f"split {t} target + {d} drafter", lay.fits, lay.recompute["drafter"]))
+            out.append(split_pace(t, d, f"split {t} target + {d} drafter", lay.fits, mode))
         elif lay.layout == "colocated":
-            out.append(LayoutPace(layout=lay.layout, gpus=1, description=names[lay.layout], tok_per_s=one, fits=lay.fits,
-                                  recompute=lay.recompute["colocated"]))
+            out.append(LayoutPace(layout=lay.layout, gpus=1, description=names[lay.layout], fits=lay.fits,
+                                  tok_per_s=colocated_tok_s(target_tok_s, rate), recompute=mode, drafter_tok_s=rate))
         else:
             moved = (fsdp2_step_bytes(lay.gpus, p, batches) if lay.data_parallel == "fsdp2"
                      else ddp_step_bytes(lay.gpus, p))
             out.append(LayoutPace(layout=lay.layout, gpus=lay.gpus, description=names[lay.layout], fits=lay.fits,
-                                  link_bytes=moved, link_s=link_seconds(moved, link), recompute=lay.recompute["colocated"],
-                                  tok_per_s=colocated_dp_tok_s(lay.gpus, target_tok_s, drafter_tok_s, tokens, moved,
+                                  link_bytes=moved, link_s=link_seconds(moved, link), recompute=mode,
+                                  drafter_tok_s=rate,
+                                  tok_per_s=colocated_dp_tok_s(lay.gpus, target_tok_s, rate, tokens, moved,
                                                                link, batches)))
     n = max(lay.gpus for lay in layouts)
     if n >= 2:
         t, d = suggest_split(n, target_tok_s, drafter_tok_s)
         if (t, d) not in splits:
-            _, modes, fits = _judge(with_topology(cfg, target=t, drafter=d), cfg.train.recompute, shape, cuda, gpu_bytes,
-                                    cal)
+            _, modes, fits = _judge(with_topology(cfg, target=t, drafter=d), cfg.train.recompute, shape, cuda,
+                                    gpu_bytes, cal)
             out.append(split_pace(t, d, f"split {t} target + {d} drafter (the best split of {n} GPUs)", fits,
-                                  modes["drafter"]))
+                                  modes.get("drafter", "off")))
     return out
 
 
@@ -417,6 +432,9 @@ def estimate(
     link = DEFAULT_LINK_GBPS if link_gbps is None else link_gbps
     if gpu_bytes is not None and gpu_bytes <= 0:
         raise MemoryModelError(f"GPU memory must be positive, got {gpu_bytes} bytes")
+    if rates_recompute not in ("off", "mlp", "layer"):
+        raise MemoryModelError(f"the rates' recompute must be off, mlp or layer (the mode they were measured at), "
+                               f"got {rates_recompute!r}")
     cal.context_bytes(cuda)  # unknown CUDA major: fail before any work
     shape = load_target_shape(cfg.target.path)
     original = cfg
@@ -456,9 +474,12 @@ def estimate(
         f"{w.loss_tokens} through the lm_head; {recompute_note}"
     )
     layouts = layout_fits(original, shape, cuda, gpu_bytes, cal)
-    pace = layout_pace(original, shape, cuda, gpu_bytes, layouts, *rates, cal, link) if rates else []
+    pace = layout_pace(original, shape, cuda, gpu_bytes, layouts, *rates, cal, link, rates_recompute) if rates else []
+    from dflash.memory.pace import RECOMPUTE_MODES, recompute_cost
+
+    costs = {m: recompute_cost(original, shape, m, rates_recompute) for m in RECOMPUTE_MODES} if rates else {}
     return Estimate(config=source, target=target, cuda=cuda, gpu_bytes=gpu_bytes, workload=w, assumption=assumption,
                     roles=out, limits=limits, calibration=asdict(cal), layouts=layouts,
                     rates={"target": rates[0], "drafter": rates[1]} if rates else None, pace=pace,
                     link_gbps=link if rates else None, rates_recompute=rates_recompute if rates else None,
-                    decisions=auto_decisions(original, shape, cuda, gpu_bytes, cal))
+                    recompute_cost=costs, decisions=auto_decisions(original, shape, cuda, gpu_bytes, cal))

@@ -127,6 +127,42 @@ def split_link_tok_s(targets: int, drafters: int, target_tok_s_per_gpu: float, d
     return min(targets * batch_tokens / t_batch, drafters * batch_tokens / d_batch)
 
 
+RECOMPUTE_MODES = ("off", "mlp", "layer")
+
+
+def drafter_step_flops(cfg, shape, recompute: str = "off") -> float:
+    """Matmul FLOPs of one drafter step on the memory model's worst-case batch (dflash.memory.parts.workload), for
+    pricing recompute: each layer's forward is its projections (q and o over the queries, k and v over the context and
+    the block), its attention (each query against half its row's context and its block: a packed row's sequences
+    taken as token_budget / max_batch_size tokens) and its MLP; backward is twice the forward for the trained layers
+    and the fc, once for the frozen lm_head (the gradient of its input only). Recompute adds the forward of what it
+    rebuilds in backward: every layer's MLP (mlp) or every layer (layer)."""
+    from dflash.memory.parts import workload
+    from dflash.memory.shape import drafter_shape
+
+    if recompute not in RECOMPUTE_MODES:
+        raise ValueError(f"recompute {recompute!r}: give one of {', '.join(RECOMPUTE_MODES)}")
+    w, d = workload(cfg), drafter_shape(cfg, shape)
+    h, q, kv = d.hidden, d.q_width, d.kv_width
+    row = cfg.data.token_budget / max(1, cfg.data.max_batch_size) if cfg.data.packing else w.seq_len
+    seen = row / 2 + cfg.drafter.block_size
+    proj = 2 * (2 * w.queries * h * q + 2 * w.kv_tokens * h * kv)
+    attention = 2 * 2 * w.queries * seen * q  # scores and the weighted sum
+    mlp = 2 * 3 * w.queries * h * d.intermediate
+    layer = proj + attention + mlp
+    fc = 2 * w.tokens * w.feature_layers * h * h
+    head = 2 * w.loss_tokens * h * d.vocab
+    n = cfg.drafter.num_layers
+    extra = {"off": 0.0, "mlp": n * mlp, "layer": n * layer}[recompute]
+    return 3 * (n * layer + fc) + 2 * head + extra
+
+
+def recompute_cost(cfg, shape, recompute: str, measured_at: str = "off") -> float:
+    """How much longer a drafter step takes at `recompute` than at `measured_at` (the mode the busy rate was
+    measured at): the ratio of their matmul FLOPs (drafter_step_flops). A drafter's busy rate divides by it."""
+    return drafter_step_flops(cfg, shape, recompute) / drafter_step_flops(cfg, shape, measured_at)
+
+
 def after_first_window(rows: list[dict]) -> tuple[list[dict], int]:
     """(the metrics rows after a run's first logged window, the last step of that window): the window holds the first
     step, mostly compilation, so rates are read past it (as the run's own summary reads them)."""

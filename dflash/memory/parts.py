@@ -120,6 +120,17 @@ class Calibration:
 DEFAULT_CALIBRATION = Calibration()
 
 
+def with_measured_overhead(cal: Calibration, cuda: str, context_bytes: int, nccl_bytes: int | None = None) -> Calibration:
+    """cal with the terms outside torch's allocator measured on the machine (preflight's probe): the CUDA context and
+    everything the run's libraries load beside it (cuBLAS, attention and fla kernels) as `context_bytes` for this
+    CUDA major, and an NCCL communicator's buffers as `nccl_bytes` when the probe built one (else cal's constant)."""
+    if context_bytes < 0 or (nccl_bytes is not None and nccl_bytes < 0):
+        raise MemoryModelError(f"a measured overhead cannot be negative (context {context_bytes}, NCCL {nccl_bytes} bytes)")
+    ctx = dict(cal.cuda_context_gib)
+    ctx[cuda_major(cuda)] = context_bytes / GiB
+    return replace(cal, cuda_context_gib=ctx, nccl_gib=cal.nccl_gib if nccl_bytes is None else nccl_bytes / GiB)
+
+
 # --------------------------------------------------------------------------- workload
 
 

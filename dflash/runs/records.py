@@ -206,7 +206,10 @@ SNAPSHOT_SCHEMA = {
              "length": ("?", {k: "num" for k in ("min", "mean", "p50", "p90", "p99", "max")})},
     "target": {"path": "any", "shape": ("?", _SHAPE), "fingerprint": "any", "error": "any"},
     "memory": {"cuda": "str", "expandable_segments": "bool", "roles": ("map", {"bytes": "int", "recompute": "any"}),
-               "error": "any"},
+               "error": "any",
+               "overhead": ("map", {"source": "str", "outside_torch_bytes": "int", "context_bytes": "int",
+                                    "nccl_bytes": "int", "note": "any", "state": ("?", ("map", "any")),
+                                    "roles": ("list", "str!")})},
     "preflight": {"ok": "bool", "failed": ("list", "str!"), "warned": ("list", "str!"), "waived": ("map", "any")},
 }
 OUTCOME_SCHEMA = {

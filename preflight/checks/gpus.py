@@ -7,19 +7,28 @@ from collections.abc import Callable
 
 from dflash.config import ConfigError, GpuRole
 from dflash.errors import DflashError
-from dflash.memory.parts import choose_parallel, fits_gpu, headroom_bytes, role_need_bytes, with_parallel
-from preflight.checks.common import MiB, config_arg, gib, listing, no_shape, on_cpu, result
+from dflash.memory.parts import (
+    DEFAULT_CALIBRATION,
+    Calibration,
+    choose_parallel,
+    fits_gpu,
+    headroom_bytes,
+    role_need_bytes,
+    role_parts,
+    with_measured_overhead,
+    with_parallel,
+)
+from preflight.checks.common import GiB, MiB, config_arg, gib, listing, no_shape, on_cpu, result
 from preflight.estimate import DEFAULT_CUDA
 from preflight.facts.context import Context
-from preflight.nvml import NO_DRIVER, Gpu, resolve_gpu, visible_gpus
+from preflight.facts.overhead import GpuOverhead
+from preflight.nvml import NO_DRIVER, Gpu, visible_gpus
 from preflight.report import CheckResult
 
 
 def assigned_gpus(ctx: Context) -> dict[str, GpuRole]:
-    """GPU name in the run config -> its role (dflash.config.TopologyConfig.gpu_roles); a torchrun rank its own."""
-    if ctx.own_gpus is not None:
-        return ctx.own_gpus
-    return ctx.config.topology.gpu_roles
+    """GPU name in the run config -> its role (Context.assigned_gpus)."""
+    return ctx.assigned_gpus()
 
 
 def _gpu_gate(ctx: Context, check_id: str) -> CheckResult | None:
@@ -31,14 +40,9 @@ def _gpu_gate(ctx: Context, check_id: str) -> CheckResult | None:
     return None
 
 
-def _resolved(ctx: Context) -> list[tuple[str, GpuRole, Gpu | None, str | None]]:
-    snap = ctx.gpus.snapshot
-    visible, _ = visible_gpus(snap.gpus, ctx.gpus.cuda_visible_devices)
-    rows = []
-    for name, role in assigned_gpus(ctx).items():
-        gpu, why = resolve_gpu(name, visible, snap.gpus)
-        rows.append((name, role, gpu, why))
-    return rows
+def resolved_gpus(ctx: Context) -> list[tuple[str, GpuRole, Gpu | None, str | None]]:
+    """(name, role, the GPU it resolves to or None, why not) for each GPU the run is assigned (Context.resolved_gpus)."""
+    return ctx.resolved_gpus()
 
 
 def check_gpu_visibility(ctx: Context) -> CheckResult:
@@ -61,7 +65,7 @@ def check_gpu_visibility(ctx: Context) -> CheckResult:
         return result("gpu-visibility", "warn" if note else "pass", summary + (f"; {note}" if note else ""), cvd_fix, **data)
     problems = []
     owners: dict[str, list[tuple[str, str]]] = {}
-    rows = _resolved(ctx)
+    rows = resolved_gpus(ctx)
     for name, role, gpu, why in rows:
         if gpu is None:
             problems.append(f"{role} {why}")
@@ -85,7 +89,26 @@ def check_gpu_visibility(ctx: Context) -> CheckResult:
 MEMORY_MODEL = "memory model"  # the label gpu-memory's summary and data carry
 
 
-def _need(ctx: Context, role: GpuRole, free: int | None = None, role_free: int | None = None) -> tuple[int, str]:
+def _cuda(ctx: Context) -> str:
+    return ctx.profile.cuda if ctx.profile else DEFAULT_CUDA
+
+
+def gpu_calibration(ctx: Context, uuid: str) -> tuple[Calibration, GpuOverhead | None]:
+    """The memory model's constants for one GPU: the overhead outside torch the probe measured there (context and
+    kernels, and NCCL where it built a communicator) in place of the calibrated constants, when it measured one."""
+    ov = ctx.overhead.gpus.get(uuid) if ctx.overhead is not None else None
+    if ov is None or not ov.measured:
+        return DEFAULT_CALIBRATION, ov
+    return with_measured_overhead(DEFAULT_CALIBRATION, _cuda(ctx), ov.context_bytes, ov.nccl_bytes), ov
+
+
+def constant_outside_torch(ctx: Context, role: GpuRole, cal: Calibration = DEFAULT_CALIBRATION) -> int:
+    """What the memory model counts outside torch for one GPU of `role` with cal (the fixed parts)."""
+    return sum(p.bytes for p in role_parts(ctx.config, ctx.target_shape, role, _cuda(ctx), cal) if p.kind == "fixed")
+
+
+def _need(ctx: Context, role: GpuRole, free: int | None = None, role_free: int | None = None,
+          cal: Calibration = DEFAULT_CALIBRATION) -> tuple[int, str]:
     """Bytes one GPU of this role needs, from the gathered target shape.
 
     train.recompute and train.data_parallel = auto are judged as the trainer will resolve them
@@ -94,25 +117,40 @@ def _need(ctx: Context, role: GpuRole, free: int | None = None, role_free: int |
     """
     if ctx.target_shape is None:
         raise ConfigError(no_shape(ctx))
-    cuda = ctx.profile.cuda if ctx.profile else DEFAULT_CUDA
+    cuda = _cuda(ctx)
     cfg = ctx.config
     auto_dp = cfg.train.data_parallel == "auto" and cfg.topology.layout == "colocated-dp"
     if (cfg.train.recompute == "auto" or auto_dp) and free is not None and role != "target":
-        dp = choose_parallel(cfg, role, cuda, free if role_free is None else role_free, shape=ctx.target_shape)[0]
-        _, mode, need = choose_parallel(with_parallel(cfg, dp), role, cuda, free, shape=ctx.target_shape)
+        dp = choose_parallel(cfg, role, cuda, free if role_free is None else role_free, cal, shape=ctx.target_shape)[0]
+        _, mode, need = choose_parallel(with_parallel(cfg, dp), role, cuda, free, cal, shape=ctx.target_shape)
         label = [f"recompute auto -> {mode}"] if cfg.train.recompute == "auto" else []
         label += [f"data_parallel auto -> {dp}"] if auto_dp else []
         return need, f"{MEMORY_MODEL}, {', '.join(label)}"
-    return role_need_bytes(cfg, role, cuda, shape=ctx.target_shape), MEMORY_MODEL
+    return role_need_bytes(cfg, role, cuda, cal, shape=ctx.target_shape), MEMORY_MODEL
+
+
+def _overhead_label(rows: list[dict]) -> str:
+    """'outside torch measured 1.12 GiB per GPU' (or a range), '' when no GPU was probed."""
+    got = sorted({r["outside_torch_bytes"] for r in rows if r.get("outside_torch_bytes") is not None})
+    if not got:
+        return ""
+    cached = all(r["outside_torch_source"] == "cached" for r in rows if r.get("outside_torch_bytes") is not None)
+    how = "measured (cached)" if cached else "measured"
+    value = gib2(got[0]) if gib2(got[0]) == gib2(got[-1]) else f"{gib2(got[0])}-{gib2(got[-1])}"
+    return f"outside torch {how} {value} GiB per GPU"
+
+
+def gib2(n: int) -> str:
+    return f"{n / GiB:.2f}"
 
 
 def check_gpu_memory(ctx: Context, need_fn: Callable[[Context, GpuRole], tuple[int, str]] | None = None) -> CheckResult:
     gate = _gpu_gate(ctx, "gpu-memory")
     if gate:
         return gate
-    rows, short, lines = [], [], []
+    rows, short, lines, unprobed = [], [], [], []
     model = ""
-    resolved = _resolved(ctx)
+    resolved = resolved_gpus(ctx)
     role_free: dict[str, int] = {}
     for _name, role, gpu, _why in resolved:
         if gpu is not None:
@@ -120,27 +158,50 @@ def check_gpu_memory(ctx: Context, need_fn: Callable[[Context, GpuRole], tuple[i
     for name, role, gpu, _why in resolved:
         if gpu is None:
             continue
+        cal, ov = gpu_calibration(ctx, gpu.uuid)
         try:
-            need, model = need_fn(ctx, role) if need_fn else _need(ctx, role, gpu.memory_free, role_free[role])
+            need, model = need_fn(ctx, role) if need_fn else _need(ctx, role, gpu.memory_free, role_free[role], cal)
+            constant = constant_outside_torch(ctx, role) if ctx.target_shape is not None else None
         except DflashError as e:
             return result("gpu-memory", "fail", f"memory model failed: {e.one_line()}",
                           f"dflash-estimate --config {config_arg(ctx)}")
         head, keep = gpu.memory_free - need, headroom_bytes(ctx.config)
+        measured = constant_outside_torch(ctx, role, cal) if ov is not None and ov.measured else None
         rows.append({"name": name, "uuid": gpu.uuid, "role": role, "need_bytes": need,
-                     "free_bytes": gpu.memory_free, "headroom_bytes": head, "keep_bytes": keep})
+                     "free_bytes": gpu.memory_free, "headroom_bytes": head, "keep_bytes": keep,
+                     "outside_torch_bytes": measured, "outside_torch_constant_bytes": constant,
+                     "outside_torch_source": ov.source if ov is not None else "constant"})
+        if ov is not None and not ov.measured:
+            unprobed.append(ov.note or f"GPU {name} not probed")
         lines.append(f"{role} GPU {name} need {gib(need)} / free {gib(gpu.memory_free)} ({'+' if head >= 0 else ''}{gib(head)})")
         if not fits_gpu(ctx.config, need, gpu.memory_free):
-            short.append(f"{role} GPU {name} ({gpu.uuid[:12]}…): need {gib(need)} + {gib(keep)} kept free "
-                         f"(train.memory_headroom_gib), free {gib(gpu.memory_free)}, short {gib(need + keep - gpu.memory_free)}")
+            text = (f"{role} GPU {name} ({gpu.uuid[:12]}…): need {gib(need)} + {gib(keep)} kept free "
+                    f"(train.memory_headroom_gib), free {gib(gpu.memory_free)}, short {gib(need + keep - gpu.memory_free)}")
+            if measured is not None:
+                text += (f"; budget {gib2(gpu.memory_free - keep)} GiB for the run's peak, of which outside torch "
+                         f"{gib2(measured)} GiB measured on this GPU (calibrated constant {gib2(constant)})")
+            short.append(text)
     if not rows:
         return result("gpu-memory", "skip", "no assigned GPU is visible (see gpu-visibility)")
-    label = f" [{model}]" if model else ""
-    data = dict(gpus=rows, model=model)
+    overhead = _overhead_label(rows)
+    label = f" [{'; '.join(x for x in (model, overhead) if x)}]" if model or overhead else ""
+    data = dict(gpus=rows, model=model, overhead_notes=list(ctx.overhead.notes) if ctx.overhead else [],
+                unprobed=unprobed)
     if short:
+        grew = any(r["outside_torch_bytes"] is not None and r["outside_torch_constant_bytes"] is not None
+                   and r["outside_torch_bytes"] > r["outside_torch_constant_bytes"] for r in rows)
+        why = ("; the overhead outside torch is measured on this machine and is above the calibrated constant: a "
+               "torch, CUDA, driver or NCCL change raised it (`dflash-diff` names it; `python -m preflight.probe "
+               "--gpus N` shows each step)") if grew else ""
         return result("gpu-memory", "fail", f"{listing(short, 3)}{label}",
-                      "free the GPUs (see gpu-processes), or lower data.token_budget / train.max_anchors (or "
-                      "train.memory_headroom_gib, at the risk of an OOM the model did not predict) in "
-                      f"{config_arg(ctx)} (`dflash-estimate --config {config_arg(ctx)}` shows what fits)", **data)
+                      "free the GPUs (see gpu-processes), or lower data.token_budget / train.max_anchors, or set "
+                      "train.recompute = \"mlp\" (or train.memory_headroom_gib, at the risk of an OOM the model did "
+                      f"not predict) in {config_arg(ctx)} (`dflash-estimate --config {config_arg(ctx)}` shows what "
+                      f"fits){why}", **data)
+    if unprobed:
+        return result("gpu-memory", "warn", "; ".join(lines) + label + f"; {listing(unprobed, 2)}",
+                      "the calibrated constant stands in for the memory outside torch on those GPUs; free them (see "
+                      "gpu-processes), or run `python -m preflight.probe --gpus N` to see why the probe failed", **data)
     return result("gpu-memory", "pass", "; ".join(lines) + label, **data)
 
 
@@ -151,7 +212,7 @@ def check_gpu_processes(ctx: Context) -> CheckResult:
     me = ctx.host.get("pid")
     found, pids = [], []
     checked = 0
-    for name, _role, gpu, _why in _resolved(ctx):
+    for name, _role, gpu, _why in resolved_gpus(ctx):
         if gpu is None:
             continue
         checked += 1
@@ -182,7 +243,7 @@ def drafter_gpus(ctx: Context) -> list[Gpu]:
     if snap is None:
         return []
     if ctx.config is not None:
-        found = [gpu for _name, role, gpu, _why in _resolved(ctx) if gpu is not None and role != "target"]
+        found = [gpu for _name, role, gpu, _why in resolved_gpus(ctx) if gpu is not None and role != "target"]
         if found:
             return found
     visible, _ = visible_gpus(snap.gpus, ctx.gpus.cuda_visible_devices)

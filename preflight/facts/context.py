@@ -11,10 +11,12 @@ from dflash.memory.shape import TargetShape
 from preflight.facts.dataset import Dataset
 from preflight.facts.environment import EnvIdentity, Records, SyncRecord, TorchBuild
 from preflight.facts.gpus import GpuFacts
+from preflight.facts.overhead import Overhead
 from preflight.facts.paths import LibDir, PathEntry
 from preflight.facts.run import Disk, RunDir
 from preflight.facts.source import CompileCache, ModelSource
 from preflight.lockfile import LockFile, parse_lock
+from preflight.nvml import Gpu, resolve_gpu, visible_gpus
 from preflight.profiles import Profile
 
 
@@ -51,6 +53,24 @@ class Context:
     disk: Disk | None = None
     host: dict = field(default_factory=dict)
     own_gpus: dict[str, str] | None = None  # a torchrun rank checks only its GPU: {cuda index: role}
+    overhead: Overhead | None = None  # the probe's memory outside torch per GPU (preflight.probe); None: not probed
+
+    def assigned_gpus(self) -> dict[str, str]:
+        """GPU name in the run config -> its role (dflash.config.TopologyConfig.gpu_roles); a torchrun rank its own."""
+        if self.own_gpus is not None:
+            return self.own_gpus
+        return self.config.topology.gpu_roles
+
+    def resolved_gpus(self) -> list[tuple[str, str, Gpu | None, str | None]]:
+        """(name, role, the GPU it resolves to or None, why not) for each assigned GPU, through CUDA_VISIBLE_DEVICES
+        as the CUDA runtime maps it (preflight.nvml); needs the NVML snapshot."""
+        snap = self.gpus.snapshot
+        visible, _ = visible_gpus(snap.gpus, self.gpus.cuda_visible_devices)
+        rows = []
+        for name, role in self.assigned_gpus().items():
+            gpu, why = resolve_gpu(name, visible, snap.gpus)
+            rows.append((name, role, gpu, why))
+        return rows
 
     @cached_property
     def lock(self) -> LockFile | None:

@@ -4,6 +4,7 @@
     PYTHONPATH=. python3 bench/runner.py q36-packed-mix --deadline 570            # a named recipe
     PYTHONPATH=. python3 bench/runner.py q36-packed-mix --deadline 570            # again: resumes from its checkpoint
     PYTHONPATH=. python3 bench/runner.py step-sweep gpu-tests --deadline 570      # two recipes share the call's time
+    PYTHONPATH=. python3 bench/runner.py step-sweep cal-drafter --side-by-side    # at once, GPU 0 and GPU 1
     PYTHONPATH=. python3 bench/runner.py train --config RUN.toml --data syn:400,1500,0.8,8192,151936 --steps 40
     uv run python bench/runner.py tiny-cpu --deadline 60 --out .cache/out        # the CPU recipes the suite runs
 
@@ -427,6 +428,7 @@ class Child:
     reader: threading.Thread
     started: float = field(default_factory=time.monotonic)
     wall_s: float | None = None  # from its start to its exit
+    stopped: bool = False  # still running when the deadline's SIGTERM went
 
     @classmethod
     def start(cls, argv: list[str], env: dict, head: str = "") -> Child:
@@ -456,6 +458,8 @@ def supervise(children: list[Child], until: float, grace: float, t0: float) -> d
         if now >= until and not stop["signalled"]:
             stop.update(signalled=True, at_s=round(now - t0, 1))
             t_sig = now
+            for c in children:
+                c.stopped = c.proc.poll() is None
             signal_groups(procs, signal.SIGTERM)
         if stop["signalled"] and now - t_sig > grace:
             signal_groups(procs, signal.SIGKILL)
@@ -612,8 +616,9 @@ def run_commands(recipe: Commands, until: float, grace: float, out_dir: Path, en
         stop = supervise(children, until, grace, t0)
         for (n, line, *_), child in zip(batch, children):
             texts[f"{n:02d}.log"], texts[f"{n:02d}.nvml.csv"] = child.log.getvalue(), child.sampler.csv()
-            done.append({"command": line, "rc": child.proc.returncode, "wall_s": child.wall_s, "stop": stop,
-                          "nvml_peak": child.sampler.peaks(), "log": f"{n:02d}.log"})
+            done.append({"command": line, "rc": child.proc.returncode, "wall_s": child.wall_s,
+                         "stop": stop if child.stopped else {"signalled": False}, "nvml_peak": child.sampler.peaks(),
+                         "log": f"{n:02d}.log"})
         batch = []
     shutil.rmtree(subs["{fresh}"], ignore_errors=True)
     files = {str(f.relative_to(work)): f for f in sorted(work.rglob("*")) if f.is_file()}
@@ -675,6 +680,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reserve", type=float, default=None,
                    help="seconds kept for the stop and the summary before the deadline (default: grace + 15)")
     p.add_argument("--out", type=Path, default=None, help="results folder (default $OUT, else .cache/out)")
+    p.add_argument("--side-by-side", action="store_true", help="run the recipes at once, each on a GPU of its own "
+                   "(GPU i for the i-th; 1-GPU recipes), each until the deadline")
     p.add_argument("--fresh", action="store_true", help="start every train recipe over (its run dir is moved aside)")
     p.add_argument("--config", help="'train': the run config")
     p.add_argument("--data", help="'train': a dataset folder or syn:SAMPLES,LENGTH,SIGMA,MAX_LENGTH,VOCAB")
@@ -706,10 +713,14 @@ def main(argv: list[str] | None = None) -> int:
             recipes.append(tiny_cpu(REPO / ".cache" / "tiny-cpu"))
         else:
             recipes.append(RECIPES[name])
-    needs = max(recipes, key=lambda r: r.gpus)
-    if needs.gpus and needs.gpus > (seen := visible_gpus()):
-        gpus = f"{needs.gpus} GPU{'s' * (needs.gpus > 1)}"
-        print(f"runner: {needs.name} needs {gpus}, {seen} visible here (nvidia-smi -L, CUDA_VISIBLE_DEVICES): "
+    if args.side_by_side and (wide := next((r for r in recipes if r.gpus > 1), None)):
+        p.error(f"--side-by-side gives each recipe one GPU; {wide.name} needs {wide.gpus}")
+    on_gpus = sum(r.gpus > 0 for r in recipes)
+    needs, who = ((on_gpus, f"--side-by-side of {len(recipes)} recipes") if args.side_by_side else
+                  max(((r.gpus, r.name) for r in recipes)))
+    if needs and needs > (seen := visible_gpus()):
+        gpus = f"{needs} GPU{'s' * (needs > 1)}"
+        print(f"runner: {who} needs {gpus}, {seen} visible here (nvidia-smi -L, CUDA_VISIBLE_DEVICES): "
               f"run it on a machine with {gpus}", file=sys.stderr)
         return 2
     out_dir = args.out or Path(os.environ.get("OUT") or REPO / ".cache" / "out")
@@ -718,22 +729,38 @@ def main(argv: list[str] | None = None) -> int:
     site = install_wheels(Path(tempfile.gettempdir()) / "dflash-bench-site")
     env["PYTHONPATH"] = os.pathsep.join(x for x in (str(REPO), site, env.get("PYTHONPATH")) if x)
     reserve = args.reserve if args.reserve is not None else (args.grace or max(r.grace for r in recipes)) + 15
-    failed = 0
-    for i, recipe in enumerate(recipes):
+    for recipe in recipes:
         if args.fresh and isinstance(recipe, Recipe) and run_dir(recipe).exists():
             run_dir(recipe).rename(run_dir(recipe).with_name(f"{recipe.name}.old-{int(time.time())}"))
+
+    def run(recipe: Recipe | Commands, until: float, extra: dict) -> bool:
+        kind = measure if isinstance(recipe, Recipe) else run_commands
+        s = kind(recipe, until, args.grace or recipe.grace, out_dir, {**env, **extra})
+        print(line(s), flush=True)
+        return s["ok"]
+
+    if args.side_by_side:  # each recipe on a GPU of its own, all of them until the deadline
+        until = start + args.deadline - reserve
+        mask = os.environ.get("CUDA_VISIBLE_DEVICES")
+        devices = [d.strip() for d in mask.split(",")] if mask else [str(i) for i in range(len(recipes))]
+        ok = [False] * len(recipes)
+        threads = [threading.Thread(target=lambda i=i, r=r: ok.__setitem__(i, run(r, until, {
+            "CUDA_VISIBLE_DEVICES": devices[i]}))) for i, r in enumerate(recipes)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        return 0 if all(ok) else 1
+    failed = 0
+    for i, recipe in enumerate(recipes):
         left = args.deadline - (time.monotonic() - start) - reserve
         share = left / (len(recipes) - i)  # what is left, shared by the recipes still to run
         if share < 30:
             print(f"runner: {recipe.name}: skipped, {left:.0f} s left before the deadline", file=sys.stderr)
             failed += 1
             continue
-        run = measure if isinstance(recipe, Recipe) else run_commands
-        s = run(recipe, time.monotonic() + share, args.grace or recipe.grace, out_dir, env)
-        print(line(s), flush=True)
-        failed += not s["ok"]
+        failed += not run(recipe, time.monotonic() + share, {})
     return 1 if failed else 0
-
 
 if __name__ == "__main__":
     sys.exit(main())

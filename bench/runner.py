@@ -184,6 +184,8 @@ RECIPES = {r.name: r for r in [
                                         "{work}/sweep.json"], env=COLD),
     Commands("step-sweep-layer", "the same sweep with train.recompute = layer", [
         "python3 bench/train_step.py --sweep --set train.recompute=layer --json {work}/sweep_layer.json"], env=COLD),
+    Commands("step-sweep-fp8", "the same sweep with train.fp8 = mlp (beside step-sweep: --side-by-side)", [
+        "python3 bench/train_step.py --sweep --profile 12 --set train.fp8=mlp --json {work}/sweep_fp8.json"], env=COLD),
     Commands("cold-start", "the 512 x 16 step twice on one empty inductor cache: the cold first step with "
              "torch.compile's phase times, then the warm one", [
                  "python3 bench/train_step.py --warmup 2 --steps 3 --compile-times --json {work}/cold.json",
@@ -191,10 +193,29 @@ RECIPES = {r.name: r for r in [
     Commands("flex-rows", "one training-mask flex call in the trainer's row layout under autocast, forward + "
              "backward, default tiles", ["FLEX_LAYOUT=rows FLEX_AUTOCAST=1 FLEX_ONLY=default python3 "
                                          "bench/flex_options.py {work}/flex_rows.json"], env=COLD),
-    Commands("save-stall", "a background checkpoint save's stall with about the users' drafter state (hidden 5120, "
-             "5 layers), pinned host buffers", ["python3 bench/save_stall.py --device cuda --hidden 5120 --layers 5 "
-                                                "--steps 40 --save-every 20 --background-only --out "
-                                                "{work}/save_stall.json"]),
+    Commands("flex-options", "forward + backward of one training-mask flex call per kernel_options set (tile sizes)",
+             ["python3 bench/flex_options.py {work}/flex_options.json"], env=COLD),
+    Commands("flex-trainer", "the flex call through the trainer's own path (whole tiles), 1024 x 32 static, 512 x 16, "
+             "then 1024 x 32 with the dynamic graph", ["FLEX_LAYOUT=trainer FLEX_SHAPES=1024x32,512x16,1024x32 "
+                                                       "python3 bench/flex_options.py {work}/flex_trainer.json"],
+             env=COLD),
+    Commands("flex-chunks", "each row's anchors split over 1, 2, 4, 8 rows in flex's row layout under autocast", [
+        "FLEX_CHUNKS=1,2,4,8 FLEX_LAYOUT=rows FLEX_AUTOCAST=1 FLEX_ONLY=default python3 bench/flex_options.py "
+        "{work}/flex_chunks.json"], env=COLD),
+    Commands("fp8-matmul", "every matmul of one drafter layer in bf16 and e4m3 (row scales, then one per tensor)", [
+        "python3 bench/fp8_matmul.py --json {work}/fp8_rows.json",
+        "python3 bench/fp8_matmul.py --per-tensor --json {work}/fp8_tensor.json"]),
+    Commands("fp8-mlp", "the compiled MLP block forward + backward in bf16 and with fp8 matmuls",
+             ["python3 bench/fp8_mlp.py --json {work}/fp8_mlp.json"]),
+    Commands("compile-probe", "the first calls of each compiled piece in a fresh process, an empty inductor cache",
+             ["python3 bench/compile_probe.py"], env=COLD),
+    Commands("save-stall", "a checkpoint save's stall with about the users' drafter state (hidden 5120, 5 layers), "
+             "on the training thread and in the background, 6 steps", [
+                 "python3 bench/save_stall.py --device cuda --hidden 5120 --layers 5 --steps 6 --out "
+                 "{work}/save_stall.json"]),
+    Commands("save-stall-pinned", "the background save alone, 40 steps, a save every 20: the stall with host buffers "
+             "pinned ahead", ["python3 bench/save_stall.py --device cuda --hidden 5120 --layers 5 --steps 40 "
+                              "--save-every 20 --background-only --out {work}/save_stall_pinned.json"]),
     Commands("target-compile", "the target role eager then compiled on the same model, with the features' relative "
              "error: Qwen3-8B 16,384 tokens in 4 rows, Qwen3.6-27B (fla-core) 49,152 in 8", [
                  f"{RATE} --config {Q8} --set data.token_budget=16384 --rows 4 --steps 8 --compile both --out "

@@ -595,14 +595,7 @@ def parse_command(line: str, subs: dict[str, str]) -> tuple[dict, list[str], boo
     while words and "=" in words[0] and words[0].split("=", 1)[0].isidentifier():
         key, value = words.pop(0).split("=", 1)
         env[key] = value
-    argv = []
-    for w in words:
-        if w == "{waivers}":
-            argv += waivers()
-            continue
-        for key, value in subs.items():
-            w = w.replace(key, value)
-        argv.append(w)
+    argv = [a for w in words for a in (waivers() if w == "{waivers}" else [fill(w, subs)])]
     assert argv and argv[0] == "python3", f"a recipe command runs python3: {line!r}"
     return {k: fill(v, subs) for k, v in env.items()}, [sys.executable, *argv[1:]], beside
 
@@ -645,6 +638,8 @@ def run_commands(recipe: Commands, until: float, grace: float, out_dir: Path, en
     files = {str(f.relative_to(work)): f for f in sorted(work.rglob("*")) if f.is_file()}
     left_out = sorted(n for n, f in files.items() if "checkpoints" in Path(n).parts or f.stat().st_size > BUNDLE_MAX)
     bundle(out_dir / f"{recipe.name}.tar.gz", {n: f for n, f in files.items() if n not in left_out}, texts)
+    for checkpoints in [d for d in work.rglob("checkpoints") if d.is_dir()]:
+        shutil.rmtree(checkpoints)  # nothing resumes a commands recipe; the next recipe may need the disk
     summary = {"recipe": recipe.name, "about": recipe.about, "gpus": recipe.gpus,
                "ok": all(c.get("rc") == 0 and not c["stop"]["signalled"] for c in done if "rc" in c)
                and not any("skipped" in c for c in done),

@@ -79,7 +79,7 @@ CONFIGS = {
     "q36-27b-49k-a1024-b32-d5-kl-mlp": _cfg(T36, 49152, 64, 1024, 32, 5, recompute="mlp", **INCIDENT),
     "q36-27b-49k-a1024-b32-d5-kl-off": _cfg(T36, 49152, 64, 1024, 32, 5, recompute="off", **INCIDENT),
     "q36-recipe-49k-a1024-b32-d5-kl-off": _cfg(T36, 49152, 64, 1024, 32, 5, drafter=RECIPE, recompute="off", **INCIDENT),
-    # the same with 17 rows of ~2,900 tokens, the batches of the 1 target + 1 drafter run (bench/device_check.sh)
+    # the same with 17 rows of ~2,900 tokens, the batches of the 1 target + 1 drafter run (runner recipe q36-1t1d)
     "q36-recipe-49k-r17-a1024-b32-d5-kl-off": _cfg(T36, 49152, 17, 1024, 32, 5, drafter=RECIPE, recompute="off",
                                                     **INCIDENT),
 }

@@ -13,12 +13,11 @@ Run from the repository root. In the train-cu128 environment (fla-core locked) a
     uv run python bench/target_rate.py --config configs/qwen3.6-27b-5t3d.toml --pytorch-linear-attention \
         --out .cache/out/target_rate_fallback.json
 
-On a device image without uv (python3 with torch), bench/device_target_rate.sh runs both, fla-core installed
-with pip --target from carried wheels:
+On a device image without uv (python3 with torch), bench/runner.py runs both (fla-core installed from carried
+wheels), and the padding mask and compiled-layer comparisons (--list shows the recipes):
 
-    python3 bench/target_rate.py --config configs/qwen3.6-27b-5t3d.toml --out .cache/out/target_rate_fallback.json
-    PYTHONPATH=.:.cache/fla python3 bench/target_rate.py --config configs/qwen3.6-27b-5t3d.toml \
-        --out .cache/out/target_rate_fla.json      # fla-core 0.6.0 installed with pip --target .cache/fla
+    PYTHONPATH=. python3 bench/runner.py target-kernels-q36 --deadline 570   # fallback, then fla-core, eager
+    PYTHONPATH=. python3 bench/runner.py target-compile --deadline 570       # eager vs compiled, 8B and 27B
     uv run python bench/target_rate.py --config configs/qwen3.6-27b-5t3d.toml --tiny --device cpu   # smoke run
 """
 

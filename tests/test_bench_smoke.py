@@ -1,5 +1,6 @@
 """CPU smoke runs of the measurement scripts (bench/train_step.py, bench/memory_calibration.py, bench/data_check.py,
-bench/target_rate.py, bench/fp8_matmul.py, bench/regenerate_faults.py, bench/packing.py, bench/demo_time.py)."""
+bench/target_rate.py, bench/fp8_matmul.py, bench/regenerate_faults.py, bench/packing.py, bench/demo_time.py) and the CPU
+half of bench/runner.py."""
 
 from __future__ import annotations
 
@@ -204,3 +205,70 @@ def test_the_gpu_runner_refuses_bad_arguments_in_one_line(tmp_path):
                         (["tiny-cpu", "--deadline", "0"], "--deadline and --grace must be > 0")):
         proc = _run(["bench/runner.py", *argv], tmp_path)
         assert proc.returncode == 2 and words in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+
+
+def test_the_gpu_runner_lists_every_recipe_and_each_of_2_gpus_says_so(tmp_path):
+    from bench.runner import RECIPES
+
+    proc = _run(["bench/runner.py", "--list"], tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    listed = {row.split()[0]: row for row in proc.stdout.splitlines()}
+    assert set(listed) == {*RECIPES, "tiny-cpu"}
+    for name, recipe in RECIPES.items():
+        assert f" {recipe.gpus} GPU" in listed[name] and recipe.about in listed[name]
+        assert recipe.gpus < 2 or recipe.about.startswith(f"{recipe.gpus} GPUs:"), name
+
+
+@pytest.mark.slow
+def test_the_gpu_runner_runs_a_commands_recipe_and_bundles_each_log_and_what_it_wrote(tmp_path):
+    """cpu-commands: bench/packing.py, then a tiny bench/train_step.py writing its JSON into {work}."""
+    import tarfile
+
+    out = tmp_path / "out"
+    proc = _run(["bench/runner.py", "cpu-commands", "--deadline", "160", "--out", str(out)], tmp_path)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert proc.stdout.startswith("cpu-commands: 2 of 2 commands ran (exit 0, exit 0) in ")
+    summary = json.loads((out / "cpu-commands.json").read_text())
+    assert summary["ok"] and [c["rc"] for c in summary["commands"]] == [0, 0]
+    assert summary["commands"][1]["command"].startswith("python3 bench/train_step.py --device cpu --tiny")
+    assert summary["files"] == ["train_step.json"] and summary["left_out"] == []
+    with tarfile.open(out / "cpu-commands.tar.gz") as tar:
+        assert set(tar.getnames()) == {"01.log", "01.nvml.csv", "02.log", "02.nvml.csv", "train_step.json"}
+        packing = tar.extractfile("01.log").read().decode()
+        step = json.loads(tar.extractfile("train_step.json").read())
+    assert packing.startswith("$ python3 bench/packing.py --samples 3000\n") and "169 batches" in packing
+    assert step["results"][0]["ok"] and step["results"][0]["tokens_per_s"] > 0
+
+
+def test_a_commands_recipe_is_stopped_at_its_deadline_and_skips_what_is_left(tmp_path):
+    """SIGTERM to the running commands' process groups at the deadline (a command beside it already done), the next
+    command skipped; each command's log in the archive."""
+    import tarfile
+    import time
+
+    from bench.runner import Commands, run_commands
+
+    recipe = Commands("test-deadline", "a sleep stopped by the deadline", [
+        "python3 -c 'print(\"beside\")' &", "PYTHONUNBUFFERED=1 python3 -c 'import time; print(\"sleeping\"); "
+        "time.sleep(120)'", "python3 -c 'print(\"never\")'"], gpus=0)
+    summary = run_commands(recipe, time.monotonic() + 3, 10, tmp_path, dict(os.environ, PYTHONPATH=str(REPO)))
+    beside, sleep, skipped = summary["commands"]
+    assert not summary["ok"]
+    assert beside["rc"] == 0 and not beside["stop"]["signalled"]
+    assert sleep["rc"] == -15 and sleep["stop"]["signalled"] and not sleep["stop"].get("killed_after_grace")
+    assert skipped == {"command": "python3 -c 'print(\"never\")'", "skipped": "the recipe's deadline came first"}
+    with tarfile.open(tmp_path / "test-deadline.tar.gz") as tar:
+        assert tar.extractfile("01.log").read().decode().endswith("beside\n")
+        assert "sleeping" in tar.extractfile("02.log").read().decode()
+        assert "03.log" not in tar.getnames()
+
+
+def test_the_gpu_runner_refuses_a_recipe_of_2_gpus_where_fewer_are_visible_in_one_line(tmp_path):
+    """Before any set-up, exit 2 (nothing ran: the call asked for more than the machine has, like a bad argument)."""
+    env = dict(os.environ, PYTHONPATH=str(REPO), CUDA_VISIBLE_DEVICES="0")  # at most 1 GPU, on any machine
+    for name in ("q36-1t1d", "fp8-parity"):
+        proc = subprocess.run([sys.executable, "bench/runner.py", name, "--out", str(tmp_path)], cwd=REPO, env=env,
+                              capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 2 and proc.stdout == "", proc.stderr
+        assert proc.stderr.count("\n") == 1 and proc.stderr.startswith(f"runner: {name} needs 2 GPUs, "), proc.stderr
+        assert "visible here" in proc.stderr and not list(tmp_path.iterdir())

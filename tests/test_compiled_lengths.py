@@ -3,7 +3,8 @@ in one line instead of running flex attention eagerly.
 
 The drafter's compiled pieces and flex attention run compiled on the CPU here with dynamo's `aot_eager` backend:
 dynamo's guards, dynamic sizes and recompiles are the CUDA run's (inductor only generates the kernels; torch 2.10's
-inductor has no CPU flex backward). The GPU side is `pytest -m gpu` and bench/device_lengths.sh.
+inductor has no CPU flex backward). The GPU side is `pytest -m gpu` (runner recipe gpu-tests) and the runner's
+q36-mix and q36-packed-mix recipes (bench/runner.py).
 """
 
 from __future__ import annotations

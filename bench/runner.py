@@ -268,6 +268,19 @@ RECIPES = {r.name: r for r in [
                  "--max-new-tokens 128 --batch-size 16 --device cuda",
                  parity_train("off", 0) + " &", parity_train("mlp", 1),
                  parity_eval("off", 0) + " &", parity_eval("mlp", 1)], gpus=2),
+    Commands("probe", "the probe of the machine on GPU 0 (docs/estimate.md): what a run's process holds outside "
+             "torch, step by step; the cache (the second split probe starts none); preflight's gpu-memory check and "
+             "dflash-estimate --probe using the figure; a probe past its timeout; the GPU test", [
+                 "python3 -m preflight.probe --gpus 0 --steps context,matmul,attention,flex,fla,nccl --no-cache "
+                 "--timeout 300 --json",
+                 "python3 -m preflight.probe --gpus 0 --steps context,matmul,attention,nccl",
+                 "python3 -m preflight.probe --gpus 0 --steps context,matmul,attention,nccl",
+                 f"python3 -m dflash.commands.preflight --profile train-cu128 --config {Q8} --set "
+                 "target.random_init=true --json {waivers}",
+                 f"python3 -m dflash.commands.estimate --config {Q8} --from-nvml --probe",
+                 "python3 -m preflight.probe --gpus 0 --steps context,matmul,attention,nccl --no-cache --timeout 2",
+                 "python3 -m pytest tests/test_probe.py -q -p no:cacheprovider -k on_a_gpu"],
+             env={"DFLASH_CACHE": "{fresh}"}),
     Commands("gpu-tests", "the GPU-only tests, whole (pytest -m gpu)",
              ["python3 -m pytest -m gpu -q -p no:cacheprovider -n 4 --dist loadfile -rA"]),
     # the CPU checks of this runner (tests/test_bench_smoke.py)

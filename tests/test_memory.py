@@ -912,8 +912,13 @@ def test_pace_says_which_figures_rest_on_rates_of_another_recompute_and_calls_cl
                                 "--rates-recompute", "layer")
     assert "per GPU (the drafter's measured at recompute layer)" in out
     assert "  fits         co-located on 1 GPU: 9,874 tok/s\n" in out
+    # a layout that recomputes less than the rate was measured at runs faster than its figure
     assert ("FSDP2 on 8 GPUs: 78,989 tok/s (link 12.11 GB, 0.24 s a step); drafter rate measured at recompute layer, "
-            "here off: ") in out
+            "here off: faster than shown\n") in out
+    code, out, _ = estimate_cli(capsys, "--config", str(USERS_BOX), "--gpu-memory", "93GiB", "--rates", "12.55k,46.3k",
+                                "--rates-recompute", "mlp")  # FSDP2 at mlp on 93 GiB: the rate's own mode
+    assert "FSDP2 on 8 GPUs: 78,989 tok/s (link 12.11 GB, 0.24 s a step)\n" in out
+    assert "co-located on 1 GPU: 9,874 tok/s; drafter rate measured at recompute mlp, here layer: slower than shown\n" in out
 
 
 def test_rates_from_a_run_dir_are_taken_at_the_recompute_its_gate_resolved(tmp_path):

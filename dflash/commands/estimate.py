@@ -87,6 +87,7 @@ def format_pace(est: Estimate) -> list[str]:
     """Each layout's tokens/s at the busy rates given, its link time per step, and the fastest of those that fit, or a
     tie when others are within the rates' noise (dflash.memory.pace)."""
     from dflash.memory.pace import RATE_NOISE, fastest
+    from dflash.memory.parts import RECOMPUTE_MODES  # fastest first
 
     if not est.pace:
         return []
@@ -98,8 +99,9 @@ def format_pace(est: Estimate) -> list[str]:
     for p in est.pace:
         verdict = {True: "fits", False: "DOES NOT FIT", None: "-"}[p.fits]
         link = f" (link {p.link_bytes / 1e9:.2f} GB, {p.link_s:.2f} s a step)" if p.link_bytes else ""
-        other = (f"; drafter rate measured at recompute {measured}, here {p.recompute}: slower than shown"
-                 if p.recompute != measured else "")
+        slower = RECOMPUTE_MODES.index(p.recompute) > RECOMPUTE_MODES.index(measured)  # more recompute than measured
+        other = (f"; drafter rate measured at recompute {measured}, here {p.recompute}: "
+                 f"{'slower' if slower else 'faster'} than shown" if p.recompute != measured else "")
         lines.append(f"  {verdict:<13}{p.description} on {p.gpus} GPU{'s' if p.gpus > 1 else ''}: "
                      f"{p.tok_per_s:,.0f} tok/s{link}{other}")
     n = max(p.gpus for p in est.pace)

@@ -7,8 +7,10 @@ A failure here means a page is stale: read the diff, then `uv run python docs/re
 from __future__ import annotations
 
 import importlib.util
+import json
 import re
 import shlex
+import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -49,9 +51,9 @@ def _copy(tmp_path: Path, page: str, old: str, new: str) -> Path:
 
 @pytest.mark.parametrize("page, old, new", [
     # a figure of an output block
-    ("docs/estimate.md", "FSDP2: colocated 83.24 GiB (recompute mlp)", "FSDP2: colocated 92.60 GiB (recompute off)"),
+    ("docs/estimate.md", "FSDP2: colocated 91.39 GiB (recompute off)", "FSDP2: colocated 83.24 GiB (recompute mlp)"),
     # a figure in prose (between fig markers)
-    ("docs/estimate.md", "-->73.17<!-- /fig -->", "-->73.2<!-- /fig -->"),
+    ("docs/estimate.md", "-->71.96<!-- /fig -->", "-->72.0<!-- /fig -->"),
     # a resolved value in a preset's comment block
     ("configs/qwen3.6-27b-8gpu.toml", "78,989 tok/s (link", "79,000 tok/s (link"),
     # a line left out of a block
@@ -108,7 +110,8 @@ def test_head_and_from_cut_the_output_where_the_page_says():
 
 
 def test_the_command_line_check_exits_1_with_a_diff_and_0_when_current(tmp_path):
-    page = _copy(tmp_path, "configs/qwen3.6-27b-5t3d.toml", "(recompute off)", "(recompute layer)")
+    page = _copy(tmp_path, "configs/qwen3.6-27b-5t3d.toml", "drafter 71.96 GiB (recompute off)",
+                 "drafter 71.96 GiB (recompute layer)")
     stale = subprocess.run([sys.executable, str(ROOT / "docs" / "regen.py"), str(page)], capture_output=True, text=True)
     assert stale.returncode == 1, stale.stderr
     assert "+#   fits         split: 5 target + 3 drafter GPUs" in stale.stdout and "docs/regen.py --write" in stale.stderr
@@ -157,12 +160,19 @@ def test_the_readme_walk_through_runs_as_written_on_cpu(tmp_path):
     lines = _walk_through()
     assert lines[0] == "cp configs/qwen3.6-27b-8gpu.toml run.toml"
     preset = (ROOT / "configs/qwen3.6-27b-8gpu.toml").read_text(encoding="utf-8")
-    # the three things the walk-through sets, set as a user would in the copy: the target (this preset's shapes: the
-    # estimate and preflight read only config.json), the data (one small shard) and the GPUs (as the comment says)
+    # the three things the walk-through sets, set as a user would in the copy: the target (a folder of weights: this
+    # preset's config.json, which the estimate reads, beside a small safetensors file standing in for the weights, whose
+    # presence preflight's config check asks for: dflash.models.weights), the data (one small shard) and the GPUs (as
+    # the comment says)
     settings = {m[1]: m[2] for m in (re.match(r"#\s+\[(\w+)\]\s+(\w+ = .*?)\s{2,}", line) for line in lines) if m}
     assert set(settings) == {"target", "data", "topology"}, settings
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_bytes((ROOT / "configs/targets/qwen3.6-27b/config.json").read_bytes())
+    header = json.dumps({"stand_in": {"dtype": "BF16", "shape": [1], "data_offsets": [0, 2]}}).encode()
+    (model / "model.safetensors").write_bytes(struct.pack("<Q", len(header)) + header + bytes(2))
     write_shard(tmp_path / "data" / "shard-00000.arrow", [[1, 2, 3, 4, 5] * 40] * 4, [[0, 1, 1, 1, 1] * 40] * 4)
-    config = _set(preset, "target", f'path = "{ROOT / "configs/targets/qwen3.6-27b"}"')
+    config = _set(preset, "target", f'path = "{model}"')
     config = _set(config, "data", f'path = "{tmp_path / "data"}"')
     config = _set(config, "topology", settings["topology"])
     (tmp_path / "run.toml").write_text(config, encoding="utf-8")

@@ -154,7 +154,7 @@ def test_default_target_layers():
 
 
 def test_workload_worst_case_is_many_short_sequences():
-    cfg = load_config(CFG_27B)
+    cfg = load_config(CFG_27B, {"data.packing": False})  # padded batches: the preset packs (one row, no padding)
     cfg.train.batch_anchors = None  # uncapped here; the cap has its own test
     w = workload(cfg)
     # rows of S padded tokens hold at most S - 1 anchors: 48 x 1023 beats 64 x 767 and 47 x 1024
@@ -286,11 +286,18 @@ def test_more_work_needs_more_bytes(setting, values):
 
 
 def test_target_role_ignores_anchors():
-    cfg = load_config(CFG_27B)
+    # padded batches: max_anchors bounds each row's anchors
+    cfg = load_config(CFG_27B, {"data.packing": False})
     a = role_need_bytes(with_setting(cfg, "max_anchors", 16), "target", "12.8")
     assert a == role_need_bytes(cfg, "target", "12.8")
     fewer_anchors = with_setting(cfg, "max_anchors", 16)
     assert role_need_bytes(fewer_anchors, "drafter", "12.8") < role_need_bytes(cfg, "drafter", "12.8")
+    # the preset as shipped packs: its row's anchors are batch_anchors
+    packed = load_config(CFG_27B)
+    assert packed.data.packing
+    fewer_anchors = with_setting(packed, "batch_anchors", 512)
+    assert role_need_bytes(fewer_anchors, "target", "12.8") == role_need_bytes(packed, "target", "12.8")
+    assert role_need_bytes(fewer_anchors, "drafter", "12.8") < role_need_bytes(packed, "drafter", "12.8")
 
 
 # ---------------------------------------------------------------- limits
@@ -384,7 +391,7 @@ def test_cli_27b_prints_both_roles_and_limits():
     assert res.returncode == 1, res.stderr  # the drafter does not fit without activation recompute
     assert "target (GPUs 0, 1, 2, 3, 4)" in out and "drafter (GPUs 5, 6, 7)" in out
     assert "DOES NOT FIT" in out
-    assert "60 sequences x 819 tokens" in out and "batch_anchors 1024" in out
+    assert "one packed row of 49152 tokens (data.packing" in out and "1024 anchors over the row (batch_anchors 1024" in out
     assert "largest settings that fit" in out and "max_anchors" in out
     assert "CUDA 12.8 (from envs/train-cu128.toml)" in out
     assert "send buffers in flight (2 batches, topology.queue_depth)" in out  # what is in flight, by name
@@ -452,7 +459,7 @@ def test_cli_unreadable_toml_exit_2(capsys, tmp_path):
 
 
 def test_batch_anchors_caps_loss_tokens_and_pads_rows_to_the_largest_kept_count():
-    cfg = load_config(CFG_27B)  # batch_anchors 1024, block 32
+    cfg = load_config(CFG_27B, {"data.packing": False})  # batch_anchors 1024, block 32; padded rows, not the packing
     w = workload(cfg)
     assert w.valid_anchors == 1024
     # 63 rows keep ~16 each; every row is padded to the largest kept count (3 sd above the mean)
@@ -657,10 +664,14 @@ def test_the_users_preset_co_located_over_8_gpus_of_95_gib_fits_with_fsdp2_not_d
     ddp, fsdp2 = users_dp(8, "ddp"), users_dp(8, "fsdp2")
     assert choose_recompute(ddp, "colocated", "12.8", 95 * GiB, shape=shape)[1] > 95 * GiB  # even with layer recompute
     mode, need = choose_recompute(fsdp2, "colocated", "12.8", 95 * GiB, shape=shape)
-    # off predicts 92.60 GiB: it fits the card, not the card less the 3 GiB kept free, so mlp
-    assert mode == "mlp" and need + 3 * GiB <= 95 * GiB < need_at(fsdp2, "off") + 3 * GiB
+    # packed (the preset's data.packing), off predicts 91.39 GiB: it fits the card less the 3 GiB kept free
+    assert mode == "off" and need == need_at(fsdp2, "off") and need + 3 * GiB <= 95 * GiB
     assert 90 * GiB < need_at(fsdp2, "off") <= 95 * GiB
-    assert choose_parallel(users_dp(8), "colocated", "12.8", 95 * GiB, shape=shape) == ("fsdp2", "mlp", need)
+    assert choose_parallel(users_dp(8), "colocated", "12.8", 95 * GiB, shape=shape) == ("fsdp2", "off", need)
+    # on 93 GiB off fits the card, not the card less the 3 GiB kept free, so mlp
+    mode, need93 = choose_recompute(fsdp2, "colocated", "12.8", 93 * GiB, shape=shape)
+    assert mode == "mlp" and need93 + 3 * GiB <= 93 * GiB < need_at(fsdp2, "off") + 3 * GiB <= 95 * GiB
+    assert choose_parallel(users_dp(8), "colocated", "12.8", 93 * GiB, shape=shape) == ("fsdp2", "mlp", need93)
     # where DDP fits (an H200's 139 GiB), auto keeps it, with the recompute rule as choose_recompute has it
     assert choose_parallel(users_dp(8), "colocated", "12.8", 139 * GiB, shape=shape) == (
         "ddp", *choose_recompute(ddp, "colocated", "12.8", 139 * GiB, shape=shape))
@@ -673,7 +684,7 @@ def test_the_users_preset_co_located_over_8_gpus_of_95_gib_fits_with_fsdp2_not_d
     assert choose_parallel(cpu, "colocated", "12.8", 95 * GiB, shape=shape)[:2] == ("ddp", "off")
     layouts = {x.layout: x for x in estimate(load_config(USERS), "12.8", 95 * GiB).layouts}
     assert (layouts["colocated-dp"].fits, layouts["colocated-fsdp2"].fits) == (False, True)
-    assert layouts["colocated-fsdp2"].need_bytes["colocated"] == need_at(fsdp2, "mlp")
+    assert layouts["colocated-fsdp2"].need_bytes["colocated"] == need_at(fsdp2, "off")
 
 
 def need_at(cfg, mode: str) -> int:
@@ -791,9 +802,9 @@ def test_cli_link_gbps_prints_the_fsdp2_rows_and_refuses_bad_values(capsys):
     assert code == 0, err
     assert "link 64 GB/s one way per GPU; communication overlapped with the drafter's compute" in out
     assert ("  fits         co-located data parallel over 8 GPUs: each target + 1/8 of the drafter, FSDP2: "
-            "colocated 83.24 GiB (recompute mlp)") in out
-    assert ("  fits         co-located data parallel, FSDP2 on 8 GPUs: 76,303 tok/s (recompute mlp; drafter 39,739, link "
-            "12.11 GB, 0.19 s a step)") in out
+            "colocated 91.39 GiB (recompute off)") in out
+    assert ("  fits         co-located data parallel, FSDP2 on 8 GPUs: 78,989 tok/s (recompute off, link 12.11 GB, "
+            "0.19 s a step)") in out
     assert "DDP's gradient all-reduce not counted" not in out
     for bad in ("0", "abc", "-5", "nan", "inf", ""):
         code, out, err = estimate_cli(capsys, "--config", config, "--link-gbps", bad)
@@ -846,16 +857,22 @@ def test_rates_from_a_run_are_priced_at_the_recompute_its_snapshot_recorded(tmp_
 
 
 def test_the_users_box_keeps_free_what_nvml_showed_the_model_misses():
-    """The users' preset on 95 GiB cards: 92.60 GiB predicted with recompute off left 2.40 GiB, and NVML read 2.99
-    GiB above the prediction on one H200 held to 95 GiB. Keeping train.memory_headroom_gib (3 GiB) free, auto
-    chooses mlp recompute; with none kept it chooses off, as before."""
+    """The users' preset on 95 GiB cards, padded as the incident ran it (data.pack_remainders): 92.60 GiB predicted
+    with recompute off left 2.40 GiB, and NVML read 2.99 GiB above the prediction on one H200 held to 95 GiB. Keeping
+    train.memory_headroom_gib (3 GiB) free, auto chooses mlp recompute; with none kept it chooses off, as before.
+    The preset as shipped packs (data.packing): 91.39 GiB with off, which keeps the 3 GiB free on 95 GiB."""
     path = REPO / "configs/qwen3.6-27b-8gpu.toml"
-    kept = estimate(load_config(path), "12.8", 95 * GiB)
+    padded = {"data.packing": False, "data.pack_remainders": True}
+    kept = estimate(load_config(path, padded), "12.8", 95 * GiB)
     (role,) = kept.roles
     assert "recompute auto -> mlp" in kept.assumption, kept.assumption
     assert role.keep_bytes == 3 * GiB and role.headroom_bytes >= 3 * GiB and role.fits
-    bare = estimate(load_config(path, {"train.memory_headroom_gib": 0.0}), "12.8", 95 * GiB)
+    bare = estimate(load_config(path, {**padded, "train.memory_headroom_gib": 0.0}), "12.8", 95 * GiB)
     assert "recompute auto -> off" in bare.assumption and 0 <= bare.roles[0].headroom_bytes < 3 * GiB
+    packed = estimate(load_config(path), "12.8", 95 * GiB)
+    (role,) = packed.roles
+    assert "one packed row" in packed.assumption and "recompute auto -> off" in packed.assumption, packed.assumption
+    assert role.keep_bytes == 3 * GiB and 3 * GiB <= role.headroom_bytes < 4 * GiB and role.fits
     out = subprocess.run([sys.executable, "-m", "dflash.commands.estimate", "--config", str(path), "--gpu-memory",
                           "95GiB"], capture_output=True, text=True, cwd=REPO, check=True).stdout
     assert any(line.split() == ["kept", "free", "(train.memory_headroom_gib)", "3.00"] for line in out.splitlines())
@@ -869,31 +886,42 @@ USERS_BOX = REPO / "configs/qwen3.6-27b-8gpu.toml"  # co-located FSDP2 over the 
 def test_each_auto_choice_is_printed_with_the_numbers_that_made_it(capsys):
     code, out, _ = estimate_cli(capsys, "--config", str(USERS_BOX), "--gpu-memory", "95GiB")
     assert code == 0
-    assert ("\n  recompute auto -> mlp: off 92.60 + 3.00 kept free > 95.00 -> mlp 83.24 + 3.00 kept free <= 95.00\n"
+    assert "\n  recompute auto -> off: off 91.39 + 3.00 kept free <= 95.00\n" in out, out
+    code, out, _ = estimate_cli(capsys, "--config", str(USERS_BOX), "--gpu-memory", "93GiB")  # off fits, less 3 kept not
+    assert code == 0
+    assert ("\n  recompute auto -> mlp: off 91.39 + 3.00 kept free > 93.00 -> mlp 82.35 + 3.00 kept free <= 93.00\n"
             in out), out
-    code, out, _ = estimate_cli(capsys, "--config", str(USERS), "--gpu-memory", "95GiB",
-                                "--colocated-gpus", "0,1,2,3,4,5,6,7")  # data_parallel auto: DDP tried first
-    decided = out.split("decisions on GPUs of 95.00 GiB")[1].splitlines()[1:3]
-    assert decided[0].startswith("  data_parallel auto -> fsdp2: ddp does not fit at any recompute (off ")
-    assert decided[0].endswith(" -> layer 98.15 + 3.00 kept free > 95.00)"), decided
-    assert decided[1] == ("  recompute auto -> mlp (fsdp2): off 92.60 + 3.00 kept free > 95.00 -> mlp 83.24 + 3.00 "
-                          "kept free <= 95.00")
+    for gpu, recompute in (("95", "  recompute auto -> off (fsdp2): off 91.39 + 3.00 kept free <= 95.00"),
+                           ("93", "  recompute auto -> mlp (fsdp2): off 91.39 + 3.00 kept free > 93.00 -> mlp 82.35 + "
+                                  "3.00 kept free <= 93.00")):
+        code, out, _ = estimate_cli(capsys, "--config", str(USERS), "--gpu-memory", f"{gpu}GiB",
+                                    "--colocated-gpus", "0,1,2,3,4,5,6,7")  # data_parallel auto: DDP tried first
+        decided = out.split(f"decisions on GPUs of {gpu}.00 GiB")[1].splitlines()[1:3]
+        assert decided[0].startswith("  data_parallel auto -> fsdp2: ddp does not fit at any recompute (off ")
+        assert decided[0].endswith(f" -> layer 97.91 + 3.00 kept free > {gpu}.00)"), decided
+        assert decided[1] == recompute, decided
 
 
 def test_batch_anchors_is_in_the_limits_table_and_moves_recompute(capsys):
-    """The setting that binds on the users' box: 1024 fits at mlp, 2048 only at layer, 4096 not at all."""
+    """The setting that binds on the users' box (packed): 1024 fits at off, 1536 at mlp, 2048 only at layer, 4096 not
+    at all."""
     code, out, _ = estimate_cli(capsys, "--config", str(USERS_BOX), "--gpu-memory", "95GiB")
     row = next(line for line in out.splitlines() if line.startswith("  colocated batch_anchors"))
-    assert row.split()[2:5] == ["1024", "2624", "configured"], row
-    assert row.endswith("recompute auto: off up to 992, mlp up to 1,575, layer up to 2,624"), row
+    assert row.split()[2:5] == ["1024", "2685", "configured"], row
+    assert row.endswith("recompute auto: off up to 1,051, mlp up to 1,628, layer up to 2,685"), row
+    assert "\n  recompute auto -> off: off 91.39 + 3.00 kept free <= 95.00\n" in out
+    code, out, _ = estimate_cli(capsys, "--config", str(USERS_BOX), "--gpu-memory", "95GiB",
+                                "--set", "train.batch_anchors=1536")
+    assert code == 0 and ("\n  recompute auto -> mlp: off 102.73 + 3.00 kept free > 95.00 -> mlp 90.52 + 3.00 kept "
+                          "free <= 95.00\n") in out
     code, out, _ = estimate_cli(capsys, "--config", str(USERS_BOX), "--gpu-memory", "95GiB",
                                 "--set", "train.batch_anchors=2048")
-    assert code == 0 and "\n  recompute auto -> layer: off 116.38 + 3.00 kept free > 95.00 -> mlp 99.63" in out
+    assert code == 0 and "\n  recompute auto -> layer: off 114.96 + 3.00 kept free > 95.00 -> mlp 98.69" in out
     code, out, _ = estimate_cli(capsys, "--config", str(USERS_BOX), "--gpu-memory", "95GiB",
                                 "--set", "train.batch_anchors=4096")
     assert code == 1 and "the fastest mode that fits" not in out
     assert "recompute auto -> layer, data_parallel fsdp2 (nothing fits 95.00 GiB: the least memory shown)" in out
-    assert " -> layer 106.81 + 3.00 kept free > 95.00: nothing fits 95.00 GiB; lower data.token_budget" in out
+    assert " -> layer 106.22 + 3.00 kept free > 95.00: nothing fits 95.00 GiB; lower data.token_budget" in out
     code, out, _ = estimate_cli(capsys, "--config", str(CFG_8B), "--gpu-memory", "139GiB")  # batch_anchors unset
     row = next(line for line in out.splitlines() if line.startswith("  colocated batch_anchors"))
     assert row.split()[2] == "unset" and "every value fits" in row, row
@@ -903,7 +931,7 @@ def test_nothing_fits_is_said_as_such(capsys):
     code, out, _ = estimate_cli(capsys, "--config", str(USERS), "--gpu-memory", "10GiB")
     assert code == 1 and "fits 10.00 GiB" not in out.replace("nothing fits 10.00 GiB", "")
     assert "recompute auto -> layer (nothing fits 10.00 GiB: the least memory shown)" in out
-    assert "\n  recompute auto: off 73.17 + 3.00 kept free > 10.00 -> mlp 62.44" in out
+    assert "\n  recompute auto: off 71.96 + 3.00 kept free > 10.00 -> mlp 61.79" in out
 
 
 @pytest.mark.parametrize("size, header, warning", [
@@ -921,14 +949,24 @@ def test_a_decimal_gpu_size_is_named_and_a_lowercase_one_warned(capsys, size, he
 def test_pace_says_which_figures_rest_on_rates_of_another_recompute_and_calls_close_layouts_a_tie(capsys):
     code, out, _ = estimate_cli(capsys, "--config", str(USERS_BOX), "--gpu-memory", "95GiB", "--rates", "12.55k,46.3k")
     assert "per GPU (the drafter's measured at recompute off)" in out
-    assert ("  fits         co-located data parallel, FSDP2 on 8 GPUs: 78,989 tok/s (link 12.11 GB, 0.24 s a step); "
-            "drafter rate measured at recompute off, here mlp: slower than shown\n") in out
+    # packed, FSDP2 resolves recompute off: the rate's own mode, no caveat; the single GPU recomputes layers
+    assert "  fits         co-located data parallel, FSDP2 on 8 GPUs: 78,989 tok/s (link 12.11 GB, 0.24 s a step)\n" in out
+    assert ("  fits         co-located on 1 GPU: 9,874 tok/s; drafter rate measured at recompute off, here layer: "
+            "slower than shown\n") in out
     assert "split 6 target + 2 drafter (the best split of 8 GPUs) on 8 GPUs: 75,300 tok/s (link 9.94 GB, 0.20 s a step)\n" in out
     assert ("fastest on 8 GPUs that fits: a tie within the rates' 5% noise: co-located data parallel, FSDP2, 78,989 "
             "tok/s; split 6 target + 2 drafter (the best split of 8 GPUs), 75,300 tok/s (4.7% slower)\n") in out
     code, out, _ = estimate_cli(capsys, "--config", str(USERS_BOX), "--gpu-memory", "95GiB", "--rates", "12.55k,46.3k",
-                                "--rates-recompute", "mlp")
+                                "--rates-recompute", "layer")
+    assert "per GPU (the drafter's measured at recompute layer)" in out
+    assert "  fits         co-located on 1 GPU: 9,874 tok/s\n" in out
+    # a layout that recomputes less than the rate was measured at runs faster than its figure
+    assert ("FSDP2 on 8 GPUs: 78,989 tok/s (link 12.11 GB, 0.24 s a step); drafter rate measured at recompute layer, "
+            "here off: faster than shown\n") in out
+    code, out, _ = estimate_cli(capsys, "--config", str(USERS_BOX), "--gpu-memory", "93GiB", "--rates", "12.55k,46.3k",
+                                "--rates-recompute", "mlp")  # FSDP2 at mlp on 93 GiB: the rate's own mode
     assert "FSDP2 on 8 GPUs: 78,989 tok/s (link 12.11 GB, 0.24 s a step)\n" in out
+    assert "co-located on 1 GPU: 9,874 tok/s; drafter rate measured at recompute mlp, here layer: slower than shown\n" in out
 
 
 def test_rates_from_a_run_dir_are_taken_at_the_recompute_its_gate_resolved(tmp_path):

@@ -55,7 +55,7 @@ def _copy(tmp_path: Path, page: str, old: str, new: str) -> Path:
     # a figure in prose (between fig markers)
     ("docs/estimate.md", "-->71.96<!-- /fig -->", "-->72.0<!-- /fig -->"),
     # a resolved value in a preset's comment block
-    ("configs/qwen3.6-27b-8gpu.toml", "78,989 tok/s (link", "79,000 tok/s (link"),
+    ("configs/qwen3.6-27b-8gpu.toml", "78,989 tok/s (recompute off, link", "79,000 tok/s (recompute off, link"),
     # a line left out of a block
     ("README.md", "  fits         split: 1 target + 1 drafter GPUs", "  fits         split: 5 target + 3 drafter GPUs"),
 ])

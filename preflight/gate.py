@@ -72,6 +72,17 @@ def apply_profile_env(name: str, log=print) -> dict[str, str]:
 
 
 
+def resolve_compile_cache(cfg):
+    """cfg with train.compile_cache resolved: the file it names, else the default beside the profile's compile cache
+    dir (dflash.runs.compile_artifact.default_path); unchanged when the profile is unknown (the gate says so)."""
+    from dflash.runs.compile_artifact import resolve
+
+    try:
+        return resolve(cfg, compile_cache_dir(cfg.profile))
+    except ProfileError:
+        return cfg
+
+
 def provenance(name: str) -> dict:
     """What a checkpoint records about the code and environment that wrote it.
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import gc
 import io
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -134,7 +135,7 @@ def load(cfg: RunConfig, train_lengths, log=print) -> bool:
     try:
         _, sections = artifact.read_sections(path)
         if "torch" in sections:
-            torch.compiler.load_cache_artifacts(sections["torch"])
+            _load_torch(sections["torch"])
         triton_files = unpack_triton(sections["triton"], triton_cache_dir()) if "triton" in sections else None
     except artifact.ArtifactError as e:
         log(f"compile cache: {path} not loaded: {e}; cold start (make one: {WARM_FIX})")
@@ -147,6 +148,20 @@ def load(cfg: RunConfig, train_lengths, log=print) -> bool:
     log(f"compile cache: loaded {path} ({artifact.size_text(header['size'])}{triton}) for "
         f"{artifact.classes_text(manifest.get('shape_classes'))}; {artifact.start_text(manifest)}")
     return True
+
+
+def _load_torch(data: bytes) -> None:
+    """torch.compiler.load_cache_artifacts, which logs a traceback and returns None for bytes it cannot read: that
+    is raised here (the caller's one line says it) and torch's traceback kept out of the run's log."""
+    quiet = logging.getLogger("torch.compiler._cache")
+    level = quiet.level
+    quiet.setLevel(logging.CRITICAL)
+    try:
+        info = torch.compiler.load_cache_artifacts(data)
+    finally:
+        quiet.setLevel(level)
+    if info is None:
+        raise ValueError("its cache artifacts do not read back (torch.compiler.load_cache_artifacts returned None)")
 
 
 # ---- making one: dflash-train --warm-cache

@@ -32,7 +32,7 @@ from preflight.facts.context import Context
 from preflight.facts.gather import gather
 from preflight.facts.source import git_commit
 from preflight.nvml import GpuInfo, NvmlGpuInfo
-from preflight.profiles import REPO_ROOT, ProfileError, compile_cache_dir, lock_path, profile_env
+from preflight.profiles import REPO_ROOT, ProfileError, compile_cache_dir, lock_path, profile_env, triton_cache_dir
 from preflight.report import Report, apply_waivers
 
 
@@ -65,8 +65,9 @@ def apply_profile_env(name: str, log=print) -> dict[str, str]:
         if key not in os.environ:
             os.environ[key] = applied[key] = value
             log(f"profile {name}: set {key}={value}")
-    # inductor compiles into the profile's cache (the one the compile-cache check and --warm-cache look at)
+    # inductor compiles into the profile's cache, Triton (fla's kernels) into the profile's own dir beside it
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(compile_cache_dir(name)))
+    os.environ.setdefault("TRITON_CACHE_DIR", str(triton_cache_dir(name)))
     return applied
 
 

@@ -68,7 +68,8 @@ def compiles(cfg: RunConfig) -> bool:
 # ---- Triton's cache dir (fla's kernels and autotuning results live there, outside torch's artifacts)
 
 def triton_cache_dir() -> Path:
-    """The folder Triton caches kernels in: TRITON_CACHE_DIR, else Triton's own default."""
+    """The folder Triton caches kernels in: TRITON_CACHE_DIR (dflash-train sets the profile's own, beside its
+    inductor cache dir), else Triton's own default."""
     if os.environ.get("TRITON_CACHE_DIR"):
         return Path(os.environ["TRITON_CACHE_DIR"]).expanduser()
     try:
@@ -175,6 +176,9 @@ def warm_cache(cfg: RunConfig, colocated, check_argv: list[str], log=print) -> i
         log("warm-cache: nothing to compile here (train.compile and target.compile are off, or a CPU run: they "
             "compile on CUDA)")
         return 0
+    if not cfg.train.compile_cache:
+        raise artifact.ArtifactError("--warm-cache: nowhere to write the artifact: set train.compile_cache to a file "
+                                     f"(the profile {cfg.profile} did not load to give its default)")
     path = Path(cfg.train.compile_cache)
     trainer = colocated(cfg, None, log)
     losses: list[float] = []
@@ -190,9 +194,13 @@ def warm_cache(cfg: RunConfig, colocated, check_argv: list[str], log=print) -> i
     manifest = {**machine_facts(), **run_facts(cfg, trainer.dataset.lengths), "cold": cold,
                 "triton_files": triton_files, "made_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     del trainer  # the fresh process needs the GPU's memory
+    torch._dynamo.reset()
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
+        held = torch.cuda.memory_reserved() / 2**30
+        if held > 1:
+            log(f"warm-cache: {held:.1f} GiB still held by this process while the fresh one runs")
     unchecked = path.with_name(f"{path.name}.unchecked")
     artifact.write(unchecked, manifest, sections)
     try:

@@ -5,7 +5,7 @@ DFLASH_CPU_COMPILE=1 compiles the drafter's pieces with inductor on the CPU (C++
 runs the preset on CUDA with --device cuda (the target's layers, the drafter and flex attention compiled).
 
     uv run python bench/compile_artifact.py --runs 2                       # CPU
-    PYTHONPATH=. python3 bench/compile_artifact.py --device cuda --runs 2  # one GPU
+    PYTHONPATH=. python3 bench/compile_artifact.py --device cuda --runs 2 -- "${W[@]}"   # one GPU (bench/device_artifact.sh)
 
 First `dflash-train --warm-cache` (empty caches) writes the artifact; then, per run, one training run (2 steps) with
 train.compile_cache naming a file that does not exist (cold) and one with the artifact (warm), both with empty
@@ -51,6 +51,9 @@ def tiny_preset(root: Path, device: str) -> Path:
     return root / "run.toml"
 
 
+EXTRA: list[str] = ["--waive", "model-source", "--reason", "bench on a working tree"]  # the gate's waivers
+
+
 def fresh(root: Path, config: Path, *args: str) -> tuple[subprocess.CompletedProcess, float]:
     """dflash-train in a new process with empty TORCHINDUCTOR_CACHE_DIR and TRITON_CACHE_DIR; (its result, wall s)."""
     caches = Path(tempfile.mkdtemp(prefix="caches-", dir=root))
@@ -58,7 +61,7 @@ def fresh(root: Path, config: Path, *args: str) -> tuple[subprocess.CompletedPro
                TRITON_CACHE_DIR=str(caches / "triton"), PYTHONPATH=str(REPO))
     t0 = time.perf_counter()
     proc = subprocess.run([sys.executable, "-m", "dflash.commands.train", "--config", str(config), "--no-progress",
-                           "--waive", "model-source", "--reason", "bench on a working tree", *args],
+                           *EXTRA, *args],
                           cwd=REPO, env=env, capture_output=True, text=True)
     wall = time.perf_counter() - t0
     if proc.returncode != 0:
@@ -81,7 +84,11 @@ def main() -> None:
     p.add_argument("--runs", type=int, default=2, help="cold + warm pairs after the one --warm-cache")
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     p.add_argument("--out", type=Path, help="write the figures as JSON here")
+    p.add_argument("train_args", nargs="*", help="after --: dflash-train arguments for every run (the device's "
+                   "--waive/--reason pairs; they replace the model-source waiver)")
     args = p.parse_args()
+    if args.train_args:
+        EXTRA[:] = args.train_args
     with tempfile.TemporaryDirectory(prefix="dflash-artifact-bench-") as tmp:
         root = Path(tmp)
         config = tiny_preset(root, args.device)

@@ -19,6 +19,10 @@ def test_compile_cache_missing_warns_with_the_command_that_makes_it(tmp_path):
     assert r.status == "warn" and r.summary.startswith(f"cold: no compile cache artifact {ctx.compile_cache.path} "
                                                        "(2 made for other runs beside it); every graph compiles at launch")
     assert r.fix == "uv run dflash-train --config run.toml --warm-cache"
+    named = ctx.config.model_copy(update={"train": ctx.config.train.model_copy(update={"compile_cache": "/data/a.dfcache"})})
+    ctx.config = named
+    assert check_compile_cache(ctx).fix == ("uv run dflash-train --config run.toml --warm-cache --set "
+                                            "train.compile_cache=/data/a.dfcache")
 
 
 def test_compile_cache_match_passes_with_the_measured_starts(tmp_path):

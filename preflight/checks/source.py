@@ -20,7 +20,10 @@ def check_compile_cache(ctx: Context) -> CheckResult:
     cc = ctx.compile_cache
     if cc is None:
         return result("compile-cache", "skip", "compile cache not gathered")
-    fix = in_profile(ctx, WARM_CACHE_FIX.format(config=config_arg(ctx)))
+    fix = WARM_CACHE_FIX.format(config=config_arg(ctx))
+    if ctx.config.train.compile_cache:  # a file named by --set or the config: make it there
+        fix += f" --set train.compile_cache={ctx.config.train.compile_cache}"
+    fix = in_profile(ctx, fix)
     size = f" ({size_text(cc.size_bytes)})" if cc.size_bytes is not None else ""
     data = dict(path=cc.path, exists=cc.exists, size_bytes=cc.size_bytes, manifest=cc.manifest)
     if cc.env_override:

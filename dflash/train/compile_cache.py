@@ -38,8 +38,8 @@ from dflash.train.warmup import cache_counts, warm_steps
 WARM_FIX = "dflash-train --config <this config> --warm-cache"
 
 
-def machine_facts() -> dict:
-    """torch, Triton, the GPU's name and compute capability ("cpu" and None without CUDA)."""
+def machine_facts(cfg: RunConfig) -> dict:
+    """torch, Triton, the GPU's name and compute capability ("cpu" and None for a CPU run, GPU or not)."""
     try:
         import triton
 
@@ -47,7 +47,7 @@ def machine_facts() -> dict:
     except ImportError:
         triton_version = None
     facts = {"torch": torch.__version__, "triton": triton_version, "gpu_name": "cpu", "compute_capability": None}
-    if torch.cuda.is_available():
+    if cfg.device == "cuda" and torch.cuda.is_available():
         props = torch.cuda.get_device_properties(torch.cuda.current_device())
         facts.update(gpu_name=props.name, compute_capability=f"{props.major}.{props.minor}")
     return facts
@@ -127,7 +127,7 @@ def load(cfg: RunConfig, train_lengths, log=print) -> bool:
         log(f"compile cache: {path}: {why}; cold start (make one: {WARM_FIX})")
         return False
     manifest = header["manifest"]
-    diffs = artifact.differences(manifest, {**machine_facts(), **run_facts(cfg, train_lengths)})
+    diffs = artifact.differences(manifest, {**machine_facts(cfg), **run_facts(cfg, train_lengths)})
     if diffs:
         more = f" and {len(diffs) - 3} more" if len(diffs) > 3 else ""
         log(f"compile cache: {path} not loaded: made for another setup ({'; '.join(diffs[:3])}{more}); cold start "
@@ -191,7 +191,7 @@ def warm_cache(cfg: RunConfig, colocated, check_argv: list[str], log=print) -> i
     triton, triton_files = pack_triton(triton_cache_dir())
     if triton is not None:
         sections["triton"] = triton
-    manifest = {**machine_facts(), **run_facts(cfg, trainer.dataset.lengths), "cold": cold,
+    manifest = {**machine_facts(cfg), **run_facts(cfg, trainer.dataset.lengths), "cold": cold,
                 "triton_files": triton_files, "made_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     del trainer  # the fresh process needs the GPU's memory
     torch._dynamo.reset()

@@ -129,6 +129,11 @@ def parity_eval(mode: str, gpu: int) -> str:
             f"--limit 32 --max-new-tokens 64 --device cuda --json {{work}}/eval_{mode}.json")
 
 
+ARTIFACT_Q36_SETS = " ".join(f"--set {x}" for x in [*SHAPES, *PACKED, "train.compile_cache={work}/q36.dfcache",
+                                                   "data.path={data}"])
+ARTIFACT_Q36 = f"python3 -m dflash.commands.train --config {Q36} {ARTIFACT_Q36_SETS}"
+
+
 def fake_rank(steps: int) -> str:
     return (f"python3 bench/fake_rank.py --config {Q36_8GPU} --gpu-memory 95GiB --max-steps {steps} --set "
             "output_dir={work}/run --set data.path={data} --set train.save_every=40 --set train.keep_last=1 "
@@ -281,6 +286,19 @@ RECIPES = {r.name: r for r in [
                  "python3 -m preflight.probe --gpus 0 --steps context,matmul,attention,nccl --no-cache --timeout 2",
                  "python3 -m pytest tests/test_probe.py -q -p no:cacheprovider -k on_a_gpu"],
              env={"DFLASH_CACHE": "{fresh}"}),
+    Commands("artifact-tiny", "the compile cache artifact on CUDA, tiny preset: --warm-cache, then a cold start and "
+             "one from the artifact, each in a fresh process with empty caches, twice (bench/compile_artifact.py)",
+             ["python3 bench/compile_artifact.py --device cuda --runs 2 --out {work}/compile_artifact_tiny.json -- "
+              "{waivers}"]),
+    Commands("artifact-q36", "the compile cache artifact of the users' 27B preset co-located and packed (one H200): "
+             "--warm-cache on an empty cache (the cold start, then a fresh process from the artifact), preflight's "
+             "verdict on it, then 3 steps from it with empty caches", [
+                 f"TORCHINDUCTOR_CACHE_DIR={{fresh}}/cold TRITON_CACHE_DIR={{fresh}}/cold-triton {ARTIFACT_Q36} "
+                 "--warm-cache {waivers}",
+                 f"python3 -m dflash.commands.preflight --profile train-cu128 --config {Q36} {ARTIFACT_Q36_SETS}",
+                 f"TORCHINDUCTOR_CACHE_DIR={{fresh}}/warm TRITON_CACHE_DIR={{fresh}}/warm-triton {ARTIFACT_Q36} "
+                 "--set output_dir={work}/run --max-steps 3 --fresh --no-progress {waivers}"],
+             data=Q36_MIX),
     Commands("gpu-tests", "the GPU-only tests, whole (pytest -m gpu)",
              ["python3 -m pytest -m gpu -q -p no:cacheprovider -n 4 --dist loadfile -rA"]),
     # the CPU checks of this runner (tests/test_bench_smoke.py)

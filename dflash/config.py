@@ -222,6 +222,10 @@ class TrainConfig(_Strict):
                              "hashing, ~31 s for 20 GB, happen beside the steps); false writes them on the training thread")
     compile: bool = Field(True, description="torch.compile each drafter layer's norms, RoPE and SwiGLU on CUDA (one graph "
                           "for all layers); flex attention is compiled on CUDA either way")
+    compile_cache: str = Field("", description="compile cache artifact file (dflash-train --warm-cache writes it; a "
+                               "compiled run loads it before its first compile when torch, Triton, the GPU and the "
+                               "shape classes match); empty: <the profile's compile cache dir>.artifacts/<target "
+                               "hash>-<drafter hash>.dfcache; set it to a file carried from another machine")
     seed: int = Field(0, ge=0, le=MAX_SEED, description="seed for init, shuffling and anchors (numpy and torch "
                       f"take 0..{MAX_SEED})")
 

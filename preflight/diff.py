@@ -442,8 +442,9 @@ def _config(a: dict, b: dict, ma: _Model | None) -> list[Difference]:
             what_if = _with(ma.cfg, key, y)
             effect = _effect(base, _peaks(ma, what_if)) if what_if is not None else None
         moves = "memory, speed" if effect else "speed" if key in SPEED_FIELDS else None
-        counts = key not in ("data.path", "target.path")  # their content is compared in the data group
-        note = "" if counts else " (same content)" if (same_data if key == "data.path" else same_target) else " (see data)"
+        counts = key not in ("data.path", "target.path", "train.compile_cache")  # their content: data, compile cache
+        note = "" if counts else " (see compile cache)" if key == "train.compile_cache" else \
+            " (same content)" if (same_data if key == "data.path" else same_target) else " (see data)"
         out.append(Difference("config", key, x, y, f"{key} {_value(x)} -> {_value(y)}{note}", moves, effect, counts))
     return out
 

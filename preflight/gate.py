@@ -34,7 +34,7 @@ from preflight.facts.overhead import Overhead
 from preflight.facts.source import git_commit
 from preflight.nvml import GpuInfo, NvmlGpuInfo
 from preflight.probe import probe_for_run
-from preflight.profiles import REPO_ROOT, ProfileError, compile_cache_dir, lock_path, profile_env
+from preflight.profiles import REPO_ROOT, ProfileError, compile_cache_dir, lock_path, profile_env, triton_cache_dir
 from preflight.report import Report, apply_waivers
 
 
@@ -67,11 +67,23 @@ def apply_profile_env(name: str, log=print) -> dict[str, str]:
         if key not in os.environ:
             os.environ[key] = applied[key] = value
             log(f"profile {name}: set {key}={value}")
-    # inductor compiles into the profile's cache (the one the compile-cache check and --warm-cache look at)
+    # inductor compiles into the profile's cache, Triton (fla's kernels) into the profile's own dir beside it
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(compile_cache_dir(name)))
+    os.environ.setdefault("TRITON_CACHE_DIR", str(triton_cache_dir(name)))
     return applied
 
 
+
+
+def resolve_compile_cache(cfg):
+    """cfg with train.compile_cache resolved: the file it names, else the default beside the profile's compile cache
+    dir (dflash.runs.compile_artifact.default_path); unchanged when the profile is unknown (the gate says so)."""
+    from dflash.runs.compile_artifact import resolve
+
+    try:
+        return resolve(cfg, compile_cache_dir(cfg.profile))
+    except ProfileError:
+        return cfg
 
 
 def provenance(name: str) -> dict:

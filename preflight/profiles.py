@@ -92,3 +92,11 @@ def profile_env(name: str) -> dict[str, str]:
 def compile_cache_dir(name: str) -> Path:
     """The inductor cache dir of profile `name` (``~`` expanded). Raises ProfileError."""
     return load_profile(name).compile_cache_path
+
+
+def triton_cache_dir(name: str) -> Path:
+    """Triton's cache dir for profile `name`'s runs (TRITON_CACHE_DIR): beside its inductor cache dir, so fla's
+    kernels and autotuning results are the profile's own (not ~/.triton/cache, which another profile's Triton
+    fills) and the compile cache artifact carries them alone. Raises ProfileError."""
+    cache = compile_cache_dir(name)
+    return cache.with_name(f"{cache.name}.triton")

@@ -68,7 +68,7 @@ def here(snap: dict, gpu_info=None) -> dict:
     from dflash.config import config_from_dict
     from preflight.facts.gather import gather
     from preflight.nvml import NvmlGpuInfo
-    from preflight.profiles import ProfileError, compile_cache_dir, profile_env
+    from preflight.profiles import ProfileError, compile_cache_dir, profile_env, triton_cache_dir
 
     cfg = config_from_dict(snap["config"], source="the snapshot's config")
     environ = dict(os.environ)
@@ -76,6 +76,7 @@ def here(snap: dict, gpu_info=None) -> dict:
         for key, value in profile_env(cfg.profile).items():
             environ.setdefault(key, value)
         environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(compile_cache_dir(cfg.profile)))
+        environ.setdefault("TRITON_CACHE_DIR", str(triton_cache_dir(cfg.profile)))
     except ProfileError:
         pass  # an unknown profile now: the environment section shows what is there
     real = gpu_info is None and cfg.device != "cpu"

@@ -27,7 +27,7 @@ LAYERS = {"dflash.errors": 0, "dflash.filehash": 0, "dflash.config": 1, "dflash.
           "dflash.data": 4, "dflash.runs": 5, "dflash.eval": 6, "dflash.train": 7, "preflight": 7,
           "dflash.commands": 8, "dflash": 9}
 TORCH_FREE = ("dflash.config", "dflash.errors", "dflash.filehash", "dflash.runs.rundir", "dflash.runs.verify",
-              "dflash.runs.lock", "dflash.runs.metrics", "dflash.runs.resume", "dflash.runs.compile_manifest",
+              "dflash.runs.lock", "dflash.runs.metrics", "dflash.runs.resume", "dflash.runs.compile_artifact",
               "dflash.runs.records", "dflash.data.identity", "dflash.data.shards", "dflash.data.buckets", "dflash.data.packing",
               "dflash.data.plan", "dflash.models.custom_code", "dflash.models.weights", "dflash.memory.shape",
               "dflash.memory.parts", "dflash.memory.fit", "dflash.memory.pace", "preflight.diff", "preflight.probe",

@@ -26,7 +26,8 @@ def test_without_config_run_checks_skip_and_say_so(tmp_path):
     ctx.config = None
     results = run_checks(ctx)
     skipped = [r.id for r in results if r.status == "skip"]
-    assert skipped == list(NEEDS_CONFIG) == ["gpu-memory", "gpu-processes", "config", "run-dir", "dataset", "disk"]
+    assert skipped == list(NEEDS_CONFIG) == ["gpu-memory", "gpu-processes", "compile-cache", "config", "run-dir",
+                                            "dataset", "disk"]
     assert all("--config" in by_id(results, i).summary for i in NEEDS_CONFIG)
     assert by_id(results, "gpu-visibility").status == "pass"  # still proves NVML is reachable
 

@@ -2,40 +2,82 @@
 
 from __future__ import annotations
 
+import pytest
+
+from dflash.runs import compile_artifact
 from preflight.checks.source import check_compile_cache, check_model_source
 from preflight.facts.source import CompileCache, ModelSource
-from preflight_ctx import make_ctx
+from preflight_ctx import CLASSES, TARGET, make_ctx
 
 # ---------------------------------------------------------------- compile-cache
 
 
-def test_compile_cache_cold_warns_with_warm_command(tmp_path):
+def test_compile_cache_missing_warns_with_the_command_that_makes_it(tmp_path):
     ctx = make_ctx(tmp_path)
-    ctx.compile_cache = CompileCache(str(tmp_path / "cache"), False)
+    ctx.compile_cache = CompileCache(str(tmp_path / "cache.artifacts" / "run.dfcache"), False, others=2)
     r = check_compile_cache(ctx)
-    assert r.status == "warn" and r.summary.startswith("cold:")
+    assert r.status == "warn" and r.summary.startswith(f"cold: no compile cache artifact {ctx.compile_cache.path} "
+                                                       "(2 made for other runs beside it); every graph compiles at launch")
+    assert r.fix == "uv run dflash-train --config run.toml --warm-cache"
+    named = ctx.config.model_copy(update={"train": ctx.config.train.model_copy(update={"compile_cache": "/data/a.dfcache"})})
+    ctx.config = named
+    assert check_compile_cache(ctx).fix == ("uv run dflash-train --config run.toml --warm-cache --set "
+                                            "train.compile_cache=/data/a.dfcache")
+
+
+def test_compile_cache_match_passes_with_the_measured_starts(tmp_path):
+    ctx = make_ctx(tmp_path)
+    r = check_compile_cache(ctx)
+    assert r.status == "pass" and r.fix is None
+    assert r.summary == (f"warm: about 45 s to step 1; cold about 120 s from {ctx.compile_cache.path} (353.0 MB): "
+                         "matches torch 2.10.0+cu128, triton 3.6.0, NVIDIA H200 (9.0), shape classes rows >= 2 "
+                         "16 x 3072, 2 x 24000; one row 1 x 41000"), r.summary
+
+
+@pytest.mark.parametrize("field, made, expected", [
+    ("torch", "2.11.0+cu130", "torch 2.11.0+cu130 -> 2.10.0+cu128"),
+    ("triton", "3.5.1", "triton 3.5.1 -> 3.6.0"),
+    ("gpu_name", "NVIDIA RTX PRO 6000 Blackwell", "gpu_name NVIDIA RTX PRO 6000 Blackwell -> NVIDIA H200"),
+    ("compute_capability", "12.0", "compute_capability 12.0 -> 9.0"),
+    ("shape_classes", [["rows >= 2", 16, 3072], ["one row", 1, 41000]],
+     "shape classes rows >= 2 16 x 3072; one row 1 x 41000 -> rows >= 2 16 x 3072, 2 x 24000; one row 1 x 41000"),
+])
+def test_compile_cache_mismatch_per_field_is_stale_naming_it(tmp_path, field, made, expected):
+    ctx = make_ctx(tmp_path)
+    ctx.compile_cache.manifest[field] = made
+    r = check_compile_cache(ctx)
+    assert r.status == "warn" and r.summary.startswith(f"stale: {ctx.compile_cache.path} (353.0 MB) was made for "
+                                                       "another setup (")
+    assert expected in r.summary and "a run ignores it and starts cold (warm: about 45 s" in r.summary, r.summary
     assert r.fix == "uv run dflash-train --config run.toml --warm-cache"
 
 
-def test_compile_cache_mismatch_warns_naming_field(tmp_path):
-    ctx = make_ctx(tmp_path)
-    ctx.compile_cache.manifest["torch"] = "2.11.0+cu130"
-    r = check_compile_cache(ctx)
-    assert r.status == "warn" and "torch 2.11.0+cu130 -> 2.10.0+cu128" in r.summary
+def test_compile_cache_another_drafter_or_target_is_stale(tmp_path):
+    """The run's side (drafter config, target dtype): another graph than the artifact holds."""
     ctx = make_ctx(tmp_path)
     ctx.config = ctx.config.model_copy(update={"drafter": ctx.config.drafter.model_copy(update={"block_size": 16})})
-    r = check_compile_cache(ctx)  # the manifest was written for block_size 32
-    assert r.status == "warn" and "drafter_hash" in r.summary
-    for change in ({"target": {"compile": False}}, {"data": {"max_batch_size": 1}}, {"data": {"path": "other"}}):
-        ctx = make_ctx(tmp_path)
-        section, fields = next(iter(change.items()))
-        ctx.config = ctx.config.model_copy(update={section: getattr(ctx.config, section).model_copy(update=fields)})
-        r = check_compile_cache(ctx)
-        assert r.status == "warn" and "target_hash" in r.summary and "drafter_hash" not in r.summary, r.summary
-    ctx = make_ctx(tmp_path)
-    del ctx.compile_cache.manifest["target_hash"]  # a cache warmed before the manifest named the target's graphs
+    ctx.compile_cache.run = compile_artifact.run_facts(ctx.config, TARGET, CLASSES)
     r = check_compile_cache(ctx)
-    assert r.status == "warn" and "target_hash None ->" in r.summary
+    assert r.status == "warn" and "drafter block_size 32 -> 16" in r.summary, r.summary
+    ctx.compile_cache.run["target"]["dtype"] = "float32"
+    r = check_compile_cache(ctx)
+    assert "target dtype bfloat16 -> float32" in r.summary, r.summary
+
+
+@pytest.mark.parametrize("problem", ["truncated: 1,000 of 353,000,000 bytes", "not a dflash compile cache artifact"])
+def test_compile_cache_truncated_or_foreign_is_cold(tmp_path, problem):
+    ctx = make_ctx(tmp_path)
+    ctx.compile_cache.manifest, ctx.compile_cache.error, ctx.compile_cache.size_bytes = None, problem, 1000
+    r = check_compile_cache(ctx)
+    assert r.status == "warn" and r.summary == f"cold: {ctx.compile_cache.path} (1,000 bytes): {problem}; a run ignores it"
+    assert r.fix == "uv run dflash-train --config run.toml --warm-cache"
+
+
+def test_compile_cache_unknown_shapes_pass_saying_what_was_not_compared(tmp_path):
+    ctx = make_ctx(tmp_path)
+    ctx.compile_cache.run, ctx.compile_cache.run_error = None, "the dataset data was not read"
+    r = check_compile_cache(ctx)
+    assert r.status == "pass" and r.summary.endswith("; not compared: shape classes (the dataset data was not read)")
 
 
 # ---------------------------------------------------------------- model-source

@@ -449,32 +449,50 @@ def test_dataset_corrupt_shards_are_named(tmp_path):
     assert dataset(_cfg(tmp_path / "nowhere")).error.endswith("does not exist")
 
 
-def test_compile_cache_reads_manifest(tmp_path, monkeypatch):
+def test_compile_cache_without_a_config_looks_at_nothing_per_run(tmp_path, monkeypatch):
     from preflight.profiles import load_profile
 
     monkeypatch.setenv("HOME", str(tmp_path))
-    profile = load_profile("train-cu128")
-    cold = compile_cache(profile, {})
-    assert not cold.exists and cold.path == str(tmp_path / ".cache/dflash/inductor/train-cu128")
-    Path(cold.path).mkdir(parents=True)
-    (Path(cold.path) / "dflash-manifest.json").write_text(json.dumps({"torch": "2.10.0+cu128"}))
-    warm = compile_cache(profile, {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "elsewhere")})
-    assert warm.exists and warm.manifest == {"torch": "2.10.0+cu128"} and warm.env_override
+    cc = compile_cache(load_profile("train-cu128"), {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "elsewhere")})
+    assert cc.path == str(tmp_path / ".cache/dflash/inductor/train-cu128") and cc.env_override and cc.run is None
 
 
-def test_compile_manifest_written_by_the_trainer_is_read_by_preflight(tmp_path, monkeypatch):
-    from dflash.runs.compile_manifest import MANIFEST_NAME, write_manifest
+def test_the_artifact_the_trainer_writes_is_read_by_preflight_with_the_same_shape_classes(tmp_path, monkeypatch):
+    """The run's side of the match is computed by preflight from the dataset's lengths (no torch) and by the trainer
+    from its own dataset: the same. A truncated copy and a foreign file are one problem each; so is a longer file."""
+    from dflash.data.plan import schedule
+    from dflash.runs import compile_artifact
+    from dflash.train.compile_cache import run_facts
     from preflight.profiles import compile_cache_dir, load_profile
+    from trainkit import tiny_config
 
     monkeypatch.setenv("HOME", str(tmp_path))
-    written = {"torch": "2.10.0+cu128", "triton": "3.6.0", "gpu_name": "NVIDIA H200", "compute_capability": "9.0",
-               "drafter_hash": "abc123", "target_hash": "def456"}
-    write_manifest(compile_cache_dir("train-cu128"), written)  # what `dflash-train --warm-cache` does
-    cc = compile_cache(load_profile("train-cu128"), {})
-    assert cc.exists and cc.error is None and cc.manifest == written
-    (Path(cc.path) / MANIFEST_NAME).write_text("[1, 2]")
-    cc = compile_cache(load_profile("train-cu128"), {})
-    assert cc.manifest is None and cc.error == f"{MANIFEST_NAME} unreadable (not a JSON object)"  # dflash.data.identity.read_manifest
+    cfg, _ = tiny_config(tmp_path, compile=True)
+    cfg = cfg.model_copy(update={"device": "cuda"})
+    trainer_side = run_facts(cfg, schedule(cfg, 1)[0].lengths)
+    path = compile_artifact.artifact_path(cfg, compile_cache_dir("train-cu128"))
+    assert path.parent == tmp_path / ".cache/dflash/inductor/train-cu128.artifacts" and path.suffix == ".dfcache"
+    manifest = {"torch": "2.10.0+cu128", "triton": "3.6.0", "gpu_name": "NVIDIA H200", "compute_capability": "9.0",
+                **trainer_side}
+    compile_artifact.write(path, manifest, {"torch": b"\x01" * 1000})
+    facts = dataset(cfg)
+    cc = compile_cache(load_profile("train-cu128"), {}, cfg, facts)
+    assert cc.exists and cc.error is None and cc.manifest == manifest and cc.size_bytes == path.stat().st_size
+    assert cc.run == trainer_side and compile_artifact.differences(manifest, cc.run) == []
+    assert [c[0] for c in cc.run["shape_classes"]] == ["rows >= 2", "rows >= 2", "rows >= 2", "one row"]
+    blob = path.read_bytes()
+    path.write_bytes(blob[:-10])
+    cc = compile_cache(load_profile("train-cu128"), {}, cfg, facts)
+    assert cc.manifest is None and cc.error == f"truncated: {len(blob) - 10:,} of {len(blob):,} bytes"
+    path.write_bytes(blob + b"x")
+    assert compile_cache(load_profile("train-cu128"), {}, cfg, facts).error == (
+        f"1 bytes more than its sections hold ({len(blob):,})")
+    path.write_bytes(b"PK\x03\x04 a zip file")
+    assert compile_cache(load_profile("train-cu128"), {}, cfg, facts).error == "not a dflash compile cache artifact"
+    (path.parent / "other.dfcache").write_bytes(b"")
+    path.unlink()
+    cc = compile_cache(load_profile("train-cu128"), {}, cfg, facts)
+    assert not cc.exists and cc.others == 1
 
 
 def test_gather_builds_a_full_context(tmp_path, monkeypatch):

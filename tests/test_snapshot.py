@@ -22,9 +22,10 @@ from pathlib import Path
 import pytest
 
 import preflight.facts.gather as gathering
+from dflash.config import load_config
 from dflash.data.synthetic import write_random_dataset
+from dflash.runs import compile_artifact
 from dflash.runs import records as snapshot
-from dflash.runs.compile_manifest import write_manifest
 from preflight import gate
 from preflight.facts.environment import TorchBuild
 from trainkit import tiny_config, write_toml
@@ -54,13 +55,11 @@ def source_checkout(root: Path) -> Path:
     return root
 
 
-def warm_cache(cache: Path) -> None:
-    """The compile cache `dflash-train --warm-cache` leaves: kernels and its manifest (same bytes every time)."""
-    write_manifest(cache, {"torch": "2.10.0+cu128", "triton": "3.6.0", "gpu_name": "NVIDIA H200",
-                           "compute_capability": "9.0", "drafter_hash": "0123456789abcdef",
-                           "target_hash": "fedcba9876543210"})
-    (cache / "fxgraph").mkdir(exist_ok=True)
-    (cache / "fxgraph" / "kernel.bin").write_bytes(b"\x01" * 300_000)
+def warm_cache(cache: Path, config: Path) -> None:
+    """The compile cache artifact `dflash-train --warm-cache` leaves for a run config (same bytes every time)."""
+    path = compile_artifact.artifact_path(load_config(config), cache)
+    compile_artifact.write(path, {"torch": "2.10.0+cu128", "triton": "3.6.0", "gpu_name": "NVIDIA H200",
+                                  "compute_capability": "9.0"}, {"torch": b"\x01" * 300_000})
 
 
 @pytest.fixture(scope="module")
@@ -73,12 +72,12 @@ def runs(tmp_path_factory):
         real_source = gathering.model_source
         mp.setattr(gathering, "model_source", lambda root=None: real_source(src))
         cache = gate.compile_cache_dir("train-cu128")
-        warm_cache(cache)
         _, raw = tiny_config(root, max_steps=4, save_every=2, max_anchors=1024)
         raw["data"].update(token_budget=4096, max_batch_size=2)  # long rows are possible: 1024 anchors fit one
         configs = {}
         for name in ("A", "C"):
             configs[name] = write_toml(dict(raw, output_dir=str(root / name)), root / f"{name}.toml")
+            warm_cache(cache, configs[name])
             assert train(configs[name], "--fresh", *WAIVE) == 0
 
         (root / "B" / "checkpoints").mkdir(parents=True)  # B continues A's run from its step 2
@@ -89,7 +88,7 @@ def runs(tmp_path_factory):
                  train=dict(raw["train"], max_anchors=768))
         configs["B"] = write_toml(b, root / "B.toml")
         with pytest.MonkeyPatch.context() as incident:
-            shutil.rmtree(cache)  # "cleaned up"
+            shutil.rmtree(compile_artifact.artifact_path(load_config(configs["A"]), cache).parent)  # "cleaned up"
             model_py = src / "dflash" / "models" / "drafter.py"
             model_py.write_text(model_py.read_text() + "\nDEBUG_HACK = True  # left in by hand\n")
             site = root / "site"
@@ -101,7 +100,7 @@ def runs(tmp_path_factory):
                          "--waive", "env-drift", "--reason", "incident")
             assert code == 0
         subprocess.run(["git", "-C", str(src), "checkout", "-q", "--", "."], check=True)  # the hack, restored from git
-        warm_cache(cache)
+        warm_cache(cache, configs["A"])
         yield {"root": root, **{k: root / k for k in ("A", "B", "C")}, "configs": configs}
 
 

@@ -159,9 +159,10 @@ def main(argv: list[str] | None = None) -> None:
         if cfg.topology.layout == "colocated":
             raise click.UsageError(f"{config_path}: topology.target_gpus / drafter_gpus are empty, and so is "
                                    "colocated_gpus; a one-device co-located run is started with dflash-train --config")
-        from preflight.gate import apply_profile_env
+        from preflight.gate import apply_profile_env, resolve_compile_cache
 
         apply_profile_env(cfg.profile, log=print if os.environ["RANK"] == "0" else (lambda *_: None))
+        cfg = resolve_compile_cache(cfg)  # train.compile_cache as dflash-train resolves it
         options = {"resume": resume, "fresh": fresh, "waivers": dict(zip(waive, reason)),
                    "allow_schedule_change": allow_schedule_change, "verify_data": verify_data}
         return worker(cfg, None, gate=lambda me, local_rank: collective_gate(cfg, me, local_rank, options),

@@ -50,8 +50,10 @@ def _gate(cfg: RunConfig, waivers: dict[str, str], intent: str | None, verify_da
 @gpu_options
 @click.option("--waive", multiple=True, metavar="CHECK_ID", help="waive a failing preflight check (needs --reason)")
 @click.option("--reason", multiple=True, help="why the matching --waive is acceptable (kept in the report)")
-@click.option("--warm-cache", is_flag=True, help="compile the kernels for the configured shapes and write the "
-              "compile-cache manifest, then exit")
+@click.option("--warm-cache", is_flag=True, help="compile every shape class of the run, write the compile cache "
+              "artifact (train.compile_cache) and time a fresh process that loads it, then exit")
+@click.option("--check-artifact", type=click.Path(dir_okay=False, path_type=Path), hidden=True,
+              help="internal: the fresh process --warm-cache times")
 @click.option("--no-progress", is_flag=True, help="plain log lines instead of a progress bar")
 @click.option("--allow-schedule-change", is_flag=True, help="resume even though the lr schedule changes "
               "(other max_steps, epochs, dataset size, lr, ...); the change is printed")
@@ -62,11 +64,17 @@ def _gate(cfg: RunConfig, waivers: dict[str, str], intent: str | None, verify_da
 @click.option("--report-to", multiple=True, metavar="TRACKER", help="also send every metrics row to tensorboard, "
               "wandb or trackio (repeat or comma-separate; each is imported only when asked)")
 def train_command(config_path, demo, resume, fresh, sets, max_steps, output_dir, target_gpus, drafter_gpus,
-               colocated_gpus, waive, reason, warm_cache, no_progress, allow_schedule_change, verify_data, init_from, report_to) -> None:
+               colocated_gpus, waive, reason, warm_cache, check_artifact, no_progress, allow_schedule_change, verify_data,
+               init_from, report_to) -> None:
     """Train a DFlash drafter against a frozen target; refuses to start unless preflight passes.
 
     Exit codes: 0 finished, 1 failed or refused by the gate, 2 bad input, 75 stopped by a signal after a checkpoint.
     """
+    if check_artifact is not None:
+        from dflash.train.compile_cache import main_check
+        from dflash.train.trainer import Trainer
+
+        sys.exit(main_check(str(check_artifact), Trainer.colocated))
     if demo:
         from dflash.commands.demo import run_demo
 
@@ -98,9 +106,10 @@ def train_command(config_path, demo, resume, fresh, sets, max_steps, output_dir,
         check_available(cfg.report_to)  # a missing package: one line, exit 2, before the gate
     waivers = parse_waivers(waive, reason)  # before the run dir is touched (--fresh moves checkpoints aside)
 
-    from preflight.gate import apply_profile_env
+    from preflight.gate import apply_profile_env, resolve_compile_cache
 
     apply_profile_env(cfg.profile, log=click.echo)
+    cfg = resolve_compile_cache(cfg)  # train.compile_cache: the carried file, or the profile's default for this run
     if warm_cache:
         import torch
 
@@ -108,11 +117,11 @@ def train_command(config_path, demo, resume, fresh, sets, max_steps, output_dir,
             raise NoGpuError(f"--warm-cache: {config_path} says device = \"cuda\" but torch sees no GPU (torch "
                              f"{torch.__version__}, CUDA {torch.version.cuda or 'none'}); run it on the training "
                              "machine, where the cache is used")
+        from dflash.train.compile_cache import warm_cache as do_warm
         from dflash.train.trainer import Trainer
-        from dflash.train.warmup import warm_cache as do_warm
-        from preflight.profiles import compile_cache_dir
 
-        sys.exit(do_warm(cfg, compile_cache_dir(cfg.profile), Trainer.colocated))
+        check = [sys.executable, "-m", "dflash.commands.train", "--check-artifact"]
+        sys.exit(do_warm(cfg, Trainer.colocated, check, log=click.echo))
     from dflash.runs import rundir
     from dflash.runs.lock import lock_run_dir
     from dflash.runs.resume import make_room, prepare_output_dir

@@ -143,7 +143,7 @@ def read_manifest(folder: str | Path, name: str = MANIFEST_NAME) -> tuple[dict |
     """(the JSON object in `folder`/`name`, None); (None, None) when there is none; (None, why) when unreadable.
 
     The one reader of the manifests beside what they describe: a dataset's manifest.json and the compile cache's
-    (``dflash.runs.compile_manifest.MANIFEST_NAME``); each caller words the refusal for its own command."""
+    (``dflash.runs.compile_artifact`` keeps its own in the artifact); each caller words the refusal for its own command."""
     path = Path(folder) / name
     try:
         manifest = json.loads(path.read_text())

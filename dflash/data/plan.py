@@ -4,6 +4,7 @@ preflight's run-dir check all ask it, so the gate's warning and the trainer's re
 
     dataset, sampler, total = schedule(cfg, drafter_ranks=1)   # every rank of every layout walks this sequence
     batch_sampler(cfg, lengths)                                # data.packing's packs, else length buckets
+    warm_batches(sampler), shape_classes(cfg, train_lengths)   # the batches that stand for each shape class
     schedule_change(checkpoint, cfg)                           # "total steps 30 -> 3 (train.max_steps 30 -> 3)" | None
 """
 
@@ -62,14 +63,19 @@ class SubsetDataset:
         return self.base.get(int(self.ids[i]))
 
 
-def training_dataset(cfg, dataset):
-    """The samples a run trains on: all of data.path, less [eval] holdout's."""
+def training_ids(cfg, num_samples: int) -> np.ndarray | None:
+    """The sample ids a run trains on, less [eval] holdout's; None: all of them."""
     n = cfg.eval.holdout
     if not n:
-        return dataset
-    held = holdout_ids(dataset.num_samples, n, cfg.train.seed)
-    keep = np.setdiff1d(np.arange(dataset.num_samples), held, assume_unique=True)
-    return SubsetDataset(dataset, keep, f"train-without-{n}")
+        return None
+    held = holdout_ids(num_samples, n, cfg.train.seed)
+    return np.setdiff1d(np.arange(num_samples), held, assume_unique=True)
+
+
+def training_dataset(cfg, dataset):
+    """The samples a run trains on: all of data.path, less [eval] holdout's."""
+    keep = training_ids(cfg, dataset.num_samples)
+    return dataset if keep is None else SubsetDataset(dataset, keep, f"train-without-{cfg.eval.holdout}")
 
 
 def heldout_dataset(cfg):
@@ -123,6 +129,60 @@ def schedule(cfg: RunConfig, drafter_ranks: int):
     dataset = training_dataset(cfg, ShardDataset(cfg.data.path))  # less [eval] holdout's samples
     sampler = batch_sampler(cfg, dataset.lengths)
     return dataset, sampler, total_steps(cfg, sampler.batches_per_epoch, cfg.train.grad_accum * drafter_ranks)
+
+
+def warm_batches(sampler) -> list[tuple[str, list[int]]]:
+    """The batches `--warm-cache` runs, [(shape class, indices)]: each class of batch the plan makes, at both ends.
+
+    Every compiled piece (the target's layers by layer type, the drafter's projections and MLP, flex attention per
+    mask kind) reads the sizes that change from batch to batch (rows, length, anchors, tiles) as dynamic sizes or
+    tensors, so a graph serves a whole class, not one shape. What still splits a class: dynamo specialises a size
+    of 1 (a one-row batch: the last partial batch of a bucket, or a sample as long as the budget), and a size on
+    one side of a fixed one may be guarded (a batch with fewer context rows than the hidden width). So for batches
+    of two rows or more and for one-row batches, the batch with the most and the one with the fewest padded tokens
+    of epoch 0 (every epoch has the same batch sizes), and the one with the most rows. Packed (data.packing), every
+    batch is one row: the packs with the most and the fewest tokens, and with the most and the fewest sequences."""
+    lengths = sampler.lengths
+    batches = sampler.epoch_batches(0)
+    if isinstance(sampler, PackedBatchSampler):  # one row each: one class, its sizes the tokens and the sequences
+        picked = []
+        for b in (max(batches, key=lambda b: int(lengths[b].sum())), min(batches, key=lambda b: int(lengths[b].sum())),
+                  max(batches, key=len), min(batches, key=len)):
+            if all(b != p for _, p in picked):
+                picked.append(("packed", list(b)))
+        return picked
+
+    def tokens(b):
+        return len(b) * int(lengths[b].max())
+
+    picked: list[tuple[str, list[int]]] = []
+    for name, group in (("rows >= 2", [b for b in batches if len(b) > 1]), ("one row", [b for b in batches
+                                                                                       if len(b) == 1])):
+        seen = set()
+        for b in (max(group, key=tokens), min(group, key=tokens), max(group, key=len)) if group else ():
+            shape = (len(b), int(lengths[b].max()))
+            if shape not in seen:
+                seen.add(shape)
+                picked.append((name, list(b)))
+    return picked
+
+
+def training_lengths(cfg: RunConfig, lengths: np.ndarray) -> np.ndarray:
+    """The lengths of the samples a run trains on, from those of all of data.path (less [eval] holdout's)."""
+    keep = training_ids(cfg, len(lengths))
+    return np.asarray(lengths if keep is None else lengths[keep], dtype=np.int64)
+
+
+def shape_classes(cfg: RunConfig, train_lengths: np.ndarray) -> list[list]:
+    """[[shape class, rows, tokens a row], ...] of the batches warm_batches picks from the samples a run trains on
+    (packed: [["packed", sequences, tokens], ...]): what a compile cache artifact was warmed for
+    (dflash.runs.compile_artifact), computed alike by the trainer and by preflight (from training_lengths)."""
+    lengths = np.asarray(train_lengths, dtype=np.int64)
+    out = []
+    for name, b in warm_batches(batch_sampler(cfg, lengths)):
+        tokens = int(lengths[b].sum()) if name == "packed" else int(lengths[b].max())
+        out.append([name, len(b), tokens])
+    return out
 
 
 def schedule_change(meta: dict | None, state: dict | None, cfg: RunConfig) -> str | None:

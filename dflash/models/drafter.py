@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import shutil
 import threading
 from dataclasses import dataclass, field, replace
@@ -438,6 +439,9 @@ def _save_matmuls(ctx, op, *args, **kwargs):
 
 
 COMPILE_BACKEND = "inductor"  # tests swap in a recording backend
+# "1": compile the drafter's pieces on CPU too (inductor's C++ kernels; attention stays SDPA there). For the compile
+# cache artifact's CPU round trip (tests/test_compile_artifact.py) and its CPU measurement; slow to compile.
+CPU_COMPILE_ENV = "DFLASH_CPU_COMPILE"
 _compiled_fns: dict = {}
 _compiled_lock = threading.Lock()
 
@@ -448,6 +452,11 @@ def _compiled(fn):
         if fn not in _compiled_fns:
             _compiled_fns[fn] = torch.compile(fn, backend=COMPILE_BACKEND)
         return _compiled_fns[fn]
+
+
+def compiles_on(device: torch.device) -> bool:
+    """Whether train.compile compiles the drafter's pieces on `device`: CUDA, or the CPU with DFLASH_CPU_COMPILE=1."""
+    return device.type == "cuda" or (device.type == "cpu" and os.environ.get(CPU_COMPILE_ENV) == "1")
 
 
 def start_compile_workers(device: torch.device, compile_on: bool) -> None:

@@ -38,6 +38,7 @@ from dflash.runs import checkpoint as ckpt
 from dflash.runs import rundir
 from dflash.runs.lock import release_held_locks
 from dflash.runs.verify import read_meta
+from dflash.train import compile_cache
 from dflash.train.features import RemoteTargets
 from dflash.train.launch import EXIT_PEER_GONE
 from dflash.train.layout import Rank, ranks_for
@@ -124,6 +125,8 @@ def _target_main(cfg: RunConfig, me: Rank, resume_from: Path | None, share_group
         dist.broadcast(embed.contiguous(), src=me.n_drafters, group=share_group)
         dist.broadcast(head.contiguous(), src=me.n_drafters, group=share_group)
     dataset, sampler, total = schedule(cfg, me.n_drafters)
+    if compile_cache.compiles(cfg):  # the target's layers compile at its first forward (rank 0 of the drafters speaks)
+        compile_cache.load(cfg, dataset.lengths, log=lambda *_: None)
     start = _start_step(cfg, resume_from, dataset, sampler)
     per_step = cfg.train.grad_accum * me.n_drafters
     first, end = start * per_step, total * per_step  # global batch indices this run still computes

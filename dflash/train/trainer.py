@@ -34,14 +34,14 @@ from dflash.config import ConfigError, RunConfig, dump_config
 from dflash.data.batching import collate, prefetch, to_device
 from dflash.data.plan import RunError, schedule
 from dflash.models.attention import backend_for, compiled_on
-from dflash.models.drafter import DFlashDrafter, drafter_config_for_run, start_compile_workers
+from dflash.models.drafter import DFlashDrafter, compiles_on, drafter_config_for_run, start_compile_workers
 from dflash.models.fp8 import fp8_problem
 from dflash.models.weights import RANDOM_WEIGHTS_WARNING
 from dflash.runs import checkpoint as ckpt
 from dflash.runs import rundir
 from dflash.runs.resume import incompatible, incompatible_fix, restore_position
 from dflash.runs.verify import checkpoint_problem, meta_or_problem, read_meta
-from dflash.train import compiled, parallel
+from dflash.train import compile_cache, compiled, parallel
 from dflash.train.features import FeatureSource, LocalTarget, local_source, target_folder
 from dflash.train.heldout import best_key
 from dflash.train.loss import read_metrics
@@ -159,8 +159,9 @@ class Trainer:
         self.data_parallel, self.parallel_why = self._choose_parallel()
         self.recompute, self.recompute_why = self._choose_recompute()
         self.drafter.set_recompute(self.recompute)
-        self.drafter.set_compile(cfg.train.compile and compiled_on(self.device))
-        if cfg.train.compile and compiled_on(self.device):
+        compiles = cfg.train.compile and (compiled_on(self.device) or compiles_on(self.device))
+        self.drafter.set_compile(compiles)
+        if compiles:
             compiled.strict()  # a recompile limit ends the run in one line, never an eager fallback
         self.watch = compiled.RecompileWatch()
         problem = fp8_problem(cfg.train.fp8, self.device)  # a GPU without fp8 tensor cores
@@ -443,6 +444,8 @@ class Trainer:
         stream = self.step_batches()
         held, last_save, stopping = None, self.step, False
         try:
+            if self.step < self.total_steps and compile_cache.compiles(self.cfg):  # before anything compiles
+                compile_cache.load(self.cfg, self.dataset.lengths, self.log)
             if self.primes():  # every shape class traced now: no graph is built after the first step
                 prime(self)
             pending = self._next(stream) if self.step < self.total_steps else None

@@ -22,7 +22,7 @@ CHECK_IDS = (
 
 
 # Checks that judge a run, not the environment: without --config they are skipped (and say so).
-NEEDS_CONFIG = ("gpu-memory", "gpu-processes", "config", "run-dir", "dataset", "disk")
+NEEDS_CONFIG = ("gpu-memory", "gpu-processes", "compile-cache", "config", "run-dir", "dataset", "disk")
 
 
 # Checks that judge the profile's environment: skipped when the profile manifest did not load.

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dflash.runs.compile_manifest import MANIFEST_NAME, differences
+from dflash.runs.compile_artifact import classes_text, differences, size_text, start_text
 from preflight.checks.common import config_arg, in_profile, listing, on_cpu, result
 from preflight.checks.gpus import drafter_gpu
 from preflight.facts.context import Context
@@ -13,43 +13,50 @@ WARM_CACHE_FIX = "dflash-train --config {config} --warm-cache"
 
 
 def check_compile_cache(ctx: Context) -> CheckResult:
+    """The run's compile cache artifact against this machine (torch, Triton, the GPU) and this run (the target's
+    architecture, the drafter, the shape classes): warm when all match, with the start --warm-cache measured."""
     if on_cpu(ctx):
         return result("compile-cache", "skip", "device = cpu: nothing is compiled")
     cc = ctx.compile_cache
-    fix = in_profile(ctx, WARM_CACHE_FIX.format(config=config_arg(ctx)))
-    size = f" ({cc.size_bytes / 1e6:,.0f} MB)" if cc.size_bytes else ""
+    if cc is None:
+        return result("compile-cache", "skip", "compile cache not gathered")
+    fix = WARM_CACHE_FIX.format(config=config_arg(ctx))
+    if ctx.config.train.compile_cache:  # a file named by --set or the config: make it there
+        fix += f" --set train.compile_cache={ctx.config.train.compile_cache}"
+    fix = in_profile(ctx, fix)
+    size = f" ({size_text(cc.size_bytes)})" if cc.size_bytes is not None else ""
     data = dict(path=cc.path, exists=cc.exists, size_bytes=cc.size_bytes, manifest=cc.manifest)
     if cc.env_override:
         data["env_override"] = cc.env_override
     if not cc.exists:
-        return result("compile-cache", "warn", f"cold: {cc.path} does not exist; the first compile runs at launch "
-                      "(three drafter threads compiling flex attention at once is a known race)", fix, **data)
+        others = f" ({cc.others} made for other runs beside it)" if cc.others else ""
+        return result("compile-cache", "warn", f"cold: no compile cache artifact {cc.path}{others}; every graph "
+                      "compiles at launch (three drafter threads compiling flex attention at once is a known race)",
+                      fix, **data)
     if cc.error or cc.manifest is None:
-        why = cc.error or f"no {MANIFEST_NAME} (not written by dflash-train --warm-cache)"
-        return result("compile-cache", "warn", f"cold: {cc.path}{size}: {why}", fix, **data)
-    now: dict[str, str | None] = {
-        "torch": ctx.torch.version if ctx.torch else None,
-        "triton": (ctx.distributions.get("triton") or [None])[0],
-    }
+        return result("compile-cache", "warn", f"cold: {cc.path}{size}: {cc.error or 'no manifest'}; a run ignores it",
+                      fix, **data)
+    now: dict[str, object] = {"torch": ctx.torch.version if ctx.torch else None,
+                              "triton": (ctx.distributions.get("triton") or [None])[0]}
     gpu = drafter_gpu(ctx)
     if gpu is not None:
         now["gpu_name"] = gpu.name
         now["compute_capability"] = gpu.compute_capability
-    if ctx.config is not None:
-        now["drafter_hash"] = ctx.config.drafter_hash()
-        now["target_hash"] = ctx.config.target_hash()
+    if cc.run is not None:
+        now.update(cc.run)
     diffs = differences(cc.manifest, now)
     data["current"] = now
-    not_compared = [k for k in ("gpu_name", "compute_capability", "drafter_hash", "target_hash") if k not in now]
     if diffs:
-        return result("compile-cache", "warn", f"stale: {cc.path}{size} was built for another setup ({listing(diffs, 3)})",
+        return result("compile-cache", "warn", f"stale: {cc.path}{size} was made for another setup "
+                      f"({listing(diffs, 3)}); a run ignores it and starts cold ({start_text(cc.manifest)})",
                       fix, **data)
-    if cc.env_override:
-        return result("compile-cache", "warn", f"TORCHINDUCTOR_CACHE_DIR={cc.env_override} points away from the "
-                      f"profile's warm cache {cc.path}", "unset TORCHINDUCTOR_CACHE_DIR", **data)
+    not_compared = [k for k in ("gpu_name", "compute_capability") if k not in now]
+    not_compared += [f"shape classes ({cc.run_error})"] if cc.run is None else []
     extra = f"; not compared: {', '.join(not_compared)}" if not_compared else ""
-    return result("compile-cache", "pass", f"warm: {cc.path}{size} matches torch {now['torch']}, triton {now['triton']}"
-                  + (f", {gpu.name} ({gpu.compute_capability})" if gpu else "") + extra, **data)
+    classes = f", shape classes {classes_text(cc.manifest.get('shape_classes'))}" if cc.run is not None else ""
+    return result("compile-cache", "pass", f"{start_text(cc.manifest)} from {cc.path}{size}: matches torch "
+                  f"{now['torch']}, triton {now['triton']}" + (f", {gpu.name} ({gpu.compute_capability})" if gpu else "")
+                  + classes + extra, **data)
 
 
 def check_model_source(ctx: Context) -> CheckResult:

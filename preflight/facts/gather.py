@@ -81,8 +81,6 @@ def gather(
     ctx.ld_cache = ld_cache()
     ctx.gpus = gpu_facts(gpu_info, env)
     ctx.model_source = model_source(root)
-    if ctx.profile is not None:
-        ctx.compile_cache = compile_cache(ctx.profile, env)
     if config is not None:
         ctx.target_shape, ctx.target_error = target_shape(config)
         ctx.target_custom_code = target_custom_code(config)
@@ -91,5 +89,7 @@ def gather(
         ctx.run_dir = run_dir(config.output_dir, deep=verify_data and resuming, config=config if resuming else None)
         ctx.dataset = dataset(config, deep=verify_data)
         ctx.disk = disk(config.output_dir)
+    if ctx.profile is not None:
+        ctx.compile_cache = compile_cache(ctx.profile, env, config, ctx.dataset)
     ctx.host = host_info(ctx.gpus, root)
     return ctx

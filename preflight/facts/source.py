@@ -1,9 +1,10 @@
 """The code a run executes: every source file of the package against git HEAD (or the installed RECORD), and
-the warm compile cache of compiled kernels with its manifest."""
+the compile cache artifact that carries the run's compiled kernels (its manifest only: no section is read)."""
 
 from __future__ import annotations
 
 import base64
+import contextlib
 import hashlib
 import os
 import shutil
@@ -12,10 +13,11 @@ from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
 
-from dflash.data.identity import read_manifest
-from dflash.runs.compile_manifest import MANIFEST_NAME
+import numpy as np
+
+from dflash.errors import DflashError
+from dflash.runs import compile_artifact
 from preflight.facts.environment import PROJECT_DIST
-from preflight.facts.run import dir_size
 from preflight.profiles import REPO_ROOT, Profile
 
 # The code a training run executes: a debugging hack left in any module of the package changes what a run trains.
@@ -41,12 +43,15 @@ class ModelSource:
 
 @dataclass
 class CompileCache:
-    path: str
+    path: str  # the compile cache artifact: train.compile_cache, or its default beside the profile's cache dir
     exists: bool
-    manifest: dict | None = None
-    error: str | None = None  # manifest unreadable
+    manifest: dict | None = None  # the artifact's manifest (dflash.runs.compile_artifact)
+    error: str | None = None  # why the artifact cannot be used: truncated, foreign, unreadable
     size_bytes: int | None = None
-    env_override: str | None = None  # TORCHINDUCTOR_CACHE_DIR when it points elsewhere
+    env_override: str | None = None  # TORCHINDUCTOR_CACHE_DIR when it points away from the profile's cache dir
+    run: dict | None = None  # this run's side of the match (compile_artifact.run_facts); None: see run_error
+    run_error: str | None = None  # why the run's shape classes are unknown (target or data unreadable)
+    others: int = 0  # other artifacts in the same folder (made for other runs)
 
 
 def _git(root: Path, *args: str) -> str:
@@ -154,14 +159,37 @@ def git_commit(root: Path = REPO_ROOT) -> str | None:
     return head if os.path.realpath(top) == os.path.realpath(root) else None
 
 
-def compile_cache(profile: Profile, env: dict[str, str]) -> CompileCache:
-    path = profile.compile_cache_path
+def compile_cache(profile: Profile, env: dict[str, str], config=None, data=None) -> CompileCache:
+    """The run's compile cache artifact (its header only) and this run's side of the match: the target's
+    architecture (data.target, the fingerprint the dataset facts took) and the shape classes of `data`'s lengths."""
+    from dflash.data.plan import shape_classes, training_lengths
+
+    cache_dir = profile.compile_cache_path
     override = env.get("TORCHINDUCTOR_CACHE_DIR")
-    if override and os.path.realpath(os.path.expanduser(override)) == os.path.realpath(path):
+    if override and os.path.realpath(os.path.expanduser(override)) == os.path.realpath(cache_dir):
         override = None
-    cc = CompileCache(str(path), path.is_dir(), env_override=override)
-    if not cc.exists:
+    if config is None:
+        return CompileCache(str(cache_dir), cache_dir.is_dir(), env_override=override, run_error="no run config")
+    path = compile_artifact.artifact_path(config, cache_dir)
+    header, problem = compile_artifact.read_header(path)
+    cc = CompileCache(str(path), path.exists(), env_override=override, error=problem,
+                      manifest=header["manifest"] if header else None, size_bytes=header["size"] if header else None)
+    if cc.exists and cc.size_bytes is None:
+        with contextlib.suppress(OSError):
+            cc.size_bytes = path.stat().st_size
+    if path.parent.is_dir():
+        cc.others = sum(1 for p in path.parent.glob(f"*{compile_artifact.SUFFIX}") if p.name != path.name)
+    if header is None:  # nothing to compare (the shape classes of 1.1M samples take 1-2.5 s on two busy cores)
         return cc
-    cc.size_bytes = dir_size(path)
-    cc.manifest, cc.error = read_manifest(path, MANIFEST_NAME)
+    lengths = [s.lengths for s in sorted(data.shards, key=lambda s: s.first_row)] if data and not data.error else []
+    if data is None or data.error or not data.shards or any(x is None for x in lengths):
+        cc.run_error = f"the dataset {config.data.path} was not read" + (f" ({data.error})" if data and data.error else "")
+    elif data.target is None:
+        cc.run_error = data.target_error or f"the target {config.target.path} was not read"
+    else:
+        try:
+            train = training_lengths(config, np.concatenate(lengths))
+            cc.run = compile_artifact.run_facts(config, data.target, shape_classes(config, train))
+        except (ValueError, DflashError) as e:  # no batch of this data fits the run's batching
+            cc.run_error = f"no shape classes: {' '.join(str(e).split())[:160]}"
     return cc

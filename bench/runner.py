@@ -344,7 +344,7 @@ def tiny_cpu(root: Path) -> Recipe:
     from dflash.data.synthetic import write_pattern_dataset, write_target
 
     root.mkdir(parents=True, exist_ok=True)
-    target = write_target(root / "tiny-target", TINY_TARGET)
+    target = write_target(root / "tiny-shapes", TINY_TARGET, weights=False)  # shapes: random_init builds it
     data = write_pattern_dataset(root / "tiny-data")
     config = root / "tiny.toml"
     config.write_text("\n".join([

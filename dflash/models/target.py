@@ -166,9 +166,14 @@ def weight_files(folder: Path) -> list[Path]:
 
 
 def load_target(
-    path_or_name: str | Path, dtype: str | torch.dtype, device: str | torch.device, random_init: bool = False
+    path_or_name: str | Path, dtype: str | torch.dtype, device: str | torch.device, random_init: bool = False,
+    precision: str = "bf16", log=None,
 ) -> nn.Module:
     """An HF causal LM from a folder, frozen and in eval mode; random_init builds it on the device from config.json.
+
+    precision "fp8" (target.precision): the model loads (or is built) on the CPU, then each decoder linear large
+    enough is quantised to e4m3 onto the device in turn (dflash.models.target_fp8), so the device never holds the
+    target.dtype model and its fp8 copy at once; `log` gets one line saying how many.
 
     A vision-language wrapper folder (Qwen3.5/3.6: config.json with text_config, text weights under
     model.language_model.*) loads as its causal LM alone: transformers maps the wrapper's config to
@@ -181,6 +186,16 @@ def load_target(
     path = resolve_target_dir(str(path_or_name))  # the rule preflight and the memory model apply
     config = load_target_config(path)  # refuses a folder that needs its own code
     dtype, device = torch_dtype(dtype), torch.device(device)
+    if precision not in ("bf16", "fp8"):
+        raise TargetError(f"target.precision must be one of ['bf16', 'fp8'], got {precision!r}")
+    final, fp8 = device, precision == "fp8"
+    if fp8:
+        from dflash.models.target_fp8 import fp8_problem
+
+        problem = fp8_problem(device)  # before minutes of loading
+        if problem:
+            raise TargetError(problem)
+        device = torch.device("cpu")
     if random_init:
         with torch.device(device):
             model = AutoModelForCausalLM.from_config(config, dtype=dtype)
@@ -198,7 +213,14 @@ def load_target(
     if any(name.startswith(("visual.", "model.visual.")) for name, _ in model.named_parameters()):
         raise TargetError(f"target {str(path_or_name)!r}: transformers built a vision tower ({type(model).__name__}); "
                          "upgrade transformers to a version that loads this model as a causal LM alone")
-    return freeze(bind_linear_attention(model, device))
+    if fp8:
+        from dflash.models.target_fp8 import quantize_target
+
+        count = quantize_target(freeze(model), decoder_of(model).layers, final)
+        if log is not None:
+            log(f"target: {count} decoder linears in fp8 (e4m3, per-row scales"
+                f"{'' if final.type == 'cuda' else ', emulated in float32 on ' + final.type}), the rest in {dtype}")
+    return freeze(bind_linear_attention(model, final))
 
 
 def _named(files: list[Path]) -> str:

@@ -112,6 +112,28 @@ def test_fp8_load_quantises_the_large_decoder_linears_only(tmp_path, monkeypatch
     assert 0 < rel < 0.2, f"features {rel:.4f} from the unquantised target's"  # measured 0.124: 20 e4m3 matmuls
 
 
+@pytest.mark.parametrize("arch", ["qwen3", "hybrid"])
+def test_the_memory_models_fp8_weights_are_the_loaded_targets_bytes(tmp_path, monkeypatch, arch):
+    """TargetShape.fp8_linears (what dflash-estimate counts) against the fp8 target as loaded: its e4m3 weights, its
+    float32 scales and the rest of its parameters, byte for byte, for a dense Qwen3 and a Gated DeltaNet hybrid."""
+    from dflash.data.synthetic import hybrid_target_config, target_config, write_target
+    from dflash.memory.shape import load_target_shape
+
+    config = target_config("qwen3") if arch == "qwen3" else hybrid_target_config()
+    folder = write_target(tmp_path / arch, config)
+    monkeypatch.setattr(target_fp8, "MIN_FEATURES", 64)
+    model = load_target(folder, "bfloat16", "cpu", precision="fp8")
+    shape = load_target_shape(str(folder))
+    q, rows, widest = shape.fp8_linears(64)
+    fp8 = [m for m in model.modules() if isinstance(m, EmulatedFp8Linear)]
+    assert q == sum(m.qweight.numel() for m in fp8) and rows == sum(m.weight_scale.numel() for m in fp8) > 0
+    assert widest == max(m.in_features for m in fp8)
+    assert shape.params - q == sum(p.numel() for p in model.parameters())
+    loaded = sum(t.numel() * t.element_size()
+                 for t in [*model.parameters(), *(b for m in fp8 for b in (m.qweight, m.weight_scale))])
+    assert loaded == q + 4 * rows + 2 * (shape.params - q)
+
+
 def test_fp8_load_on_a_gpu_without_fp8_tensor_cores_or_torchao_is_one_line(tmp_path, monkeypatch):
     from dflash.data.synthetic import target_config, write_target
 

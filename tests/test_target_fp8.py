@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -18,7 +19,7 @@ from dflash.models.target import TargetError, load_target, target_features
 from dflash.models.target_fp8 import E4M3_MAX, EmulatedFp8Linear, emulated_fp8_linear, fp8_linears, quantize_rows
 from dflash.runs import rundir
 from dflash.train.trainer import run
-from trainkit import metrics, tiny_config
+from trainkit import REPO, metrics, tiny_config
 
 # ||y - y_float64|| / ||y_float64|| of a random [64, 512] x [512, 256] product with both operands in e4m3 (3 mantissa
 # bits: each element within 2^-4 relative): measured 0.0373 (bf16 inputs) and 0.0376 (float32).
@@ -200,3 +201,12 @@ def test_torchao_kernel_matches_the_emulation_on_a_gpu():
     assert rel < 0.01, f"torchao vs emulation: {rel:.5f}"
     ref = x_MK.double() @ w_NK.double().t()
     assert float((gpu.double() - ref).norm() / ref.norm()) < LINEAR_REL_TOL
+
+
+def test_torchaos_note_about_its_cpp_extensions_is_not_printed():
+    """transformers imports torchao at every model load; on torch 2.10 torchao's import says it skips its C++
+    extensions (unused by the float8 linear). Importing dflash's target module first keeps that line out."""
+    pytest.importorskip("torchao")
+    code = "import dflash.models.target, torchao.quantization; print('ok')"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, check=True)
+    assert out.stdout == "ok\n" and "Skipping import of cpp extensions" not in out.stderr, out.stderr

@@ -12,6 +12,7 @@ import functools
 import importlib.util
 import inspect
 import json
+import logging
 import pickle
 import sys
 import warnings
@@ -27,6 +28,18 @@ from dflash.config import resolve_target_dir
 from dflash.errors import DflashError
 from dflash.models.custom_code import custom_code_problem
 from dflash.models.weights import RANDOM_INIT_FLAG, WEIGHT_FILES
+
+
+class _TorchaoExtensionNote(logging.Filter):
+    """Drops torchao's import-time note that it skips its C++ extensions (built for torch 2.11) on torch 2.10: its
+    float8 linear (target.precision = "fp8") does not use them, and transformers imports torchao at every model load
+    once it is installed, so every command would print it."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("Skipping import of cpp extensions")
+
+
+logging.getLogger("torchao").addFilter(_TorchaoExtensionNote())
 
 # The one map from a config's dtype name (target.dtype) to the torch dtype.
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}

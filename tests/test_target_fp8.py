@@ -99,12 +99,16 @@ def test_fp8_load_quantises_the_large_decoder_linears_only(tmp_path, monkeypatch
     lines = []
     fp8 = load_target(folder, "float32", "cpu", precision="fp8", log=lines.append)
     assert lines == ["target: 20 decoder linears in fp8 (e4m3, per-row scales, emulated in float32 on cpu), the rest "
-                     "in torch.float32"]
+                     "in float32"]
     layer = fp8.model.layers[0]
     assert isinstance(layer.self_attn.o_proj, EmulatedFp8Linear) and isinstance(layer.mlp.down_proj, EmulatedFp8Linear)
     assert type(layer.self_attn.k_proj) is nn.Linear and type(fp8.lm_head) is nn.Linear
     assert fp8_linears(fp8) == 20 and fp8_linears(bf16) == 0
     assert torch.equal(fp8.lm_head.weight, bf16.lm_head.weight)
+    monkeypatch.setattr(target_fp8, "MIN_FEATURES", 1024)
+    load_target(folder, "float32", "cpu", precision="fp8", log=lines.append)
+    assert lines[-1] == ('target: target.precision = "fp8" but no decoder linear has in and out features >= 1,024; the '
+                         'whole target runs in float32')
     assert torch.equal(fp8.model.embed_tokens.weight, bf16.model.embed_tokens.weight)
     ids = torch.randint(1, 128, (2, 24), generator=torch.Generator().manual_seed(0))
     a, last_a = target_features(bf16, ids, None, [1, 3], True)

@@ -230,9 +230,15 @@ def load_target(
         from dflash.models.target_fp8 import quantize_target
 
         count = quantize_target(freeze(model), decoder_of(model).layers, final)
-        if log is not None:
+        named = str(dtype).removeprefix("torch.")
+        if log is not None and count:
             log(f"target: {count} decoder linears in fp8 (e4m3, per-row scales"
-                f"{'' if final.type == 'cuda' else ', emulated in float32 on ' + final.type}), the rest in {dtype}")
+                f"{'' if final.type == 'cuda' else ', emulated in float32 on ' + final.type}), the rest in {named}")
+        elif log is not None:
+            from dflash.models.target_fp8 import MIN_FEATURES
+
+            log(f"target: target.precision = \"fp8\" but no decoder linear has in and out features >= {MIN_FEATURES:,}; "
+                f"the whole target runs in {named}")
     return freeze(bind_linear_attention(model, final))
 
 

@@ -62,12 +62,38 @@ def forward_flops(model, layer_ids: list[int], want_last: bool, rows: int, seq: 
 
     layers = decoder_of(model).layers
     run = layers if want_last else layers[: max(layer_ids) + 1]
-    weights = sum(m.weight.numel() for layer in run for m in layer.modules() if isinstance(m, torch.nn.Linear))
+    from dflash.models.target_fp8 import EmulatedFp8Linear
+
+    weights = sum(m.in_features * m.out_features for layer in run for m in layer.modules()
+                  if isinstance(m, (torch.nn.Linear, EmulatedFp8Linear)))
     config = model.config
     hd = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     full = sum(1 for layer in run if getattr(layer, "self_attn", None) is not None)
     attention = full * 2 * (2 * seq * seq / 2 * config.num_attention_heads * hd)  # causal QK^T and PV
     return 2 * weights * rows * seq + attention * rows
+
+
+def predicted_load(cfg, path: str, nvml_peak: int | None, allocated: int | None) -> dict:
+    """The load against the memory model: NVML's peak while the target loaded (its context included) and torch's
+    allocation after it, beside the predicted target weights and the run's predicted peak for the GPU role that
+    holds the target (target in a split run, else colocated). Printed as one line."""
+    import torch
+
+    from dflash.memory.parts import role_need_bytes, target_weight_parts
+    from dflash.memory.shape import load_target_shape
+
+    shape = load_target_shape(path)
+    role = "target" if "target" in cfg.topology.roles else "colocated"
+    cuda = torch.version.cuda or "12.8"
+    out = {"nvml_peak_bytes": nvml_peak, "allocated_bytes": allocated, "role": role,
+           "predicted_weights_bytes": sum(p.bytes for p in target_weight_parts(cfg, shape)),
+           "predicted_role_peak_bytes": role_need_bytes(cfg, role, cuda, shape=shape)}
+    verdict = "" if nvml_peak is None else (" (within it)" if nvml_peak <= out["predicted_role_peak_bytes"] else
+                                           " (ABOVE it)")
+    print(f"load ({cfg.target.precision}): NVML peak {gib(nvml_peak)} GiB during the load, torch allocated "
+          f"{gib(allocated)} GiB after it; predicted weights {gib(out['predicted_weights_bytes'])} GiB, the run's "
+          f"predicted {role} peak {gib(out['predicted_role_peak_bytes'])} GiB{verdict}", flush=True)
+    return out
 
 
 def main(argv=None) -> int:
@@ -86,6 +112,8 @@ def main(argv=None) -> int:
     p.add_argument("--compile", choices=("off", "on", "both"), default=None,
                    help="the target's decoder layers eager, compiled (dflash.models.target.compile_target), or both "
                         "in turn on the same model (default: both on CUDA, off elsewhere, as the trainer compiles)")
+    p.add_argument("--vs-bf16", action="store_true", help="with target.precision = fp8: then free the fp8 target, build "
+                   "the same random weights in target.dtype (same seed) and report the fp8 features' relative error")
     p.add_argument("--out", type=Path, help="write the result as JSON here")
     p.add_argument("--floor", action="store_true", help="also run the eager forward with memory-efficient attention: "
                    "its difference from the default eager features is bf16's noise at this depth, the scale for the "
@@ -105,7 +133,13 @@ def main(argv=None) -> int:
     import torch
 
     from dflash.config import load_config
-    from dflash.models.target import compile_target, load_target, target_features, use_torch_linear_attention
+    from dflash.models.target import (
+        bind_linear_attention,
+        compile_target,
+        load_target,
+        target_features,
+        use_torch_linear_attention,
+    )
     from dflash.train.features import feature_layer_ids
     from dflash.train.loss import target_step
 
@@ -122,11 +156,14 @@ def main(argv=None) -> int:
         cfg.drafter.target_layer_ids = [1, 3, 5]
     nvml = Nvml(enabled=device.type == "cuda")
     t0 = time.perf_counter()
-    model = load_target(path, cfg.target.dtype, device, random_init=True)
+    torch.manual_seed(cfg.train.seed)  # the random weights: the same again for --vs-bf16
+    with NvmlPeak(nvml) as load_peak:  # target.precision = "fp8": built on the CPU, quantised onto the GPU
+        model = load_target(path, cfg.target.dtype, device, random_init=True, precision=cfg.target.precision, log=print)
     if args.pytorch_linear_attention:
         use_torch_linear_attention(model)
     load_s = time.perf_counter() - t0
     print(f"target built in {load_s:.1f} s", flush=True)
+    load = predicted_load(cfg, path, load_peak.peak, torch.cuda.memory_allocated() if device.type == "cuda" else None)
     layer_ids = feature_layer_ids(cfg, model.config.num_hidden_layers)
     seq = cfg.data.token_budget // args.rows
     g = torch.Generator().manual_seed(0)
@@ -235,6 +272,21 @@ def main(argv=None) -> int:
         print(f"eager with memory-efficient attention vs eager (the noise floor): "
               f"{runs[0]['relative_error_other_attention_kernel']}")
 
+    def against_bf16(fp8_features: list) -> list[float]:
+        """The fp8 target's features against the same random weights in target.dtype (the fp8 model freed first)."""
+        nonlocal model
+        model = None
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        torch.manual_seed(cfg.train.seed)  # built on the CPU as the fp8 target was: the same random weights
+        plain = bind_linear_attention(load_target(path, cfg.target.dtype, "cpu", random_init=True).to(device), device)
+        with torch.no_grad():
+            ref = [t.float().cpu() for t in target_step(plain, batch, layer_ids, want_last) if t is not None]
+        errors = relative_errors(fp8_features, ref)
+        print(f"fp8 vs {cfg.target.dtype} features (eager {cfg.target.dtype}), relative error per layer {layer_ids}"
+              f"{' + last' if want_last else ''}: {errors}", flush=True)
+        return errors
+
     for compiled in modes:
         runs.append(measure(compiled))
         with torch.no_grad():
@@ -246,11 +298,16 @@ def main(argv=None) -> int:
         runs[1]["relative_error_vs_eager"] = relative_errors(features[1], features[0])
         print(f"compiled vs eager features, relative error per layer {layer_ids}{' + last' if want_last else ''}: "
               f"{runs[1]['relative_error_vs_eager']}")
+    tflops = round(forward_flops(model, layer_ids, want_last, args.rows, seq) / 1e12, 1)
+    vs_bf16 = None
+    if args.vs_bf16 and cfg.target.precision == "fp8":
+        vs_bf16 = against_bf16(features[-1])
     del features
     result = {
         "target": path, "dtype": cfg.target.dtype, "tokens_per_batch": tokens, "rows": args.rows, "padding_mask": args.padding_mask,
+        "precision": cfg.target.precision, "load": load, "relative_error_vs_bf16": vs_bf16,
         "layer_ids": layer_ids, "want_last": want_last, "kernels": bound, "load_s": round(load_s, 2),
-        "tflops_per_step": round(forward_flops(model, layer_ids, want_last, args.rows, seq) / 1e12, 1),
+        "tflops_per_step": tflops,
         "runs": runs, "environment": environment(torch, args.device),
     }
     print(f"kernels: {result['kernels']}")

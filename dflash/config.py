@@ -43,7 +43,9 @@ MAX_TOKEN_ID = 2**31 - 1  # token ids are int32 in the shards and int64 in torch
 MAX_SEED = 2**32 - 1  # numpy's default_rng and torch.manual_seed both take it; anchors add the batch index
 
 
-FP8_MIN_CAPABILITY = (8, 9)  # train.fp8: GPUs with fp8 tensor cores (Ada 8.9, Hopper 9.0 and later)
+FP8_MIN_CAPABILITY = (8, 9)  # train.fp8, target.precision = "fp8": GPUs with fp8 tensor cores (Ada 8.9, Hopper 9.0 and later)
+FP8_MIN_FEATURES = 1024  # target.precision = "fp8" quantises a linear only when its in and out features are both at least
+                         # this: smaller ones gain nothing from e4m3 matmuls and stay in target.dtype
 
 
 class _Strict(BaseModel):
@@ -72,6 +74,13 @@ class TargetConfig(_Strict):
     compile: bool = Field(
         True, description="torch.compile each target decoder layer on CUDA (one graph per layer type, any batch shape; "
         "the linear-attention kernels stay opaque)"
+    )
+    precision: Literal["bf16", "fp8"] = Field(
+        "bf16", description="bf16: the target's matmuls in target.dtype; fp8: each decoder linear with in and out "
+        f"features >= {FP8_MIN_FEATURES} runs e4m3 matmuls, weights quantised per output channel as they load, "
+        "activations per row at each call (torchao's float8 on CUDA compute capability 8.9+, the same arithmetic "
+        "emulated in float32 on CPU); attention, the Gated DeltaNet recurrence, norms, embedding and lm_head stay "
+        "in target.dtype"
     )
 
     _path = field_validator("path")(_no_nul)
@@ -408,6 +417,14 @@ class RunConfig(_Strict):
         return self
 
     @model_validator(mode="after")
+    def _fp8_target_compiles(self) -> RunConfig:
+        if self.target.precision == "fp8" and self.device == "cuda" and not self.target.compile:
+            raise ValueError("target.precision = \"fp8\" needs target.compile = true on CUDA (uncompiled, quantising "
+                             "every activation costs more than the fp8 matmuls save); set target.compile = true or "
+                             "target.precision = \"bf16\"")
+        return self
+
+    @model_validator(mode="after")
     def _eval_is_colocated(self) -> RunConfig:
         if self.eval.enabled and self.topology.colocated_gpus:
             raise ValueError("[eval] works in one-device co-located runs only for now (topology.colocated_gpus runs "
@@ -429,12 +446,14 @@ class RunConfig(_Strict):
 
     def target_hash(self) -> str:
         """Hash of what decides the target's compiled graphs and the batch shapes a run compiles for (the
-        compile-cache manifest): target path and dtype, target.compile, the dataset (its lengths place the bucket
+        compile-cache manifest): target path, dtype and precision, target.compile, the dataset (its lengths place the bucket
         edges) and the batching knobs (warm-cache runs one batch of each shape class they make)."""
         key = {"target": self.target.path, "dtype": self.target.dtype, "compile": self.target.compile,
                "batches": [self.data.path, self.data.token_budget, self.data.max_batch_size, self.data.num_buckets,
                            *([True] if self.data.pack_remainders else []),
                            *(["packing"] if self.data.packing else [])]}  # unset: the hash of earlier configs
+        if self.target.precision != "bf16":  # fp8 linears are other graphs (absent for bf16: older manifests keep theirs)
+            key["precision"] = self.target.precision
         return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
 
 

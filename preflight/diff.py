@@ -20,7 +20,8 @@ GROUPS = ("environment", "gpus", "code", "compile cache", "config", "data", "run
 # Config fields that move speed though the memory model does not see them (or only sometimes).
 SPEED_FIELDS = {"train.compile", "train.recompute", "train.grad_accum", "train.cache_features", "data.num_buckets",
                 "data.pack_remainders", "data.packing", "data.token_budget", "data.max_batch_size", "train.max_anchors",
-                "train.batch_anchors", "train.loss_chunk", "drafter.num_layers", "drafter.block_size", "target.dtype", "topology.target_gpus",
+                "train.batch_anchors", "train.loss_chunk", "drafter.num_layers", "drafter.block_size", "target.dtype",
+                "target.precision", "topology.target_gpus",
                 "topology.drafter_gpus", "topology.colocated_gpus", "topology.queue_depth", "device"}
 # Environment variables by what they move.
 MEMORY_ENV = ("PYTORCH_CUDA_ALLOC_CONF",)
@@ -426,8 +427,19 @@ def _flat(node: dict, prefix: str = "") -> dict:
     return out
 
 
+def _defaults() -> dict:
+    """Every run config field's default, flattened (a field an older snapshot predates reads as its default)."""
+    from dflash.config import RunConfig
+
+    return _flat(RunConfig().model_dump(mode="json"))
+
+
 def _config(a: dict, b: dict, ma: _Model | None) -> list[Difference]:
     fa, fb = _flat(a.get("config") or {}), _flat(b.get("config") or {})
+    if fa and fb:  # a field only one side records, at its default on the other, is no change (target.precision)
+        defaults = _defaults()
+        fa, fb = ({**{k: defaults[k] for k in set(other) - set(mine) if k in defaults}, **mine}
+                  for mine, other in ((fa, fb), (fb, fa)))
     same_data = _get(a, "data", "fingerprint") is not None and _get(a, "data", "fingerprint") == _get(b, "data", "fingerprint")
     same_target = (_get(a, "target", "shape") == _get(b, "target", "shape")
                    and _get(a, "target", "fingerprint") == _get(b, "target", "fingerprint"))

@@ -25,11 +25,12 @@ _PIN = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._-]*)(\[[^\]]*\])?==([^\s;\\]+)")
 _URL = re.compile(r"[a-zA-Z][a-zA-Z0-9+.-]*://")
 
 # Packages whose drift breaks the GPU stack (fail, not warn). fla-core (the `fla` package, also installed by
-# flash-linear-attention) and causal-conv1d: transformers binds a hybrid target's Gated DeltaNet to them at import.
+# flash-linear-attention) and causal-conv1d: transformers binds a hybrid target's Gated DeltaNet to them at import;
+# torchao: target.precision = "fp8" runs the target's linears through its float8 kernels.
 GPU_STACK_PREFIXES = ("nvidia-", "cuda-")
 GPU_STACK_NAMES = {"torch", "triton", "flash-attn", "flashinfer-python", "flashinfer", "sglang", "xformers",
                    "sglang-kernel", "flash-attn-4", "torchvision", "torchaudio", "fla-core", "flash-linear-attention",
-                   "causal-conv1d"}
+                   "causal-conv1d", "torchao"}
 
 
 def is_gpu_stack(name: str) -> bool:

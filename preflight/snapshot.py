@@ -193,8 +193,8 @@ def _data(ctx: Context) -> dict:
 
 
 def _target(ctx: Context) -> dict:
-    out = {"path": ctx.config.target.path, "shape": asdict(ctx.target_shape) if ctx.target_shape else None,
-           "error": ctx.target_error}
+    out = {"path": ctx.config.target.path, "precision": ctx.config.target.precision,
+           "shape": asdict(ctx.target_shape) if ctx.target_shape else None, "error": ctx.target_error}
     if ctx.dataset is not None:
         out["fingerprint"] = ctx.dataset.target
     return out

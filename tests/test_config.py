@@ -214,3 +214,21 @@ def test_unknown_keys_name_the_closest_known_one(raw, says):
     with pytest.raises(ConfigError) as e:
         config_from_dict(raw)
     assert str(e.value).startswith(f"config: {says}"), str(e.value)
+
+
+def test_target_precision_is_bf16_or_fp8_and_fp8_compiles_on_cuda():
+    """target.precision: bf16 by default; fp8 on CPU (emulated) and on CUDA with target.compile; anything else, or
+    fp8 uncompiled on CUDA, is one line naming the field and the fix. fp8 graphs get their own compile-cache hash,
+    bf16 keeps the hash configs had before the field."""
+    plain = config_from_dict({})
+    assert plain.target.precision == "bf16"
+    assert config_from_dict({"device": "cpu", "target": {"precision": "fp8", "compile": False}}).target.precision == "fp8"
+    line = refused({"target": {"precision": "fp8e4"}})
+    assert line == "config: target.precision: Input should be 'bf16' or 'fp8'", line
+    line = refused({"target": {"precision": "fp8", "compile": False}})
+    assert "\n" not in line and 'target.precision = "fp8" needs target.compile = true on CUDA' in line, line
+    assert line.endswith('set target.compile = true or target.precision = "bf16"')
+    fp8 = config_from_dict({"target": {"precision": "fp8"}})
+    assert fp8.target_hash() != plain.target_hash()
+    assert plain.target_hash() == config_from_dict({"target": {"precision": "bf16"}}).target_hash()
+    assert fp8.drafter_hash() == plain.drafter_hash()  # the drafter's graphs do not change

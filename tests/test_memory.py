@@ -65,6 +65,28 @@ def test_qwen3_8b_weight_bytes_are_exact_param_count_times_two():
     assert part(role_parts(cfg, shape, "colocated", "12.8"), "target weights") == 2 * params
 
 
+def test_fp8_target_weights_are_e4m3_plus_row_scales_of_the_large_linears():
+    """target.precision = "fp8": Qwen3-8B's 36 x 7 decoder linears (every one has in and out >= 1,024) in one byte a
+    weight plus a float32 scale per output channel, embedding, lm_head and norms in bf16; the 27B-class hybrid's
+    weights drop by about 21 GiB and its two 48-wide Gated DeltaNet projections (b, a) per layer stay in bf16."""
+    shape = load_target_shape("configs/targets/qwen3-8b")
+    linear = 36 * (2 * 4096 * 4096 + 2 * 4096 * 1024 + 3 * 4096 * 12288)
+    rows = 36 * (4096 + 2 * 1024 + 4096 + 2 * 12288 + 4096)
+    assert shape.fp8_linears(1024) == (linear, rows, 12288)
+    cfg = load_config(CFG_8B)
+    fp8 = config_from_dict(cfg.model_dump(mode="json"), {"target.precision": "fp8"})
+    assert part(role_parts(fp8, shape, "colocated", "12.8"), "target weights") == (
+        linear + 4 * rows + 2 * (shape.params - linear))
+    q36 = load_target_shape("configs/targets/qwen3.6-27b")
+    b_a = 2 * q36.linear_layers * q36.hidden * q36.linear_value_heads
+    assert sum(a * b * c for a, b, c in q36.linears()) - q36.fp8_linears(1024)[0] == b_a
+    cfg = load_config(REPO / "configs/qwen3.6-27b-8gpu.toml")
+    before = part(role_parts(cfg, q36, "colocated", "12.8"), "target weights")
+    fp8 = config_from_dict(cfg.model_dump(mode="json"), {"target.precision": "fp8"})
+    after = part(role_parts(fp8, q36, "colocated", "12.8"), "target weights")
+    assert 20 * GiB < before - after < 22 * GiB, (before - after) / GiB
+
+
 def test_qwen3_06b_ties_embeddings():
     shape = load_target_shape("configs/targets/qwen3-0.6b")
     per_layer = 2 * 1024 * 2048 + 2 * 1024 * 1024 + 3 * 1024 * 3072 + 2 * 1024 + 2 * 128

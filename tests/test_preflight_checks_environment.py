@@ -132,9 +132,10 @@ def test_env_drift_gpu_stack_fails_other_warns(tmp_path):
     assert r.data["not_in_lock"] == [{"name": "rich", "installed": "15.0.0"}]
 
 
-@pytest.mark.parametrize(("name", "version"), [("fla-core", "0.5.1"), ("causal-conv1d", "1.7.0")])
+@pytest.mark.parametrize(("name", "version"), [("fla-core", "0.5.1"), ("causal-conv1d", "1.7.0"), ("torchao", "0.16.0")])
 def test_env_drift_of_a_linear_attention_kernel_package_fails(tmp_path, name, version):
-    """fla-core and causal-conv1d run a hybrid target's Gated DeltaNet on CUDA: their drift is GPU-stack drift."""
+    """fla-core and causal-conv1d run a hybrid target's Gated DeltaNet on CUDA, torchao an fp8 target's linears:
+    their drift is GPU-stack drift."""
     ctx = make_ctx(tmp_path)
     ctx.distributions[name] = [version]
     r = check_env_drift(ctx)

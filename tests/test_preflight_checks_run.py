@@ -250,6 +250,31 @@ def test_config_checks_fp8_against_the_drafters_gpu_and_sizes(tmp_path):
     assert check_config(make_ctx(tmp_path, config={"train": {"fp8": "mlp"}}, gpus=unknown)).status == "pass"
 
 
+def test_config_refuses_an_fp8_target_on_a_gpu_without_fp8_tensor_cores(tmp_path):
+    """target.precision = "fp8" passes on H200s and on CPU (emulated); a target GPU of compute capability 8.0 fails
+    in one line naming it, with the fix; an A100 that only trains the drafter does not matter."""
+    fp8 = {"target": {"precision": "fp8"}}
+    assert check_config(make_ctx(tmp_path, config=fp8)).status == "pass"
+    old = recorded()
+    for g in old["gpus"]:
+        g["compute_capability"] = "8.0"
+    r = check_config(make_ctx(tmp_path, config=fp8, gpus=old))
+    assert r.status == "fail" and "\n" not in r.summary, r.summary
+    assert r.summary == (f'target.precision = "fp8" needs compute capability 8.9+ (fp8 tensor cores), the target\'s GPU '
+                         f'{old["gpus"][0]["name"]} has 8.0'), r.summary
+    assert r.fix == 'set target.precision = "bf16" in run.toml, or run the target on an Ada/Hopper-class GPU or newer'
+    assert check_config(make_ctx(tmp_path, config={**fp8, "device": "cpu"}, gpus=old)).status == "pass"
+    split = {"target": {"precision": "fp8"}, "topology": dict(SPLIT)}
+    drafter_only = recorded()
+    drafter_only["gpus"][int(SPLIT["drafter_gpus"][0])]["compute_capability"] = "8.0"
+    assert check_config(make_ctx(tmp_path, config=split, gpus=drafter_only)).status == "pass"
+    target_too = recorded()
+    target_too["gpus"][int(SPLIT["target_gpus"][-1])]["compute_capability"] = "8.0"
+    r = check_config(make_ctx(tmp_path, config=split, gpus=target_too))
+    assert r.status == "fail" and "has 8.0" in r.summary, r.summary
+    assert check_config(make_ctx(tmp_path, config={"target": {"precision": "bf16"}}, gpus=old)).status == "pass"
+
+
 # ---------------------------------------------------------------- config: real weights, or random ones on purpose
 
 SHAPES = {"model_type": "qwen3", "num_hidden_layers": 8, "hidden_size": 64, "intermediate_size": 128,

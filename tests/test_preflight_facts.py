@@ -269,7 +269,7 @@ def test_verify_records_catches_an_edited_file_inside_site_packages(tmp_path, mo
 def test_the_gpu_stack_and_the_target_code_are_verified_and_nothing_else():
     assert all(record_verified(n) for n in ("torch", "triton", "nvidia-nccl-cu12", "transformers", "tokenizers",
                                                  "safetensors", "sglang", "flashinfer-python", "fla-core",
-                                                 "causal-conv1d"))
+                                                 "causal-conv1d", "torchao"))
     assert not any(record_verified(n) for n in ("click", "pyarrow", "dflash", "rich"))
 
 

@@ -221,6 +221,31 @@ def test_allocator_recompute_and_gpu_changes_carry_their_effect(runs):
     assert d.exit_code == 1 and compare(a, copy.deepcopy(a)).exit_code == 0
 
 
+def test_the_target_precision_is_recorded_and_its_change_carries_its_memory_effect(runs):
+    """The snapshot records target.precision (bf16 here); dflash-diff names a change to fp8 with what the memory model
+    says it saves, and a snapshot written before the field reads as bf16, no change."""
+    import copy
+    from dataclasses import asdict
+
+    from dflash.memory.shape import load_target_shape
+    from preflight.diff import compare
+
+    a = json.loads((runs["A"] / snapshot.SNAPSHOT_NAME).read_text())
+    assert a["target"]["precision"] == a["config"]["target"]["precision"] == "bf16"
+    a["target"]["shape"] = asdict(load_target_shape("configs/targets/qwen3-8b"))  # linears large enough for fp8
+    b = copy.deepcopy(a)
+    b["config"]["target"]["precision"] = "fp8"
+    lines = {x.key: x for x in compare(a, b).differences}
+    assert lines["target.precision"].text == "target.precision bf16 -> fp8"
+    assert lines["target.precision"].moves == "memory, speed"
+    assert lines["target.precision"].effect.startswith("memory model: colocated peak -"), lines["target.precision"].effect
+    older = copy.deepcopy(a)
+    del older["config"]["target"]["precision"], older["target"]["precision"]
+    assert "target.precision" not in {x.key for x in compare(older, a).differences}
+    assert [x.text for x in compare(older, b).differences if x.key == "target.precision"] == [
+        "target.precision bf16 -> fp8"]
+
+
 def test_a_split_runs_snapshot_lists_its_gpus_by_role_with_their_predicted_peaks(tmp_path):
     """The GPU side of a snapshot from the recorded 8x H200 NVML fake (preflight's own fixture)."""
     from dflash.config import config_from_dict

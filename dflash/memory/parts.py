@@ -35,7 +35,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from dflash.config import ROLES, GpuRole, RunConfig
+from dflash.config import FP8_MIN_FEATURES, ROLES, GpuRole, RunConfig
 from dflash.memory.shape import (
     BF16,
     DTYPE_BYTES,
@@ -236,13 +236,28 @@ def sent_features_bytes(cfg: RunConfig, shape: TargetShape) -> int:
 
 
 def target_layer_bytes(cfg: RunConfig, shape: TargetShape, w: Workload, cal: Calibration) -> int:
-    """Live bytes inside the busiest target layer during the no-grad forward."""
+    """Live bytes inside the busiest target layer during the no-grad forward (with target.precision = "fp8" also an
+    fp8 linear's e4m3 copy of its input and the input's row scales)."""
     dt = DTYPE_BYTES[cfg.target.dtype]
     attn = cal.target_act_q * shape.q_width + cal.target_act_kv * shape.kv_width
     mlp = cal.target_act_i * shape.intermediate
     per_token = dt * (cal.target_act_h * shape.hidden + max(attn, mlp) + 2 * shape.head_dim)  # + RoPE cos/sin
     per_token += FP32 * shape.heads  # attention logsumexp
+    if cfg.target.precision == "fp8":
+        per_token += shape.fp8_linears(FP8_MIN_FEATURES)[2] + FP32
     return int(w.tokens * per_token)
+
+
+def target_weight_parts(cfg: RunConfig, shape: TargetShape) -> list[Part]:
+    """The frozen target's weights: every parameter in target.dtype, or with target.precision = "fp8" the large
+    decoder linears' weights in e4m3 (1 byte) with a float32 scale per output channel (dflash.models.target_fp8)."""
+    dt = DTYPE_BYTES[cfg.target.dtype]
+    if cfg.target.precision != "fp8":
+        return [Part(f"target weights ({cfg.target.dtype}, {shape.params / 1e9:.2f} B params)", shape.params * dt, "static")]
+    q, rows, _ = shape.fp8_linears(FP8_MIN_FEATURES)
+    rest = shape.params - q
+    return [Part(f"target weights (fp8: {q / 1e9:.2f} B params in e4m3 + row scales, {rest / 1e9:.2f} B in "
+                 f"{cfg.target.dtype})", q + FP32 * rows + rest * dt, "static")]
 
 
 def target_forward_bytes(cfg: RunConfig, shape: TargetShape, w: Workload, cal: Calibration) -> int:
@@ -262,10 +277,9 @@ def target_forward_bytes(cfg: RunConfig, shape: TargetShape, w: Workload, cal: C
 
 
 def _target_parts(cfg: RunConfig, shape: TargetShape, w: Workload, cal: Calibration, split: bool) -> list[Part]:
-    dt = DTYPE_BYTES[cfg.target.dtype]
     feats, last = _features_bytes(cfg, shape, w)
     parts = [
-        Part(f"target weights ({cfg.target.dtype}, {shape.params / 1e9:.2f} B params)", shape.params * dt, "static"),
+        *target_weight_parts(cfg, shape),
         Part(f"forward working set ({w.tokens} tokens: busiest layer, or the features' concatenation)",
              target_forward_bytes(cfg, shape, w, cal), "activation"),
         Part("batch inputs (ids, positions, loss mask)", w.tokens * 24, "activation"),

@@ -143,6 +143,25 @@ class TargetShape:
         mixer = h * qkv + h * v + 2 * h * nv + qkv * self.linear_conv_kernel + 2 * nv + self.linear_value_head_dim + v * h
         return mixer + 3 * h * self.intermediate + 2 * h
 
+    def linears(self) -> list[tuple[int, int, int]]:
+        """(in features, out features, how many) of every linear in the decoder layers: attention q/k/v/o, a Gated
+        DeltaNet's qkv/z/b/a/out projections, the MLP's gate/up/down (embedding and lm_head are not among them)."""
+        h, i, n = self.hidden, self.intermediate, self.num_layers
+        full, lin = n - self.linear_layers, self.linear_layers
+        q_out = self.q_width * (2 if self.attn_output_gate else 1)
+        k, v, nv = self.linear_key_dim, self.linear_value_dim, self.linear_value_heads
+        rows = [(h, q_out, full), (h, self.kv_width, full), (h, self.kv_width, full), (self.q_width, h, full),
+                (h, 2 * k + v, lin), (h, v, lin), (h, nv, lin), (h, nv, lin), (v, h, lin),
+                (h, i, n), (h, i, n), (i, h, n)]
+        return [r for r in rows if r[2]]
+
+    def fp8_linears(self, min_features: int) -> tuple[int, int, int]:
+        """(weights, output channels, largest input width) of the decoder linears target.precision = "fp8" quantises:
+        in and out features both >= min_features (dflash.models.target_fp8.fp8_eligible)."""
+        chosen = [(a, b, c) for a, b, c in self.linears() if min(a, b) >= min_features]
+        return (sum(a * b * c for a, b, c in chosen), sum(b * c for _, b, c in chosen),
+                max((a for a, _, _ in chosen), default=0))
+
     @property
     def embedding_params(self) -> int:
         return self.vocab * self.hidden

@@ -12,6 +12,7 @@ import functools
 import importlib.util
 import inspect
 import json
+import logging
 import pickle
 import sys
 import warnings
@@ -27,6 +28,18 @@ from dflash.config import resolve_target_dir
 from dflash.errors import DflashError
 from dflash.models.custom_code import custom_code_problem
 from dflash.models.weights import RANDOM_INIT_FLAG, WEIGHT_FILES
+
+
+class _TorchaoExtensionNote(logging.Filter):
+    """Drops torchao's import-time note that it skips its C++ extensions (built for torch 2.11) on torch 2.10: its
+    float8 linear (target.precision = "fp8") does not use them, and transformers imports torchao at every model load
+    once it is installed, so every command would print it."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("Skipping import of cpp extensions")
+
+
+logging.getLogger("torchao").addFilter(_TorchaoExtensionNote())
 
 # The one map from a config's dtype name (target.dtype) to the torch dtype.
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -166,9 +179,14 @@ def weight_files(folder: Path) -> list[Path]:
 
 
 def load_target(
-    path_or_name: str | Path, dtype: str | torch.dtype, device: str | torch.device, random_init: bool = False
+    path_or_name: str | Path, dtype: str | torch.dtype, device: str | torch.device, random_init: bool = False,
+    precision: str = "bf16", log=None,
 ) -> nn.Module:
     """An HF causal LM from a folder, frozen and in eval mode; random_init builds it on the device from config.json.
+
+    precision "fp8" (target.precision): the model loads (or is built) on the CPU, then each decoder linear large
+    enough is quantised to e4m3 onto the device in turn (dflash.models.target_fp8), so the device never holds the
+    target.dtype model and its fp8 copy at once; `log` gets one line saying how many.
 
     A vision-language wrapper folder (Qwen3.5/3.6: config.json with text_config, text weights under
     model.language_model.*) loads as its causal LM alone: transformers maps the wrapper's config to
@@ -181,6 +199,16 @@ def load_target(
     path = resolve_target_dir(str(path_or_name))  # the rule preflight and the memory model apply
     config = load_target_config(path)  # refuses a folder that needs its own code
     dtype, device = torch_dtype(dtype), torch.device(device)
+    if precision not in ("bf16", "fp8"):
+        raise TargetError(f"target.precision must be one of ['bf16', 'fp8'], got {precision!r}")
+    final, fp8 = device, precision == "fp8"
+    if fp8:
+        from dflash.models.target_fp8 import fp8_problem
+
+        problem = fp8_problem(device)  # before minutes of loading
+        if problem:
+            raise TargetError(problem)
+        device = torch.device("cpu")
     if random_init:
         with torch.device(device):
             model = AutoModelForCausalLM.from_config(config, dtype=dtype)
@@ -198,7 +226,20 @@ def load_target(
     if any(name.startswith(("visual.", "model.visual.")) for name, _ in model.named_parameters()):
         raise TargetError(f"target {str(path_or_name)!r}: transformers built a vision tower ({type(model).__name__}); "
                          "upgrade transformers to a version that loads this model as a causal LM alone")
-    return freeze(bind_linear_attention(model, device))
+    if fp8:
+        from dflash.models.target_fp8 import quantize_target
+
+        count = quantize_target(freeze(model), decoder_of(model).layers, final)
+        named = str(dtype).removeprefix("torch.")
+        if log is not None and count:
+            log(f"target: {count} decoder linears in fp8 (e4m3, per-row scales"
+                f"{'' if final.type == 'cuda' else ', emulated in float32 on ' + final.type}), the rest in {named}")
+        elif log is not None:
+            from dflash.models.target_fp8 import MIN_FEATURES
+
+            log(f"target: target.precision = \"fp8\" but no decoder linear has in and out features >= {MIN_FEATURES:,}; "
+                f"the whole target runs in {named}")
+    return freeze(bind_linear_attention(model, final))
 
 
 def _named(files: list[Path]) -> str:

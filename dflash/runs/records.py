@@ -23,7 +23,7 @@ snapshot.json (keys sorted, a few kilobytes)::
      "compile_cache": {"path", "exists", "size_bytes", "manifest", "error", "env_override"},
      "config": {the resolved run config},
      "data": {"path", "fingerprint", "samples", "tokens", "shards", "length": {"min", "mean", "p50", "p90", "p99", "max"}},
-     "target": {"path", "shape": {TargetShape fields}, "fingerprint"},
+     "target": {"path", "precision": "bf16"|"fp8", "shape": {TargetShape fields}, "fingerprint"},
      "memory": {"cuda", "expandable_segments", "roles": {role: {"bytes", "recompute"}}, "error"},
      "preflight": {"ok", "failed": [id], "warned": [id], "waived": {id: reason}}}
 
@@ -204,7 +204,7 @@ SNAPSHOT_SCHEMA = {
     "data": {"path": "any", "fingerprint": "scalar", "samples": "int", "tokens": "int", "shards": "int",
              "errors": "any", "error": "any", "manifest_target": "any",
              "length": ("?", {k: "num" for k in ("min", "mean", "p50", "p90", "p99", "max")})},
-    "target": {"path": "any", "shape": ("?", _SHAPE), "fingerprint": "any", "error": "any"},
+    "target": {"path": "any", "precision": "scalar", "shape": ("?", _SHAPE), "fingerprint": "any", "error": "any"},
     "memory": {"cuda": "str", "expandable_segments": "bool", "roles": ("map", {"bytes": "int", "recompute": "any"}),
                "error": "any",
                "overhead": ("map", {"source": "str", "outside_torch_bytes": "int", "context_bytes": "int",

@@ -77,7 +77,7 @@ class LocalTarget:
     def __init__(self, cfg: RunConfig, device: torch.device, log=print):
         self.cfg, self.device = cfg, device
         self.model = load_target(target_folder(cfg.target.path, log), torch_dtype(cfg.target.dtype), device,
-                                 cfg.target.random_init)
+                                 cfg.target.random_init, cfg.target.precision, log)
         if cfg.target.compile and device.type == "cuda":
             compile_target(self.model)
         self.target_config = self.model.config
@@ -104,7 +104,8 @@ class LocalTarget:
         return ""
 
     def describe(self) -> str:
-        return f"target {self.cfg.target.path} ({self.cfg.target.dtype}) on {self.device}, layers {self.layer_ids}"
+        fp8 = ", fp8 linears" if self.cfg.target.precision == "fp8" else ""
+        return f"target {self.cfg.target.path} ({self.cfg.target.dtype}{fp8}) on {self.device}, layers {self.layer_ids}"
 
     def cache_bytes(self, num_tokens: int) -> int | None:
         return None

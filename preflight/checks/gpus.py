@@ -255,6 +255,19 @@ def drafter_gpu(ctx: Context) -> Gpu | None:
     return gpus[0] if gpus else None
 
 
+def target_gpus(ctx: Context) -> list[Gpu]:
+    """The GPUs running the target (target or co-located role; the first visible one for a one-device run), [] on
+    CPU or without a GPU snapshot."""
+    snap = ctx.gpus.snapshot
+    if snap is None or on_cpu(ctx):
+        return []
+    found = [gpu for _name, role, gpu, _why in resolved_gpus(ctx) if gpu is not None and role != "drafter"]
+    if found:
+        return found
+    visible, _ = visible_gpus(snap.gpus, ctx.gpus.cuda_visible_devices)
+    return visible[:1]
+
+
 def capability(text: str) -> tuple[int, int] | None:
     """ "9.0" -> (9, 0); None when unknown or unreadable (older recorded snapshots say "0.0")."""
     try:

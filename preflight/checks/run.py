@@ -12,7 +12,7 @@ from dflash.models.weights import weights_problem
 from dflash.runs.resume import incompatible, incompatible_fix
 from dflash.runs.rundir import describe_leftovers
 from preflight.checks.common import GiB, MiB, config_arg, gib, no_shape, result
-from preflight.checks.gpus import capability, drafter_gpus
+from preflight.checks.gpus import capability, drafter_gpus, target_gpus
 from preflight.facts.context import Context
 from preflight.report import CheckResult
 
@@ -63,6 +63,8 @@ def check_config(ctx: Context) -> CheckResult:
         fixes.append(f"set drafter.num_attention_heads and drafter.num_key_value_heads in {where} (heads a multiple of kv)")
     if cfg.train.fp8 != "off":
         _fp8_problems(ctx, drafter_shape(cfg, shape), where, problems, fixes)
+    if cfg.target.precision == "fp8":
+        _fp8_target_problems(ctx, where, problems, fixes)
     data.update(target_layer_ids=ids, mask_token_id=mask)
     if problems:
         return result("config", "fail", "; ".join(problems), "; ".join(fixes), problems=problems, **data)
@@ -87,6 +89,16 @@ def _fp8_problems(ctx: Context, d, where: str, problems: list[str], fixes: list[
         problems.append(f"train.fp8 = {fp8!r} needs compute capability {'.'.join(map(str, FP8_MIN_CAPABILITY))}+, the "
                         f"drafter's GPU {gpu.name} has {gpu.compute_capability}")
         fixes.append(f"set train.fp8 = \"off\" in {where}, or train on an Ada/Hopper-class GPU")
+
+
+def _fp8_target_problems(ctx: Context, where: str, problems: list[str], fixes: list[str]) -> None:
+    """target.precision = "fp8" needs fp8 tensor cores on every GPU that runs the target (dflash.models.target_fp8);
+    on CPU it is emulated."""
+    old = [g for g in target_gpus(ctx) if (capability(g.compute_capability) or FP8_MIN_CAPABILITY) < FP8_MIN_CAPABILITY]
+    for gpu in old[:1]:
+        problems.append(f"target.precision = \"fp8\" needs compute capability {'.'.join(map(str, FP8_MIN_CAPABILITY))}+ "
+                        f"(fp8 tensor cores), the target's GPU {gpu.name} has {gpu.compute_capability}")
+        fixes.append(f"set target.precision = \"bf16\" in {where}, or run the target on an Ada/Hopper-class GPU or newer")
 
 
 def check_run_dir(ctx: Context) -> CheckResult:

@@ -59,6 +59,7 @@ from dflash.train.warmup import prime
 
 __all__ = ["NonFiniteError", "RunError", "StopFlag", "Trainer", "run", "run_device"]
 
+STOP_NOTE_BYTES = 1 << 30  # a checkpoint this large or larger: the first step says how long a stop will take
 DUPLICATE_SIGNAL_S = 2.0  # the same signal again within this many seconds is the same stop
 DIVERGED_FIX = ("nothing was saved from it, earlier checkpoints are intact; lower train.lr or check the data, then "
                 "dflash-train --resume latest")
@@ -503,6 +504,8 @@ class Trainer:
         which compiles; then the checkpoint's bytes at this disk's measured rate), so that a scheduler's grace is set
         above it (SLURM's KillWait and Kubernetes' grace default to 30 s, `docker stop` to 10 s)."""
         nbytes = ckpt.state_bytes(self.drafter, self.optimizer)
+        if nbytes < STOP_NOTE_BYTES:  # a small state writes in well under a second: nothing to plan a grace around
+            return
         rate = ckpt.disk_write_rate(self.out)
         if rate is None:
             return

@@ -310,3 +310,19 @@ def test_kill_9_while_stopping_keeps_the_previous_checkpoint_and_says_stopping(t
                            cwd=REPO, capture_output=True, text=True)
     assert again.returncode == 0, again.stdout + again.stderr
     assert f"resumed from {saved[-1]}" in again.stdout
+
+
+def test_the_first_step_says_how_long_a_stop_will_take_on_this_disk(tmp_path, monkeypatch):
+    """A checkpoint of STOP_NOTE_BYTES or more: the first step measures the disk (a probe file, removed) and says how
+    long the stop's write will take, so a scheduler's grace can be set above it."""
+    import dflash.train.trainer as trainer
+
+    monkeypatch.setattr(trainer, "STOP_NOTE_BYTES", 0)
+    cfg, _ = tiny_config(tmp_path, max_steps=2, save_every=1000)
+    lines = []
+    assert run(cfg, None, log=lines.append, progress=False) == 0
+    said = [x for x in lines if x.startswith("a stop (SIGTERM/SIGINT) finishes the step in flight, then writes ")]
+    assert len(said) == 1 and " GB/s (this disk, measured): about " in said[0], lines
+    nbytes = ckpt.state_bytes(torch.nn.Linear(2, 2), torch.optim.AdamW(torch.nn.Linear(2, 2).parameters()))
+    assert nbytes == 6 * 4  # weights and bias; no optimizer state before a step
+    assert not (Path(cfg.output_dir) / ".disk-probe.tmp").exists()

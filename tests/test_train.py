@@ -63,10 +63,12 @@ def test_gpu_list_flags_replace_the_presets_layout(tmp_path, capsys):
     err = capsys.readouterr().err
     assert code == 1 and "excludes" not in err and "refusing to start" in err, err
     from dflash.config import config_sha256, load_config
+    from preflight.gate import resolve_compile_cache
 
     judged = json.loads((out / "preflight.json").read_text())["run"]["config_sha256"]
-    expected = load_config(preset, {"output_dir": str(out), "target.random_init": True, "topology.target_gpus": [],
-                                    "topology.drafter_gpus": [], "topology.colocated_gpus": [str(i) for i in range(8)]})
+    expected = resolve_compile_cache(load_config(preset, {  # as dflash-train resolves it: its compile cache artifact
+        "output_dir": str(out), "target.random_init": True, "topology.target_gpus": [], "topology.drafter_gpus": [],
+        "topology.colocated_gpus": [str(i) for i in range(8)]}))
     assert judged == config_sha256(expected)  # the gate judged the flag's layout alone
 
 

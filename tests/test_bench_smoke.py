@@ -177,7 +177,7 @@ def test_the_gpu_runner_stops_a_run_at_its_deadline_resumes_it_and_summarises(tm
 
     out = tmp_path / "out"
     runs = REPO / "runs" / "tiny-cpu"
-    args = ["bench/runner.py", "tiny-cpu", "--deadline", "75", "--grace", "30", "--reserve", "5", "--out", str(out)]
+    args = ["bench/runner.py", "tiny-cpu", "--deadline", "50", "--grace", "30", "--reserve", "5", "--out", str(out)]
     first = _run([*args, "--fresh"], tmp_path)
     assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-3000:]
     one = json.loads((out / "tiny-cpu.json").read_text())

@@ -11,6 +11,7 @@ checkpoint (resume with --resume latest; dflash.runs.rundir.EXIT_STOPPED).
 
 from __future__ import annotations
 
+import signal
 import sys
 from pathlib import Path
 
@@ -161,6 +162,8 @@ def train_command(config_path, demo, resume, fresh, sets, max_steps, output_dir,
             code = run(cfg, resume_from, progress=False if no_progress else None, provenance=provenance(cfg.profile))
         if code == 0 and rundir.read_stopped(cfg.output_dir):
             code = rundir.EXIT_STOPPED  # stopped by a signal after a checkpoint: unfinished, resumable
+            for sig in (signal.SIGINT, signal.SIGTERM):  # a late duplicate of the stop's signal must not turn 75
+                signal.signal(sig, signal.SIG_IGN)       # into a kill while the interpreter shuts down
     finally:
         if lock is not None:
             lock.release()

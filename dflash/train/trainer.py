@@ -74,8 +74,8 @@ class StopFlag:
     """Set by SIGINT/SIGTERM; the loop finishes its step, checkpoints and returns (dflash-train exits 75).
 
     Once a stop is under way, a second signal must not kill a process that has or is writing its checkpoint (a
-    scheduler signals the whole process group, `uv run` forwards the same signal): the handler ignores it, and once
-    the loop returned the signals are ignored outright (``restore``). SIGTERM again never aborts the stop (a scheduler's abort
+    scheduler signals the whole process group, `uv run` forwards the same signal): the handler ignores it, and stays
+    installed after the loop returned (``restore``). SIGTERM again never aborts the stop (a scheduler's abort
     is SIGKILL); SIGINT again, later than DUPLICATE_SIGNAL_S, does (a person pressing Ctrl-C twice)."""
     requested: bool = False
     signame: str = ""
@@ -88,11 +88,14 @@ class StopFlag:
             self._old[sig] = signal.signal(sig, self._handle)
 
     def restore(self) -> None:
-        """The handlers the process had; after a stop, SIGINT and SIGTERM ignored instead: the checkpoint is written
-        and the process only has to exit 75 (the interpreter's shutdown sets every Python handler back to the default,
-        which would die of a late signal, but keeps an ignored signal ignored)."""
+        """The handlers the process had, unless a stop came: then this one stays, so that a late duplicate of the
+        stop's signal is still the same stop (dflash-train then ignores both signals outright before it exits 75:
+        the interpreter's shutdown sets every Python handler back to the default, which would die of a late signal,
+        but keeps an ignored signal ignored)."""
+        if self.requested:
+            return
         for sig, old in self._old.items():
-            signal.signal(sig, signal.SIG_IGN if self.requested else old)
+            signal.signal(sig, old)
 
     def seconds(self) -> float:
         """Seconds since the stop's signal."""

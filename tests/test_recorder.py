@@ -62,10 +62,29 @@ def test_the_first_step_and_a_crash_are_recorded(recorder, tmp_path):
     recorder.first_step(startup, graphs=3)
     assert recorder.lines[0].startswith("first step: ") and recorder.lines[0].endswith(
         " s (compilation included); 3 compiled graph(s)")
-    assert recorder.lines[1].startswith("startup: ") and set(startup) == {"setup_s", "first_step_s",
-                                                                         "launch_to_first_step_s"}
+    assert recorder.lines[1].startswith("startup: ") and set(startup) - {"compile"} == {
+        "setup_s", "first_step_s", "launch_to_first_step_s"}  # compile: where this process compiled before
     recorder.crashed(KeyboardInterrupt("by a test"), step=1)
     outcome = json.loads((tmp_path / "outcome.json").read_text())
     assert outcome["compiled_graphs"]["first_step"] == 3 and outcome["startup"]["setup_s"] == 1.0
     assert outcome["ended"]["how"] == "interrupted" and outcome["ended"]["detail"] == "KeyboardInterrupt: by a test"
     assert rundir.read_running(tmp_path)["error"] == "by a test"
+
+
+def test_the_first_step_says_where_compilation_went(recorder, tmp_path):
+    """Once torch.compile has built a graph in this process, the first step's report adds torch's compile seconds by
+    phase (the cold start's table): one line and outcome.json's startup.compile, whose phases add up to its total."""
+    import torch
+
+    from dflash.train.compiled import compile_phases
+
+    torch._dynamo.reset()
+    torch.compile(lambda x: (x * 2).sum(), backend="eager")(torch.ones(3))
+    phases = compile_phases()
+    assert phases["frames"] and phases["total_s"] >= 0 and phases["inductor_s"] == phases["cache_load_s"] == 0
+    startup = {"setup_s": 1.0}
+    recorder.first_step(startup, graphs=1)
+    assert recorder.lines[2].startswith("compile: ") and " frame(s)): dynamo " in recorder.lines[2], recorder.lines
+    outcome = json.loads((tmp_path / "outcome.json").read_text())
+    assert set(outcome["startup"]["compile"]) == {"frames", "dynamo_s", "aot_s", "inductor_s", "cache_load_s",
+                                                  "kernel_wait_s", "backward_s", "total_s"}

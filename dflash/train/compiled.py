@@ -40,6 +40,44 @@ def graphs() -> int:
     return int(counters["stats"]["unique_graphs"])
 
 
+def compile_phases() -> dict[str, float]:
+    """Seconds torch.compile spent in this process so far, by phase (torch's own timers; {} when nothing compiled).
+
+    frames: each compiled frame's whole compile, in order (Dynamo's trace through Inductor, forward graphs);
+    dynamo_s: tracing the bytecode into graphs; aot_s: AOTAutograd's joint trace and partition; inductor_s:
+    Inductor's lowering and codegen, forward and backward; cache_load_s: compiled graphs loaded from a warm cache
+    (instead of AOTAutograd + Inductor); kernel_wait_s: waiting on the parallel kernel compiles (Triton); backward_s:
+    the backward graphs where compiled lazily at the first backward (AOTAutograd and Inductor; counted in those);
+    total_s: all of it.
+    What the first step spends beyond total_s runs the kernels: Triton autotuning outside Inductor (fla's kernels)
+    and the step itself."""
+    from torch._dynamo.utils import calculate_time_spent, compile_times
+
+    spent = calculate_time_spent()
+    if not spent.get("entire_frame_compile"):
+        return {}
+    names, values = compile_times(repr="csv", aggregate=False)
+    per_call = dict(zip(names, values, strict=False))
+    frames = [round(float(v), 1) for v in str(per_call.get("_compile.compile_inner", "")).split(",") if v.strip()]
+    loads = sum(float(v) for v in str(per_call.get("AOTAutogradCache.inductor_load", "")).split(",") if v.strip())
+    frame, backend = spent.get("entire_frame_compile", 0.0), spent.get("backend_compile", 0.0)
+    backward, inductor = spent.get("entire_backward_compile", 0.0), spent.get("inductor_compile", 0.0)
+    phases = {"dynamo_s": frame - backend, "aot_s": backend + backward - inductor - loads, "inductor_s": inductor,
+              "cache_load_s": loads, "kernel_wait_s": spent.get("async_compile.wait", 0.0), "backward_s": backward,
+              "total_s": spent.get("total_wall_time", frame + backward)}
+    return {"frames": frames, **{k: round(max(v, 0.0), 1) for k, v in phases.items()}}
+
+
+def phases_line(phases: dict) -> str:
+    """torch.compile's time so far by phase, one line: "compile: 92.1 s in this process (7 frames): dynamo ..."."""
+    if not phases:
+        return "compile: nothing compiled"
+    return (f"compile: {phases['total_s']:.1f} s in this process ({len(phases['frames'])} frame(s)): dynamo {phases['dynamo_s']:.1f}, aot {phases['aot_s']:.1f}, "
+            f"inductor {phases['inductor_s']:.1f} (waiting on kernel compiles {phases['kernel_wait_s']:.1f}; "
+            f"backward graphs {phases['backward_s']:.1f}), loaded from the cache {phases['cache_load_s']:.1f}; the "
+            "rest ran the kernels (autotuning outside Inductor included)")
+
+
 class RecompileWatch:
     """The recompiles since the last look: [(function, where, failed guard)], read from dynamo's own record of guard
     failures (kept whatever TORCH_LOGS says)."""

@@ -72,6 +72,11 @@ class Recorder:
         self.log(f"first step: {self.first_step_s:.1f} s (compilation included); {graphs} compiled graph(s)")
         startup.update(first_step_s=round(self.first_step_s, 1), launch_to_first_step_s=process_age_s())
         self.log(startup_line(startup))
+        from dflash.train.compiled import compile_phases, phases_line
+
+        if phases := compile_phases():  # torch.compile's seconds by phase, for the cold start's table
+            startup["compile"] = phases
+            self.log(phases_line(phases))
         if self.outcome:
             self.outcome.first_step(self.first_step_s, graphs, {k: v for k, v in startup.items() if v is not None})
 

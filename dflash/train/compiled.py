@@ -72,7 +72,8 @@ def phases_line(phases: dict) -> str:
     """torch.compile's time so far by phase, one line: "compile: 92.1 s in this process (7 frames): dynamo ..."."""
     if not phases:
         return "compile: nothing compiled"
-    return (f"compile: {phases['total_s']:.1f} s in this process ({len(phases['frames'])} frame(s)): dynamo {phases['dynamo_s']:.1f}, aot {phases['aot_s']:.1f}, "
+    return (f"compile: {phases['total_s']:.1f} s in this process ({len(phases['frames'])} frame(s)): "
+            f"dynamo {phases['dynamo_s']:.1f}, aot {phases['aot_s']:.1f}, "
             f"inductor {phases['inductor_s']:.1f} (waiting on kernel compiles {phases['kernel_wait_s']:.1f}; "
             f"backward graphs {phases['backward_s']:.1f}), loaded from the cache {phases['cache_load_s']:.1f}; the "
             "rest ran the kernels (autotuning outside Inductor included)")

@@ -102,6 +102,7 @@ class Commands:
 Q36, Q36_8GPU, Q27 = "configs/qwen3.6-27b-5t3d.toml", "configs/qwen3.6-27b-8gpu.toml", "configs/qwen3-27b-5t3d.toml"
 Q8, Q8_SPLIT = "configs/qwen3-8b-1gpu.toml", "configs/qwen3-8b-1t1d.toml"
 Q36_MIX, Q36_ONE = "syn:1600,2826,0.6,16384,248320", "syn:1200,2826,0,0,248320"
+Q36_EPOCH = "syn:900,2826,0.6,16384,248320"  # the same mix, 51 packs an epoch: steps 11-61 are one, in one call
 Q8_MIX, Q8_ONE = "syn:2400,1500,0.7,8192,151936", "syn:2400,1500,0,0,151936"
 SHAPES = ["target.random_init=true"]  # the presets' targets are config.json alone: shapes, no weights
 ONE_GPU = ["topology.target_gpus=[]", "topology.drafter_gpus=[]"]
@@ -143,11 +144,12 @@ def fake_rank(steps: int) -> str:
 RECIPES = {r.name: r for r in [
     # the users' 27B job on one GPU: packed, and bucketed as before data.packing
     Recipe("q36-packed-mix", "the users' 27B preset co-located and packed on a lognormal mix around 2,826 tokens "
-           "(sigma 0.6): the packed rate's claim (one H200)", Q36, Q36_MIX, 115, 50, [*SHAPES, *PACKED]),
+           "(sigma 0.6): the packed rate's claim, one epoch of packs after step 10 (one H200)", Q36, Q36_EPOCH, 62, 40,
+           [*SHAPES, *PACKED]),
     Recipe("q36-packed-one", "the same, every sample 2,826 tokens: the reference beside the mix (one H200)", Q36,
            Q36_ONE, 45, 30, [*SHAPES, *PACKED]),
     Recipe("q36-packed-mix-gamma", "q36-packed-mix with train.slot_weights = gamma (the preset's is cap): the "
-           "two slot weightings' step time, same batches", Q36, Q36_MIX, 40, 1000,
+           "two slot weightings' step time, same batches", Q36, Q36_EPOCH, 40, 1000,
            [*SHAPES, *PACKED, 'train.slot_weights="gamma"']),
     Recipe("q8-packed-mix", "the Qwen3-8B preset co-located and packed (budget 16,384) on a lognormal mix around "
            "1,500 tokens (sigma 0.7): the packed ratio on an H100", Q8, Q8_MIX, 120, 60,

@@ -11,6 +11,11 @@ costing more than they save. Here the whole block the drafter compiles (RMSNorm 
         fuse each amax / scale / cast into the kernel that produced the tensor (the norm, SiLU * up, the
         SiLU backward)
 
+  torchao-rowwise-gw-hp  the same block as nn.Linear modules converted by torchao's float8 training
+        (`convert_to_float8_training`, recipe rowwise_with_gw_hp: row scales, the weight gradient in bf16 as
+        here), the library issue #55 would move `train.fp8 = "mlp"` onto if it is as fast (CUDA only)
+  torchao-rowwise        torchao's rowwise recipe (the weight gradient in fp8 too) (CUDA only)
+
 at the bench's query rows (512 x 16 = 8,192 and 1024 x 32 = 32,768), median of 10 after 3 warm-up passes, with
 the relative error of the output and of the input gradient against bf16. Nothing here trains: a drafter
 trained this way must first show its acceptance length before the step may use it.
@@ -51,6 +56,46 @@ def mlp_block(x, norm_w, gate_up_w, down_w, fp8: bool):
     return linear(torch.nn.functional.silu(gate) * up, down_w)
 
 
+TORCHAO = {"torchao-rowwise-gw-hp": "rowwise_with_gw_hp", "torchao-rowwise": "rowwise"}
+
+
+class Block(torch.nn.Module):
+    """mlp_block as nn.Linear modules, for torchao's float8 training to convert (its own Float8Linear)."""
+
+    def __init__(self, norm_w, gate_up_w, down_w):
+        super().__init__()
+        self.norm_w = torch.nn.Parameter(norm_w)
+        self.gate_up = torch.nn.Linear(gate_up_w.shape[1], gate_up_w.shape[0], bias=False, dtype=gate_up_w.dtype,
+                                       device=gate_up_w.device)
+        self.down = torch.nn.Linear(down_w.shape[1], down_w.shape[0], bias=False, dtype=down_w.dtype,
+                                    device=down_w.device)
+        with torch.no_grad():
+            self.gate_up.weight.copy_(gate_up_w)
+            self.down.weight.copy_(down_w)
+
+    def forward(self, x):
+        gate, up = self.gate_up(rms_norm(x, self.norm_w)).chunk(2, dim=-1)
+        return self.down(torch.nn.functional.silu(gate) * up)
+
+
+def torchao_step(recipe: str, x, weights, dy, compiled: bool):
+    """(step, x leaf, gate_up weight) of the block converted by torchao's float8 training under `recipe`."""
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    block = convert_to_float8_training(Block(*(w.detach().clone() for w in weights)),
+                                       config=Float8LinearConfig.from_recipe_name(recipe))
+    run = torch.compile(block) if compiled else block
+    xl = x.detach().clone().requires_grad_(True)
+
+    def step():
+        xl.grad = None
+        block.zero_grad(set_to_none=True)
+        y = run(xl)
+        y.backward(dy)
+        return y
+    return step, xl, block.gate_up.weight
+
+
 def measure(rows: int, hidden: int, inter: int, device, compiled: bool, repeat: int) -> dict:
     g = torch.Generator(device=device).manual_seed(0)
     bf = torch.bfloat16
@@ -61,27 +106,34 @@ def measure(rows: int, hidden: int, inter: int, device, compiled: bool, repeat: 
     dy = torch.randn(rows, hidden, device=device, generator=g).to(bf)
     out = {}
     results = {}
-    for name in ("bf16", "fp8"):
-        block = torch.compile(mlp_block) if compiled else mlp_block
-        leaves = [t.detach().clone().requires_grad_(True) for t in (x, *weights)]
+    names = ["bf16", "fp8"] + (list(TORCHAO) if device.type == "cuda" else [])  # torchao's float8: CUDA kernels
+    for name in names:
+        if name in TORCHAO:
+            step, x_leaf, w_leaf = torchao_step(TORCHAO[name], x, weights, dy, compiled)
+        else:
+            block = torch.compile(mlp_block) if compiled else mlp_block
+            leaves = [t.detach().clone().requires_grad_(True) for t in (x, *weights)]
+            x_leaf, w_leaf = leaves[0], leaves[2]
 
-        def step(leaves=leaves, block=block, fp8=name == "fp8"):
-            for t in leaves:
-                t.grad = None
-            y = block(*leaves, fp8=fp8)
-            y.backward(dy)
-            return y
+            def step(leaves=leaves, block=block, fp8=name == "fp8"):
+                for t in leaves:
+                    t.grad = None
+                y = block(*leaves, fp8=fp8)
+                y.backward(dy)
+                return y
 
         t0 = time.perf_counter()
         y = step()
         first_s = time.perf_counter() - t0
-        results[name] = (y.detach().float(), leaves[0].grad.float(), leaves[2].grad.float())
+        results[name] = (y.detach().float(), x_leaf.grad.float(), w_leaf.grad.float())
         out[f"{name}_ms"] = median_ms(torch, device, step, repeat, warmup=3)
         out[f"{name}_first_call_s"] = round(first_s, 2)
     rel = lambda a, b: float((a - b).norm() / b.norm().clamp_min(1e-30))  # noqa: E731
-    for i, what in enumerate(("output", "input_grad", "gate_up_weight_grad")):
-        out[f"rel_error_{what}"] = rel(results["fp8"][i], results["bf16"][i])
-    out["speedup"] = out["bf16_ms"] / out["fp8_ms"]
+    for name in names[1:]:
+        tag = "" if name == "fp8" else f"_{name}"
+        for i, what in enumerate(("output", "input_grad", "gate_up_weight_grad")):
+            out[f"rel_error_{what}{tag}"] = rel(results[name][i], results["bf16"][i])
+        out[f"speedup{tag}"] = out["bf16_ms"] / out[f"{name}_ms"]
     return out
 
 
@@ -110,6 +162,11 @@ def main(argv=None) -> int:
         print(f"[{shape}] MLP block forward + backward, {rows} rows: bf16 {r['bf16_ms']:.2f} ms, fp8 {r['fp8_ms']:.2f} ms "
               f"({r['speedup']:.2f}x); relative error vs bf16: output {r['rel_error_output']:.4f}, input grad "
               f"{r['rel_error_input_grad']:.4f}, weight grad {r['rel_error_gate_up_weight_grad']:.4f}", flush=True)
+        for name in TORCHAO:
+            if f"{name}_ms" in r:
+                print(f"[{shape}]   {name}: {r[f'{name}_ms']:.2f} ms ({r[f'speedup_{name}']:.2f}x); relative error: "
+                      f"output {r[f'rel_error_output_{name}']:.4f}, input grad {r[f'rel_error_input_grad_{name}']:.4f}, "
+                      f"weight grad {r[f'rel_error_gate_up_weight_grad_{name}']:.4f}", flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1) + "\n")
     return 0

@@ -213,7 +213,8 @@ RECIPES = {r.name: r for r in [
     Commands("fp8-matmul", "every matmul of one drafter layer in bf16 and e4m3 (row scales, then one per tensor)", [
         "python3 bench/fp8_matmul.py --json {work}/fp8_rows.json",
         "python3 bench/fp8_matmul.py --per-tensor --json {work}/fp8_tensor.json"]),
-    Commands("fp8-mlp", "the compiled MLP block forward + backward in bf16 and with fp8 matmuls",
+    Commands("fp8-mlp", "the compiled MLP block forward + backward in bf16, with dflash's fp8 matmuls and with "
+             "torchao's float8 training (rowwise, weight gradient bf16 and fp8): is the library as fast (issue #55)",
              ["python3 bench/fp8_mlp.py --json {work}/fp8_mlp.json"]),
     Commands("compile-probe", "the first calls of each compiled piece in a fresh process, an empty inductor cache",
              ["python3 bench/compile_probe.py"], env=COLD),

@@ -21,7 +21,8 @@ What one call does, in the foreground and inside --deadline seconds (a device ca
    NAME.whl.part, joined in folder order) installed once into a site folder the children import; on an image that
    is not this project's uv environment, the device waivers (torch-build, env-drift, cuda-libs, model-source) with
    their reason.
-2. Each recipe in its share of the time left: its synthetic data (bench/make_synthetic.py's writer, kept when already
+2. Each recipe in its share of the time left (equal, or in proportion to the seconds each needs, expect_s, where every
+   recipe of the call has one): its synthetic data (bench/make_synthetic.py's writer, kept when already
    there), then each command in its own process group. A train recipe: `dflash-estimate` of its config, then
    `dflash-train`, --fresh the first time, --resume latest when its run dir holds a checkpoint and its outcome is not
    finished. NVML is sampled every 0.25 s for each command's processes (what the card holds for it and its children:
@@ -83,6 +84,7 @@ class Recipe:
     args: list[str] = field(default_factory=list)  # more dflash-train arguments (a waiver)
     gpus: int = 1
     grace: float = 90  # seconds a stopped run has to write its checkpoint and exit 75
+    expect_s: float = 0  # seconds it needs on a GPU, as measured or estimated (0: unknown): a call shares its time by it
 
 
 @dataclass
@@ -95,6 +97,7 @@ class Commands:
     data: str | None = None  # a "syn:..." spec: {data} in the commands
     env: dict = field(default_factory=dict)  # for every command ({fresh}, {work} allowed)
     grace: float = 15  # seconds a stopped command has to exit before SIGKILL
+    expect_s: float = 0  # seconds it needs on a GPU, as measured or estimated (0: unknown): a call shares its time by it
 
 
 # --------------------------------------------------------------------------- the recipes
@@ -145,9 +148,9 @@ RECIPES = {r.name: r for r in [
     # the users' 27B job on one GPU: packed, and bucketed as before data.packing
     Recipe("q36-packed-mix", "the users' 27B preset co-located and packed on a lognormal mix around 2,826 tokens "
            "(sigma 0.6): the packed rate's claim, one epoch of packs after step 10 (one H200)", Q36, Q36_EPOCH, 62, 40,
-           [*SHAPES, *PACKED]),
+           [*SHAPES, *PACKED], expect_s=470),
     Recipe("q36-packed-one", "the same, every sample 2,826 tokens: the reference beside the mix (one H200)", Q36,
-           Q36_ONE, 45, 30, [*SHAPES, *PACKED]),
+           Q36_ONE, 45, 30, [*SHAPES, *PACKED], expect_s=280),
     Recipe("q36-packed-mix-gamma", "q36-packed-mix with train.slot_weights = gamma (the preset's is cap): the "
            "two slot weightings' step time, same batches", Q36, Q36_EPOCH, 40, 1000,
            [*SHAPES, *PACKED, 'train.slot_weights="gamma"']),
@@ -215,7 +218,7 @@ RECIPES = {r.name: r for r in [
         "python3 bench/fp8_matmul.py --per-tensor --json {work}/fp8_tensor.json"]),
     Commands("fp8-mlp", "the compiled MLP block forward + backward in bf16, with dflash's fp8 matmuls and with "
              "torchao's float8 training (rowwise, weight gradient bf16 and fp8): is the library as fast (issue #55)",
-             ["python3 bench/fp8_mlp.py --json {work}/fp8_mlp.json"]),
+             ["python3 bench/fp8_mlp.py --json {work}/fp8_mlp.json"], expect_s=60),
     Commands("compile-probe", "the first calls of each compiled piece in a fresh process, an empty inductor cache",
              ["python3 bench/compile_probe.py"], env=COLD),
     Commands("save-stall", "a checkpoint save's stall with about the users' drafter state (hidden 5120, 5 layers), "
@@ -243,13 +246,14 @@ RECIPES = {r.name: r for r in [
                  "{work}/rate_8b_bf16.json",
                  f"{RATE} --config {Q8} --set data.token_budget=16384 --set target.precision=fp8 --rows 4 --steps 8 "
                  "--compile on --vs-bf16 --out {work}/rate_8b_fp8.json",
-                 "python3 -m pytest tests/test_target_fp8.py -q -p no:cacheprovider -n 0 -rA"]),
+                 "python3 -m pytest tests/test_target_fp8.py -q -p no:cacheprovider -n 0 -rA"], expect_s=150),
     Commands("fp8-target-q36", "target.precision = fp8 on the Qwen3.6-27B target role (49,152 tokens in 8 rows, "
              "compiled, fla-core): the fp8 load's NVML peak against the predicted peak, its rate and its features "
              "against the same weights in bf16, then bf16's rate", [
                  f"{RATE} --config {Q36} --set target.precision=fp8 --rows 8 --warmup 1 --steps 3 --compile on "
                  "--vs-bf16 --out {work}/rate_q36_fp8.json",
-                 f"{RATE} --config {Q36} --rows 8 --warmup 1 --steps 3 --compile on --out {{work}}/rate_q36_bf16.json"]),
+                 f"{RATE} --config {Q36} --rows 8 --warmup 1 --steps 3 --compile on --out {{work}}/rate_q36_bf16.json"],
+             expect_s=230),
     Commands("target-mask", "the target role eager on padded batches without and with the padding mask: Qwen3-8B "
              "16,384 tokens in 4 rows, Qwen3.6-27B 49,152 in 8", [
                  f"{RATE} --config {Q8} --set data.token_budget=16384 --rows 4 --compile off --out {{work}}/rate_8b.json",
@@ -303,11 +307,11 @@ RECIPES = {r.name: r for r in [
                  f"python3 -m dflash.commands.estimate --config {Q8} --from-nvml --probe",
                  "python3 -m preflight.probe --gpus 0 --steps context,matmul,attention,nccl --no-cache --timeout 2",
                  "python3 -m pytest tests/test_probe.py -q -p no:cacheprovider -k on_a_gpu"],
-             env={"DFLASH_CACHE": "{fresh}"}),
+             env={"DFLASH_CACHE": "{fresh}"}, expect_s=120),
     Commands("artifact-tiny", "the compile cache artifact on CUDA, tiny preset: --warm-cache, then a cold start and "
              "one from the artifact, each in a fresh process with empty caches, twice (bench/compile_artifact.py)",
              ["python3 bench/compile_artifact.py --device cuda --runs 2 --out {work}/compile_artifact_tiny.json -- "
-              "{waivers}"]),
+              "{waivers}"], expect_s=120),
     Commands("artifact-q36", "the compile cache artifact of the users' 27B preset co-located and packed (one H200): "
              "--warm-cache on an empty cache (the cold start, then a fresh process from the artifact), preflight's "
              "verdict on it, then 3 steps from it with empty caches", [
@@ -318,7 +322,7 @@ RECIPES = {r.name: r for r in [
                  "--set output_dir={work}/run --max-steps 3 --fresh --no-progress {waivers}"],
              data=Q36_MIX),
     Commands("gpu-tests", "the GPU-only tests, whole (pytest -m gpu)",
-             ["python3 -m pytest -m gpu -q -p no:cacheprovider -n 4 --dist loadfile -rA"]),
+             ["python3 -m pytest -m gpu -q -p no:cacheprovider -n 4 --dist loadfile -rA"], expect_s=170),
     # the CPU checks of this runner (tests/test_bench_smoke.py)
     Commands("cpu-commands", "CPU: the packing bench and a tiny co-located step (the suite's check of the commands "
              "kind)", ["python3 bench/packing.py --samples 3000",
@@ -326,6 +330,14 @@ RECIPES = {r.name: r for r in [
                        "{work}/train_step.json"], gpus=0),
 ]}
 CPU_RECIPE = "tiny-cpu"  # made on the spot: the tiny CPU preset (its target and data written under the run dir)
+
+
+def weight(rest: list) -> float:
+    """The first recipe's share of the time left to `rest`: in proportion to their expect_s where each has one,
+    else equal."""
+    if all(r.expect_s > 0 for r in rest):
+        return rest[0].expect_s / sum(r.expect_s for r in rest)
+    return 1 / len(rest)
 
 
 def parse_data(spec: str) -> tuple[int, int, float, int, int] | None:
@@ -820,7 +832,7 @@ def main(argv: list[str] | None = None) -> int:
     failed = 0
     for i, recipe in enumerate(recipes):
         left = args.deadline - (time.monotonic() - start) - reserve
-        share = left / (len(recipes) - i)  # what is left, shared by the recipes still to run
+        share = left * weight(recipes[i:])  # what is left, shared by the recipes still to run
         if share < 30:
             print(f"runner: {recipe.name}: skipped, {left:.0f} s left before the deadline", file=sys.stderr)
             failed += 1

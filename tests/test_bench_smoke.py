@@ -219,6 +219,15 @@ def test_the_gpu_runner_lists_every_recipe_and_each_of_2_gpus_says_so(tmp_path):
         assert recipe.gpus < 2 or recipe.about.startswith(f"{recipe.gpus} GPUs:"), name
 
 
+def test_a_call_shares_its_time_by_what_each_recipe_needs():
+    """Recipes that all say what they need share the call's time in proportion; one that does not: equal shares."""
+    from bench.runner import RECIPES, weight
+
+    probe, tests, mix = RECIPES["probe"], RECIPES["gpu-tests"], RECIPES["q36-packed-mix"]
+    assert weight([probe, tests]) == probe.expect_s / (probe.expect_s + tests.expect_s) and weight([tests]) == 1
+    assert weight([mix, RECIPES["q36-mix"]]) == 0.5  # q36-mix says nothing
+
+
 @pytest.mark.slow
 def test_the_gpu_runner_runs_a_commands_recipe_and_bundles_each_log_and_what_it_wrote(tmp_path):
     """cpu-commands: bench/packing.py, then a tiny bench/train_step.py writing its JSON into {work}."""

@@ -805,6 +805,8 @@ def main(argv: list[str] | None = None) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, PYTHONUNBUFFERED="1", NCCL_NVLS_ENABLE="0")
     site = install_wheels(Path(tempfile.gettempdir()) / "dflash-bench-site")
+    if site:  # this process reads configs and summaries too (bench/pace_summary.py imports pydantic)
+        sys.path.insert(0, site)
     env["PYTHONPATH"] = os.pathsep.join(x for x in (str(REPO), site, env.get("PYTHONPATH")) if x)
     reserve = args.reserve if args.reserve is not None else (args.grace or max(r.grace for r in recipes)) + 15
     for recipe in recipes:

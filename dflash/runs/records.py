@@ -33,6 +33,8 @@ outcome.json::
      "first_step_s", "to_first_step_s", "compiled_graphs": {"first_step", "last"}, "recompiles", "recompile_causes",
      "rows",
      "startup": {"target_s", "setup_s", "first_step_s", "launch_to_first_step_s"} (seconds; a phase absent if not run),
+     "compile": {"frames": [s], "dynamo_s", "aot_s", "inductor_s", "cache_load_s", "kernel_wait_s", "backward_s",
+                 "total_s"} (torch.compile's seconds up to the first step: dflash.train.compiled.compile_phases),
      "steady": {"tok_per_s", "target_tok_s_per_gpu", "drafter_tok_s_per_gpu", "drafter_wait_frac", "target_wait_frac"},
      "peak": {"gpus": {uuid: bytes used (NVML)}, "torch_allocated_bytes", "host_rss_bytes"},
      "last": {"loss", "accept_len"},
@@ -212,10 +214,12 @@ SNAPSHOT_SCHEMA = {
                                     "roles": ("list", "str!")})},
     "preflight": {"ok": "bool", "failed": ("list", "str!"), "warned": ("list", "str!"), "waived": ("map", "any")},
 }
+COMPILE_PHASES = ("dynamo_s", "aot_s", "inductor_s", "cache_load_s", "kernel_wait_s", "backward_s", "total_s")
 OUTCOME_SCHEMA = {
     "format": "str!", "gate_id": "any", "started_utc": "any", "updated_utc": "any", "start_step": "int", "step": "int",
     "first_step_s": "num", "to_first_step_s": "num", "compiled_graphs": {"first_step": "int", "last": "int"},
     "recompiles": "int", "recompile_causes": ("list", "str!"), "startup": ("map", "num"),
+    "compile": {"frames": ("list", "num"), **{k: "num" for k in COMPILE_PHASES}},
     "rows": "int", "steady": ("map", "num"),
     "peak": {"gpus": ("map", "int"), "torch_allocated_bytes": "int", "host_rss_bytes": "int"},
     "last": {"loss": "num", "accept_len": "num"},
@@ -401,10 +405,12 @@ class Outcome:
             peak["gpus"][uuid] = max(used, peak["gpus"].get(uuid, 0))
         peak["host_rss_bytes"] = _host_rss_bytes()
 
-    def first_step(self, seconds: float, graphs: int, startup: dict | None = None) -> None:
+    def first_step(self, seconds: float, graphs: int, startup: dict | None = None, compile: dict | None = None) -> None:
         self.data["first_step_s"] = round(seconds, 3)
         if startup:
             self.data["startup"] = startup
+        if compile:
+            self.data["compile"] = compile
         if self.gate_time is not None:
             self.data["to_first_step_s"] = round(time.time() - self.gate_time, 1)
         self.data["compiled_graphs"]["first_step"] = graphs

@@ -75,10 +75,10 @@ class Recorder:
         from dflash.train.compiled import compile_phases, phases_line
 
         if phases := compile_phases():  # torch.compile's seconds by phase, for the cold start's table
-            startup["compile"] = phases
             self.log(phases_line(phases))
         if self.outcome:
-            self.outcome.first_step(self.first_step_s, graphs, {k: v for k, v in startup.items() if v is not None})
+            self.outcome.first_step(self.first_step_s, graphs, {k: v for k, v in startup.items() if v is not None},
+                                    phases)
 
     def end_window(self, every_rank: bool) -> None:
         """The step's rows are made: the tok/s window ends here when `every_rank` made a row the same way (the

@@ -19,7 +19,8 @@ def recorder(tmp_path):
     lines = []
     trainer = SimpleNamespace(cfg=SimpleNamespace(report_to=[], model_dump=dict), out=tmp_path, step=0, total_steps=4,
                               log=lines.append, is_logger=True, source=SimpleNamespace(rates_line=lambda rec: ""),
-                              writer=SimpleNamespace(written=lambda: finished.pop(0) if finished else []))
+                              writer=SimpleNamespace(written=lambda: finished.pop(0) if finished else []),
+                              stop_estimate_s=None, stop_measured=False)
     rec = Recorder(trainer, progress=False)
     rec.lines = lines
     yield rec
@@ -89,3 +90,15 @@ def test_the_first_step_says_where_compilation_went(recorder, tmp_path):
     outcome = json.loads((tmp_path / "outcome.json").read_text())
     assert set(outcome["compile"]) == {"frames", *COMPILE_PHASES} and "compile" not in outcome["startup"]
     assert checked_outcome(outcome, "outcome.json")["compile"] == outcome["compile"]  # as dflash-diff reads it
+
+
+def test_the_first_whole_save_corrects_the_stop_estimate(recorder):
+    """The first step's stop estimate comes from a small probe file; the first save's measured write replaces it in
+    one line when 20% or more off, once."""
+    recorder.trainer.stop_estimate_s = 6.0
+    recorder.trainer.writer.written = lambda: [{"save_step": 60, "save_write_s": 12.859}]
+    recorder.record(_row(1))
+    recorder.record(_row(2))
+    said = [line for line in recorder.lines if line.startswith("a stop: ")]
+    assert said == ["a stop: the save at step 60 took 12.9 s to write (the first step estimated 6 s): a stop takes "
+                    "about 13 s after the step in flight; set the scheduler's kill grace above that plus a step"]

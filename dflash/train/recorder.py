@@ -86,12 +86,26 @@ class Recorder:
         not restart only its window. What comes next (a save's stall) counts in the next window, as the steps do."""
         self._restart = time.perf_counter() if every_rank else None
 
+    def _stop_measured(self, done: dict) -> None:
+        """After the first save that wrote the whole state, the stop's time as that write measured it, where the
+        first step's estimate (a small probe file, which the page cache absorbs) was set and is 20% off or more."""
+        guess = self.trainer.stop_estimate_s
+        write_s = done.get("save_write_s")
+        if guess is None or write_s is None or self.trainer.stop_measured:
+            return
+        self.trainer.stop_measured = True
+        if abs(write_s - guess) >= 0.2 * max(guess, 1.0):
+            self.log(f"a stop: the save at step {done.get('save_step')} took {write_s:.1f} s to write (the first step "
+                     f"estimated {guess:.0f} s): a stop takes about {write_s:.0f} s after the step in flight; set the "
+                     "scheduler's kill grace above that plus a step")
+
     def record(self, rec: dict | None) -> None:
         """The step's row, if any, with the background saves finished since the last row, to metrics.jsonl,
         outcome.json, the step line and the trackers; then the window restarts (end_window) and the bar moves."""
         if rec is not None:
             for done in self.trainer.writer.written():  # a background write that finished since the last row
                 rec.update(done)
+                self._stop_measured(done)
             if self.is_logger:
                 self.metrics_file.write(json.dumps(rec) + "\n")
                 self.metrics_file.flush()

@@ -442,6 +442,7 @@ class Trainer:
         if self.is_logger:
             self._begin()
         self.graphs, self.recompiles = None, 0  # compiled graphs after the first step; graphs built after it
+        self.stop_estimate_s, self.stop_measured = None, False  # a stop's seconds (_announce_stop), once re-measured
         self.recorder = Recorder(self, progress)  # metrics.jsonl, outcome.json, trackers, the bar, the tok/s window
         stop = StopFlag()
         stop.install()
@@ -513,7 +514,7 @@ class Trainer:
         if rate is None:
             return
         write_s = nbytes / rate
-        self.stop_estimate_s = round(write_s, 1)
+        self.stop_estimate_s, self.stop_measured = round(write_s, 1), False
         self.log(f"a stop (SIGTERM/SIGINT) finishes the step in flight, then writes {nbytes / 2**30:.2f} GiB at "
                  f"{rate / 1e9:.2f} GB/s (this disk, measured): about {write_s:.0f} s after the step; give the "
                  f"scheduler a kill grace above that plus a step")

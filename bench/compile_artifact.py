@@ -58,7 +58,8 @@ def fresh(root: Path, config: Path, *args: str) -> tuple[subprocess.CompletedPro
     """dflash-train in a new process with empty TORCHINDUCTOR_CACHE_DIR and TRITON_CACHE_DIR; (its result, wall s)."""
     caches = Path(tempfile.mkdtemp(prefix="caches-", dir=root))
     env = dict(os.environ, DFLASH_CPU_COMPILE="1", TORCHINDUCTOR_CACHE_DIR=str(caches / "inductor"),
-               TRITON_CACHE_DIR=str(caches / "triton"), PYTHONPATH=str(REPO))
+               TRITON_CACHE_DIR=str(caches / "triton"),
+               PYTHONPATH=os.pathsep.join(x for x in (str(REPO), os.environ.get("PYTHONPATH")) if x))  # carried wheels
     t0 = time.perf_counter()
     proc = subprocess.run([sys.executable, "-m", "dflash.commands.train", "--config", str(config), "--no-progress",
                            *EXTRA, *args],

@@ -134,7 +134,6 @@ def main(argv=None) -> int:
 
     from dflash.config import load_config
     from dflash.models.target import (
-        bind_linear_attention,
         compile_target,
         load_target,
         target_features,
@@ -157,7 +156,7 @@ def main(argv=None) -> int:
     nvml = Nvml(enabled=device.type == "cuda")
     t0 = time.perf_counter()
     torch.manual_seed(cfg.train.seed)  # the random weights: the same again for --vs-bf16
-    with NvmlPeak(nvml) as load_peak:  # target.precision = "fp8": built on the CPU, quantised onto the GPU
+    with NvmlPeak(nvml) as load_peak:  # target.precision = "fp8": built in target.dtype, then quantised in place
         model = load_target(path, cfg.target.dtype, device, random_init=True, precision=cfg.target.precision, log=print)
     if args.pytorch_linear_attention:
         use_torch_linear_attention(model)
@@ -278,8 +277,8 @@ def main(argv=None) -> int:
         model = None
         if device.type == "cuda":
             torch.cuda.empty_cache()
-        torch.manual_seed(cfg.train.seed)  # built on the CPU as the fp8 target was: the same random weights
-        plain = bind_linear_attention(load_target(path, cfg.target.dtype, "cpu", random_init=True).to(device), device)
+        torch.manual_seed(cfg.train.seed)  # built on the device as the fp8 target was: the same random weights
+        plain = load_target(path, cfg.target.dtype, device, random_init=True)
         with torch.no_grad():
             ref = [t.float().cpu() for t in target_step(plain, batch, layer_ids, want_last) if t is not None]
         errors = relative_errors(fp8_features, ref)

@@ -184,9 +184,11 @@ def load_target(
 ) -> nn.Module:
     """An HF causal LM from a folder, frozen and in eval mode; random_init builds it on the device from config.json.
 
-    precision "fp8" (target.precision): the model loads (or is built) on the CPU, then each decoder linear large
-    enough is quantised to e4m3 onto the device in turn (dflash.models.target_fp8), so the device never holds the
-    target.dtype model and its fp8 copy at once; `log` gets one line saying how many.
+    precision "fp8" (target.precision): the model loads on the CPU, then each decoder linear large enough is
+    quantised to e4m3 onto the device in turn (dflash.models.target_fp8), so the device never holds the
+    target.dtype model and its fp8 copy at once; `log` gets one line saying how many. With random_init (shapes for
+    measurements) it is built on the device in target.dtype and quantised there, the freed blocks given back: the
+    load peaks at the dtype model's size (on the CPU, torch's random init of a 27B model takes many minutes).
 
     A vision-language wrapper folder (Qwen3.5/3.6: config.json with text_config, text weights under
     model.language_model.*) loads as its causal LM alone: transformers maps the wrapper's config to
@@ -208,7 +210,8 @@ def load_target(
         problem = fp8_problem(device)  # before minutes of loading
         if problem:
             raise TargetError(problem)
-        device = torch.device("cpu")
+        if not random_init:  # real weights: the device never holds the dtype model beside its fp8 copy
+            device = torch.device("cpu")
     if random_init:
         with torch.device(device):
             model = AutoModelForCausalLM.from_config(config, dtype=dtype)
@@ -230,6 +233,8 @@ def load_target(
         from dflash.models.target_fp8 import quantize_target
 
         count = quantize_target(freeze(model), decoder_of(model).layers, final)
+        if random_init and final.type == "cuda":  # built there in dtype: give the dtype weights' blocks back
+            torch.cuda.empty_cache()
         named = str(dtype).removeprefix("torch.")
         if log is not None and count:
             log(f"target: {count} decoder linears in fp8 (e4m3, per-row scales"

@@ -112,7 +112,7 @@ ONE_GPU = ["topology.target_gpus=[]", "topology.drafter_gpus=[]"]
 PACKED = [*ONE_GPU, "data.packing=true", "data.pack_remainders=false"]
 BUCKETED = [*ONE_GPU, "data.packing=false", "data.pack_remainders=true"]  # the 27B presets before they packed
 SPLIT = ['topology.target_gpus=["0"]', 'topology.drafter_gpus=["1"]']  # 1 target + 1 drafter
-Q8_PACKED = ["data.token_budget=16384", "train.batch_anchors=1024"]
+Q8_PACKED = ["data.token_budget=16384", "train.batch_anchors=1024", "data.max_batch_size=64"]  # the preset's is 1
 MEASURING = ["--waive", "gpu-memory", "--reason", "measuring it"]  # preflight's memory verdict is what is measured
 COLD = {"TORCHINDUCTOR_CACHE_DIR": "{fresh}"}  # an empty inductor cache: the first step is a cold start
 DATA = 'python3 -c "import sys; from dflash.commands.data import data_main; data_main(sys.argv[1:])"'
@@ -303,11 +303,11 @@ RECIPES = {r.name: r for r in [
                  "python3 -m preflight.probe --gpus 0 --steps context,matmul,attention,nccl",
                  "python3 -m preflight.probe --gpus 0 --steps context,matmul,attention,nccl",
                  f"python3 -m dflash.commands.preflight --profile train-cu128 --config {Q8} --set "
-                 "target.random_init=true --json {waivers}",
-                 f"python3 -m dflash.commands.estimate --config {Q8} --from-nvml --probe",
+                 "target.random_init=true --set data.path={data} --set output_dir={work}/run --json {waivers}",
+                 f"python3 -m dflash.commands.estimate --config {Q8} --from-nvml --probe --cuda 13.0",
                  "python3 -m preflight.probe --gpus 0 --steps context,matmul,attention,nccl --no-cache --timeout 2",
                  "python3 -m pytest tests/test_probe.py -q -p no:cacheprovider -k on_a_gpu"],
-             env={"DFLASH_CACHE": "{fresh}"}, expect_s=120),
+             env={"DFLASH_CACHE": "{fresh}"}, data="syn:200,1500,0,0,151936", expect_s=120),
     Commands("artifact-tiny", "the compile cache artifact on CUDA, tiny preset: --warm-cache, then a cold start and "
              "one from the artifact, each in a fresh process with empty caches, twice (bench/compile_artifact.py)",
              ["python3 bench/compile_artifact.py --device cuda --runs 2 --out {work}/compile_artifact_tiny.json -- "
@@ -321,8 +321,10 @@ RECIPES = {r.name: r for r in [
                  f"TORCHINDUCTOR_CACHE_DIR={{fresh}}/warm TRITON_CACHE_DIR={{fresh}}/warm-triton {ARTIFACT_Q36} "
                  "--set output_dir={work}/run --max-steps 3 --fresh --no-progress {waivers}"],
              data=Q36_MIX),
-    Commands("gpu-tests", "the GPU-only tests, whole (pytest -m gpu)",
-             ["python3 -m pytest -m gpu -q -p no:cacheprovider -n 4 --dist loadfile -rA"], expect_s=170),
+    Commands("gpu-tests", "the GPU-only tests, whole (pytest -m gpu): 4 workers, then the ones that need the GPU to "
+             "themselves (gpu_alone) in one process", [
+                 "python3 -m pytest -m 'gpu and not gpu_alone' -q -p no:cacheprovider -n 4 --dist loadfile -rA",
+                 "python3 -m pytest -m gpu_alone -q -p no:cacheprovider -n 0 -rA"], expect_s=170),
     # the CPU checks of this runner (tests/test_bench_smoke.py)
     Commands("cpu-commands", "CPU: the packing bench and a tiny co-located step (the suite's check of the commands "
              "kind)", ["python3 bench/packing.py --samples 3000",

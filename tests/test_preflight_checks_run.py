@@ -275,6 +275,15 @@ def test_config_refuses_an_fp8_target_on_a_gpu_without_fp8_tensor_cores(tmp_path
     assert check_config(make_ctx(tmp_path, config={"target": {"precision": "bf16"}}, gpus=old)).status == "pass"
 
 
+def test_config_refuses_packing_one_sample_a_row(tmp_path):
+    """data.packing with max_batch_size = 1 packs nothing and varies the row's length every step (an H100 run of it
+    recompiled from step 12 and stopped at the recompile limit at 42): refused before launch, with the fix."""
+    r = check_config(make_ctx(tmp_path, config={"data": {"packing": True, "max_batch_size": 1}}))
+    assert r.status == "fail" and r.summary.startswith("data.packing with data.max_batch_size = 1 packs one sample a row")
+    assert r.fix == "set data.max_batch_size in run.toml to 64 (or above), or data.packing = false"
+    assert check_config(make_ctx(tmp_path, config={"data": {"packing": True, "max_batch_size": 2}})).status == "pass"
+
+
 # ---------------------------------------------------------------- config: real weights, or random ones on purpose
 
 SHAPES = {"model_type": "qwen3", "num_hidden_layers": 8, "hidden_size": 64, "intermediate_size": 128,

@@ -348,6 +348,7 @@ def test_estimate_probe_uses_the_measured_overhead(monkeypatch):
 
 
 @pytest.mark.gpu
+@pytest.mark.gpu_alone  # the probe refuses a GPU another process holds: pytest's other workers would
 @pytest.mark.skipif(not os.path.exists("/dev/nvidia0"), reason="needs a CUDA GPU (the real probe)")
 def test_on_a_gpu_the_probe_measures_and_leaves_nothing_behind(tmp_path):
     from preflight.nvml import NvmlGpuInfo
@@ -374,6 +375,7 @@ def test_the_probe_process_refuses_an_unknown_step_in_one_json_line(capsys):
 
 
 @pytest.mark.gpu
+@pytest.mark.gpu_alone  # the probe refuses a GPU another process holds: pytest's other workers would
 @pytest.mark.skipif(not os.path.exists("/dev/nvidia0"), reason="needs a CUDA GPU (the real probe)")
 def test_on_a_gpu_preflight_reports_and_uses_the_measured_overhead(tmp_path):
     from dflash.config import load_config

@@ -65,6 +65,10 @@ def check_config(ctx: Context) -> CheckResult:
         _fp8_problems(ctx, drafter_shape(cfg, shape), where, problems, fixes)
     if cfg.target.precision == "fp8":
         _fp8_target_problems(ctx, where, problems, fixes)
+    if cfg.data.packing and cfg.data.max_batch_size == 1:  # an H100 run recompiled from step 12 and stopped at 42
+        problems.append("data.packing with data.max_batch_size = 1 packs one sample a row: nothing packs, and the "
+                        "rows' lengths vary from step to step (a graph for each range of them)")
+        fixes.append(f"set data.max_batch_size in {where} to 64 (or above), or data.packing = false")
     data.update(target_layer_ids=ids, mask_token_id=mask)
     if problems:
         return result("config", "fail", "; ".join(problems), "; ".join(fixes), problems=problems, **data)

@@ -339,6 +339,8 @@ def test_warm_steps_run_the_target_on_every_shape_class(tmp_path, monkeypatch):
     assert seen == shapes and any(b == 1 for b, _ in shapes) and any(b > 1 for b, _ in shapes)
     assert lines[-1].startswith(f"warm-cache: 2 shape class(es) (rows >= 2, one row) in {len(shapes)} batches of "
                                 + ", ".join(f"{b} x {s}" for b, s in shapes) + " tokens"), lines[-1]
+    counts = lines[-1].split("; graphs after each batch: ")[1].split(", ")  # which batches built graphs (CPU: none)
+    assert len(counts) == len(shapes) and len(set(counts)) == 1, lines[-1]
 
 
 def test_a_graph_built_after_the_first_step_is_one_line_and_counted(tmp_path, monkeypatch, capsys):

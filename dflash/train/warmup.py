@@ -53,7 +53,7 @@ def warm_steps(trainer, log=print, losses: list | None = None) -> list[tuple[int
     features = trainer.source.features
     if isinstance(trainer.source, CachedTarget):
         features = functools.partial(LocalTarget.features, trainer.source)  # never into the feature cache
-    shapes, classes = [], []
+    shapes, classes, after = [], [], []  # after: graphs built so far, batch by batch (which batches add any)
     t0 = time.perf_counter()
     for k, (name, indices) in enumerate(warm_batches(trainer.sampler)):
         batch = collate(trainer.dataset, indices, pad, trainer.cfg.data.packing)
@@ -72,9 +72,11 @@ def warm_steps(trainer, log=print, losses: list | None = None) -> list[tuple[int
                 micro_step(trainer.drafter, trainer.embed_w, trainer.head_w, batch, context, trainer.cfg,
                            trainer.device, trainer.attn_backend, k)
         shapes.append(tuple(batch["input_ids"].shape))
+        after.append(compiled.graphs())
         classes += [name] if name not in classes else []
     log(f"warm-cache: {len(classes)} shape class(es) ({', '.join(classes)}) in {len(shapes)} batches of "
         f"{', '.join(f'{b} x {s}' for b, s in shapes)} tokens through the target and the drafter"
         f"{' (and the held-out math)' if trainer.heldout is not None else ''}; {compiled.graphs()} compiled "
-        f"graph(s){_cache_text(cache_counts())} in {time.perf_counter() - t0:.1f} s")
+        f"graph(s){_cache_text(cache_counts())} in {time.perf_counter() - t0:.1f} s; graphs after each batch: "
+        f"{', '.join(map(str, after))}")
     return shapes

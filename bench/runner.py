@@ -609,8 +609,13 @@ def train_argv(recipe: Recipe, data: Path, out: Path, fresh: bool) -> list[str]:
 
 
 def estimate(recipe: Recipe, data: Path, env: dict) -> str:
+    """dflash-estimate of the recipe's run as this machine will run it: its GPUs' memory (NVML) where one is visible,
+    and the CUDA of the torch installed here, as the run's own preflight takes them."""
+    import torch
+
     sets = [*recipe.sets, f"data.path={json.dumps(str(data))}"]
-    argv = [sys.executable, "-m", "dflash.commands.estimate", "--config", recipe.config,
+    machine = (["--from-nvml"] if visible_gpus() else []) + (["--cuda", torch.version.cuda] if torch.version.cuda else [])
+    argv = [sys.executable, "-m", "dflash.commands.estimate", "--config", recipe.config, *machine,
             *(a for s in sets for a in ("--set", s))]
     p = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     return f"$ {shlex.join(argv[1:])}\n{p.stdout}{p.stderr}"

@@ -159,6 +159,15 @@ def table_lines(table: dict, budget: int) -> list[str]:
     return lines
 
 
+def document(argv, seeds, shape, budget, min_features, fp8_count, noise, runs, wall_s) -> dict:
+    """What --out holds: the command, the recipe, each run's figures and the table."""
+    return {"command": "uv run python bench/fp8_acceptance.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+            "machine": f"{platform.machine()}, Python {platform.python_version()}",
+            "recipe": {"config": "configs/demo-cpu.toml", **shape, "ddtree_budget": budget, "seeds": seeds,
+                       "fp8_min_features": min_features, "fp8_linears": fp8_count.get("fp8", 0)},
+            "shape_noise": noise, "runs": runs, "table": summarise(runs), "wall_s": round(wall_s, 1)}
+
+
 def main(argv: list[str] | None = None) -> int:
     from dflash.commands import demo
 
@@ -197,8 +206,9 @@ def main(argv: list[str] | None = None) -> int:
     for verifier in PRECISIONS:
         print(f"\nfp8-acceptance: verify every drafter by the {verifier} target ({time.perf_counter() - t0:.0f} s)",
               flush=True)
-        reports, noise[verifier] = verify(target, verifier, {n: t["drafter"] for n, t in trained.items()}, shape["eval_prompts"],
-                         shape["eval_max_new_tokens"], budget)
+        drafters = {n: t["drafter"] for n, t in trained.items()}
+        reports, noise[verifier] = verify(target, verifier, drafters, shape["eval_prompts"],
+                                          shape["eval_max_new_tokens"], budget)
         for name, r in reports.items():
             (tree,) = r.ddtree
             fp8_count[verifier] = r.target_fp8_linears
@@ -208,20 +218,17 @@ def main(argv: list[str] | None = None) -> int:
                          "ddtree_lossless": tree["lossless"], "verify_steps": r.verify_steps, "ddtree_rounds":
                          tree["rounds"], "new_tokens": r.new_tokens, "ties": len(r.ties) + len(tree["ties"]),
                          "mismatches": r.mismatches + tree["mismatches"]})
+        if args.out:  # after each target: an interrupted run keeps what it measured
+            write_json(args.out, document(argv, seeds, shape, budget, args.fp8_min_features, fp8_count, noise, runs,
+                                          time.perf_counter() - t0))
     table = summarise(runs)
     print(f"\nfp8 target: {fp8_count.get('fp8', 0)} decoder linears in e4m3 (filter lowered to "
           f"{args.fp8_min_features}); {len(seeds)} seeds; {len(runs)} evaluations in {time.perf_counter() - t0:.0f} s")
     for line in table_lines(table, budget):
         print(line)
     if args.out:
-        write_json(args.out, {
-            "command": "uv run python bench/fp8_acceptance.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-            "machine": f"{platform.machine()}, {platform.python_version()}",
-            "recipe": {"config": "configs/demo-cpu.toml", **{k: v for k, v in shape.items()}, "ddtree_budget": budget,
-                       "seeds": seeds, "fp8_min_features": args.fp8_min_features,
-                       "fp8_linears": fp8_count.get("fp8", 0)},
-            "shape_noise": noise,
-            "runs": runs, "table": table, "wall_s": round(time.perf_counter() - t0, 1)})
+        write_json(args.out, document(argv, seeds, shape, budget, args.fp8_min_features, fp8_count, noise, runs,
+                                      time.perf_counter() - t0))
     lossless = all(r["lossless"] and r["ddtree_lossless"] for r in runs)
     return 0 if lossless else 1
 

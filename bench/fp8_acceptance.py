@@ -188,6 +188,7 @@ def main(argv: list[str] | None = None) -> int:
                                       "eval_max_new_tokens": demo.EVAL_MAX_NEW_TOKENS, "overrides": {}}
     budget = demo.DDTREE_BUDGET
 
+    demo.yielding_threads()  # beside other programs, torch's threads sleep while they wait: before torch loads
     from dflash.models import target_fp8
     from preflight.gate import apply_profile_env
 
@@ -203,10 +204,10 @@ def main(argv: list[str] | None = None) -> int:
             trained[name] = {"seed": seed, "features": features,
                              **train(target, data, heldout, args.work / name, seed, features, shape["overrides"])}
     runs, fp8_count, noise = [], {}, {}
-    for verifier in PRECISIONS:
-        print(f"\nfp8-acceptance: verify every drafter by the {verifier} target ({time.perf_counter() - t0:.0f} s)",
-              flush=True)
-        drafters = {n: t["drafter"] for n, t in trained.items()}
+    for seed, verifier in ((s, v) for s in seeds for v in PRECISIONS):  # a seed's 2 x 2 first: --out has it soonest
+        print(f"\nfp8-acceptance: verify the seed {seed} drafters by the {verifier} target "
+              f"({time.perf_counter() - t0:.0f} s)", flush=True)
+        drafters = {n: t["drafter"] for n, t in trained.items() if t["seed"] == seed}
         reports, noise[verifier] = verify(target, verifier, drafters, shape["eval_prompts"],
                                           shape["eval_max_new_tokens"], budget)
         for name, r in reports.items():
@@ -218,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
                          "ddtree_lossless": tree["lossless"], "verify_steps": r.verify_steps, "ddtree_rounds":
                          tree["rounds"], "new_tokens": r.new_tokens, "ties": len(r.ties) + len(tree["ties"]),
                          "mismatches": r.mismatches + tree["mismatches"]})
-        if args.out:  # after each target: an interrupted run keeps what it measured
+        if args.out:  # after each seed and target: an interrupted run keeps what it measured
             write_json(args.out, document(argv, seeds, shape, budget, args.fp8_min_features, fp8_count, noise, runs,
                                           time.perf_counter() - t0))
     table = summarise(runs)

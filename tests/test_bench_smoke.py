@@ -1,6 +1,6 @@
 """CPU smoke runs of the measurement scripts (bench/train_step.py, bench/memory_calibration.py, bench/data_check.py,
-bench/target_rate.py, bench/fp8_matmul.py, bench/regenerate_faults.py, bench/packing.py, bench/demo_time.py) and the CPU
-half of bench/runner.py."""
+bench/target_rate.py, bench/fp8_matmul.py, bench/regenerate_faults.py, bench/packing.py, bench/demo_time.py), the table of
+bench/fp8_acceptance.py and the CPU half of bench/runner.py."""
 
 from __future__ import annotations
 
@@ -167,6 +167,22 @@ def test_demo_time_reads_each_stage_and_the_result_from_a_demo_output(tmp_path):
     log.write_text(log.read_text().replace("held-out acceptance", "demo: FAILED: speculative decoding did not "
                                            "reproduce target-only greedy decoding\nheld-out acceptance"))
     assert _run(["bench/demo_time.py", "--parse", str(log)], tmp_path).returncode == 1  # not lossless: exit 1
+
+
+def test_fp8_acceptance_tables_each_cell_over_its_seeds_and_flags_a_lossy_one():
+    """bench/fp8_acceptance.py's 2 x 2: mean and sample sd over seeds per (features, verifier); lossless only where
+    every run of the cell was, linear and DDTree."""
+    from bench.fp8_acceptance import summarise, table_lines
+
+    runs = [{"seed": s, "features": f, "verified_by": v, "linear_tau": 1.5 + s / 10, "ddtree_tau": 2.0 + s / 10,
+             "lossless": True, "ddtree_lossless": not (f == "fp8" and v == "fp8" and s == 1)}
+            for s in (0, 1, 2) for f in ("bf16", "fp8") for v in ("bf16", "fp8")]
+    table = summarise(runs)
+    assert table["bf16/fp8"]["linear"] == {"mean": 1.6, "sd": 0.1, "min": 1.5, "max": 1.7, "n": 3}
+    assert [k for k, c in table.items() if not c["lossless"]] == ["fp8/fp8"]
+    lines = table_lines(table, 16)
+    assert lines[2] == "| bf16 features | 1.600 ± 0.100 | 2.100 ± 0.100 | 1.600 ± 0.100 | 2.100 ± 0.100 |"
+    assert lines[-1].endswith("'fp8/fp8': False}")
 
 
 @pytest.mark.slow

@@ -117,6 +117,32 @@ def test_cli_reports_and_exit_codes(root, tmp_path):
     assert "not a drafter folder" in res.output
 
 
+def test_an_fp8_target_verifies_losslessly_and_the_report_says_fp8(root, tmp_path, monkeypatch):
+    """--target-precision fp8: the target that verifies runs e4m3 linears (emulated on CPU), its own greedy output is
+    the reference, the report names the precision; another precision is one line, exit 2."""
+    from dflash.models import target_fp8
+
+    target = chat_target(root, "llama")
+    model, _ = load_eval_target(str(target), "cpu")
+    _drafter(model).save_pretrained(tmp_path / "drafter")
+    prompts = tmp_path / "p.txt"
+    prompts.write_text(f"{word_text(4)}\n{word_text(5, 3)}\n")
+    monkeypatch.setattr(target_fp8, "MIN_FEATURES", 64)  # the tiny target's linears are far below the real filter
+    args = ["--target", str(target), "--drafter", str(tmp_path / "drafter"), "--prompts", str(prompts),
+            "--max-new-tokens", "12", "--ddtree", "4"]
+    out = tmp_path / "r.json"
+    res = CliRunner().invoke(eval_command, [*args, "--target-precision", "fp8", "--json", str(out)])
+    assert res.exit_code == 0, res.output
+    report = json.loads(out.read_text())
+    assert report["target_precision"] == "fp8" and report["target_fp8_linears"] == 20  # q, o, gate, up, down x 4 layers
+    assert report["lossless"] is True and report["ddtree"][0]["lossless"] is True
+    assert "against the fp8 target (20 e4m3 linears)" in res.output and "lossless: " in res.output
+
+    res = CliRunner().invoke(eval_command, [*args, "--target-precision", "fp4"])
+    assert res.exit_code == 2
+    assert "'fp4' is not one of 'bf16', 'fp8'" in res.output
+
+
 def test_drafter_of_another_target_is_refused(root):
     llama, tok = load_eval_target(str(chat_target(root, "llama")), "cpu")
     cfg = drafter_config_from_target(dict(llama.config.to_dict(), num_hidden_layers=8), 1, 4, mask_token_id=MASK_ID)

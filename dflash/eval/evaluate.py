@@ -105,7 +105,8 @@ def print_tree_reports(r: EvalReport, log=print) -> None:
 
 
 def print_report(r: EvalReport, log=print) -> None:
-    log(f"[{r.name}] {r.prompts} prompts, block {r.block_size}, up to {r.max_new_tokens} new tokens: "
+    fp8 = f" against the fp8 target ({r.target_fp8_linears} e4m3 linears)" if r.target_precision == "fp8" else ""
+    log(f"[{r.name}] {r.prompts} prompts, block {r.block_size}, up to {r.max_new_tokens} new tokens{fp8}: "
         f"mean acceptance length {r.mean_accept_len:.3f} over {r.verify_steps} verify steps")
     top = max(r.histogram.values(), default=1)
     for k in range(1, r.block_size + 1):
@@ -132,9 +133,11 @@ def print_report(r: EvalReport, log=print) -> None:
 
 
 def evaluate(target: str, drafter: Path, prompts: str, block_size: int | None, max_new_tokens: int,
-             limit: int | None, device: str = "cpu", log=print, ddtree: str | None = None) -> EvalReport:
+             limit: int | None, device: str = "cpu", log=print, ddtree: str | None = None,
+             precision: str = "bf16") -> EvalReport:
     """dflash-eval: one drafter (folder or run dir) on the given prompts; the inputs are checked before torch loads.
-    ddtree: "16,32,..." node budgets of DDTree decoding beside the linear one."""
+    ddtree: "16,32,..." node budgets of DDTree decoding beside the linear one; precision: the verifying target's
+    matmuls, bf16 (its dtype) or fp8 (target.precision), whose own greedy output is then the lossless reference."""
     check_device(device)
     budgets = parse_budgets(ddtree) if ddtree else None
     folder = find_drafter_folder(drafter)
@@ -144,7 +147,7 @@ def evaluate(target: str, drafter: Path, prompts: str, block_size: int | None, m
     from dflash.eval.speculative import evaluate_drafters, load_drafter, load_eval_target
 
     d = load_drafter(folder, device)  # small: before the target
-    model, tokenizer = load_eval_target(target, device, log)
+    model, tokenizer = load_eval_target(target, device, log, precision)
     log(f"eval: drafter {folder} ({d.config.num_hidden_layers} layers, trained block {d.config.block_size}) on "
         f"{len(texts)} prompts from {prompts}")
     return evaluate_drafters(model, tokenizer, {str(folder): d}, texts, block_size, max_new_tokens, log,

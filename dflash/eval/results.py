@@ -49,6 +49,8 @@ class EvalReport:
     ties: list = field(default_factory=list)  # prompts that differ, every token still a greedy choice within one ulp
     ddtree: list = field(default_factory=list)  # one TreeReport (as a dict) per --ddtree budget, same prompts
     linear_mode: str = "verified"  # computed on targets whose cache cannot roll back (hybrids): dflash.eval.ddtree
+    target_precision: str = "bf16"  # the verifying target's matmuls: bf16 (its dtype) or fp8 (--target-precision)
+    target_fp8_linears: int = 0  # its decoder linears running e4m3 matmuls (dflash.models.target_fp8)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2)

@@ -32,6 +32,7 @@ from dflash.eval.results import EvalError, EvalReport, TreeReport
 from dflash.models.attention import build_layer_masks
 from dflash.models.drafter import DFlashDrafter
 from dflash.models.target import target_embed_and_head
+from dflash.models.target_fp8 import fp8_linears
 
 
 def check_pair(target, drafter: DFlashDrafter) -> None:
@@ -230,6 +231,7 @@ def evaluate_drafters(target, tokenizer, drafters: dict[str, DFlashDrafter], pro
         base_time += time.perf_counter() - t0
         phase.done(i, f"{len(reference[-1][0])} tokens, {sum(len(t) for t, _ in reference) / base_time:.1f} tok/s")
     ref_tokens = sum(len(t) for t, _ in reference)
+    fp8_count = fp8_linears(target)  # the precision the report names is the one the verifying target ran in
 
     reports = {}
     for name, drafter in drafters.items():
@@ -237,7 +239,8 @@ def evaluate_drafters(target, tokenizer, drafters: dict[str, DFlashDrafter], pro
         bs = block_size or drafter.config.block_size
         dec = Decoder(target, drafter, eos_ids)
         report = EvalReport(name, len(prompts), bs, max_new_tokens,
-                            linear_mode="verified" if cache_rolls_back(target) else "computed")
+                            linear_mode="verified" if cache_rolls_back(target) else "computed",
+                            target_precision="fp8" if fp8_count else "bf16", target_fp8_linears=fp8_count)
         linear = Decoder.speculative if report.linear_mode == "verified" else computed_linear
         accepts, spec_time = [], 0.0
         phase = PromptPhase(f"speculative ({name})", prompt_ids, progress, log)
@@ -335,8 +338,9 @@ def _short(e: BaseException, limit: int = 200) -> str:
     return text if len(text) <= limit else text[:limit] + "..."
 
 
-def load_eval_target(target: str, device: str, log=print):
-    """(model, tokenizer) for 'smollm2' or an HF folder; float32 on CPU, bfloat16 on CUDA."""
+def load_eval_target(target: str, device: str, log=print, precision: str = "bf16"):
+    """(model, tokenizer) for 'smollm2' or an HF folder; float32 on CPU, bfloat16 on CUDA. precision "fp8": its
+    decoder linears run e4m3 matmuls (target.precision; dflash.models.target_fp8: torchao on CUDA, emulated on CPU)."""
     from dflash.models.smollm2_convert import resolve_target
     from dflash.models.target import load_target, load_target_tokenizer
 
@@ -347,7 +351,7 @@ def load_eval_target(target: str, device: str, log=print):
         raise EvalError(f"--device {device}: no CUDA device is visible; use --device cpu")
     dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
     tokenizer = load_target_tokenizer(path)  # TargetError (one line) for custom code, missing or broken files
-    return load_target(path, dtype, device), tokenizer
+    return load_target(path, dtype, device, precision=precision, log=log), tokenizer
 
 
 def load_drafter(folder: Path, device: str) -> DFlashDrafter:

@@ -182,7 +182,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="1 seed, 4 training steps on 16 short samples, 2 prompts")
     p.add_argument("--out", type=Path, help="write the per-run figures and the table here (JSON)")
     args = p.parse_args(argv)
-    seeds = [int(s) for s in args.seeds.split(",")][:1 if args.quick else None]
+    try:
+        seeds = [int(s) for s in args.seeds.split(",")][:1 if args.quick else None]
+    except ValueError:
+        p.error(f"--seeds {args.seeds!r}: give whole numbers separated by commas, e.g. 0,1,2")
+    if args.out and not args.out.absolute().parent.is_dir():
+        p.error(f"--out {args.out}: the folder {args.out.absolute().parent} does not exist; create it or write elsewhere")
     shape = QUICK if args.quick else {"prompts": demo.PROMPTS, "max_new_tokens": demo.MAX_NEW_TOKENS,
                                       "heldout": demo.HELDOUT_SAMPLES, "eval_prompts": args.eval_prompts,
                                       "eval_max_new_tokens": demo.EVAL_MAX_NEW_TOKENS, "overrides": {}}

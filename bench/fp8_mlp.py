@@ -5,23 +5,24 @@ costing more than they save. Here the whole block the drafter compiles (RMSNorm 
 -> down, Qwen3-8B-shaped: hidden 4096, intermediate 12288) runs forward + backward under torch.compile twice:
 
   bf16  as the trainer runs it (bf16 weights here, no autocast: the matmuls and the fusions are what is timed)
-  fp8   both linears through an autograd Function: forward and input gradient as torch._scaled_mm on e4m3
-        operands with one scale per row (per output row of the activations, per output channel of W for the
-        forward, per input channel for the input gradient), the weight gradient in bf16; inductor is free to
-        fuse each amax / scale / cast into the kernel that produced the tensor (the norm, SiLU * up, the
-        SiLU backward)
+  fp8   as the drafter runs train.fp8 = "mlp" (dflash.models.fp8): both linears through torchao's float8
+        matmul (recipe rowwise_with_gw_hp: forward and input gradient in e4m3 with row scales, the weight
+        gradient in bf16) on the block's own weights, so gate and up stay one GEMM; inductor is free to fuse
+        each cast into the kernel that produced the tensor (the norm, SiLU * up, the SiLU backward)
 
-  torchao-rowwise-gw-hp  the same block as nn.Linear modules converted by torchao's float8 training
-        (`convert_to_float8_training`, recipe rowwise_with_gw_hp: row scales, the weight gradient in bf16 as
-        here), the library issue #55 would move `train.fp8 = "mlp"` onto if it is as fast (CUDA only)
+  torchao-rowwise-gw-hp  the same recipe with the block's linears as modules converted by torchao's
+        `convert_to_float8_training` (gate and up as one module here too) (CUDA only)
   torchao-rowwise        torchao's rowwise recipe (the weight gradient in fp8 too) (CUDA only)
+
+Until 2026-12-07 "fp8" was dflash's own hand-written e4m3 path (bench/results/h100_20261207_fp8_mlp.json: 1.22x
+against torchao's 1.26x there); it moved onto torchao (issue #55).
 
 at the bench's query rows (512 x 16 = 8,192 and 1024 x 32 = 32,768), median of 10 after 3 warm-up passes, with
 the relative error of the output and of the input gradient against bf16. Nothing here trains: a drafter
 trained this way must first show its acceptance length before the step may use it.
 
-    PYTHONPATH=. python3 bench/fp8_mlp.py --json $OUT/fp8_mlp.json      # one H200, ~1 min (dflash.models.fp8's Fp8Linear)
-    uv run python bench/fp8_mlp.py --device cpu --tiny                   # smoke run: eager, per-tensor scales
+    PYTHONPATH=. python3 bench/fp8_mlp.py --json $OUT/fp8_mlp.json      # one H100 or H200, ~1 min
+    uv run python bench/fp8_mlp.py --device cpu --tiny                   # smoke run: eager, torchao's casts emulated
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from bench.common import bench_device, median_ms  # noqa: E402
-from dflash.models.fp8 import Fp8Linear  # noqa: E402
+from dflash.models.fp8 import fp8_linear  # noqa: E402
 
 SHAPES = {"512x16": 8192, "1024x32": 32768}
 HIDDEN, INTERMEDIATE = 4096, 12288
@@ -51,7 +52,7 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 def mlp_block(x, norm_w, gate_up_w, down_w, fp8: bool):
     xn = rms_norm(x, norm_w)
-    linear = Fp8Linear.apply if fp8 else (lambda a, w: a @ w.t())
+    linear = fp8_linear if fp8 else (lambda a, w: a @ w.t())
     gate, up = linear(xn, gate_up_w).chunk(2, dim=-1)
     return linear(torch.nn.functional.silu(gate) * up, down_w)
 
@@ -151,10 +152,10 @@ def main(argv=None) -> int:
     if error:
         print(error[1], file=sys.stderr)
         return error[0]
-    per_row = device.type == "cuda"  # torch's CPU _scaled_mm takes one scale per tensor (dflash.models.fp8)
     shapes, hidden, inter = ({"tiny": 64}, 64, 128) if args.tiny else (SHAPES, HIDDEN, INTERMEDIATE)
     results = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-               "torch": torch.__version__, "scales": "per row" if per_row else "per tensor",
+               "torch": torch.__version__,
+               "scales": "per row" if device.type == "cuda" else "per row, emulated",
                "hidden": hidden, "intermediate": inter, "shapes": {}}
     for shape, rows in shapes.items():
         r = measure(rows, hidden, inter, device, not args.tiny, args.repeat)

@@ -210,8 +210,8 @@ class TrainConfig(_Strict):
         "backward), layer (whole layers); auto = the fastest the memory model fits on the GPU (off on CPU)",
     )
     fp8: Literal["off", "mlp"] = Field(
-        "off", description="mlp: each drafter MLP's forward and input-gradient matmuls in fp8 (e4m3, row scales; "
-        "CUDA compute capability 8.9+; ~1.27x faster MLP on an H200, its outputs ~6.6% from bf16: bench/fp8_mlp.py)",
+        "off", description="mlp: each drafter MLP's forward and input-gradient matmuls in fp8 (torchao's float8 training, e4m3, row "
+        "scales; CUDA compute capability 8.9+; the MLP 1.26x faster on an H100, its outputs ~6.6% from bf16: bench/fp8_mlp.py)",
     )
     data_parallel: Literal["auto", "ddp", "fsdp2"] = Field(
         "auto", description="how several drafter ranks hold the drafter: ddp (a full replica and its fp32 state on "

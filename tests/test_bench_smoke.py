@@ -92,7 +92,7 @@ def test_fp8_matmul_bench_compares_every_matmul_of_a_layer_on_cpu(tmp_path):
 
 
 def test_fp8_mlp_bench_runs_the_block_both_ways_on_cpu(tmp_path):
-    """The MLP block through the fp8 autograd Function (per-tensor scales on CPU): output and both gradients
+    """The MLP block through train.fp8's matmuls (torchao's casts, emulated on CPU): output and both gradients
     within ~10% of bf16's after two e4m3 matmuls in a row; a wrong transpose or scale would be off by ~100%."""
     out = tmp_path / "fp8_mlp.json"
     proc = _run(["bench/fp8_mlp.py", "--device", "cpu", "--tiny", "--repeat", "1", "--json", str(out)], tmp_path)

@@ -7,7 +7,7 @@ import torch
 
 from dflash.config import ConfigError, config_from_dict
 from dflash.models.drafter import DFlashConfig, DFlashDrafter, _norm_mlp, _norm_mlp_keeping_matmuls
-from dflash.models.fp8 import Fp8Linear, fp8_linear, fp8_problem
+from dflash.models.fp8 import fp8_linear, fp8_problem
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -15,13 +15,13 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def test_fp8_linear_is_close_to_bf16_and_its_weight_gradient_is_bf16s():
-    """e4m3 keeps 3 mantissa bits: a few percent off bf16 (a wrong scale or transpose is ~100% off); the weight
-    gradient is computed in bf16 from the kept input, so it equals bf16's exactly."""
+    """torchao's casts (emulated on CPU): e4m3 keeps 3 mantissa bits, a few percent off bf16 (a wrong scale or
+    transpose is ~100% off); the weight gradient is computed in bf16 from the kept input, so it equals bf16's."""
     g = torch.Generator().manual_seed(0)
     x = torch.randn(48, 64, generator=g).to(torch.bfloat16).requires_grad_(True)
     w = (torch.randn(32, 64, generator=g) / 8).to(torch.bfloat16).requires_grad_(True)
     dy = torch.randn(48, 32, generator=g).to(torch.bfloat16)
-    y = Fp8Linear.apply(x, w)
+    y = fp8_linear(x, w)
     y.backward(dy)
     x_ref, w_ref = x.detach().clone().requires_grad_(True), w.detach().clone().requires_grad_(True)
     (x_ref @ w_ref.t()).backward(dy)
@@ -82,7 +82,9 @@ def test_fp8_mlp_stays_close_to_bf16_through_the_drafter():
         outs[mode] = (out.detach(), drafter.layers[0].mlp.gate_proj.weight.grad.clone(), drafter.fc.weight.grad.clone())
     assert all(m.fp8 for m in (layer.mlp for layer in drafter.layers))
     for a, b in zip(outs["mlp"], outs["off"]):
-        assert 0 < _rel(a, b) < 0.15
+        # torchao's recipe emulated at these tiny widths: 0.19-0.22 on the MLP's gradients (an output 0.0003);
+        # at the bench's widths 6.6%. A wrong scale or transpose is ~100% off.
+        assert 0 < _rel(a, b) < 0.3
 
 
 def test_fp8_is_refused_off_cuda_with_a_one_line_fix():
@@ -128,26 +130,6 @@ def test_compiled_fp8_mlp_on_cuda_is_as_close_to_bf16_as_eager_fp8():
     for ref, eager, compiled in zip(results["bf16"], results["fp8"], results["compiled fp8"]):
         assert 0 < _rel(eager, ref) < 0.1 and _rel(compiled, ref) < 1.5 * _rel(eager, ref) + 0.01, (
             _rel(eager, ref), _rel(compiled, ref))
-
-
-def test_row_scaled_fp8_mm_hands_torch_the_layouts_it_documents(monkeypatch):
-    """The CUDA branch (one scale per row of a, per row of b) on CPU, through a stand-in for torch._scaled_mm that
-    checks the layouts torch documents (a row-major, b column-major, scale_a [M, 1], scale_b [1, N]) and computes
-    the scaled product: a transposed operand or a swapped scale would fail here without a GPU."""
-    def scaled_mm(a, b, scale_a, scale_b, out_dtype):
-        M, K = a.shape
-        N = b.shape[1]
-        assert b.shape[0] == K and a.stride(1) == 1 and b.stride(0) == 1, (a.stride(), b.stride())
-        assert scale_a.shape == (M, 1) and scale_b.shape == (1, N), (scale_a.shape, scale_b.shape)
-        return ((a.float() * scale_a) @ (b.float() * scale_b)).to(out_dtype)
-
-    monkeypatch.setattr(torch, "_scaled_mm", scaled_mm)
-    g = torch.Generator().manual_seed(4)
-    a = torch.randn(40, 64, generator=g).to(torch.bfloat16)
-    b = (torch.randn(24, 64, generator=g) * torch.linspace(0.01, 10, 24)[:, None]).to(torch.bfloat16)  # rows differ
-    from dflash.models.fp8 import fp8_mm
-
-    assert 0 < _rel(fp8_mm(a, b, per_row=True), a.float() @ b.float().t()) < 0.08
 
 
 def test_fp8_needs_compile_and_changes_the_compile_cache_key():

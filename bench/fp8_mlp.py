@@ -39,7 +39,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from bench.common import bench_device, median_ms  # noqa: E402
-from dflash.models.fp8 import fp8_linear  # noqa: E402
+from dflash.models.fp8 import fp8_linear, prepare  # noqa: E402
 
 SHAPES = {"512x16": 8192, "1024x32": 32768}
 HIDDEN, INTERMEDIATE = 4096, 12288
@@ -107,6 +107,7 @@ def measure(rows: int, hidden: int, inter: int, device, compiled: bool, repeat: 
     dy = torch.randn(rows, hidden, device=device, generator=g).to(bf)
     out = {}
     results = {}
+    prepare()  # as DFlashDrafter.set_fp8 does: torchao's configs built outside the compiled block
     names = ["bf16", "fp8"] + (list(TORCHAO) if device.type == "cuda" else [])  # torchao's float8: CUDA kernels
     for name in names:
         if name in TORCHAO:

@@ -238,21 +238,22 @@ RECIPES = {r.name: r for r in [
                  f"{RATE} --config {Q36} --warmup 1 --steps 3 --compile off --pytorch-linear-attention --out "
                  "{work}/rate_fallback.json",
                  f"{RATE} --config {Q36} --warmup 1 --steps 3 --compile off --out {{work}}/rate_fla.json"]),
-    Commands("fp8-target-8b", "target.precision = fp8 on the Qwen3-8B target role (16,384 tokens in 4 rows, "
-             "compiled): bf16 then fp8, each load's NVML peak against the predicted peak, the rate, the fp8 features' "
-             "relative error against the same weights in bf16; then tests/test_target_fp8.py (torchao vs the "
-             "emulation)", [
-                 f"{RATE} --config {Q8} --set data.token_budget=16384 --rows 4 --steps 8 --compile on --out "
+    Commands("fp8-target-8b", "target.precision = fp8 on the Qwen3-8B target role (16,384 tokens packed, lognormal mean "
+             "1,500, sigma 0.7, compiled): bf16 then fp8, each load's NVML peak against the predicted peak, the rate, "
+             "the fp8 features' and logits' relative error and cosine against the same weights in bf16; then "
+             "tests/test_target_fp8.py (torchao vs the emulation)", [
+                 f"{RATE} --config {Q8} --set data.token_budget=16384 --packed 1500,0.7 --steps 8 --compile on --out "
                  "{work}/rate_8b_bf16.json",
-                 f"{RATE} --config {Q8} --set data.token_budget=16384 --set target.precision=fp8 --rows 4 --steps 8 "
-                 "--compile on --vs-bf16 --out {work}/rate_8b_fp8.json",
-                 "python3 -m pytest tests/test_target_fp8.py -q -p no:cacheprovider -n 0 -rA"], expect_s=150),
-    Commands("fp8-target-q36", "target.precision = fp8 on the Qwen3.6-27B target role (49,152 tokens in 8 rows, "
-             "compiled, fla-core): the fp8 load's NVML peak against the predicted peak, its rate and its features "
-             "against the same weights in bf16, then bf16's rate", [
-                 f"{RATE} --config {Q36} --set target.precision=fp8 --rows 8 --warmup 1 --steps 3 --compile on "
+                 f"{RATE} --config {Q8} --set data.token_budget=16384 --set target.precision=fp8 --packed 1500,0.7 "
+                 "--steps 8 --compile on --vs-bf16 --out {work}/rate_8b_fp8.json",
+                 "python3 -m pytest tests/test_target_fp8.py -q -p no:cacheprovider -n 0 -rA"], expect_s=130),
+    Commands("fp8-target-q36", "target.precision = fp8 on the Qwen3.6-27B target role (49,152 tokens packed, lognormal "
+             "mean 2,826, sigma 0.6, compiled, fla-core): the fp8 load's NVML peak against the predicted peak, its "
+             "rate, its features and logits against the same weights in bf16, then bf16's rate", [
+                 f"{RATE} --config {Q36} --set target.precision=fp8 --packed 2826,0.6 --warmup 1 --steps 3 --compile on "
                  "--vs-bf16 --out {work}/rate_q36_fp8.json",
-                 f"{RATE} --config {Q36} --rows 8 --warmup 1 --steps 3 --compile on --out {{work}}/rate_q36_bf16.json"],
+                 f"{RATE} --config {Q36} --packed 2826,0.6 --warmup 1 --steps 3 --compile on --out "
+                 "{work}/rate_q36_bf16.json"],
              expect_s=230),
     Commands("target-mask", "the target role eager on padded batches without and with the padding mask: Qwen3-8B "
              "16,384 tokens in 4 rows, Qwen3.6-27B 49,152 in 8", [

@@ -24,6 +24,8 @@ wheels), and the padding mask and compiled-layer comparisons (--list shows the r
 from __future__ import annotations
 
 import argparse
+import gc
+import math
 import sys
 import time
 from pathlib import Path
@@ -52,10 +54,22 @@ def kernels(model) -> dict:
     return out
 
 
-def forward_flops(model, layer_ids: list[int], want_last: bool, rows: int, seq: int) -> float:
-    """Matmul FLOPs of the target's feature forward over rows x seq tokens: 2 x the linear weights of the layers it
-    runs (up to the deepest feature layer, or all with want_last) per token, plus causal attention's two products in
-    the full-attention layers (the linear-attention layers' recurrence is not counted)."""
+def packed_lengths(budget: int, mean: float, sigma: float) -> list[int]:
+    """Lognormal sequence lengths (mean `mean`, sigma `sigma`, seed 0) laid end to end until `budget` tokens, the last
+    one cut to fit: one packed row's sequences."""
+    import random
+
+    rng, mu, lengths = random.Random(0), math.log(mean) - sigma * sigma / 2, []
+    while sum(lengths) < budget:
+        lengths.append(max(1, min(round(rng.lognormvariate(mu, sigma)), budget - sum(lengths))))
+    return lengths
+
+
+def forward_flops(model, layer_ids: list[int], want_last: bool, lengths: list[int]) -> float:
+    """Matmul FLOPs of the target's feature forward over sequences of `lengths` tokens (each row, or each sequence of
+    a packed row): 2 x the linear weights of the layers it runs (up to the deepest feature layer, or all with
+    want_last) per token, plus causal attention's two products in the full-attention layers (the linear-attention
+    layers' recurrence is not counted)."""
     import torch
 
     from dflash.models.target import decoder_of
@@ -69,8 +83,8 @@ def forward_flops(model, layer_ids: list[int], want_last: bool, rows: int, seq: 
     config = model.config
     hd = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     full = sum(1 for layer in run if getattr(layer, "self_attn", None) is not None)
-    attention = full * 2 * (2 * seq * seq / 2 * config.num_attention_heads * hd)  # causal QK^T and PV
-    return 2 * weights * rows * seq + attention * rows
+    per_square = full * 2 * (2 / 2 * config.num_attention_heads * hd)  # causal QK^T and PV, per token pair
+    return 2 * weights * sum(lengths) + per_square * sum(n * n for n in lengths)
 
 
 def predicted_load(cfg, path: str, nvml_peak: int | None, allocated: int | None) -> dict:
@@ -113,7 +127,15 @@ def main(argv=None) -> int:
                    help="the target's decoder layers eager, compiled (dflash.models.target.compile_target), or both "
                         "in turn on the same model (default: both on CUDA, off elsewhere, as the trainer compiles)")
     p.add_argument("--vs-bf16", action="store_true", help="with target.precision = fp8: then free the fp8 target, build "
-                   "the same random weights in target.dtype (same seed) and report the fp8 features' relative error")
+                   "the same random weights in target.dtype (same seed) and report, per feature layer and for the "
+                   "final logits of the last 2,048 positions, the fp8 target's relative error and mean cosine against "
+                   "it, and the logits' top-1 agreement")
+    p.add_argument("--packed", metavar="MEAN,SIGMA", help="one packed row instead of --rows padded ones: sequences of "
+                   "lognormal lengths (mean MEAN tokens, sigma SIGMA, seed 0) laid end to end up to data.token_budget, "
+                   "as the trainer packs them (position_ids and cu_seqlens)")
+    p.add_argument("--fp8-min-features", type=int, metavar="N", help="with target.precision = fp8: quantise linears "
+                   "whose in and out features are both >= N in this process (default: the production filter, "
+                   "dflash.config.FP8_MIN_FEATURES; the tiny target's linears are all below it)")
     p.add_argument("--out", type=Path, help="write the result as JSON here")
     p.add_argument("--floor", action="store_true", help="also run the eager forward with memory-efficient attention: "
                    "its difference from the default eager features is bf16's noise at this depth, the scale for the "
@@ -130,18 +152,40 @@ def main(argv=None) -> int:
         print(f"target_rate: --warmup must be >= 0, got {args.warmup}", file=sys.stderr)
         return 2
 
+    packed_mix = None
+    if args.packed:
+        try:
+            packed_mix = tuple(float(v) for v in args.packed.split(","))
+            assert len(packed_mix) == 2 and packed_mix[0] >= 1 and packed_mix[1] >= 0
+        except (ValueError, AssertionError):
+            print(f"target_rate: --packed takes MEAN,SIGMA (mean >= 1 token, sigma >= 0), got {args.packed!r}", file=sys.stderr)
+            return 2
+
     import torch
 
     from dflash.config import load_config
     from dflash.models.target import (
+        bind_linear_attention,
+        build_random,
         compile_target,
+        freeze,
         load_target,
+        load_target_config,
+        resolve_target_dir,
         target_features,
+        torch_dtype,
         use_torch_linear_attention,
     )
     from dflash.train.features import feature_layer_ids
     from dflash.train.loss import target_step
 
+    if args.fp8_min_features is not None:
+        if args.fp8_min_features < 1:
+            print(f"target_rate: --fp8-min-features must be >= 1, got {args.fp8_min_features}", file=sys.stderr)
+            return 2
+        from dflash.models import target_fp8
+
+        target_fp8.MIN_FEATURES = args.fp8_min_features  # read at each load: this process only
     cfg = load_config(args.config, overrides)
     device = torch.device(args.device)
     path = cfg.target.path
@@ -156,7 +200,7 @@ def main(argv=None) -> int:
     nvml = Nvml(enabled=device.type == "cuda")
     t0 = time.perf_counter()
     torch.manual_seed(cfg.train.seed)  # the random weights: the same again for --vs-bf16
-    with NvmlPeak(nvml) as load_peak:  # target.precision = "fp8": built in target.dtype, then quantised in place
+    with NvmlPeak(nvml) as load_peak:  # target.precision = "fp8": built and quantised one layer at a time
         model = load_target(path, cfg.target.dtype, device, random_init=True, precision=cfg.target.precision, log=print)
     if args.pytorch_linear_attention:
         use_torch_linear_attention(model)
@@ -164,16 +208,25 @@ def main(argv=None) -> int:
     print(f"target built in {load_s:.1f} s", flush=True)
     load = predicted_load(cfg, path, load_peak.peak, torch.cuda.memory_allocated() if device.type == "cuda" else None)
     layer_ids = feature_layer_ids(cfg, model.config.num_hidden_layers)
-    seq = cfg.data.token_budget // args.rows
+    rows = 1 if packed_mix else args.rows
+    seq = cfg.data.token_budget // rows
     g = torch.Generator().manual_seed(0)
-    ids = torch.randint(1, model.config.vocab_size - 1, (args.rows, seq), generator=g)
-    attention = torch.ones(args.rows, seq, dtype=torch.long)
-    if args.rows > 1:
+    ids = torch.randint(1, model.config.vocab_size - 1, (rows, seq), generator=g)
+    attention = torch.ones(rows, seq, dtype=torch.long)
+    if rows > 1:
         attention[-1, seq - seq // 8:] = 0
-    batch = {"input_ids": ids.to(device), "attention_mask": attention.to(device) if args.rows > 1 else None}
-    want_last = cfg.train.kl_weight > 0
+    batch = {"input_ids": ids.to(device), "attention_mask": attention.to(device) if rows > 1 else None}
+    lengths = [seq] * rows
+    if packed_mix:
+        lengths = packed_lengths(seq, *packed_mix)
+        starts = torch.tensor([0, *lengths], dtype=torch.int32).cumsum(0, dtype=torch.int32)
+        batch["cu_seqlens"] = starts.to(device)
+        batch["position_ids"] = torch.cat([torch.arange(n) for n in lengths])[None].to(device)
+        print(f"packed: {len(lengths)} sequences in one row of {seq:,} tokens (lognormal mean {packed_mix[0]:,.0f}, "
+              f"sigma {packed_mix[1]}; {min(lengths):,}-{max(lengths):,})", flush=True)
+    want_last = cfg.train.kl_weight > 0 or args.vs_bf16  # --vs-bf16 compares the final logits too
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    tokens = args.rows * seq
+    tokens = rows * seq
 
     def measure(compiled: bool) -> dict:
         if compiled:
@@ -271,20 +324,39 @@ def main(argv=None) -> int:
         print(f"eager with memory-efficient attention vs eager (the noise floor): "
               f"{runs[0]['relative_error_other_attention_kernel']}")
 
-    def against_bf16(fp8_features: list) -> list[float]:
-        """The fp8 target's features against the same random weights in target.dtype (the fp8 model freed first)."""
+    def against_bf16(fp8_features: list) -> dict:
+        """The fp8 target's features and final logits against the same random weights in target.dtype (the fp8 model
+        freed first): per feature layer, then the last hidden state, relative error and mean cosine; the logits of
+        the last 2,048 positions through the shared lm_head (not quantised): relative error, cosine, top-1 agreement."""
         nonlocal model
         model = None
+        torch._dynamo.reset()  # its compiled graphs hold the fp8 model: the 27B's 26 GiB beside the bf16 twin's 47
+        gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
-        torch.manual_seed(cfg.train.seed)  # built on the device as the fp8 target was: the same random weights
-        plain = load_target(path, cfg.target.dtype, device, random_init=True)
+        torch.manual_seed(cfg.train.seed)  # built layer by layer as the fp8 target was: the same random weights
+        config = load_target_config(resolve_target_dir(path))
+        plain = freeze(bind_linear_attention(build_random(config, torch_dtype(cfg.target.dtype), device, fp8=False)[0],
+                                             device))
         with torch.no_grad():
             ref = [t.float().cpu() for t in target_step(plain, batch, layer_ids, want_last) if t is not None]
-        errors = relative_errors(fp8_features, ref)
-        print(f"fp8 vs {cfg.target.dtype} features (eager {cfg.target.dtype}), relative error per layer {layer_ids}"
-              f"{' + last' if want_last else ''}: {errors}", flush=True)
-        return errors
+            head = plain.get_output_embeddings().weight
+            logits = [(h[0, -2048:].to(device, head.dtype) @ head.t()).float() for h in (fp8_features[-1], ref[-1])]
+        out = {"relative_error": relative_errors(fp8_features, ref), "cosine": cosines(fp8_features, ref),
+               "logits": {"positions": int(logits[0].shape[0]),
+                          "relative_error": float(f"{((logits[0] - logits[1]).norm() / logits[1].norm()).item():.3g}"),
+                          "cosine": float(f"{torch.cosine_similarity(logits[0], logits[1], dim=-1).mean().item():.4g}"),
+                          "top1_agreement": float(f"{(logits[0].argmax(-1) == logits[1].argmax(-1)).float().mean().item():.4g}")}}
+        print(f"fp8 vs {cfg.target.dtype} (eager {cfg.target.dtype}), per layer {layer_ids} + last: relative error "
+              f"{out['relative_error']}, cosine {out['cosine']}; logits of the last {out['logits']['positions']:,} "
+              f"positions: relative error {out['logits']['relative_error']}, cosine {out['logits']['cosine']}, "
+              f"top-1 agreement {out['logits']['top1_agreement']}", flush=True)
+        return out
+
+    def cosines(got: list, want: list) -> list[float]:
+        """Mean over tokens of the cosine between got's and want's vectors, per feature layer then the last hidden."""
+        per_layer = [*zip(got[0].chunk(len(layer_ids), -1), want[0].chunk(len(layer_ids), -1)), *zip(got[1:], want[1:])]
+        return [float(f"{torch.cosine_similarity(g, w, dim=-1).mean().item():.4g}") for g, w in per_layer]
 
     for compiled in modes:
         runs.append(measure(compiled))
@@ -297,14 +369,15 @@ def main(argv=None) -> int:
         runs[1]["relative_error_vs_eager"] = relative_errors(features[1], features[0])
         print(f"compiled vs eager features, relative error per layer {layer_ids}{' + last' if want_last else ''}: "
               f"{runs[1]['relative_error_vs_eager']}")
-    tflops = round(forward_flops(model, layer_ids, want_last, args.rows, seq) / 1e12, 1)
+    tflops = round(forward_flops(model, layer_ids, want_last, lengths) / 1e12, 1)
     vs_bf16 = None
     if args.vs_bf16 and cfg.target.precision == "fp8":
         vs_bf16 = against_bf16(features[-1])
     del features
     result = {
-        "target": path, "dtype": cfg.target.dtype, "tokens_per_batch": tokens, "rows": args.rows, "padding_mask": args.padding_mask,
-        "precision": cfg.target.precision, "load": load, "relative_error_vs_bf16": vs_bf16,
+        "target": path, "dtype": cfg.target.dtype, "tokens_per_batch": tokens, "rows": rows, "padding_mask": args.padding_mask,
+        "packed": None if not packed_mix else {"mean": packed_mix[0], "sigma": packed_mix[1], "lengths": lengths},
+        "precision": cfg.target.precision, "load": load, "vs_bf16": vs_bf16,
         "layer_ids": layer_ids, "want_last": want_last, "kernels": bound, "load_s": round(load_s, 2),
         "tflops_per_step": tflops,
         "runs": runs, "environment": environment(torch, args.device),
@@ -313,7 +386,8 @@ def main(argv=None) -> int:
     mask = " with the padding mask" if args.padding_mask else ""
     for r in runs:
         tflops = result["tflops_per_step"] * r["tok_per_s"] / tokens
-        print(f"{'compiled' if r['compiled'] else 'eager'}: {tokens} tokens/batch in {args.rows} rows{mask} x {args.steps}: "
+        layout = f"{len(lengths)} packed sequences" if packed_mix else f"{rows} rows"
+        print(f"{'compiled' if r['compiled'] else 'eager'}: {tokens} tokens/batch in {layout}{mask} x {args.steps}: "
               f"{r['tok_per_s']:.0f} tok/s ({tflops:.0f} TFLOP/s), first step {r['first_step_s']:.1f} s; "
               f"torch peak {gib(r['max_allocated_bytes'])} (warm-up {gib(r['warmup_max_allocated_bytes'])}), NVML peak {gib(r['nvml_peak_bytes'])}")
     if args.out:

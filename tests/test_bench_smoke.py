@@ -49,6 +49,28 @@ def test_target_rate_bench_runs_a_tiny_hybrid_on_cpu_with_the_pytorch_gated_delt
 
 
 @pytest.mark.slow
+def test_target_rate_measures_the_fp8_targets_fidelity_on_a_packed_row_against_the_same_weights(tmp_path):
+    """--vs-bf16 on a packed lognormal row: the reference is built layer by layer from the same seed as the fp8
+    target (dflash.models.target.build_random), so only the e4m3 rounding separates them: errors of a few percent
+    that grow with depth, cosines near 1. Other weights would be ~140% apart (cosine ~0). Bad --packed: one line."""
+    out = tmp_path / "target_rate.json"
+    proc = _run(["bench/target_rate.py", "--config", "configs/qwen3.6-27b-5t3d.toml", "--tiny", "--device", "cpu",
+                 "--set", "target.precision=fp8", "--fp8-min-features", "32", "--vs-bf16", "--packed", "60,0.6",
+                 "--warmup", "0", "--steps", "1", "--out", str(out)], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["rows"] == 1 and sum(result["packed"]["lengths"]) == result["tokens_per_batch"] == 256
+    assert len(result["packed"]["lengths"]) > 2
+    vs = result["vs_bf16"]
+    assert len(vs["relative_error"]) == len(vs["cosine"]) == 4  # 3 feature layers + the last hidden state
+    assert all(0 < e < 0.15 for e in vs["relative_error"]) and all(c > 0.99 for c in vs["cosine"]), vs
+    assert 0 < vs["logits"]["relative_error"] < 0.15 and vs["logits"]["cosine"] > 0.99, vs
+    assert 0.8 < vs["logits"]["top1_agreement"] <= 1
+    bad = _run(["bench/target_rate.py", "--config", "configs/qwen3.6-27b-5t3d.toml", "--packed", "60"], tmp_path)
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr and bad.stderr.count("\n") == 1, bad.stderr
+
+
+@pytest.mark.slow
 def test_memory_calibration_runs_both_roles_on_cpu(tmp_path):
     proc = _run(["bench/memory_calibration.py", "--device", "cpu", "--tiny", "--only", "tiny-b-kl",
                  "--out", str(tmp_path)], tmp_path)

@@ -30,7 +30,7 @@ from torch.utils.checkpoint import checkpoint
 
 from dflash.config import default_target_layer_ids  # noqa: F401 (also used by importers of dflash.models.drafter)
 from dflash.models.attention import LAYER_TYPES, TrainMask, attend_padded
-from dflash.models.fp8 import FP8_MODES, fp8_linear
+from dflash.models.fp8 import FP8_MODES, fp8_linear, prepare
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -508,6 +508,8 @@ class DFlashDrafter(nn.Module):
         if mode != "off" and any(n % 16 for n in sizes):
             raise ValueError(f"train.fp8 needs the drafter's hidden and intermediate sizes divisible by 16 (fp8 "
                              f"matmuls), got {sizes}; set train.fp8 = \"off\"")
+        if mode != "off":
+            prepare()  # torchao's configs built here, not inside the compiled MLP block
         for layer in self.layers:
             layer.mlp.fp8 = mode == "mlp"
 

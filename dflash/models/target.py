@@ -187,8 +187,8 @@ def load_target(
     precision "fp8" (target.precision): the model loads on the CPU, then each decoder linear large enough is
     quantised to e4m3 onto the device in turn (dflash.models.target_fp8), so the device never holds the
     target.dtype model and its fp8 copy at once; `log` gets one line saying how many. With random_init (shapes for
-    measurements) it is built on the device in target.dtype and quantised there, the freed blocks given back: the
-    load peaks at the dtype model's size (on the CPU, torch's random init of a 27B model takes many minutes).
+    measurements) it is built on the device one decoder layer at a time, each layer quantised before the next
+    exists (`build_random`; on the CPU, torch's random init of a 27B model takes many minutes).
 
     A vision-language wrapper folder (Qwen3.5/3.6: config.json with text_config, text weights under
     model.language_model.*) loads as its causal LM alone: transformers maps the wrapper's config to
@@ -212,7 +212,10 @@ def load_target(
             raise TargetError(problem)
         if not random_init:  # real weights: the device never holds the dtype model beside its fp8 copy
             device = torch.device("cpu")
-    if random_init:
+    count = None  # decoder linears in fp8, once quantised
+    if random_init and fp8:
+        model, count = build_random(config, dtype, device, fp8=True)
+    elif random_init:
         with torch.device(device):
             model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     else:
@@ -232,9 +235,8 @@ def load_target(
     if fp8:
         from dflash.models.target_fp8 import quantize_target
 
-        count = quantize_target(freeze(model), decoder_of(model).layers, final)
-        if random_init and final.type == "cuda":  # built there in dtype: give the dtype weights' blocks back
-            torch.cuda.empty_cache()
+        if count is None:
+            count = quantize_target(freeze(model), decoder_of(model).layers, final)
         named = str(dtype).removeprefix("torch.")
         if log is not None and count:
             log(f"target: {count} decoder linears in fp8 (e4m3, per-row scales"
@@ -245,6 +247,41 @@ def load_target(
             log(f"target: target.precision = \"fp8\" but no decoder linear has in and out features >= {MIN_FEATURES:,}; "
                 f"the whole target runs in {named}")
     return freeze(bind_linear_attention(model, final))
+
+
+def build_random(config, dtype: torch.dtype, device: torch.device, fp8: bool) -> tuple[nn.Module, int]:
+    """(model, linears in fp8): random weights at `config`'s shapes built one module at a time. The model is made on
+    the meta device; each module outside the decoder layers, then each layer in order, gets storage on `device` and
+    transformers' own init (norms, rotary buffers, a Gated DeltaNet's A_log), and with fp8 each layer's large
+    linears are quantised as soon as it exists: the device holds the finished part and one layer in dtype, never
+    the whole dtype model. The same seed gives the same weights with fp8 on or off (bench/target_rate.py's
+    --vs-bf16 builds its reference so)."""
+    from transformers import AutoModelForCausalLM
+
+    from dflash.models.target_fp8 import quantize_linears
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    layers = decoder_of(model).layers
+    in_layers = {id(m) for m in layers.modules()}
+
+    def materialise(module: nn.Module) -> None:
+        module.to_empty(device=device, recurse=False)
+        model._init_weights(module)
+
+    count = 0
+    with torch.no_grad():
+        for module in model.modules():
+            if id(module) not in in_layers:
+                materialise(module)
+        for layer in layers:
+            for module in layer.modules():
+                materialise(module)
+            count += quantize_linears(layer, device) if fp8 else 0
+    model.tie_weights()
+    left = [name for name, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    assert not left, f"build_random left tensors without storage: {left[:3]}"
+    return model, count
 
 
 def _named(files: list[Path]) -> str:

@@ -13,7 +13,8 @@ a GPU against torchao's kernel.
 
 The load never holds the target.dtype model and its FP8 copy on the GPU at once: the model loads on the CPU and
 each linear moves to the GPU and is quantised there in turn (torchao's `quantize_(..., device=)`), the rest of each
-layer following it.
+layer following it. Random weights (target.random_init) are built one decoder layer at a time on the GPU and each
+layer quantised before the next exists (dflash.models.target.build_random).
 """
 
 from __future__ import annotations
@@ -94,23 +95,30 @@ def torchao_config():
     return Float8DynamicActivationFloat8WeightConfig(granularity=PerRow(), set_inductor_config=False)
 
 
-def quantize_target(model: nn.Module, layers: nn.Module, device: torch.device) -> int:
-    """Quantise the eligible linears of `layers` (the decoder layers of `model`, which sits on the CPU) onto `device`,
-    one at a time, and move the rest of `model` there; returns how many linears run in fp8."""
-    inside = {id(m) for m in layers.modules()}
-    chosen = [name for name, m in model.named_modules() if id(m) in inside and fp8_eligible(m)]
+def quantize_linears(root: nn.Module, device: torch.device, within: nn.Module | None = None) -> int:
+    """Quantise the eligible linears of `root` that sit inside `within` (all of `root` by default) onto `device`, one
+    at a time (torchao's on CUDA, `EmulatedFp8Linear` elsewhere); returns how many."""
+    inside = {id(m) for m in (root if within is None else within).modules()}
+    chosen = [name for name, m in root.named_modules() if id(m) in inside and fp8_eligible(m)]
     if device.type == "cuda":
         from torchao.quantization import quantize_
 
         names = set(chosen)
-        quantize_(model, torchao_config(), filter_fn=lambda m, fqn: fqn in names, device=device)
+        quantize_(root, torchao_config(), filter_fn=lambda m, fqn: fqn in names, device=device)
     else:
         for name in chosen:
             parent, _, leaf = name.rpartition(".")
-            owner = model.get_submodule(parent)
+            owner = root.get_submodule(parent)
             setattr(owner, leaf, EmulatedFp8Linear(getattr(owner, leaf)).to(device))
-    model.to(device)
     return len(chosen)
+
+
+def quantize_target(model: nn.Module, layers: nn.Module, device: torch.device) -> int:
+    """Quantise the eligible linears of `layers` (the decoder layers of `model`, which sits on the CPU) onto `device`,
+    one at a time, and move the rest of `model` there; returns how many linears run in fp8."""
+    count = quantize_linears(model, device, layers)
+    model.to(device)
+    return count
 
 
 def fp8_linears(model: nn.Module) -> int:

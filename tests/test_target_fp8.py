@@ -185,6 +185,62 @@ def test_a_tiny_fp8_run_trains_saves_resumes_and_exports(tmp_path, monkeypatch):
     assert (Path(cfg_b.output_dir) / "drafter" / "model.safetensors").exists()
 
 
+@pytest.mark.parametrize("arch", ["qwen3", "hybrid"])
+def test_a_random_fp8_target_is_built_layer_by_layer_from_the_same_weights_as_bf16(tmp_path, monkeypatch, arch):
+    """random_init with fp8: built from the meta device one module at a time (build_random), each layer quantised as
+    it is made. From one seed every weight it keeps in dtype equals the bf16 build's, and each e4m3 linear is the
+    bf16 build's weight quantised (what bench/target_rate.py --vs-bf16 compares against); no tensor is left on meta
+    and the rotary buffers are computed, not uninitialised storage."""
+    from dflash.data.synthetic import hybrid_target_config, target_config, write_target
+    from dflash.models.target import build_random, load_target_config
+
+    monkeypatch.setattr(target_fp8, "MIN_FEATURES", 64)
+    config = hybrid_target_config(num_hidden_layers=4) if arch == "hybrid" else target_config("qwen3")
+    folder = write_target(tmp_path / "t", config, weights=False)
+    torch.manual_seed(3)
+    fp8 = load_target(folder, "bfloat16", "cpu", random_init=True, precision="fp8")
+    torch.manual_seed(3)
+    bf16, count = build_random(load_target_config(folder), torch.bfloat16, torch.device("cpu"), fp8=False)
+    assert count == 0 and fp8_linears(fp8) > 0
+    weights = dict(bf16.named_parameters())
+    quantised = {name for name, m in fp8.named_modules() if isinstance(m, EmulatedFp8Linear)}
+    for name, m in fp8.named_modules():
+        if name in quantised:
+            q, scale = quantize_rows(weights[name + ".weight"].detach())
+            assert torch.equal(m.qweight.view(torch.uint8), q.view(torch.uint8)) and torch.equal(m.weight_scale, scale)
+    for name, p in fp8.named_parameters():
+        assert torch.equal(p, weights[name]), name
+    for name, t in [*fp8.named_parameters(), *fp8.named_buffers()]:
+        assert not t.is_meta and torch.isfinite(t.float()).all(), name
+    fresh = load_target(folder, "bfloat16", "cpu", random_init=True)  # built directly: rotary computed at init
+    for name, buf in fresh.named_buffers():
+        if "inv_freq" in name:
+            assert torch.equal(dict(fp8.named_buffers())[name], buf), name
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
+                    reason="needs a CUDA GPU with fp8 tensor cores")
+def test_a_random_fp8_target_on_a_gpu_never_holds_the_bf16_model(tmp_path):
+    """The random-weight fp8 load on the GPU peaks below the bf16 model's bytes (it peaked at them when the whole
+    model was built in bf16 and then quantised: the 27B at 50.3 GiB in NVML against its 45.1 GiB predicted peak)."""
+    from dflash.data.synthetic import target_config, write_target
+
+    shape = dict(hidden_size=1024, intermediate_size=4096, num_attention_heads=8, num_key_value_heads=8, head_dim=128,
+                 num_hidden_layers=16, vocab_size=4096)
+    folder = write_target(tmp_path / "t", target_config("qwen3", **shape), weights=False)
+    bf16 = load_target(folder, "bfloat16", "cuda", random_init=True)
+    bf16_bytes = sum(p.numel() * p.element_size() for p in bf16.parameters())
+    del bf16
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    fp8 = load_target(folder, "bfloat16", "cuda", random_init=True, precision="fp8")
+    peak = torch.cuda.max_memory_allocated() - before
+    assert fp8_linears(fp8) == 16 * 7
+    assert peak < 0.75 * bf16_bytes, f"load peak {peak / 2**20:.0f} MiB against the bf16 model's {bf16_bytes / 2**20:.0f}"
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
                     reason="needs a CUDA GPU with fp8 tensor cores")

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import re
 import subprocess
 import sys
@@ -27,7 +26,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import REPO, write_json  # noqa: E402
+from bench.common import REPO, cpu_name, write_json  # noqa: E402
 
 STAGES = ("target", "data", "preflight", "train", "evaluate")
 STAGE_RE = re.compile(r"^\[(\d)/5\] .*\(t = (\d+) s\)\s*$")
@@ -112,7 +111,7 @@ def main() -> int:
             results.append(r)
             print(row(r), flush=True)
     if args.out:
-        machine = f"{os.cpu_count()} cores, {platform.machine()}, load average {os.getloadavg()[0]:.2f} at the end"
+        machine = f"{os.cpu_count()} cores, {cpu_name()}, load average {os.getloadavg()[0]:.2f} at the end"
         write_json(args.out, {"command": " ".join(sys.argv), "machine": machine, "runs": results})
     return 0 if all(r.get("lossless") for r in results) else 1
 

@@ -19,6 +19,14 @@ wheels), and the padding mask and compiled-layer comparisons (--list shows the r
     PYTHONPATH=. python3 bench/runner.py target-kernels-q36 --deadline 570   # fallback, then fla-core, eager
     PYTHONPATH=. python3 bench/runner.py target-compile --deadline 570       # eager vs compiled, 8B and 27B
     uv run python bench/target_rate.py --config configs/qwen3.6-27b-5t3d.toml --tiny --device cpu   # smoke run
+
+The fp8 target's fidelity on a real checkpoint (issue #55): the demo's SmolLM2-135M with its own weights, every decoder
+linear in fp8 (the CPU emulation of torchao's arithmetic; its linears are below the production size filter), against
+the same weights in bf16, on one packed row of the demo's chitchat text (data prepared by `dflash-train --demo`):
+
+    uv run python bench/target_rate.py --config configs/demo-cpu.toml --device cpu --weights real \
+        --text demo --packed 300,0.6 --fp8-min-features 1 \
+        --set target.precision=fp8 --set target.dtype=bfloat16 --vs-bf16 --steps 1 --warmup 0
 """
 
 from __future__ import annotations
@@ -52,6 +60,28 @@ def kernels(model) -> dict:
         impl = cells.get("implementation", fn)  # the hub wrapper's chosen implementation
         out[name] = f"{impl.__module__}.{impl.__name__}"
     return out
+
+
+def text_tokens(folder: str, count: int):
+    """`count` token ids of real text: a dataset folder's samples (input_ids) end to end, from the first, repeated
+    when the folder holds fewer. "demo" is the demo's training data (its 160 chitchat completions)."""
+    import numpy as np
+    import torch
+
+    from dflash.data.identity import DatasetError
+    from dflash.data.shards import ShardDataset
+
+    if folder == "demo":
+        from dflash.commands.demo import MAX_NEW_TOKENS, PROMPTS
+        from dflash.models.smollm2 import cache_root
+
+        found = sorted((cache_root() / "demo").glob(f"*-chitchat-{PROMPTS}x{MAX_NEW_TOKENS}"))
+        if not found:
+            raise DatasetError("the demo's data is not prepared yet; run uv run dflash-train --demo once")
+        folder = str(found[0])
+    data = ShardDataset(folder)
+    stream = np.concatenate([data.get(i)[0] for i in range(len(data.lengths))])
+    return torch.from_numpy(np.resize(stream, count).astype(np.int64))
 
 
 def packed_lengths(budget: int, mean: float, sigma: float) -> list[int]:
@@ -136,6 +166,11 @@ def main(argv=None) -> int:
     p.add_argument("--fp8-min-features", type=int, metavar="N", help="with target.precision = fp8: quantise linears "
                    "whose in and out features are both >= N in this process (default: the production filter, "
                    "dflash.config.FP8_MIN_FEATURES; the tiny target's linears are all below it)")
+    p.add_argument("--weights", choices=("random", "real"), default="random", help="random weights at target.path's "
+                   "shapes (default: the rate) or the checkpoint's own (fidelity on a real model; --vs-bf16 then "
+                   "loads them again in target.dtype)")
+    p.add_argument("--text", metavar="FOLDER", help="the batch's tokens from this dataset folder's samples, end to end "
+                   "(real text; 'demo': the demo's chitchat data; default: random ids)")
     p.add_argument("--out", type=Path, help="write the result as JSON here")
     p.add_argument("--floor", action="store_true", help="also run the eager forward with memory-efficient attention: "
                    "its difference from the default eager features is bf16's noise at this depth, the scale for the "
@@ -164,6 +199,7 @@ def main(argv=None) -> int:
     import torch
 
     from dflash.config import load_config
+    from dflash.errors import DflashError
     from dflash.models.target import (
         bind_linear_attention,
         build_random,
@@ -197,21 +233,40 @@ def main(argv=None) -> int:
         path = str(write_target(Path(tempfile.mkdtemp()) / "tiny", hybrid_target_config(num_hidden_layers=8), weights=False))
         cfg.data.token_budget = min(cfg.data.token_budget, 256)
         cfg.drafter.target_layer_ids = [1, 3, 5]
+    rows = 1 if packed_mix else args.rows
+    seq = cfg.data.token_budget // rows
+    text = None
+    if args.text:  # before the load: a wrong folder costs nothing
+        try:
+            text = text_tokens(args.text, rows * seq)
+        except DflashError as e:
+            print(f"target_rate: --text {args.text}: {e}", file=sys.stderr)
+            return 2
     nvml = Nvml(enabled=device.type == "cuda")
     t0 = time.perf_counter()
     torch.manual_seed(cfg.train.seed)  # the random weights: the same again for --vs-bf16
-    with NvmlPeak(nvml) as load_peak:  # target.precision = "fp8": built and quantised one layer at a time
-        model = load_target(path, cfg.target.dtype, device, random_init=True, precision=cfg.target.precision, log=print)
+    folder = path
+    try:
+        if args.weights == "real":
+            from dflash.models.smollm2_convert import resolve_target
+
+            folder = str(resolve_target(path))  # the demo's "smollm2": its converted folder
+        with NvmlPeak(nvml) as load_peak:  # target.precision = "fp8": built and quantised one layer at a time
+            model = load_target(folder, cfg.target.dtype, device, random_init=args.weights == "random",
+                                precision=cfg.target.precision, log=print)
+    except DflashError as e:
+        print(f"target_rate: {e}", file=sys.stderr)
+        return 2
     if args.pytorch_linear_attention:
         use_torch_linear_attention(model)
     load_s = time.perf_counter() - t0
     print(f"target built in {load_s:.1f} s", flush=True)
     load = predicted_load(cfg, path, load_peak.peak, torch.cuda.memory_allocated() if device.type == "cuda" else None)
     layer_ids = feature_layer_ids(cfg, model.config.num_hidden_layers)
-    rows = 1 if packed_mix else args.rows
-    seq = cfg.data.token_budget // rows
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(1, model.config.vocab_size - 1, (rows, seq), generator=g)
+    if text is not None:
+        ids = text.view(rows, seq)
     attention = torch.ones(rows, seq, dtype=torch.long)
     if rows > 1:
         attention[-1, seq - seq // 8:] = 0
@@ -325,19 +380,23 @@ def main(argv=None) -> int:
               f"{runs[0]['relative_error_other_attention_kernel']}")
 
     def against_bf16(fp8_features: list) -> dict:
-        """The fp8 target's features and final logits against the same random weights in target.dtype (the fp8 model
-        freed first): per feature layer, then the last hidden state, relative error and mean cosine; the logits of
-        the last 2,048 positions through the shared lm_head (not quantised): relative error, cosine, top-1 agreement."""
+        """The fp8 target's features and final logits against the same weights in target.dtype (the fp8 model
+        freed first; random ones rebuilt from the same seed, real ones loaded again): per feature layer, then the last
+        hidden state, relative error and mean cosine; the logits of the last 2,048 positions through the shared lm_head
+        (not quantised): relative error, cosine, top-1 agreement."""
         nonlocal model
         model = None
         torch._dynamo.reset()  # its compiled graphs hold the fp8 model: the 27B's 26 GiB beside the bf16 twin's 47
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
-        torch.manual_seed(cfg.train.seed)  # built layer by layer as the fp8 target was: the same random weights
-        config = load_target_config(resolve_target_dir(path))
-        plain = freeze(bind_linear_attention(build_random(config, torch_dtype(cfg.target.dtype), device, fp8=False)[0],
-                                             device))
+        if args.weights == "real":
+            plain = load_target(folder, cfg.target.dtype, device)
+        else:
+            torch.manual_seed(cfg.train.seed)  # built layer by layer as the fp8 target was: the same random weights
+            config = load_target_config(resolve_target_dir(path))
+            plain = freeze(bind_linear_attention(build_random(config, torch_dtype(cfg.target.dtype), device,
+                                                              fp8=False)[0], device))
         with torch.no_grad():
             ref = [t.float().cpu() for t in target_step(plain, batch, layer_ids, want_last) if t is not None]
             head = plain.get_output_embeddings().weight
@@ -375,7 +434,8 @@ def main(argv=None) -> int:
         vs_bf16 = against_bf16(features[-1])
     del features
     result = {
-        "target": path, "dtype": cfg.target.dtype, "tokens_per_batch": tokens, "rows": rows, "padding_mask": args.padding_mask,
+        "target": path, "weights": args.weights, "text": bool(args.text), "dtype": cfg.target.dtype,
+        "tokens_per_batch": tokens, "rows": rows, "padding_mask": args.padding_mask,
         "packed": None if not packed_mix else {"mean": packed_mix[0], "sigma": packed_mix[1], "lengths": lengths},
         "precision": cfg.target.precision, "load": load, "vs_bf16": vs_bf16,
         "layer_ids": layer_ids, "want_last": want_last, "kernels": bound, "load_s": round(load_s, 2),

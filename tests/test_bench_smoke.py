@@ -71,6 +71,31 @@ def test_target_rate_measures_the_fp8_targets_fidelity_on_a_packed_row_against_t
 
 
 @pytest.mark.slow
+def test_target_rate_measures_fidelity_on_a_checkpoints_own_weights_and_real_text(tmp_path):
+    """--weights real loads the folder's weights (both times: the reference is the same checkpoint in target.dtype),
+    --text takes the batch's tokens from a dataset folder. A wrong --text folder is one line, exit 2."""
+    from dflash.data.synthetic import target_config, write_pattern_dataset, write_target
+
+    target = write_target(tmp_path / "target", target_config(), seed=3)
+    data = write_pattern_dataset(tmp_path / "data", samples=16)
+    out = tmp_path / "target_rate.json"
+    common = ["bench/target_rate.py", "--config", "configs/demo-cpu.toml", "--device", "cpu", "--weights", "real",
+              "--set", f"target.path={target}", "--set", "drafter.target_layer_ids=[0,2]", "--set",
+              "data.token_budget=200", "--warmup", "0", "--steps", "1"]
+    proc = _run([*common, "--text", str(data), "--set", "target.precision=fp8", "--fp8-min-features", "32",
+                 "--vs-bf16", "--packed", "40,0.6", "--out", str(out)], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["weights"] == "real" and result["text"] and sum(result["packed"]["lengths"]) == 200
+    vs = result["vs_bf16"]
+    assert len(vs["relative_error"]) == 3 and all(0 < e < 0.15 for e in vs["relative_error"]), vs
+    assert all(c > 0.99 for c in vs["cosine"]) and vs["logits"]["top1_agreement"] > 0.8, vs
+    bad = _run([*common, "--text", str(tmp_path / "missing")], tmp_path)
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr and bad.stderr.count("\n") == 1, bad.stderr
+    assert "--text" in bad.stderr and "missing" in bad.stderr
+
+
+@pytest.mark.slow
 def test_memory_calibration_runs_both_roles_on_cpu(tmp_path):
     proc = _run(["bench/memory_calibration.py", "--device", "cpu", "--tiny", "--only", "tiny-b-kl",
                  "--out", str(tmp_path)], tmp_path)

@@ -188,6 +188,9 @@ def main(argv=None) -> int:
         return 2
 
     packed_mix = None
+    if args.packed and args.padding_mask:
+        print("target_rate: --packed has no padding (one packed row); drop --padding-mask or --packed", file=sys.stderr)
+        return 2
     if args.packed:
         try:
             packed_mix = tuple(float(v) for v in args.packed.split(","))
@@ -209,6 +212,7 @@ def main(argv=None) -> int:
         load_target_config,
         resolve_target_dir,
         target_features,
+        target_text_config,
         torch_dtype,
         use_torch_linear_attention,
     )
@@ -251,6 +255,11 @@ def main(argv=None) -> int:
             from dflash.models.smollm2_convert import resolve_target
 
             folder = str(resolve_target(path))  # the demo's "smollm2": its converted folder
+        vocab = target_text_config(folder).vocab_size
+        if text is not None and int(text.max()) >= vocab:
+            print(f"target_rate: --text {args.text}: token id {int(text.max()):,} is outside the target's vocabulary "
+                  f"({vocab:,}); give text tokenized for this target", file=sys.stderr)
+            return 2
         with NvmlPeak(nvml) as load_peak:  # target.precision = "fp8": built and quantised one layer at a time
             model = load_target(folder, cfg.target.dtype, device, random_init=args.weights == "random",
                                 precision=cfg.target.precision, log=print)
@@ -279,7 +288,8 @@ def main(argv=None) -> int:
         batch["position_ids"] = torch.cat([torch.arange(n) for n in lengths])[None].to(device)
         print(f"packed: {len(lengths)} sequences in one row of {seq:,} tokens (lognormal mean {packed_mix[0]:,.0f}, "
               f"sigma {packed_mix[1]}; {min(lengths):,}-{max(lengths):,})", flush=True)
-    want_last = cfg.train.kl_weight > 0 or args.vs_bf16  # --vs-bf16 compares the final logits too
+    want_last = cfg.train.kl_weight > 0  # timed as the trainer runs it: the last layers only for the KL term
+    compare_last = want_last or args.vs_bf16  # the features kept for comparison: --vs-bf16 compares the final logits
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     tokens = rows * seq
 
@@ -371,7 +381,7 @@ def main(argv=None) -> int:
 
         try:
             with torch.no_grad(), sdpa_kernel(SDPBackend.EFFICIENT_ATTENTION):
-                other = [t.float().cpu() for t in target_step(model, batch, layer_ids, want_last) if t is not None]
+                other = [t.float().cpu() for t in target_step(model, batch, layer_ids, compare_last) if t is not None]
         except RuntimeError as e:
             print(f"eager with memory-efficient attention did not run: {str(e).splitlines()[0][:200]}")
             return
@@ -397,8 +407,10 @@ def main(argv=None) -> int:
             config = load_target_config(resolve_target_dir(path))
             plain = freeze(bind_linear_attention(build_random(config, torch_dtype(cfg.target.dtype), device,
                                                               fp8=False)[0], device))
+        if args.pytorch_linear_attention:  # the same Gated DeltaNet implementation as the fp8 target ran
+            use_torch_linear_attention(plain)
         with torch.no_grad():
-            ref = [t.float().cpu() for t in target_step(plain, batch, layer_ids, want_last) if t is not None]
+            ref = [t.float().cpu() for t in target_step(plain, batch, layer_ids, compare_last) if t is not None]
             head = plain.get_output_embeddings().weight
             logits = [(h[0, -2048:].to(device, head.dtype) @ head.t()).float() for h in (fp8_features[-1], ref[-1])]
         out = {"relative_error": relative_errors(fp8_features, ref), "cosine": cosines(fp8_features, ref),
@@ -421,17 +433,18 @@ def main(argv=None) -> int:
         runs.append(measure(compiled))
         with torch.no_grad():
             # on the host: kept on the GPU they would count in the next mode's peak (5.6 GiB for the 27B target)
-            features.append([t.float().cpu() for t in target_step(model, batch, layer_ids, want_last) if t is not None])
+            features.append([t.float().cpu() for t in target_step(model, batch, layer_ids, compare_last)
+                             if t is not None])
         if args.floor and not compiled:
             floor(features[0])
     if len(features) == 2:  # compiled against eager on this batch, per feature layer
         runs[1]["relative_error_vs_eager"] = relative_errors(features[1], features[0])
-        print(f"compiled vs eager features, relative error per layer {layer_ids}{' + last' if want_last else ''}: "
+        print(f"compiled vs eager features, relative error per layer {layer_ids}{' + last' if compare_last else ''}: "
               f"{runs[1]['relative_error_vs_eager']}")
     tflops = round(forward_flops(model, layer_ids, want_last, lengths) / 1e12, 1)
     vs_bf16 = None
     if args.vs_bf16 and cfg.target.precision == "fp8":
-        vs_bf16 = against_bf16(features[-1])
+        vs_bf16 = against_bf16(features[0])  # the eager fp8 features where both modes ran: eager against eager
     del features
     result = {
         "target": path, "weights": args.weights, "text": bool(args.text), "dtype": cfg.target.dtype,

@@ -74,7 +74,7 @@ def test_target_rate_measures_the_fp8_targets_fidelity_on_a_packed_row_against_t
 def test_target_rate_measures_fidelity_on_a_checkpoints_own_weights_and_real_text(tmp_path):
     """--weights real loads the folder's weights (both times: the reference is the same checkpoint in target.dtype),
     --text takes the batch's tokens from a dataset folder. A wrong --text folder is one line, exit 2."""
-    from dflash.data.synthetic import target_config, write_pattern_dataset, write_target
+    from dflash.data.synthetic import target_config, write_pattern_dataset, write_random_dataset, write_target
 
     target = write_target(tmp_path / "target", target_config(), seed=3)
     data = write_pattern_dataset(tmp_path / "data", samples=16)
@@ -93,6 +93,9 @@ def test_target_rate_measures_fidelity_on_a_checkpoints_own_weights_and_real_tex
     bad = _run([*common, "--text", str(tmp_path / "missing")], tmp_path)
     assert bad.returncode == 2 and "Traceback" not in bad.stderr and bad.stderr.count("\n") == 1, bad.stderr
     assert "--text" in bad.stderr and "missing" in bad.stderr
+    wide = write_random_dataset(tmp_path / "wide", samples=4, length=64, vocab=1000)  # ids past the target's 128
+    bad = _run([*common, "--text", str(wide)], tmp_path)
+    assert bad.returncode == 2 and "vocabulary" in bad.stderr and bad.stderr.count("\n") == 1, bad.stderr
 
 
 @pytest.mark.slow

@@ -104,6 +104,20 @@ def test_fp8_is_refused_off_cuda_with_a_one_line_fix():
         odd.set_fp8("mlp")
 
 
+def test_a_torchao_without_the_float8_matmul_is_one_line_before_the_run(monkeypatch):
+    """On an fp8-capable GPU, a torchao whose float8 training lacks what the MLP calls (a private function that may
+    move between releases) is named by the preflight rule, with the install command, not a traceback at setup."""
+    from dflash.models import fp8
+
+    def missing():
+        raise ImportError("cannot import name 'matmul_with_hp_or_float8_args' from 'torchao.float8.float8_linear'")
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(fp8, "prepare", missing)
+    problem = fp8_problem("mlp", torch.device("cuda"))
+    assert "matmul_with_hp_or_float8_args" in problem and fp8.TORCHAO_INSTALL in problem and "\n" not in problem
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_compiled_fp8_mlp_on_cuda_is_as_close_to_bf16_as_eager_fp8():

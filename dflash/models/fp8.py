@@ -38,10 +38,12 @@ def prepare() -> None:
     from torchao.float8 import Float8LinearConfig
     from torchao.float8.float8_linear import Float8Linear, matmul_with_hp_or_float8_args
 
+    built = {}  # filled whole or not at all
     for emulate in (False, True):
         config = dataclasses.replace(Float8LinearConfig.from_recipe_name(RECIPE), emulate=emulate)
         template = Float8Linear(16, 16, bias=False, config=config, device="meta")  # carries the per-GEMM settings
-        _TORCHAO[emulate] = (matmul_with_hp_or_float8_args, config, template.linear_mm_config)
+        built[emulate] = (matmul_with_hp_or_float8_args, config, template.linear_mm_config)
+    _TORCHAO.update(built)
 
 
 def fp8_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -68,7 +70,11 @@ def fp8_problem(mode: str, device: torch.device) -> str | None:
         return (f"train.fp8 = {mode!r} needs compute capability {FP8_MIN_CAPABILITY[0]}.{FP8_MIN_CAPABILITY[1]}+ "
                 f"(this GPU: {cap[0]}.{cap[1]}); set train.fp8 = \"off\"")
     try:
-        import torchao.float8  # noqa: F401
-    except ImportError as e:
-        return f"train.fp8 = {mode!r} needs torchao ({e}); install it: {TORCHAO_INSTALL}"
+        prepare()  # the torchao pieces the MLP calls, its private float8 matmul included
+    except (ImportError, AttributeError, TypeError, ValueError) as e:
+        return f"train.fp8 = {mode!r} needs torchao 0.17's float8 training ({_short(e)}); install it: {TORCHAO_INSTALL}"
     return None
+
+
+def _short(e: Exception) -> str:
+    return (str(e).splitlines() or [type(e).__name__])[0][:200]

@@ -79,6 +79,9 @@ def text_tokens(folder: str, count: int):
         if not found:
             raise DatasetError("the demo's data is not prepared yet; run uv run dflash-train --demo once")
         folder = str(found[0])
+    if not Path(folder).is_dir():
+        raise DatasetError("no such folder; give a dataset folder of *.arrow shards (dflash-data import or prepare "
+                           "writes one) or 'demo'")
     data = ShardDataset(folder)
     stream = np.concatenate([data.get(i)[0] for i in range(len(data.lengths))])
     return torch.from_numpy(np.resize(stream, count).astype(np.int64))

@@ -69,12 +69,10 @@ def fp8_problem(mode: str, device: torch.device) -> str | None:
     if cap < FP8_MIN_CAPABILITY:
         return (f"train.fp8 = {mode!r} needs compute capability {FP8_MIN_CAPABILITY[0]}.{FP8_MIN_CAPABILITY[1]}+ "
                 f"(this GPU: {cap[0]}.{cap[1]}); set train.fp8 = \"off\"")
+    from dflash.models.target import _short
+
     try:
         prepare()  # the torchao pieces the MLP calls, its private float8 matmul included
     except (ImportError, AttributeError, TypeError, ValueError) as e:
         return f"train.fp8 = {mode!r} needs torchao 0.17's float8 training ({_short(e)}); install it: {TORCHAO_INSTALL}"
     return None
-
-
-def _short(e: Exception) -> str:
-    return (str(e).splitlines() or [type(e).__name__])[0][:200]

@@ -33,6 +33,7 @@ from dflash.models.attention import compiled_on
 from dflash.models.drafter import compiles_on
 from dflash.runs import compile_artifact as artifact
 from dflash.runs.records import process_age_s
+from dflash.train.compiled import compile_phases
 from dflash.train.warmup import cache_counts, warm_steps
 
 WARM_FIX = "dflash-train --config <this config> --warm-cache"
@@ -185,7 +186,7 @@ def warm_cache(cfg: RunConfig, colocated, check_argv: list[str], log=print) -> i
     warm_steps(trainer, log, losses)
     if trainer.device.type == "cuda":
         torch.cuda.synchronize()
-    cold = {"seconds": process_age_s(), **cache_counts(), "losses": losses}
+    cold = {"seconds": process_age_s(), **cache_counts(), "losses": losses, "phases": compile_phases()}
     saved = torch.compiler.save_cache_artifacts()
     sections = {"torch": saved[0]} if saved is not None else {}
     triton, triton_files = pack_triton(triton_cache_dir())
@@ -247,7 +248,7 @@ def _check_in_fresh_process(cfg: RunConfig, path: Path, argv: list[str], log) ->
 
 def check(request: Path, colocated, log=print) -> dict:
     """The fresh process of warm_cache: load the artifact as a run does, warm every shape class, and return the
-    seconds since launch, the FX graph cache hits and misses and the losses."""
+    seconds since launch, the FX graph cache hits and misses, the losses and torch.compile's seconds by phase."""
     req = json.loads(Path(request).read_text())
     cfg = config_from_dict(req["config"])
     cfg = cfg.model_copy(update={"train": cfg.train.model_copy(update={"compile_cache": req["artifact"]})})
@@ -257,7 +258,8 @@ def check(request: Path, colocated, log=print) -> dict:
     warm_steps(trainer, log, losses)
     if trainer.device.type == "cuda":
         torch.cuda.synchronize()
-    return {"seconds": process_age_s(), "loaded": loaded, **cache_counts(), "losses": losses}
+    return {"seconds": process_age_s(), "loaded": loaded, **cache_counts(), "losses": losses,
+            "phases": compile_phases()}
 
 
 def main_check(request: str, colocated) -> int:

@@ -17,7 +17,7 @@ There is no preflight gate: this measures, it trains nothing anyone keeps.
 
 Writes --out (JSON): the command and environment; what the trainer resolved (data_parallel, recompute and why);
 the memory model's peak for that resolution at --gpu-memory (``dflash.memory.parts``, what dflash-estimate prints
-for the config) against the NVML peak over the whole run, sampled every 50 ms, and torch's peak reserved; every
+for the config) against the NVML peak over the whole run, sampled every 50 ms, and torch's peaks reserved and allocated; every
 step's time (metrics.jsonl, logged every step) and their median after step 10; the graphs compiled and recompiles.
 Exit 1 when the run failed (an out-of-memory included: the JSON says so), 2 for bad input.
 """
@@ -195,6 +195,8 @@ def main(argv: list[str] | None = None) -> int:
     doc.update(ok=code == 0 and "error" not in doc, wall_s=round(time.perf_counter() - t0, 1),
                nvml_peak_gib=round(peak.peak / GiB, 2) if peak.peak is not None else None,
                torch_max_reserved_gib=round(torch.cuda.max_memory_reserved() / GiB, 2) if cfg.device == "cuda" else None,
+               torch_max_allocated_gib=round(torch.cuda.max_memory_allocated() / GiB, 2) if cfg.device == "cuda"
+               else None,
                **(step_times(out) if (out / "metrics.jsonl").exists() else {}))
     if doc.get("predicted_gib") and doc["nvml_peak_gib"]:
         doc["nvml_vs_predicted"] = round(doc["nvml_peak_gib"] / doc["predicted_gib"] - 1, 4)

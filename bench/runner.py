@@ -686,6 +686,20 @@ def fill(text: str, subs: dict[str, str]) -> str:
     return text
 
 
+def artifact_manifests(paths) -> dict[str, str]:
+    """{name.manifest.json: the manifest} of each compile cache artifact among `paths` (too large to bundle: its
+    manifest holds the starts it measured, their graph counts and compile phases)."""
+    from dflash.runs.compile_artifact import read_header
+
+    found = {}
+    for path in paths:
+        if path.suffix == ".dfcache":
+            manifest, problem = read_header(path)
+            found[f"{path.name}.manifest.json"] = json.dumps(manifest if manifest is not None else
+                                                             {"error": problem}, indent=2) + "\n"
+    return found
+
+
 def run_commands(recipe: Commands, until: float, grace: float, out_dir: Path, env: dict) -> dict:
     """Run a commands recipe's lines up to the monotonic time `until` (SIGTERM to the running ones' process groups
     then; the rest skipped), summarise, bundle each command's log and NVML samples and the files under {work}."""
@@ -717,6 +731,7 @@ def run_commands(recipe: Commands, until: float, grace: float, out_dir: Path, en
     shutil.rmtree(subs["{fresh}"], ignore_errors=True)
     files = {str(f.relative_to(work)): f for f in sorted(work.rglob("*")) if f.is_file()}
     left_out = sorted(n for n, f in files.items() if "checkpoints" in Path(n).parts or f.stat().st_size > BUNDLE_MAX)
+    texts.update(artifact_manifests(files[n] for n in left_out))
     bundle(out_dir / f"{recipe.name}.tar.gz", {n: f for n, f in files.items() if n not in left_out}, texts)
     for checkpoints in [d for d in work.rglob("checkpoints") if d.is_dir()]:
         shutil.rmtree(checkpoints)  # nothing resumes a commands recipe; the next recipe may need the disk

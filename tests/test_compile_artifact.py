@@ -253,3 +253,15 @@ def test_warm_cache_round_trip_on_cpu(tmp_path):
     assert any(line.startswith(f"warm-cache: wrote {tmp_path / 'tiny.dfcache'} (") for line in lines), lines
     assert f"warm-cache: a fresh process with empty caches took {warm['fx_graph_hits']} graph(s) from it and compiled " \
            "0 from scratch; its losses equal this process's" in lines
+
+
+def test_the_loss_comparison_says_how_far_apart_two_processes_are():
+    """Equal, apart by a relative amount (kernels reducing in another order), or not comparable."""
+    from dflash.train.compile_cache import loss_gap, losses_text
+
+    assert loss_gap([2.0, 4.0], [2.0, 4.0]) == 0.0 and loss_gap([2.0, 4.0], [2.0, 4.002]) == pytest.approx(5e-4)
+    assert loss_gap([1.0], None) is None and loss_gap([1.0], [1.0, 2.0]) is None
+    assert losses_text({"same_losses": True}) == "equal this process's"
+    assert losses_text({"same_losses": False, "losses_max_rel_diff": 5e-4}) == \
+        "differ from this process's by at most 5.0e-04 (relative)"
+    assert losses_text({"same_losses": False, "losses_max_rel_diff": None}) == "are not comparable with this process's"

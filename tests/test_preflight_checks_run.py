@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from preflight.checks.run import _size, check_config, check_disk, check_run_dir
+from preflight.checks.run import _size, check_config, check_disk, check_run_dir, checkpoint_bytes
 from preflight.facts.run import Checkpoint, Disk, RunDir
 from preflight.facts.run import disk as disk_facts
 from preflight_ctx import SPLIT, GiB, MiB, make_ctx, recorded
@@ -131,6 +131,20 @@ def test_disk_fails_when_checkpoints_do_not_fit(tmp_path):
     assert r.status == "fail" and r.data["need_bytes"] == 8 * GiB and "size of step_00000690" in r.summary
     ctx.resume_intent = "resume"  # the kept one already counts
     assert check_disk(ctx).status == "pass"
+
+
+def test_disk_counts_only_the_checkpoints_a_short_run_writes(tmp_path):
+    """A 3-step run saves once (at its end), so keep_last does not ask the disk for four checkpoints."""
+    ctx = make_ctx(tmp_path)
+    one, _ = checkpoint_bytes(ctx)
+    ctx.disk = Disk(ctx.config.output_dir, free_bytes=2 * one)
+    assert check_disk(ctx).status == "fail"
+    ctx.config = ctx.config.model_copy(update={"train": ctx.config.train.model_copy(update={"max_steps": 3})})
+    r = check_disk(ctx)
+    assert r.status == "pass" and r.data["checkpoints_to_write"] == 1, r.summary
+    ctx.config = ctx.config.model_copy(update={"train": ctx.config.train.model_copy(
+        update={"max_steps": 1000, "save_every": 500})})  # saves at 500 and 1000 (the end): 2, under keep_last + 1
+    assert check_disk(ctx).data["checkpoints_to_write"] == 2
 
 
 def test_disk_fix_names_what_the_run_dir_could_free(tmp_path):

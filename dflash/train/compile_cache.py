@@ -209,6 +209,7 @@ def warm_cache(cfg: RunConfig, colocated, check_argv: list[str], log=print) -> i
         if warm is not None:
             manifest["warm"] = warm
             manifest["same_losses"] = warm.get("losses") == losses
+            manifest["losses_max_rel_diff"] = loss_gap(losses, warm.get("losses"))
         artifact.write(path, manifest, sections)
     finally:
         unchecked.unlink(missing_ok=True)
@@ -218,11 +219,27 @@ def warm_cache(cfg: RunConfig, colocated, check_argv: list[str], log=print) -> i
         f"{artifact.classes_text(manifest['shape_classes'])}; {artifact.start_text(manifest)}")
     if warm is not None:
         log(f"warm-cache: a fresh process with empty caches took {warm['fx_graph_hits']} graph(s) from it and compiled "
-            f"{warm['fx_graph_misses']} from scratch; its losses {'equal' if manifest['same_losses'] else 'differ from'}"
-            f" this process's")
+            f"{warm['fx_graph_misses']} from scratch; its losses {losses_text(manifest)}")
     log("warm-cache: carry it to another machine and set train.compile_cache = \"<the copy>\" (or --set "
         "train.compile_cache=<the copy>); dflash-preflight says whether it matches there")
     return 0
+
+
+def loss_gap(a: list[float], b: list[float] | None) -> float | None:
+    """The largest relative difference between two processes' losses batch by batch (None: not comparable)."""
+    if not a or not b or len(a) != len(b):
+        return None
+    return max(abs(x - y) / max(abs(x), 1e-12) for x, y in zip(a, b, strict=True))
+
+
+def losses_text(manifest: dict) -> str:
+    """How the fresh process's losses compare with the warming process's: equal, or how far apart (kernels that
+    reduce in another order differ in the last bits; far apart is another computation)."""
+    if manifest.get("same_losses"):
+        return "equal this process's"
+    gap = manifest.get("losses_max_rel_diff")
+    return (f"differ from this process's by at most {gap:.1e} (relative)" if gap is not None
+            else "are not comparable with this process's")
 
 
 def _check_in_fresh_process(cfg: RunConfig, path: Path, argv: list[str], log) -> dict | None:

@@ -194,6 +194,16 @@ def _size(n: int | float) -> str:
     return gib(n) if n >= GiB else f"{n / MiB:.1f} MiB"
 
 
+def saves_at_most(cfg) -> int:
+    """Checkpoints a run can write (a large number when it trains by epochs): with train.max_steps, one every
+    save_every steps and one at the end, and one at each held-out evaluation that improves (eval.every)."""
+    steps = cfg.train.max_steps
+    if not steps:
+        return 1 << 30
+    evals = steps // cfg.eval.every if cfg.eval.every and (cfg.eval.path or cfg.eval.holdout) else 0
+    return -(-steps // cfg.train.save_every) + evals  # the end's save is the last periodic one, or one more
+
+
 def check_disk(ctx: Context) -> CheckResult:
     dk = ctx.disk
     cfg = ctx.config
@@ -206,7 +216,7 @@ def check_disk(ctx: Context) -> CheckResult:
         return result("disk", "warn", f"{_size(dk.free_bytes)} free at {dk.path}; checkpoint size unknown ({how})",
                       f"check target.path in {config_arg(ctx)}", **data)
     existing = len(ctx.run_dir.checkpoints) if ctx.run_dir and ctx.resume_intent == "resume" else 0
-    count = max(1, cfg.train.keep_last + 1 - existing)  # keep_last kept + one being written
+    count = max(1, min(cfg.train.keep_last + 1, saves_at_most(cfg)) - existing)  # kept + one being written
     need = count * one
     data.update(need_bytes=need, checkpoints_to_write=count)
     summary = (f"{_size(dk.free_bytes)} free at {dk.path}; {count} more checkpoint(s) of {_size(one)} "

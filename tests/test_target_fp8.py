@@ -218,6 +218,22 @@ def test_a_random_fp8_target_is_built_layer_by_layer_from_the_same_weights_as_bf
             assert torch.equal(dict(fp8.named_buffers())[name], buf), name
 
 
+def test_a_random_target_with_a_tied_head_never_gives_the_head_storage_of_its_own(tmp_path, monkeypatch):
+    """With tie_word_embeddings the head is the embedding: build_random materialises the embedding once and ties,
+    never allocating a vocab x hidden head that tie_weights would drop at the end (about 300 MiB on Qwen3-0.6B)."""
+    from dflash.data.synthetic import target_config, write_target
+    from dflash.models.target import build_random, load_target_config
+
+    folder = write_target(tmp_path / "t", target_config("qwen3", tie_word_embeddings=True), weights=False)
+    given = []
+    to_empty = torch.nn.Module.to_empty
+    monkeypatch.setattr(torch.nn.Module, "to_empty", lambda m, **kw: (given.append(m), to_empty(m, **kw))[1])
+    model, _ = build_random(load_target_config(folder), torch.bfloat16, torch.device("cpu"), fp8=False)
+    head, embed = model.get_output_embeddings(), model.get_input_embeddings()
+    assert head.weight is embed.weight and not head.weight.is_meta
+    assert embed in given and head not in given
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
                     reason="needs a CUDA GPU with fp8 tensor cores")

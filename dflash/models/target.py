@@ -255,15 +255,18 @@ def build_random(config, dtype: torch.dtype, device: torch.device, fp8: bool) ->
     transformers' own init (norms, rotary buffers, a Gated DeltaNet's A_log), and with fp8 each layer's large
     linears are quantised as soon as it exists: the device holds the finished part and one layer in dtype, never
     the whole dtype model. The same seed gives the same weights with fp8 on or off (bench/target_rate.py's
-    --vs-bf16 builds its reference so)."""
+    --vs-bf16 builds its reference so). A head tied to the embedding gets no storage of its own."""
     from transformers import AutoModelForCausalLM
 
     from dflash.models.target_fp8 import quantize_linears
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model.tie_weights()
+    head, embed = model.get_output_embeddings(), model.get_input_embeddings()
+    tied = head is not None and embed is not None and head.weight is embed.weight  # the embedding's storage serves
     layers = decoder_of(model).layers
-    in_layers = {id(m) for m in layers.modules()}
+    in_layers = {id(m) for m in layers.modules()} | ({id(head)} if tied else set())
 
     def materialise(module: nn.Module) -> None:
         module.to_empty(device=device, recurse=False)

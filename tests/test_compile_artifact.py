@@ -88,6 +88,14 @@ def test_differences_name_each_field_and_the_shape_classes():
         "drafter block_size 32 -> 16", "shape classes rows >= 2 8 x 63; one row 1 x 48 -> rows >= 2 8 x 70; one row 1 x 48"]
 
 
+def test_an_artifact_of_the_fp8_target_does_not_match_a_bf16_run(tmp_path):
+    """target.precision changes every target graph: the manifest records it and a run in the other one is told."""
+    cfg, _ = tiny_config(tmp_path)
+    fp8 = cfg.model_copy(update={"target": cfg.target.model_copy(update={"precision": "fp8"})})
+    made = {**MACHINE, **artifact.run_facts(fp8, {}, [])}
+    assert artifact.differences(made, {**MACHINE, **artifact.run_facts(cfg, {}, [])}) == ["target precision fp8 -> bf16"]
+
+
 def test_the_default_place_is_beside_the_profiles_cache_dir_and_a_carried_file_wins(tmp_path):
     cfg, _ = tiny_config(tmp_path)
     path = artifact.artifact_path(cfg, tmp_path / "inductor" / "train-cu128")

@@ -77,7 +77,7 @@ def run_facts(cfg, target: Mapping[str, object], shape_classes: list) -> dict:
     same model and data live elsewhere."""
     return {
         "target": {**{k: target.get(k) for k in ("model_type", "num_layers", "hidden", "vocab_size")},
-                   "dtype": cfg.target.dtype, "compile": cfg.target.compile},
+                   "dtype": cfg.target.dtype, "precision": cfg.target.precision, "compile": cfg.target.compile},
         "drafter": {**cfg.drafter.model_dump(), "fp8": cfg.train.fp8, "recompute": cfg.train.recompute},
         "shape_classes": [list(c) for c in shape_classes],
     }

@@ -147,7 +147,7 @@ def artifact_q36(*extra: str) -> list[str]:
             f"TORCHINDUCTOR_CACHE_DIR={{fresh}}/warm TRITON_CACHE_DIR={{fresh}}/warm-triton {train} --set "
             f"output_dir={{work}}/run {steps}",
             f"TORCHINDUCTOR_CACHE_DIR={{fresh}}/cold TRITON_CACHE_DIR={{fresh}}/cold-triton {train} --set "
-            f"'train.compile_cache=\"\"' --set output_dir={{work}}/run-warm {steps}"]
+            f"train.compile_cache={{fresh}}/none.dfcache --set output_dir={{work}}/run-warm {steps}"]  # no artifact
 
 
 def fake_rank(steps: int) -> str:
@@ -686,17 +686,17 @@ def fill(text: str, subs: dict[str, str]) -> str:
     return text
 
 
-def artifact_manifests(paths) -> dict[str, str]:
-    """{name.manifest.json: the manifest} of each compile cache artifact among `paths` (too large to bundle: its
-    manifest holds the starts it measured, their graph counts and compile phases)."""
+def artifact_headers(files: dict[str, Path]) -> dict[str, str]:
+    """{name.header.json: its header} of each compile cache artifact in `files` (too large to bundle: its manifest
+    holds the starts it measured, their graph counts and compile phases)."""
     from dflash.runs.compile_artifact import read_header
 
     found = {}
-    for path in paths:
+    for name, path in files.items():
         if path.suffix == ".dfcache":
-            manifest, problem = read_header(path)
-            found[f"{path.name}.manifest.json"] = json.dumps(manifest if manifest is not None else
-                                                             {"error": problem}, indent=2) + "\n"
+            header, problem = read_header(path)
+            found[f"{name}.header.json"] = json.dumps(header if header is not None else
+                                                      {"error": problem or "no such file"}, indent=2) + "\n"
     return found
 
 
@@ -731,7 +731,7 @@ def run_commands(recipe: Commands, until: float, grace: float, out_dir: Path, en
     shutil.rmtree(subs["{fresh}"], ignore_errors=True)
     files = {str(f.relative_to(work)): f for f in sorted(work.rglob("*")) if f.is_file()}
     left_out = sorted(n for n, f in files.items() if "checkpoints" in Path(n).parts or f.stat().st_size > BUNDLE_MAX)
-    texts.update(artifact_manifests(files[n] for n in left_out))
+    texts.update(artifact_headers({n: files[n] for n in left_out}))
     bundle(out_dir / f"{recipe.name}.tar.gz", {n: f for n, f in files.items() if n not in left_out}, texts)
     for checkpoints in [d for d in work.rglob("checkpoints") if d.is_dir()]:
         shutil.rmtree(checkpoints)  # nothing resumes a commands recipe; the next recipe may need the disk

@@ -145,6 +145,21 @@ def test_disk_counts_only_the_checkpoints_a_short_run_writes(tmp_path):
     ctx.config = ctx.config.model_copy(update={"train": ctx.config.train.model_copy(
         update={"max_steps": 1000, "save_every": 500})})  # saves at 500 and 1000 (the end): 2, under keep_last + 1
     assert check_disk(ctx).data["checkpoints_to_write"] == 2
+    ctx.disk = Disk(ctx.config.output_dir, free_bytes=one)
+    assert "lower train.keep_last" not in check_disk(ctx).fix  # keep_last is not what asks for the room
+    ctx.run_dir.checkpoints = [Checkpoint(300, "ckpt/step_00000300", size_bytes=one)]  # stopped at 300
+    ctx.resume_intent = "resume"
+    assert check_disk(ctx).data["checkpoints_to_write"] == 2  # 500 and 1000 are still to come
+    ctx.run_dir.checkpoints = [Checkpoint(700, "ckpt/step_00000700", size_bytes=one)]
+    assert check_disk(ctx).data["checkpoints_to_write"] == 1
+
+
+def test_disk_counts_the_best_checkpoint_a_held_out_run_keeps(tmp_path):
+    """With held-out evaluation the best checkpoint is never pruned: keep_last + the one written + best."""
+    ctx = make_ctx(tmp_path)
+    ctx.disk = Disk(ctx.config.output_dir, free_bytes=10 * MiB)
+    ctx.config = ctx.config.model_copy(update={"eval": ctx.config.eval.model_copy(update={"holdout": 10})})
+    assert check_disk(ctx).data["checkpoints_to_write"] == ctx.config.train.keep_last + 2
 
 
 def test_disk_fix_names_what_the_run_dir_could_free(tmp_path):

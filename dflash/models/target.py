@@ -264,7 +264,8 @@ def build_random(config, dtype: torch.dtype, device: torch.device, fp8: bool) ->
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     model.tie_weights()
     head, embed = model.get_output_embeddings(), model.get_input_embeddings()
-    tied = head is not None and embed is not None and head.weight is embed.weight  # the embedding's storage serves
+    tied = (head is not None and embed is not None and head.weight is embed.weight  # the embedding's storage serves
+            and len(list(head.parameters(recurse=False))) == 1)  # a head with a bias gets storage of its own
     layers = decoder_of(model).layers
     in_layers = {id(m) for m in layers.modules()} | ({id(head)} if tied else set())
 

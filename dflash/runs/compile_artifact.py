@@ -102,7 +102,8 @@ def differences(manifest: Mapping[str, object], now: Mapping[str, object]) -> li
                 out.append(f"shape classes {classes_text(old)} -> {classes_text(v)}")
         elif isinstance(v, Mapping):
             old = old if isinstance(old, Mapping) else {}
-            out += [f"{k} {f} {old.get(f)!s} -> {v[f]!s}" for f in v if str(old.get(f)) != str(v[f])]
+            out += [f"{k} {f} {old[f]!s} -> {v[f]!s}" if f in old else f"{k} {f} not recorded (an older dflash "
+                    f"made it) -> {v[f]!s}" for f in v if f not in old or str(old[f]) != str(v[f])]
             out += [f"{k} {f} {old[f]!s} -> None" for f in old if f not in v]
         elif str(old) != str(v):
             out.append(f"{k} {old!s} -> {v!s}")

@@ -16,6 +16,7 @@ import gc
 import io
 import json
 import logging
+import math
 import os
 import subprocess
 import sys
@@ -227,9 +228,9 @@ def warm_cache(cfg: RunConfig, colocated, check_argv: list[str], log=print) -> i
 
 def loss_gap(a: list[float], b: list[float] | None) -> float | None:
     """The largest relative difference between two processes' losses batch by batch (None: not comparable)."""
-    if not a or not b or len(a) != len(b):
+    if not a or not b or len(a) != len(b) or not all(math.isfinite(x) for x in [*a, *b]):
         return None
-    return max(abs(x - y) / max(abs(x), 1e-12) for x, y in zip(a, b, strict=True))
+    return max(abs(x - y) / max(abs(x), abs(y), 1e-12) for x, y in zip(a, b, strict=True))
 
 
 def losses_text(manifest: dict) -> str:

@@ -194,14 +194,18 @@ def _size(n: int | float) -> str:
     return gib(n) if n >= GiB else f"{n / MiB:.1f} MiB"
 
 
-def saves_at_most(cfg) -> int:
-    """Checkpoints a run can write (a large number when it trains by epochs): with train.max_steps, one every
-    save_every steps and one at the end, and one at each held-out evaluation that improves (eval.every)."""
+def saves_left(cfg, start: int = 0) -> int:
+    """Checkpoints a run can still write after step `start` (a large number when it trains by epochs): with
+    train.max_steps, one every save_every steps and one at the end, and one at each held-out evaluation (eval.every)
+    that improves."""
     steps = cfg.train.max_steps
     if not steps:
         return 1 << 30
-    evals = steps // cfg.eval.every if cfg.eval.every and (cfg.eval.path or cfg.eval.holdout) else 0
-    return -(-steps // cfg.train.save_every) + evals  # the end's save is the last periodic one, or one more
+    if start >= steps:
+        return 0
+    every = cfg.train.save_every
+    evals = steps // cfg.eval.every - start // cfg.eval.every if cfg.eval.every and cfg.eval.enabled else 0
+    return steps // every - start // every + (1 if steps % every else 0) + evals
 
 
 def check_disk(ctx: Context) -> CheckResult:
@@ -215,8 +219,12 @@ def check_disk(ctx: Context) -> CheckResult:
     if one is None:
         return result("disk", "warn", f"{_size(dk.free_bytes)} free at {dk.path}; checkpoint size unknown ({how})",
                       f"check target.path in {config_arg(ctx)}", **data)
-    existing = len(ctx.run_dir.checkpoints) if ctx.run_dir and ctx.resume_intent == "resume" else 0
-    count = max(1, min(cfg.train.keep_last + 1, saves_at_most(cfg)) - existing)  # kept + one being written
+    resuming = ctx.run_dir is not None and ctx.resume_intent == "resume"
+    existing = len(ctx.run_dir.checkpoints) if resuming else 0
+    start = ctx.run_dir.newest.step if resuming and ctx.run_dir.newest else 0
+    held = cfg.train.keep_last + 1 + (1 if cfg.eval.enabled else 0)  # kept, the one written, best (never pruned)
+    left = saves_left(cfg, start)
+    count = max(1, min(held - existing, left))
     need = count * one
     data.update(need_bytes=need, checkpoints_to_write=count)
     summary = (f"{_size(dk.free_bytes)} free at {dk.path}; {count} more checkpoint(s) of {_size(one)} "
@@ -227,5 +235,6 @@ def check_disk(ctx: Context) -> CheckResult:
         spare = describe_leftovers(dk.leftovers, dk.output_dir or cfg.output_dir)
         return result("disk", "fail", summary, f"free {_size(need - dk.free_bytes)} at {dk.path}"
                       + (f" ({spare}, yours to delete)" if spare else "")
-                      + ", lower train.keep_last, or move output_dir to a larger disk", **data)
+                      + (", lower train.keep_last," if left >= held - existing else "")
+                      + " or move output_dir to a larger disk", **data)
     return result("disk", "pass", summary, **data)

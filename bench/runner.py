@@ -330,7 +330,7 @@ RECIPES = {r.name: r for r in [
              "verdict on it, a step from it with empty caches, a step warm on the same machine", artifact_q36(),
              data=Q36_MIX, expect_s=450),
     Commands("artifact-q36-fp8", "artifact-q36 with target.precision = fp8, which fits one H100 at the preset's "
-             "budget (the estimate: 68.8 GiB co-located, recompute layer; 395 s on an H100 with 3 steps a run)",
+             "budget (the estimate: 68.8 GiB co-located, recompute layer; 395 s on an H100 when each start ran 3 steps)",
              artifact_q36("target.precision=fp8"), data=Q36_MIX, expect_s=450),
     Commands("gpu-tests", "the GPU-only tests, whole (pytest -m gpu): 4 workers, then the ones that need the GPU to "
              "themselves (gpu_alone) in one process", [

@@ -712,7 +712,7 @@ def packed_attention(module, query, key, value, attention_mask, scaling=None, dr
         from torch.nn.attention.varlen import varlen_attn
 
         q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [T, heads, D]
-        causal, takes = _varlen_keywords()
+        causal, takes = _VARLEN[0] if _VARLEN else _varlen_keywords()
         keywords = dict(causal)
         if "scale" in takes:
             keywords["scale"] = scale
@@ -732,7 +732,9 @@ def packed_attention(module, query, key, value, attention_mask, scaling=None, dr
     return out.transpose(1, 2).contiguous(), None
 
 
-@functools.cache
+_VARLEN: list = []  # _varlen_keywords(), read once outside compiled code: Dynamo traces through a cached function
+
+
 def _varlen_keywords() -> tuple[dict, frozenset]:
     """(the keywords that make torch's varlen_attn causal, the names it takes): is_causal=True in torch 2.10, a
     window of (-1, 0) in later versions (which also take scale and enable_gqa)."""
@@ -752,6 +754,10 @@ def _register_packed_attention() -> None:
     from transformers import AttentionInterface
 
     AttentionInterface.register(PACKED_ATTENTION, packed_attention)
+    try:
+        _VARLEN.append(_varlen_keywords())
+    except (ImportError, RuntimeError):  # no varlen attention in this torch: the first CUDA packed call says so
+        pass
 
 
 class _packed_attention_of:

@@ -209,6 +209,14 @@ RECIPES = {r.name: r for r in [
         "python3 bench/train_step.py --sweep --set train.recompute=layer --json {work}/sweep_layer.json"], env=COLD),
     Commands("step-sweep-fp8", "the same sweep with train.fp8 = mlp (beside step-sweep: --side-by-side)", [
         "python3 bench/train_step.py --sweep --profile 12 --set train.fp8=mlp --json {work}/sweep_fp8.json"], env=COLD),
+    Commands("recompute-q36", "the users' 27B drafter step at recompute layer, mlp and off (issue #54): the 27B preset "
+             "co-located and packed with the fp8 target, which fits one H100 at 512 anchors x block 32 in a 49,152-token "
+             "row; the drafter's time is the step less the target's on the same batches; one inductor cache, so the "
+             "target compiles once", [
+                 f"python3 bench/train_step.py --config {Q36} --set target.precision=fp8 --set train.batch_anchors=512 "
+                 f"--set train.max_anchors=512 --set 'topology.target_gpus=[]' --set 'topology.drafter_gpus=[]' "
+                 f"--set train.recompute={mode} --warmup 2 --steps 6 --json {{work}}/recompute_{mode}.json"
+                 for mode in ("layer", "mlp", "off")], env=COLD, expect_s=330),
     Commands("cold-start", "the 512 x 16 step twice on one empty inductor cache: the cold first step with "
              "torch.compile's phase times, then the warm one", [
                  "python3 bench/train_step.py --warmup 2 --steps 3 --compile-times --json {work}/cold.json",

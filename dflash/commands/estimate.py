@@ -88,7 +88,7 @@ def _slower(tok_s: float, best: float) -> str:
 def format_pace(est: Estimate) -> list[str]:
     """Each layout's tokens/s at the busy rates given, its link time per step, and the fastest of those that fit, or a
     tie when others are within the rates' noise (dflash.memory.pace)."""
-    from dflash.memory.pace import RATE_NOISE, fastest
+    from dflash.memory.pace import RATE_NOISE, RECOMPUTE_TIME_PER_FLOP, fastest
 
     if not est.pace:
         return []
@@ -101,8 +101,9 @@ def format_pace(est: Estimate) -> list[str]:
         at = measured
         others = [f"{m} x{c:.3f}" for m, c in est.recompute_cost.items() if m != at]
         lines.append(f"  the drafter rate is taken as measured at recompute {at}; each layout's drafter is priced at the "
-                     "recompute it resolves to, as the extra forward work of the parts it recomputes (matmul FLOPs of "
-                     f"a drafter step against {at}: {', '.join(others)})")
+                     "recompute it resolves to, as the extra forward work of the parts it recomputes (their matmul FLOPs "
+                     f"at {RECOMPUTE_TIME_PER_FLOP:g} of a drafter step's time per FLOP, as measured; against {at}: "
+                     f"{', '.join(others)})")
     for p in est.pace:
         verdict = {True: "fits", False: "DOES NOT FIT", None: "-"}[p.fits]
         link = f", link {p.link_bytes / 1e9:.2f} GB, {p.link_s:.2f} s a step" if p.link_bytes else ""

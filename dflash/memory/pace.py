@@ -128,6 +128,11 @@ def split_link_tok_s(targets: int, drafters: int, target_tok_s_per_gpu: float, d
 
 
 RECOMPUTE_MODES = ("off", "mlp", "layer")
+# What a recomputed forward costs against its matmul FLOPs' share of the step: the 27B preset's drafter step, co-located
+# and packed (49,152-token row, 512 anchors x block 32, fp8 target) on one H100 took 597.6 ms at recompute off, 664.4
+# at mlp (+11.2%, where the FLOPs say +14.9%) and 684.5 at layer (+14.5%, the FLOPs +19.8%): 0.75 and 0.73 of the FLOP
+# price (bench/results/h100_20261207f_recompute_q36.json). A recomputed forward runs with no backward kernels between.
+RECOMPUTE_TIME_PER_FLOP = 0.74
 
 
 def drafter_step_flops(cfg, shape, recompute: str = "off") -> float:
@@ -159,8 +164,14 @@ def drafter_step_flops(cfg, shape, recompute: str = "off") -> float:
 
 def recompute_cost(cfg, shape, recompute: str, measured_at: str = "off") -> float:
     """How much longer a drafter step takes at `recompute` than at `measured_at` (the mode the busy rate was
-    measured at): the ratio of their matmul FLOPs (drafter_step_flops). A drafter's busy rate divides by it."""
-    return drafter_step_flops(cfg, shape, recompute) / drafter_step_flops(cfg, shape, measured_at)
+    measured at): the step's matmul FLOPs (drafter_step_flops), what recompute adds priced at RECOMPUTE_TIME_PER_FLOP
+    of its FLOPs (measured). A drafter's busy rate divides by it."""
+    off = drafter_step_flops(cfg, shape, "off")
+
+    def time(mode: str) -> float:
+        return off + RECOMPUTE_TIME_PER_FLOP * (drafter_step_flops(cfg, shape, mode) - off)
+
+    return time(recompute) / time(measured_at)
 
 
 def after_first_window(rows: list[dict]) -> tuple[list[dict], int]:

@@ -275,6 +275,15 @@ RECIPES = {r.name: r for r in [
                  f"{RATE} --config {Q36} --packed 2826,0.6 --warmup 1 --steps 3 --compile on --out "
                  "{work}/rate_q36_bf16.json"],
              expect_s=230),
+    Commands("fla-cold-q36", "what fla's autotuning costs a cold start and what keeping its choices saves: the "
+             "Qwen3.6-27B target role alone (fp8, 49,152 tokens packed, compiled) from empty caches, autotuning (its "
+             "choices harvested), then from empty caches again with them kept (DFLASH_FLA_TUNED)", [
+                 f"TORCHINDUCTOR_CACHE_DIR={{fresh}}/a TRITON_CACHE_DIR={{fresh}}/a-triton DFLASH_FLA_TUNED=off {RATE} "
+                 f"--config {Q36} --set target.precision=fp8 --packed 2826,0.6 --warmup 1 --steps 3 --compile on "
+                 "--fla-harvest {work}/fla_choices.json --out {work}/cold_tuning.json",
+                 f"TORCHINDUCTOR_CACHE_DIR={{fresh}}/b TRITON_CACHE_DIR={{fresh}}/b-triton "
+                 f"DFLASH_FLA_TUNED={{work}}/fla_choices.json {RATE} --config {Q36} --set target.precision=fp8 --packed "
+                 "2826,0.6 --warmup 1 --steps 3 --compile on --out {work}/cold_kept.json"], expect_s=260),
     Commands("target-mask", "the target role eager on padded batches without and with the padding mask: Qwen3-8B "
              "16,384 tokens in 4 rows, Qwen3.6-27B 49,152 in 8", [
                  f"{RATE} --config {Q8} --set data.token_budget=16384 --rows 4 --compile off --out {{work}}/rate_8b.json",
@@ -343,7 +352,9 @@ RECIPES = {r.name: r for r in [
     Commands("gpu-tests", "the GPU-only tests, whole (pytest -m gpu): 4 workers, then the ones that need the GPU to "
              "themselves (gpu_alone) in one process", [
                  "python3 -m pytest -m 'gpu and not gpu_alone' -q -p no:cacheprovider -n 4 --dist loadfile -rA",
-                 "python3 -m pytest -m gpu_alone -q -p no:cacheprovider -n 0 -rA"], expect_s=170),
+                 "python3 -m pytest -m gpu_alone -q -p no:cacheprovider -n 0 -rA"], expect_s=240),  # 178 s + 1 process
+    Commands("gpu-alone-tests", "the GPU tests that need the GPU to themselves (pytest -m gpu_alone), one process", [
+        "python3 -m pytest -m gpu_alone -q -p no:cacheprovider -n 0 -rA"], expect_s=80),
     # the CPU checks of this runner (tests/test_bench_smoke.py)
     Commands("cpu-commands", "CPU: the packing bench and a tiny co-located step (the suite's check of the commands "
              "kind)", ["python3 bench/packing.py --samples 3000",

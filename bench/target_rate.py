@@ -175,6 +175,8 @@ def main(argv=None) -> int:
     p.add_argument("--text", metavar="FOLDER", help="the batch's tokens from this dataset folder's samples, end to end "
                    "(real text; 'demo': the demo's chitchat data; default: random ids)")
     p.add_argument("--out", type=Path, help="write the result as JSON here")
+    p.add_argument("--fla-harvest", type=Path, metavar="FILE", help="write fla's autotuning choices here at the end "
+                   "(DFLASH_FLA_TUNED=FILE seeds another process's cold start with them)")
     p.add_argument("--floor", action="store_true", help="also run the eager forward with memory-efficient attention: "
                    "its difference from the default eager features is bf16's noise at this depth, the scale for the "
                    "compiled features' error")
@@ -320,7 +322,11 @@ def main(argv=None) -> int:
         steady = times[args.warmup:]
         steady_peak = int(torch.cuda.max_memory_allocated()) if cuda else None
         extra = profile(compiled) if args.profile else {}
+        from dflash.models.fla_tuning import tuning_seconds
+
+        tuned_s, tuned = tuning_seconds()  # fla's autotuning so far in this process (in the first step of the first mode)
         return {**extra, "compiled": compiled, "first_step_s": round(times[0], 2), "step_s": [round(t, 4) for t in steady],
+                "fla_autotune_s": round(tuned_s, 2), "fla_kernels_tuned": tuned,
                 "tok_per_s": round(tokens / (sum(steady) / len(steady)), 1),
                 "max_allocated_bytes": steady_peak, "warmup_max_allocated_bytes": warmup_peak,
                 "nvml_peak_bytes": peak.peak}
@@ -466,6 +472,14 @@ def main(argv=None) -> int:
         print(f"{'compiled' if r['compiled'] else 'eager'}: {tokens} tokens/batch in {layout}{mask} x {args.steps}: "
               f"{r['tok_per_s']:.0f} tok/s ({tflops:.0f} TFLOP/s), first step {r['first_step_s']:.1f} s; "
               f"torch peak {gib(r['max_allocated_bytes'])} (warm-up {gib(r['warmup_max_allocated_bytes'])}), NVML peak {gib(r['nvml_peak_bytes'])}")
+        if r["fla_kernels_tuned"]:
+            print(f"fla's autotuning: {r['fla_autotune_s']:.1f} s over {r['fla_kernels_tuned']} kernel(s) in this process")
+    if args.fla_harvest:  # what fla chose here: DFLASH_FLA_TUNED=<this file> seeds a cold start with it
+        from dflash.models.fla_tuning import harvest
+
+        choices = harvest()
+        write_json(args.fla_harvest, {"gpu_name": result["environment"].get("gpu"), **choices})
+        print(f"fla: {len(choices['kernels'])} kernel(s)' choices written to {args.fla_harvest}")
     if args.out:
         write_json(args.out, result)
     return 0

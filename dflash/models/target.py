@@ -246,7 +246,12 @@ def load_target(
 
             log(f"target: target.precision = \"fp8\" but no decoder linear has in and out features >= {MIN_FEATURES:,}; "
                 f"the whole target runs in {named}")
-    return freeze(bind_linear_attention(model, final))
+    model = freeze(bind_linear_attention(model, final))
+    if final.type == "cuda" and fla_installed():  # fla's kept autotuning choices for this GPU, before its first call
+        from dflash.models.fla_tuning import use_kept
+
+        use_kept(torch.cuda.get_device_name(final), log or (lambda *_: None))
+    return model
 
 
 def build_random(config, dtype: torch.dtype, device: torch.device, fp8: bool) -> tuple[nn.Module, int]:

@@ -1,0 +1,125 @@
+"""fla's autotuning choices kept (dflash.models.fla_tuning): harvested from fla's own Triton autotuners, set in them
+before a cold start, read from a harvest or a compile cache artifact, refused for another Triton. On CPU fla's kernels
+do not run, but its autotuners are the real objects the target's first forward consults."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytest.importorskip("fla.ops.utils.cumsum")
+triton = pytest.importorskip("triton")
+
+from dflash.models import fla_tuning  # noqa: E402
+from dflash.runs import compile_artifact as artifact  # noqa: E402
+from dflash.train.compiled import fla_text  # noqa: E402
+
+KERNEL = "fla.ops.utils.cumsum.chunk_local_cumsum_scalar_kernel"
+KEY = (1, 32, 64, True, False, "torch.float32", "torch.float32")  # its key: B, H, BT, IS_VARLEN, REVERSE, dtypes
+
+
+@pytest.fixture
+def tuner():
+    """fla's real autotuner of one kernel, its choices restored after the test."""
+    found = fla_tuning.autotuners()
+    assert KERNEL in found, sorted(found)[:5]
+    t = found[KERNEL]
+    saved = dict(t.cache)
+    t.cache.clear()
+    yield t
+    t.cache.clear()
+    t.cache.update(saved)
+    if hasattr(t, "bench_time"):
+        del t.bench_time
+
+
+def chosen(tuner) -> triton.Config:
+    return tuner.configs[-1]  # one of the kernel's own configs, as its autotuning would choose
+
+
+def test_a_choice_is_harvested_and_set_again_in_a_cold_process(tuner):
+    tuner.cache[KEY] = chosen(tuner)
+    tuner.bench_time = 3.25
+    kept = json.loads(json.dumps(fla_tuning.harvest()))  # as a file holds it
+    entry = kept["kernels"][KERNEL]
+    assert kept["triton"] == triton.__version__ and entry["tuned_s"] == 3.25
+    assert entry["entries"] == [{"key": list(KEY), "config": {
+        "kwargs": dict(chosen(tuner).kwargs), "num_warps": chosen(tuner).num_warps,
+        "num_stages": chosen(tuner).num_stages, "num_ctas": chosen(tuner).num_ctas, "maxnreg": None}}]
+    assert fla_tuning.tuning_seconds() == (3.25, 1)
+    tuner.cache.clear()  # a cold process: nothing chosen
+    assert fla_tuning.seed(kept) == 1
+    got = tuner.cache[KEY]  # Triton's autotuner finds the key chosen: it runs this config, tuning nothing
+    assert (got.kwargs, got.num_warps, got.num_stages) == (chosen(tuner).kwargs, chosen(tuner).num_warps,
+                                                           chosen(tuner).num_stages)
+    assert fla_tuning.seed(kept) == 0  # a key chosen already is left as it is
+    other = {"kernels": {"fla.not.loaded_kernel": entry, KERNEL: {"entries": []}}}
+    assert fla_tuning.seed(other) == 0
+
+
+def test_use_kept_reads_the_file_the_env_names_and_refuses_another_triton(tuner, tmp_path, monkeypatch):
+    tuner.cache[KEY] = chosen(tuner)
+    kept = fla_tuning.harvest()
+    tuner.cache.clear()
+    good = tmp_path / "choices.json"
+    good.write_text(json.dumps(kept))
+    lines = []
+    monkeypatch.setenv(fla_tuning.ENV, str(good))
+    assert fla_tuning.use_kept("NVIDIA H100 80GB HBM3", lines.append) == 1
+    assert lines == ["fla: 1 kept kernel choice(s) for NVIDIA H100 80GB HBM3 set from choices.json (the rest autotune)"]
+    tuner.cache.clear()
+    old = tmp_path / "old.json"
+    old.write_text(json.dumps({**kept, "triton": "3.1.0"}))
+    monkeypatch.setenv(fla_tuning.ENV, str(old))
+    lines.clear()
+    assert fla_tuning.use_kept("NVIDIA H100 80GB HBM3", lines.append) == 0 and KEY not in tuner.cache
+    assert lines == [f"fla: {old} was tuned with Triton 3.1.0, this is {triton.__version__}; its kernels autotune"]
+    for value, line in ((str(tmp_path / "none.json"), f"fla: {fla_tuning.ENV}={tmp_path / 'none.json'}: no such file; "
+                                                      "its kernels autotune"), ("off", None)):
+        monkeypatch.setenv(fla_tuning.ENV, value)
+        lines.clear()
+        assert fla_tuning.use_kept("NVIDIA H100 80GB HBM3", lines.append) == 0
+        assert lines == ([line] if line else [])
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    monkeypatch.setenv(fla_tuning.ENV, str(bad))
+    lines.clear()
+    assert fla_tuning.use_kept("x", lines.append) == 0
+    assert lines == [f"fla: {bad}: unreadable (JSONDecodeError); its kernels autotune"]
+    monkeypatch.delenv(fla_tuning.ENV)
+    lines.clear()  # a GPU model nothing is kept for: fla autotunes, nothing said
+    assert fla_tuning.use_kept("A GPU nobody measured", lines.append) == 0 and lines == []
+
+
+def test_the_kept_file_is_named_by_the_gpu_model():
+    assert fla_tuning.kept_path("NVIDIA H100 80GB HBM3").name == "NVIDIA_H100_80GB_HBM3.json"
+    assert fla_tuning.kept_path("NVIDIA H200").parent == fla_tuning.KEPT
+
+
+def test_an_artifacts_recorded_choices_are_kept_and_one_without_is_refused(tuner, tmp_path, capsys):
+    tuner.cache[KEY] = chosen(tuner)
+    kept = fla_tuning.harvest()
+    made = artifact.write(tmp_path / "a.dfcache", {"gpu_name": "NVIDIA H100 80GB HBM3", "fla_choices": kept},
+                          {"torch": b"x"})
+    assert fla_tuning.read_kept(made) == (kept, None)
+    out = tmp_path / "kept" / "h100.json"
+    assert fla_tuning.main([str(made), str(out)]) == 0
+    assert json.loads(out.read_text())["kernels"] == kept["kernels"]
+    assert json.loads(out.read_text())["gpu_name"] == "NVIDIA H100 80GB HBM3"
+    assert "1 kernel(s)' choices for NVIDIA H100 80GB HBM3" in capsys.readouterr().out
+    bare = artifact.write(tmp_path / "cpu.dfcache", {"gpu_name": "cpu"}, {"torch": b"x"})
+    assert fla_tuning.read_kept(bare) == (None, "a compile cache artifact that recorded no fla choices (made on a "
+                                                "CPU, or by an older dflash)")
+    assert fla_tuning.main([str(bare), str(tmp_path / "x.json")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "recorded no fla choices" in err and "--warm-cache" in err
+    assert not (tmp_path / "x.json").exists()
+    cut = tmp_path / "cut.dfcache"
+    cut.write_bytes(made.read_bytes()[:30])
+    assert fla_tuning.read_kept(cut)[0] is None
+
+
+def test_the_compile_line_says_what_fla_tuned():
+    assert fla_text({"fla_kernels_tuned": 0, "fla_autotune_s": 0.0}) == ""
+    assert fla_text({"fla_kernels_tuned": 9, "fla_autotune_s": 41.26}) == "; fla's autotuning 41.3 s (9 kernel(s))"

@@ -39,6 +39,7 @@ from dflash.models.fp8 import fp8_problem
 from dflash.models.weights import RANDOM_WEIGHTS_WARNING
 from dflash.runs import checkpoint as ckpt
 from dflash.runs import rundir
+from dflash.runs.records import process_age_s
 from dflash.runs.resume import incompatible, incompatible_fix, restore_position
 from dflash.runs.verify import checkpoint_problem, meta_or_problem, read_meta
 from dflash.train import compile_cache, compiled, parallel
@@ -279,11 +280,13 @@ class Trainer:
         if problem:  # before minutes of loading the target
             raise ConfigError(problem)
         start_compile_workers(device, cfg.train.compile)
+        before_s = process_age_s()  # launch to here: imports, preflight, the config
         t0 = time.perf_counter()
         source = local_source(cfg, device, log if group is None or dist.get_rank(group) == 0 else lambda *_, **__: None)
         target_s = time.perf_counter() - t0
         trainer = cls(cfg, source, resume_from, group=group, log=log, provenance=provenance)
-        trainer.startup = {"target_s": round(target_s, 1), **trainer.startup}
+        trainer.startup = {"before_s": round(before_s, 1) if before_s is not None else None,
+                           "target_s": round(target_s, 1), **trainer.startup}
         return trainer
 
     def _dataset_meta(self) -> dict:

@@ -121,8 +121,9 @@ def test_every_run_dir_holds_a_small_sorted_snapshot_and_its_outcome(runs):
     assert outcome["steady"]["tok_per_s"] > 0 and outcome["first_step_s"] > 0 and outcome["rows"] == 4
     assert outcome["peak"]["host_rss_bytes"] > 0 and outcome["last"]["loss"] > 0
     startup = outcome["startup"]  # seconds per phase from this process's start to its first step
-    assert set(startup) == {"target_s", "setup_s", "first_step_s", "launch_to_first_step_s"}, startup
-    assert startup["launch_to_first_step_s"] >= startup["target_s"] + startup["setup_s"] + startup["first_step_s"] - 0.3
+    assert set(startup) == {"before_s", "target_s", "setup_s", "first_step_s", "launch_to_first_step_s"}, startup
+    assert startup["launch_to_first_step_s"] >= (startup["before_s"] + startup["target_s"] + startup["setup_s"]
+                                                 + startup["first_step_s"] - 0.3)
     b = json.loads((runs["B"] / snapshot.SNAPSHOT_NAME).read_text())
     assert b["run"]["intent"] == "resume" and b["run"]["resume"] == {"step": 2, "checkpoint": "step_00000002"}
     assert b["code"]["dirty"]["dflash/models/drafter.py"]["state"] == "modified"
@@ -357,5 +358,7 @@ def test_process_age_counts_from_this_process_start():
     assert process_age_s() >= age + 0.2
     assert startup_line({"target_s": 18.04, "setup_s": 2.3, "first_step_s": 24.7, "launch_to_first_step_s": 52.1}) \
         == "startup: 52.1 s from launch: target 18.0 s, drafter, data and optimizer 2.3 s, first step 24.7 s"
+    assert startup_line({"before_s": 6.1, "target_s": 18.0, "first_step_s": 24.7, "launch_to_first_step_s": 52.1}) \
+        == "startup: 52.1 s from launch: imports and preflight 6.1 s, target 18.0 s, first step 24.7 s"
     assert startup_line({"setup_s": 1.0, "first_step_s": 2.0, "launch_to_first_step_s": None}) \
         == "startup: drafter, data and optimizer 1.0 s, first step 2.0 s"  # a split drafter rank, no /proc

@@ -21,6 +21,7 @@ import torch
 
 from dflash.runs import compile_artifact as artifact
 from dflash.train import compile_cache
+from dflash.train.warmup import needed_batches
 from trainkit import REPO, tiny_config, write_toml
 
 MACHINE = {"torch": "2.10.0+cu128", "triton": "3.6.0", "gpu_name": "NVIDIA H200", "compute_capability": "9.0"}
@@ -181,7 +182,7 @@ def test_a_truncated_corrupted_foreign_or_missing_artifact_is_one_line_and_a_col
     assert _load(cfg, lengths)[1] == [f"compile cache: {path}: no such file; cold start (make one: dflash-train "
                                       "--config <this config> --warm-cache)"]
     assert compile_cache.load(cfg.model_copy(update={"train": cfg.train.model_copy(update={"compile_cache": ""})}),
-                              lengths, log=pytest.fail) is False  # no profile resolved it: nothing to say
+                              lengths, log=pytest.fail) is None  # no profile resolved it: nothing to say
 
 
 def test_bytes_torch_refuses_are_one_line_not_a_crash(tmp_path, run_cfg):
@@ -231,6 +232,26 @@ def test_a_compiled_run_looks_for_its_artifact_before_its_first_compile(tmp_path
                               "--config <this config> --warm-cache)")
 
 
+def test_a_run_from_an_artifact_primes_only_the_batches_its_warm_up_needed(tmp_path):
+    """The artifact's warm-up recorded the graphs after each batch; a run that loaded it runs the warm batches up to
+    the last that built a graph and says how many it left out. Without a record: every batch."""
+    from dflash.train.trainer import Trainer
+    from dflash.train.warmup import prime
+
+    assert needed_batches([7, 7, 7]) == 1 and needed_batches([4, 4, 4, 6]) == 4 and needed_batches([2, 5, 5]) == 2
+    assert needed_batches(None) is None and needed_batches([]) is None and needed_batches(["7"]) is None
+    cfg, _ = tiny_config(tmp_path, max_steps=1)
+    lines: list[str] = []
+    trainer = Trainer.colocated(cfg, None, log=lines.append)
+    prime(trainer, {"cold": {"graphs_after": [3, 3, 3, 3]}})
+    assert "batches of" in lines[-1] and lines[-1].endswith(
+        "; 3 more the artifact's warm-up showed build nothing were not run"), lines[-1]
+    assert lines[-1].startswith("compile: 1 shape class(es) (rows >= 2) in 1 batches of "), lines[-1]
+    prime(trainer, None)
+    assert lines[-1].startswith("compile: 2 shape class(es) (rows >= 2, one row) in 4 batches of ") and \
+        "were not run" not in lines[-1], lines[-1]
+
+
 # ---------------------------------------------------------------- the round trip on the CPU, inductor compiling
 
 
@@ -260,6 +281,10 @@ def test_warm_cache_round_trip_on_cpu(tmp_path):
     assert cold["fx_graph_misses"] >= 4 and cold["fx_graph_hits"] == 0, cold
     assert warm["loaded"] and warm["fx_graph_misses"] == 0 and warm["fx_graph_hits"] == cold["fx_graph_misses"], warm
     assert warm["losses"] == cold["losses"] and len(cold["losses"]) == 4 and m["same_losses"] is True
+    # graphs after each warm batch: a run from the artifact primes up to the last batch that built one
+    assert len(cold["graphs_after"]) == 4 and cold["graphs_after"] == sorted(cold["graphs_after"])
+    assert warm["batches_needed"] == needed_batches(cold["graphs_after"])
+    assert warm["seconds"] <= warm["seconds_all_batches"]
     lines = made.stdout.splitlines()
     assert any(line.startswith(f"warm-cache: wrote {tmp_path / 'tiny.dfcache'} (") for line in lines), lines
     assert f"warm-cache: a fresh process with empty caches took {warm['fx_graph_hits']} graph(s) from it and compiled " \

@@ -35,7 +35,7 @@ from dflash.models.drafter import compiles_on
 from dflash.runs import compile_artifact as artifact
 from dflash.runs.records import process_age_s
 from dflash.train.compiled import compile_phases
-from dflash.train.warmup import cache_counts, warm_steps
+from dflash.train.warmup import cache_counts, needed_batches, warm_steps
 
 WARM_FIX = "dflash-train --config <this config> --warm-cache"
 
@@ -116,25 +116,25 @@ def unpack_triton(data: bytes, folder: Path) -> int:
 
 # ---- loading, before a run's first compile
 
-def load(cfg: RunConfig, train_lengths, log=print) -> bool:
+def load(cfg: RunConfig, train_lengths, log=print) -> dict | None:
     """Load cfg.train.compile_cache into torch's caches (and its Triton files into Triton's cache dir) when it
-    matches this machine and run; one line either way. Empty train.compile_cache (a caller without a profile):
-    nothing to look at, no line."""
+    matches this machine and run; one line either way. Returns the artifact's manifest when loaded, else None.
+    Empty train.compile_cache (a caller without a profile): nothing to look at, no line."""
     if not cfg.train.compile_cache:
-        return False
+        return None
     path = Path(cfg.train.compile_cache)
     header, problem = artifact.read_header(path)
     if header is None:
         why = problem or "no such file"
         log(f"compile cache: {path}: {why}; cold start (make one: {WARM_FIX})")
-        return False
+        return None
     manifest = header["manifest"]
     diffs = artifact.differences(manifest, {**machine_facts(cfg), **run_facts(cfg, train_lengths)})
     if diffs:
         more = f" and {len(diffs) - 3} more" if len(diffs) > 3 else ""
         log(f"compile cache: {path} not loaded: made for another setup ({'; '.join(diffs[:3])}{more}); cold start "
             f"(make one here: {WARM_FIX})")
-        return False
+        return None
     try:
         _, sections = artifact.read_sections(path)
         if "torch" in sections:
@@ -142,15 +142,15 @@ def load(cfg: RunConfig, train_lengths, log=print) -> bool:
         triton_files = unpack_triton(sections["triton"], triton_cache_dir()) if "triton" in sections else None
     except artifact.ArtifactError as e:
         log(f"compile cache: {path} not loaded: {e}; cold start (make one: {WARM_FIX})")
-        return False
+        return None
     except Exception as e:  # torch refusing its own bytes (another build than the manifest says): a cold start
         log(f"compile cache: {path} not loaded: torch refused it ({type(e).__name__}: "
             f"{' '.join(str(e).split())[:160]}); cold start")
-        return False
+        return None
     triton = (f", {triton_files} Triton cache file(s) written" if triton_files is not None else ", no Triton cache")
     log(f"compile cache: loaded {path} ({artifact.size_text(header['size'])}{triton}) for "
         f"{artifact.classes_text(manifest.get('shape_classes'))}; {artifact.start_text(manifest)}")
-    return True
+    return manifest
 
 
 def _load_torch(data: bytes) -> None:
@@ -184,10 +184,12 @@ def warm_cache(cfg: RunConfig, colocated, check_argv: list[str], log=print) -> i
     path = Path(cfg.train.compile_cache)
     trainer = colocated(cfg, None, log)
     losses: list[float] = []
-    warm_steps(trainer, log, losses)
+    record: dict = {}
+    warm_steps(trainer, log, losses, record=record)
     if trainer.device.type == "cuda":
         torch.cuda.synchronize()
-    cold = {"seconds": process_age_s(), **cache_counts(), "losses": losses, "phases": compile_phases()}
+    cold = {"seconds": process_age_s(), **cache_counts(), "losses": losses, "phases": compile_phases(),
+            "graphs_after": record["graphs_after"]}
     saved = torch.compiler.save_cache_artifacts()
     sections = {"torch": saved[0]} if saved is not None else {}
     triton, triton_files = pack_triton(triton_cache_dir())
@@ -279,12 +281,16 @@ def check(request: Path, colocated, log=print) -> dict:
     cfg = config_from_dict(req["config"])
     cfg = cfg.model_copy(update={"train": cfg.train.model_copy(update={"compile_cache": req["artifact"]})})
     trainer = colocated(cfg, None, log)
-    loaded = load(cfg, trainer.dataset.lengths, log)
+    loaded = load(cfg, trainer.dataset.lengths, log) is not None
     losses: list[float] = []
-    warm_steps(trainer, log, losses)
+    record: dict = {}
+    warm_steps(trainer, log, losses, record=record)  # every batch: the losses and the cache counts of all of them
     if trainer.device.type == "cuda":
         torch.cuda.synchronize()
-    return {"seconds": process_age_s(), "loaded": loaded, **cache_counts(), "losses": losses,
+    needed = needed_batches(record["graphs_after"]) or len(record["ages_s"])
+    at = record["ages_s"][needed - 1] if record["ages_s"] else None  # where a run from the artifact stops priming
+    return {"seconds": at if at is not None else process_age_s(), "seconds_all_batches": process_age_s(),
+            "batches_needed": needed, "loaded": loaded, **cache_counts(), "losses": losses,
             "phases": compile_phases()}
 
 

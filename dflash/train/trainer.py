@@ -452,10 +452,11 @@ class Trainer:
         stream = self.step_batches()
         held, last_save, stopping = None, self.step, False
         try:
+            manifest = None
             if self.step < self.total_steps and compile_cache.compiles(self.cfg):  # before anything compiles
-                compile_cache.load(self.cfg, self.dataset.lengths, self.log)
+                manifest = compile_cache.load(self.cfg, self.dataset.lengths, self.log)
             if self.primes():  # every shape class traced now: no graph is built after the first step
-                prime(self)
+                prime(self, manifest)
             pending = self._next(stream) if self.step < self.total_steps else None
             first_step = self.step + 1
             while pending is not None:

@@ -16,18 +16,31 @@ import torch
 
 from dflash.data.batching import collate, to_device
 from dflash.data.plan import warm_batches
+from dflash.runs.records import process_age_s
 from dflash.train import compiled
 from dflash.train.features import CachedTarget, LocalTarget
 from dflash.train.step import micro_step, pad_token_id
 
-__all__ = ["cache_counts", "prime", "warm_batches", "warm_steps"]
+__all__ = ["cache_counts", "needed_batches", "prime", "warm_batches", "warm_steps"]
 
 
-def prime(trainer) -> None:
-    """Run warm_steps in the training process (its lines say "compile:"), recording startup.prime_s."""
+def prime(trainer, manifest: dict | None = None) -> None:
+    """Run warm_steps in the training process (its lines say "compile:"), recording startup.prime_s. `manifest`: the
+    compile cache artifact the run loaded: its warm-up's graphs after each batch say how many batches built every
+    graph (needed_batches), and only those run."""
     t0 = time.perf_counter()
-    warm_steps(trainer, lambda line: trainer.log(line.replace("warm-cache:", "compile:", 1)))
+    after = ((manifest or {}).get("cold") or {}).get("graphs_after")
+    warm_steps(trainer, lambda line: trainer.log(line.replace("warm-cache:", "compile:", 1)),
+               batches=needed_batches(after))
     trainer.startup["prime_s"] = round(time.perf_counter() - t0, 1)
+
+
+def needed_batches(graphs_after) -> int | None:
+    """How many warm batches built every graph, from a warm-up's graphs after each batch ([7, 7, 7] -> 1,
+    [4, 4, 4, 6] -> 4); None (all of them) when there is no such record."""
+    if not graphs_after or not all(isinstance(n, int) for n in graphs_after):
+        return None
+    return graphs_after.index(graphs_after[-1]) + 1
 
 
 def cache_counts() -> dict[str, int]:
@@ -43,19 +56,24 @@ def _cache_text(counts: dict[str, int]) -> str:
     return f" (inductor: {hits} from its cache, {misses} compiled from scratch)" if hits or misses else ""
 
 
-def warm_steps(trainer, log=print, losses: list | None = None) -> list[tuple[int, int]]:
+def warm_steps(trainer, log=print, losses: list | None = None, *, batches: int | None = None,
+               record: dict | None = None) -> list[tuple[int, int]]:
     """Run each of warm_batches through the target and the drafter, forward and backward (and through the held-out
     evaluation's no-gradient math when the run evaluates), gradients dropped, no update: dynamo traces a graph for
     every shape class of the run in this process. Its graphs live in the process (the kernels inductor compiles are
     cached on disk, which makes another process's trace quick), so `--warm-cache` runs this and every compiled run
-    runs it again before its first step. Returns the (rows, length) shapes run; `losses` gets each batch's loss."""
+    runs it again before its first step. Returns the (rows, length) shapes run; `losses` gets each batch's loss.
+    `batches`: only the first so many (a run from an artifact whose warm-up built every graph in those); `record`
+    gets "graphs_after" (graphs after each batch) and "ages_s" (the process's age after each)."""
     pad = pad_token_id(trainer.source.target_config)
     features = trainer.source.features
     if isinstance(trainer.source, CachedTarget):
         features = functools.partial(LocalTarget.features, trainer.source)  # never into the feature cache
     shapes, classes, after = [], [], []  # after: graphs built so far, batch by batch (which batches add any)
     t0 = time.perf_counter()
-    for k, (name, indices) in enumerate(warm_batches(trainer.sampler)):
+    picked = warm_batches(trainer.sampler)
+    ages = []
+    for k, (name, indices) in enumerate(picked[:batches] if batches else picked):
         batch = collate(trainer.dataset, indices, pad, trainer.cfg.data.packing)
         batch["sample_ids"] = torch.tensor(indices)
         batch = to_device(batch, trainer.device)
@@ -73,10 +91,15 @@ def warm_steps(trainer, log=print, losses: list | None = None) -> list[tuple[int
                            trainer.device, trainer.attn_backend, k)
         shapes.append(tuple(batch["input_ids"].shape))
         after.append(compiled.graphs())
+        ages.append(process_age_s())
         classes += [name] if name not in classes else []
+    if record is not None:
+        record.update(graphs_after=after, ages_s=ages)
+    skipped = len(picked) - len(shapes)
+    cut = (f"; {skipped} more the artifact's warm-up showed build nothing were not run" if skipped else "")
     log(f"warm-cache: {len(classes)} shape class(es) ({', '.join(classes)}) in {len(shapes)} batches of "
         f"{', '.join(f'{b} x {s}' for b, s in shapes)} tokens through the target and the drafter"
         f"{' (and the held-out math)' if trainer.heldout is not None else ''}; {compiled.graphs()} compiled "
         f"graph(s){_cache_text(cache_counts())} in {time.perf_counter() - t0:.1f} s; graphs after each batch: "
-        f"{', '.join(map(str, after))}")
+        f"{', '.join(map(str, after))}{cut}")
     return shapes

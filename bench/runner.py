@@ -349,6 +349,9 @@ RECIPES = {r.name: r for r in [
     Commands("artifact-q36-fp8", "artifact-q36 with target.precision = fp8, which fits one H100 at the preset's "
              "budget (the estimate: 68.8 GiB co-located, recompute layer; 395 s on an H100 when each start ran 3 steps)",
              artifact_q36("target.precision=fp8"), data=Q36_MIX, expect_s=450),
+    Commands("cold-q36-fp8", "artifact-q36-fp8's first command alone: --warm-cache on empty caches (the cold start, "
+             "fla's kept choices for this GPU included), then its fresh process from the artifact",
+             artifact_q36("target.precision=fp8")[:1], data=Q36_MIX, expect_s=260),
     Commands("gpu-tests", "the GPU-only tests, whole (pytest -m gpu): 4 workers, then the ones that need the GPU to "
              "themselves (gpu_alone) in one process", [
                  "python3 -m pytest -m 'gpu and not gpu_alone' -q -p no:cacheprovider -n 4 --dist loadfile -rA",

@@ -352,6 +352,9 @@ RECIPES = {r.name: r for r in [
     Commands("cold-q36-fp8", "artifact-q36-fp8's first command alone: --warm-cache on empty caches (the cold start, "
              "fla's kept choices for this GPU included), then its fresh process from the artifact",
              artifact_q36("target.precision=fp8")[:1], data=Q36_MIX, expect_s=260),
+    Commands("cold-step-q36-fp8", "one step of the 27B preset co-located, packed, fp8 target, from empty caches and "
+             "no artifact: launch to step 1 cold, fla's kept choices for this GPU included",
+             artifact_q36("target.precision=fp8")[3:], data=Q36_MIX, expect_s=170),
     Commands("gpu-tests", "the GPU-only tests, whole (pytest -m gpu): 4 workers, then the ones that need the GPU to "
              "themselves (gpu_alone) in one process", [
                  "python3 -m pytest -m 'gpu and not gpu_alone' -q -p no:cacheprovider -n 4 --dist loadfile -rA",

@@ -176,7 +176,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from dflash.runs.compile_artifact import read_header
 
-    p = argparse.ArgumentParser(prog="python -m dflash.models.fla_tuning", description=main.__doc__.split(":")[1])
+    p = argparse.ArgumentParser(prog="python -m dflash.models.fla_tuning", description="Keep the fla choices a compile cache artifact recorded, for "
+                                "every cold start on its GPU model (dflash/models/fla_tuned/<GPU>.json) or in OUT.")
     p.add_argument("artifact", type=Path, help="a compile cache artifact (dflash-train --warm-cache on a GPU)")
     p.add_argument("out", type=Path, nargs="?", help="where to write the choices (default: the kept file of its GPU)")
     args = p.parse_args(argv)

@@ -129,3 +129,29 @@ def test_model_source_covers_the_whole_package_and_untracked_files_warn(tmp_path
     r = check_model_source(ctx)
     assert r.status == "warn" and "1 file(s) in dflash/ not in git HEAD 0123456789ab (untracked): dflash/scratch.py" in r.summary
     assert r.fix.startswith("git stash push --include-untracked -- dflash/scratch.py")
+
+
+def test_a_cold_start_of_a_hybrid_target_says_whether_fla_will_autotune(tmp_path, monkeypatch):
+    """A hybrid target (Gated DeltaNet layers: fla's kernels) starting cold: the warning says whether fla's autotuning
+    choices are kept for the target GPU's model and this Triton, or how to keep them; a dense target says nothing."""
+    import dataclasses
+    import json
+
+    from dflash.models import fla_tuning
+
+    ctx = make_ctx(tmp_path)
+    ctx.compile_cache = CompileCache(str(tmp_path / "run.dfcache"), False)
+    assert "fla" not in check_compile_cache(ctx).summary  # a dense target
+    ctx.target_shape = dataclasses.replace(ctx.target_shape, linear_layers=48)
+    monkeypatch.setattr(fla_tuning, "KEPT", tmp_path / "fla_tuned")
+    r = check_compile_cache(ctx)
+    assert r.status == "warn" and r.summary.endswith(
+        "; fla autotunes its kernels at launch (50 s of the 27B target's first step on an H100; --warm-cache records "
+        "its choices, python -m dflash.models.fla_tuning ARTIFACT keeps them for this GPU model)"), r.summary
+    kept = tmp_path / "fla_tuned" / "NVIDIA_H200.json"
+    kept.parent.mkdir()
+    kept.write_text(json.dumps({"triton": "3.6.0", "kernels": {}}))
+    assert check_compile_cache(ctx).summary.endswith(
+        "; fla's autotuning choices are kept for NVIDIA H200 (dflash/models/fla_tuned/NVIDIA_H200.json): it is skipped")
+    kept.write_text(json.dumps({"triton": "3.1.0", "kernels": {}}))  # tuned with another Triton: fla tunes again
+    assert "fla autotunes its kernels at launch" in check_compile_cache(ctx).summary

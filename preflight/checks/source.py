@@ -4,12 +4,30 @@ from __future__ import annotations
 
 from dflash.runs.compile_artifact import classes_text, differences, size_text, start_text
 from preflight.checks.common import config_arg, in_profile, listing, on_cpu, result
-from preflight.checks.gpus import drafter_gpu
+from preflight.checks.gpus import drafter_gpu, target_gpus
 from preflight.facts.context import Context
 from preflight.facts.source import MODEL_SOURCE_PACKAGE
 from preflight.report import CheckResult
 
 WARM_CACHE_FIX = "dflash-train --config {config} --warm-cache"
+
+
+def fla_note(ctx: Context) -> str:
+    """For a cold start of a hybrid target (fla's Gated DeltaNet kernels): whether fla's autotuning choices are kept
+    for the target GPU's model and this Triton (dflash.models.fla_tuning), or how to keep them; "" otherwise."""
+    from dflash.models.fla_tuning import kept_path, read_kept
+
+    gpus = target_gpus(ctx)
+    gpu = gpus[0] if gpus else None
+    if ctx.target_shape is None or not ctx.target_shape.linear_layers or gpu is None:
+        return ""
+    path = kept_path(gpu.name)
+    kept, _ = read_kept(path) if path.is_file() else (None, None)
+    triton = (ctx.distributions.get("triton") or [None])[0]
+    if kept is not None and kept.get("triton") == triton:
+        return f"; fla's autotuning choices are kept for {gpu.name} (dflash/models/fla_tuned/{path.name}): it is skipped"
+    return ("; fla autotunes its kernels at launch (50 s of the 27B target's first step on an H100; --warm-cache "
+            "records its choices, python -m dflash.models.fla_tuning ARTIFACT keeps them for this GPU model)")
 
 
 def check_compile_cache(ctx: Context) -> CheckResult:
@@ -31,11 +49,11 @@ def check_compile_cache(ctx: Context) -> CheckResult:
     if not cc.exists:
         others = f" ({cc.others} made for other runs beside it)" if cc.others else ""
         return result("compile-cache", "warn", f"cold: no compile cache artifact {cc.path}{others}; every graph "
-                      "compiles at launch (three drafter threads compiling flex attention at once is a known race)",
-                      fix, **data)
+                      "compiles at launch (three drafter threads compiling flex attention at once is a known race)"
+                      f"{fla_note(ctx)}", fix, **data)
     if cc.error or cc.manifest is None:
-        return result("compile-cache", "warn", f"cold: {cc.path}{size}: {cc.error or 'no manifest'}; a run ignores it",
-                      fix, **data)
+        return result("compile-cache", "warn", f"cold: {cc.path}{size}: {cc.error or 'no manifest'}; a run ignores it"
+                      f"{fla_note(ctx)}", fix, **data)
     now: dict[str, object] = {"torch": ctx.torch.version if ctx.torch else None,
                               "triton": (ctx.distributions.get("triton") or [None])[0]}
     gpu = drafter_gpu(ctx)
@@ -48,8 +66,8 @@ def check_compile_cache(ctx: Context) -> CheckResult:
     data["current"] = now
     if diffs:
         return result("compile-cache", "warn", f"stale: {cc.path}{size} was made for another setup "
-                      f"({listing(diffs, 3)}); a run ignores it and starts cold ({start_text(cc.manifest)})",
-                      fix, **data)
+                      f"({listing(diffs, 3)}); a run ignores it and starts cold ({start_text(cc.manifest)})"
+                      f"{fla_note(ctx)}", fix, **data)
     not_compared = [k for k in ("gpu_name", "compute_capability") if k not in now]
     not_compared += [f"shape classes ({cc.run_error})"] if cc.run is None else []
     extra = f"; not compared: {', '.join(not_compared)}" if not_compared else ""

@@ -202,9 +202,9 @@ def warm_cache(cfg: RunConfig, colocated, check_argv: list[str], log=print) -> i
     choices = harvest() if trainer.device.type == "cuda" else {"kernels": {}}
     if choices["kernels"]:  # what fla's autotuning chose: kept in dflash/models/fla_tuned/, a cold start skips it
         manifest["fla_choices"] = choices
-        log(f"warm-cache: fla chose configs for {len(choices['kernels'])} kernel(s) (recorded in the manifest; keep "
-            f"them for a cold start on this GPU model: DFLASH_FLA_TUNED=<this artifact>, or copy them to "
-            f"dflash/models/fla_tuned/{kept_path(manifest['gpu_name']).name})")
+        log(f"warm-cache: fla chose configs for {len(choices['kernels'])} kernel(s), recorded in the manifest: "
+            f"`python -m dflash.models.fla_tuning {path}` keeps them for every cold start on this GPU model "
+            f"(dflash/models/fla_tuned/{kept_path(manifest['gpu_name']).name}); DFLASH_FLA_TUNED={path} for one run")
     del trainer  # the fresh process needs the GPU's memory
     torch._dynamo.reset()
     gc.collect()

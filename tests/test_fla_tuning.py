@@ -43,7 +43,7 @@ def test_a_choice_is_harvested_and_set_again_in_a_cold_process(tuner):
     tuner.bench_time = 3.25
     kept = json.loads(json.dumps(fla_tuning.harvest()))  # as a file holds it
     entry = kept["kernels"][KERNEL]
-    assert kept["triton"] == triton.__version__ and entry["tuned_s"] == 3.25
+    assert kept["triton"] == triton.__version__ and kept["fla"] == fla_tuning.fla_version() and entry["tuned_s"] == 3.25
     assert entry["entries"] == [{"key": list(KEY), "config": {
         "kwargs": dict(chosen(tuner).kwargs), "num_warps": chosen(tuner).num_warps,
         "num_stages": chosen(tuner).num_stages, "num_ctas": chosen(tuner).num_ctas, "maxnreg": None}}]
@@ -75,6 +75,13 @@ def test_use_kept_reads_the_file_the_env_names_and_refuses_another_triton(tuner,
     lines.clear()
     assert fla_tuning.use_kept("NVIDIA H100 80GB HBM3", lines.append) == 0 and KEY not in tuner.cache
     assert lines == [f"fla: {old} was tuned with Triton 3.1.0, this is {triton.__version__}; its kernels autotune"]
+    other_fla = tmp_path / "other_fla.json"
+    other_fla.write_text(json.dumps({**kept, "fla": "0.1.0"}))  # another fla: other kernels may sit behind the names
+    monkeypatch.setenv(fla_tuning.ENV, str(other_fla))
+    lines.clear()
+    assert fla_tuning.use_kept("NVIDIA H100 80GB HBM3", lines.append) == 0 and KEY not in tuner.cache
+    assert lines == [f"fla: {other_fla} was tuned with fla 0.1.0, this is {fla_tuning.fla_version()}; its kernels "
+                     "autotune"]
     for value, line in ((str(tmp_path / "none.json"), f"fla: {fla_tuning.ENV}={tmp_path / 'none.json'}: no such file; "
                                                       "its kernels autotune"), ("off", None)):
         monkeypatch.setenv(fla_tuning.ENV, value)

@@ -150,8 +150,10 @@ def test_a_cold_start_of_a_hybrid_target_says_whether_fla_will_autotune(tmp_path
         "its choices, python -m dflash.models.fla_tuning ARTIFACT keeps them for this GPU model)"), r.summary
     kept = tmp_path / "fla_tuned" / "NVIDIA_H200.json"
     kept.parent.mkdir()
-    kept.write_text(json.dumps({"triton": "3.6.0", "kernels": {}}))
+    kept.write_text(json.dumps({"triton": "3.6.0", "fla": "0.6.0", "kernels": {}}))
+    ctx.distributions["fla-core"] = ["0.6.0"]
     assert check_compile_cache(ctx).summary.endswith(
         "; fla's autotuning choices are kept for NVIDIA H200 (dflash/models/fla_tuned/NVIDIA_H200.json): it is skipped")
-    kept.write_text(json.dumps({"triton": "3.1.0", "kernels": {}}))  # tuned with another Triton: fla tunes again
-    assert "fla autotunes its kernels at launch" in check_compile_cache(ctx).summary
+    for other in ({"triton": "3.1.0", "fla": "0.6.0"}, {"triton": "3.6.0", "fla": "0.5.0"}):  # tuned elsewhere
+        kept.write_text(json.dumps({**other, "kernels": {}}))
+        assert "fla autotunes its kernels at launch" in check_compile_cache(ctx).summary

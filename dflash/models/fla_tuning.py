@@ -3,7 +3,7 @@
 fla (the Gated DeltaNet kernels of Qwen3.5-family targets) autotunes each of its Triton kernels at the first call in a
 process: every config compiled and timed, tens of configs a kernel. Triton keeps the choice in its cache dir, which
 the compile cache artifact carries (dflash.train.compile_cache); on a machine with empty caches it tunes again. The
-choice depends on the GPU model, the Triton version and the kernel's key (the model's head counts and widths, the
+choice depends on the GPU model, the Triton and fla versions and the kernel's key (the model's head counts and widths, the
 dtypes), so dflash keeps each GPU's choices for the shapes it measured in dflash/models/fla_tuned/<GPU>.json and sets
 them in fla's autotuners before the target's first forward: a kernel called with another key tunes as before.
 
@@ -77,9 +77,21 @@ def _plain(key) -> bool:
     return all(v is None or isinstance(v, (bool, int, float, str)) for v in key)
 
 
+def fla_version() -> str | None:
+    """The installed fla's version (fla-core, else flash-linear-attention), None when neither is."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    for name in ("fla-core", "flash-linear-attention"):
+        try:
+            return version(name)
+        except PackageNotFoundError:
+            continue
+    return None
+
+
 def harvest() -> dict:
-    """{"triton": version, "kernels": {name: {"tuned_s": seconds tuning in this process or None (taken from a
-    cache), "entries": [{"key": [...], "config": {...}}]}}} for every fla kernel that has chosen a config."""
+    """{"triton": version, "fla": version, "kernels": {name: {"tuned_s": seconds tuning in this process or None
+    (taken from a cache), "entries": [{"key": [...], "config": {...}}]}}} for every fla kernel that chose a config."""
     import triton
 
     kernels = {}
@@ -89,7 +101,7 @@ def harvest() -> dict:
         if entries:
             seconds = getattr(tuner, "bench_time", None)
             kernels[name] = {"tuned_s": round(seconds, 2) if seconds is not None else None, "entries": entries}
-    return {"triton": triton.__version__, "kernels": kernels}
+    return {"triton": triton.__version__, "fla": fla_version(), "kernels": kernels}
 
 
 def tuning_seconds() -> tuple[float, int]:
@@ -145,7 +157,7 @@ def read_kept(path: Path) -> tuple[dict | None, str | None]:
 
 def use_kept(gpu_name: str, log=print) -> int:
     """Before the target's first forward on a GPU: seed fla's autotuners from DFLASH_FLA_TUNED's file, else this GPU's
-    kept file, when its Triton version is this one; one line when something is kept here, none otherwise."""
+    kept file, when its Triton and fla versions are these; one line when something is kept here, none otherwise."""
     import triton
 
     choice = os.environ.get(ENV, "")
@@ -163,6 +175,9 @@ def use_kept(gpu_name: str, log=print) -> int:
     if kept.get("triton") != triton.__version__:
         log(f"fla: {path} was tuned with Triton {kept.get('triton')}, this is {triton.__version__}; its kernels "
             "autotune")
+        return 0
+    if kept.get("fla") != fla_version():  # another fla may have other kernels behind the same names
+        log(f"fla: {path} was tuned with fla {kept.get('fla')}, this is {fla_version()}; its kernels autotune")
         return 0
     placed = seed(kept)
     log(f"fla: {placed} kept kernel choice(s) for {gpu_name} set from {path.name} (the rest autotune)")

@@ -24,7 +24,8 @@ def fla_note(ctx: Context) -> str:
     path = kept_path(gpu.name)
     kept, _ = read_kept(path) if path.is_file() else (None, None)
     triton = (ctx.distributions.get("triton") or [None])[0]
-    if kept is not None and kept.get("triton") == triton:
+    fla = (ctx.distributions.get("fla-core") or ctx.distributions.get("flash-linear-attention") or [None])[0]
+    if kept is not None and kept.get("triton") == triton and kept.get("fla") == fla:
         return f"; fla's autotuning choices are kept for {gpu.name} (dflash/models/fla_tuned/{path.name}): it is skipped"
     return ("; fla autotunes its kernels at launch (50 s of the 27B target's first step on an H100; --warm-cache "
             "records its choices, python -m dflash.models.fla_tuning ARTIFACT keeps them for this GPU model)")

@@ -11,7 +11,7 @@ import pytest
 pytest.importorskip("fla.ops.utils.cumsum")
 triton = pytest.importorskip("triton")
 
-from dflash.models import fla_tuning  # noqa: E402
+from dflash.models import fla_kept, fla_tuning  # noqa: E402
 from dflash.runs import compile_artifact as artifact  # noqa: E402
 from dflash.train.compiled import fla_text  # noqa: E402
 
@@ -100,31 +100,31 @@ def test_use_kept_reads_the_file_the_env_names_and_refuses_another_triton(tuner,
 
 
 def test_the_kept_file_is_named_by_the_gpu_model():
-    assert fla_tuning.kept_path("NVIDIA H100 80GB HBM3").name == "NVIDIA_H100_80GB_HBM3.json"
-    assert fla_tuning.kept_path("NVIDIA H200").parent == fla_tuning.KEPT
+    assert fla_kept.kept_path("NVIDIA H100 80GB HBM3").name == "NVIDIA_H100_80GB_HBM3.json"
+    assert fla_kept.kept_path("NVIDIA H200").parent == fla_kept.KEPT
 
 
 def test_an_artifacts_recorded_choices_are_kept_and_one_without_is_refused(tuner, tmp_path, capsys):
+    """python -m dflash.train.fla_choices ARTIFACT [OUT]: the choices --warm-cache recorded, written where a cold
+    start reads them; an artifact without any, or not an artifact, is one line and exit 2, nothing written."""
+    from dflash.train.fla_choices import main, recorded
+
     tuner.cache[KEY] = chosen(tuner)
     kept = fla_tuning.harvest()
     made = artifact.write(tmp_path / "a.dfcache", {"gpu_name": "NVIDIA H100 80GB HBM3", "fla_choices": kept},
                           {"torch": b"x"})
-    assert fla_tuning.read_kept(made) == (kept, None)
+    assert recorded(made) == (kept, "NVIDIA H100 80GB HBM3", None)
     out = tmp_path / "kept" / "h100.json"
-    assert fla_tuning.main([str(made), str(out)]) == 0
-    assert json.loads(out.read_text())["kernels"] == kept["kernels"]
-    assert json.loads(out.read_text())["gpu_name"] == "NVIDIA H100 80GB HBM3"
+    assert main([str(made), str(out)]) == 0
+    assert fla_kept.read_kept(out) == ({"gpu_name": "NVIDIA H100 80GB HBM3", **kept}, None)
     assert "1 kernel(s)' choices for NVIDIA H100 80GB HBM3" in capsys.readouterr().out
     bare = artifact.write(tmp_path / "cpu.dfcache", {"gpu_name": "cpu"}, {"torch": b"x"})
-    assert fla_tuning.read_kept(bare) == (None, "a compile cache artifact that recorded no fla choices (made on a "
-                                                "CPU, or by an older dflash)")
-    assert fla_tuning.main([str(bare), str(tmp_path / "x.json")]) == 2
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "recorded no fla choices" in err and "--warm-cache" in err
+    for bad, why in ((bare, "it recorded no fla choices"), (tmp_path / "none.dfcache", "no such file")):
+        assert main([str(bad), str(tmp_path / "x.json")]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and why in err and "--warm-cache" in err, err
     assert not (tmp_path / "x.json").exists()
-    cut = tmp_path / "cut.dfcache"
-    cut.write_bytes(made.read_bytes()[:30])
-    assert fla_tuning.read_kept(cut)[0] is None
+    assert fla_kept.read_kept(made) == (None, "unreadable (UnicodeDecodeError)")  # an artifact is not a harvest
 
 
 def test_the_compile_line_says_what_fla_tuned():

@@ -29,7 +29,7 @@ LAYERS = {"dflash.errors": 0, "dflash.filehash": 0, "dflash.config": 1, "dflash.
 TORCH_FREE = ("dflash.config", "dflash.errors", "dflash.filehash", "dflash.runs.rundir", "dflash.runs.verify",
               "dflash.runs.lock", "dflash.runs.metrics", "dflash.runs.resume", "dflash.runs.compile_artifact",
               "dflash.runs.records", "dflash.data.identity", "dflash.data.shards", "dflash.data.buckets", "dflash.data.packing",
-              "dflash.data.plan", "dflash.models.custom_code", "dflash.models.weights", "dflash.memory.shape",
+              "dflash.data.plan", "dflash.models.custom_code", "dflash.models.weights", "dflash.models.fla_kept", "dflash.memory.shape",
               "dflash.memory.parts", "dflash.memory.fit", "dflash.memory.pace", "preflight.diff", "preflight.probe",
               "preflight.facts.overhead",
               "preflight.gate", "preflight.checks.registry", "preflight.facts.gather", "dflash.eval.results")

@@ -137,17 +137,17 @@ def test_a_cold_start_of_a_hybrid_target_says_whether_fla_will_autotune(tmp_path
     import dataclasses
     import json
 
-    from dflash.models import fla_tuning
+    from dflash.models import fla_kept
 
     ctx = make_ctx(tmp_path)
     ctx.compile_cache = CompileCache(str(tmp_path / "run.dfcache"), False)
     assert "fla" not in check_compile_cache(ctx).summary  # a dense target
     ctx.target_shape = dataclasses.replace(ctx.target_shape, linear_layers=48)
-    monkeypatch.setattr(fla_tuning, "KEPT", tmp_path / "fla_tuned")
+    monkeypatch.setattr(fla_kept, "KEPT", tmp_path / "fla_tuned")
     r = check_compile_cache(ctx)
     assert r.status == "warn" and r.summary.endswith(
         "; fla autotunes its kernels at launch (50 s of the 27B target's first step on an H100; --warm-cache records "
-        "its choices, python -m dflash.models.fla_tuning ARTIFACT keeps them for this GPU model)"), r.summary
+        "its choices, python -m dflash.train.fla_choices ARTIFACT keeps them for this GPU model)"), r.summary
     kept = tmp_path / "fla_tuned" / "NVIDIA_H200.json"
     kept.parent.mkdir()
     kept.write_text(json.dumps({"triton": "3.6.0", "fla": "0.6.0", "kernels": {}}))

@@ -12,25 +12,19 @@ them in fla's autotuners before the target's first forward: a kernel called with
     use_kept(log)      seed this GPU's kept file (or DFLASH_FLA_TUNED's); one line, or none where nothing is kept
     tuning_seconds()   the seconds fla's autotuners spent tuning in this process
 
-DFLASH_FLA_TUNED=FILE seeds from FILE instead: a harvest (JSON), or a compile cache artifact whose manifest recorded
-one (`dflash-train --warm-cache` records it); DFLASH_FLA_TUNED=off seeds nothing.
+DFLASH_FLA_TUNED=FILE seeds from FILE instead (a harvest as JSON: `python -m dflash.train.fla_choices ARTIFACT FILE`
+writes the one a compile cache artifact recorded); DFLASH_FLA_TUNED=off seeds nothing.
 """
 
 from __future__ import annotations
 
-import json
 import os
-import re
 import sys
 from pathlib import Path
 
-KEPT = Path(__file__).with_name("fla_tuned")
+from dflash.models.fla_kept import kept_path, read_kept
+
 ENV = "DFLASH_FLA_TUNED"
-
-
-def kept_path(gpu_name: str) -> Path:
-    """This GPU model's file of kept choices ("NVIDIA H100 80GB HBM3" -> fla_tuned/NVIDIA_H100_80GB_HBM3.json)."""
-    return KEPT / f"{re.sub(r'[^0-9A-Za-z]+', '_', gpu_name).strip('_') or 'unknown'}.json"
 
 
 def autotuners() -> dict:
@@ -131,30 +125,6 @@ def seed(kept: dict) -> int:
     return placed
 
 
-def read_kept(path: Path) -> tuple[dict | None, str | None]:
-    """(the kept choices in `path`, None) or (None, why not). `path`: a harvest (JSON), or a compile cache artifact
-    whose manifest recorded one (`dflash-train --warm-cache` on a GPU; its choices hold for another data mix too)."""
-    from dflash.runs.compile_artifact import MAGIC, read_header
-
-    try:
-        with open(path, "rb") as f:
-            is_artifact = f.read(len(MAGIC)) == MAGIC
-        if is_artifact:
-            header, problem = read_header(path)
-            if header is None:
-                return None, problem or "no such file"
-            data = header["manifest"].get("fla_choices")
-            if data is None:
-                return None, "a compile cache artifact that recorded no fla choices (made on a CPU, or by an older dflash)"
-        else:
-            data = json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        return None, f"unreadable ({type(e).__name__})"
-    if not isinstance(data, dict) or not isinstance(data.get("kernels"), dict):
-        return None, "not a harvest of fla's choices (no 'kernels')"
-    return data, None
-
-
 def use_kept(gpu_name: str, log=print) -> int:
     """Before the target's first forward on a GPU: seed fla's autotuners from DFLASH_FLA_TUNED's file, else this GPU's
     kept file, when its Triton and fla versions are these; one line when something is kept here, none otherwise."""
@@ -183,34 +153,3 @@ def use_kept(gpu_name: str, log=print) -> int:
     log(f"fla: {placed} kept kernel choice(s) for {gpu_name} set from {path.name} (the rest autotune)")
     return placed
 
-
-def main(argv: list[str] | None = None) -> int:
-    """python -m dflash.models.fla_tuning ARTIFACT [OUT]: keep the fla choices a compile cache artifact recorded, in
-    OUT (default: dflash/models/fla_tuned/<its GPU>.json, where every cold start on that GPU model reads them)."""
-    import argparse
-
-    from dflash.runs.compile_artifact import read_header
-
-    p = argparse.ArgumentParser(prog="python -m dflash.models.fla_tuning", description="Keep the fla choices a compile cache artifact recorded, for "
-                                "every cold start on its GPU model (dflash/models/fla_tuned/<GPU>.json) or in OUT.")
-    p.add_argument("artifact", type=Path, help="a compile cache artifact (dflash-train --warm-cache on a GPU)")
-    p.add_argument("out", type=Path, nargs="?", help="where to write the choices (default: the kept file of its GPU)")
-    args = p.parse_args(argv)
-    kept, problem = read_kept(args.artifact)
-    header, _ = read_header(args.artifact)
-    if kept is None or header is None:
-        print(f"fla_tuning: {args.artifact}: {problem or 'not a compile cache artifact'}; make one on the GPU with "
-              "dflash-train --warm-cache", file=sys.stderr)
-        return 2
-    out = args.out or kept_path(header["manifest"]["gpu_name"])
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.tmp")
-    tmp.write_text(json.dumps({"gpu_name": header["manifest"]["gpu_name"], **kept}, indent=1) + "\n")
-    os.replace(tmp, out)
-    print(f"fla_tuning: {len(kept['kernels'])} kernel(s)' choices for {header['manifest']['gpu_name']} (Triton "
-          f"{kept.get('triton')}) written to {out}")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

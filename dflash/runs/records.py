@@ -216,7 +216,8 @@ SNAPSHOT_SCHEMA = {
                                     "roles": ("list", "str!")})},
     "preflight": {"ok": "bool", "failed": ("list", "str!"), "warned": ("list", "str!"), "waived": ("map", "any")},
 }
-COMPILE_PHASES = ("dynamo_s", "aot_s", "inductor_s", "cache_load_s", "kernel_wait_s", "backward_s", "total_s")
+COMPILE_PHASES = ("dynamo_s", "aot_s", "inductor_s", "cache_load_s", "kernel_wait_s", "backward_s", "total_s",
+                  "fla_autotune_s", "fla_kernels_tuned")
 OUTCOME_SCHEMA = {
     "format": "str!", "gate_id": "any", "started_utc": "any", "updated_utc": "any", "start_step": "int", "step": "int",
     "first_step_s": "num", "to_first_step_s": "num", "compiled_graphs": {"first_step": "int", "last": "int"},

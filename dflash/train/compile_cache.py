@@ -197,14 +197,15 @@ def warm_cache(cfg: RunConfig, colocated, check_argv: list[str], log=print) -> i
         sections["triton"] = triton
     manifest = {**machine_facts(cfg), **run_facts(cfg, trainer.dataset.lengths), "cold": cold,
                 "triton_files": triton_files, "made_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-    from dflash.models.fla_tuning import harvest, kept_path
+    from dflash.models.fla_kept import kept_path
+    from dflash.models.fla_tuning import harvest
 
     choices = harvest() if trainer.device.type == "cuda" else {"kernels": {}}
     if choices["kernels"]:  # what fla's autotuning chose: kept in dflash/models/fla_tuned/, a cold start skips it
         manifest["fla_choices"] = choices
         log(f"warm-cache: fla chose configs for {len(choices['kernels'])} kernel(s), recorded in the manifest: "
-            f"`python -m dflash.models.fla_tuning {path}` keeps them for every cold start on this GPU model "
-            f"(dflash/models/fla_tuned/{kept_path(manifest['gpu_name']).name}); DFLASH_FLA_TUNED={path} for one run")
+            f"`python -m dflash.train.fla_choices {path}` keeps them for every cold start on this GPU model "
+            f"(dflash/models/fla_tuned/{kept_path(manifest['gpu_name']).name})")
     del trainer  # the fresh process needs the GPU's memory
     torch._dynamo.reset()
     gc.collect()

@@ -15,7 +15,7 @@ WARM_CACHE_FIX = "dflash-train --config {config} --warm-cache"
 def fla_note(ctx: Context) -> str:
     """For a cold start of a hybrid target (fla's Gated DeltaNet kernels): whether fla's autotuning choices are kept
     for the target GPU's model and this Triton (dflash.models.fla_tuning), or how to keep them; "" otherwise."""
-    from dflash.models.fla_tuning import kept_path, read_kept
+    from dflash.models.fla_kept import kept_path, read_kept
 
     gpus = target_gpus(ctx)
     gpu = gpus[0] if gpus else None
@@ -28,7 +28,7 @@ def fla_note(ctx: Context) -> str:
     if kept is not None and kept.get("triton") == triton and kept.get("fla") == fla:
         return f"; fla's autotuning choices are kept for {gpu.name} (dflash/models/fla_tuned/{path.name}): it is skipped"
     return ("; fla autotunes its kernels at launch (50 s of the 27B target's first step on an H100; --warm-cache "
-            "records its choices, python -m dflash.models.fla_tuning ARTIFACT keeps them for this GPU model)")
+            "records its choices, python -m dflash.train.fla_choices ARTIFACT keeps them for this GPU model)")
 
 
 def check_compile_cache(ctx: Context) -> CheckResult:

@@ -89,6 +89,9 @@ def _step(name: str, torch, cleanups: list) -> str | None:
             from fla.ops.gated_delta_rule import chunk_gated_delta_rule
         except ImportError as e:
             return f"fla not importable ({e}); its kernels not loaded"
+        from dflash.models.fla_tuning import first_configs_only
+
+        first_configs_only()  # load each kernel once: autotuning would compile every config (tens of seconds cold)
         shape = (1, 64, 2, 64)  # [batch, tokens, heads, head dim]
         q, k, v = (torch.randn(*shape, device=dev, dtype=torch.bfloat16) for _ in range(3))
         g = torch.randn(1, 64, 2, device=dev, dtype=torch.float32).sigmoid().log()

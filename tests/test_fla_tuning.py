@@ -130,3 +130,18 @@ def test_an_artifacts_recorded_choices_are_kept_and_one_without_is_refused(tuner
 def test_the_compile_line_says_what_fla_tuned():
     assert fla_text({"fla_kernels_tuned": 0, "fla_autotune_s": 0.0}) == ""
     assert fla_text({"fla_kernels_tuned": 9, "fla_autotune_s": 41.26}) == "; fla's autotuning 41.3 s (9 kernel(s))"
+
+
+def test_a_process_that_only_loads_fla_keeps_one_config_a_kernel(tuner):
+    """The memory probe loads fla's kernels and tunes none: each autotuner keeps its first config, so Triton compiles
+    each kernel once (a tuner with one config runs it without tuning)."""
+    saved = {name: t.configs for name, t in fla_tuning.autotuners().items()}
+    try:
+        many = sum(len(c) > 1 for c in saved.values())
+        first = tuner.configs[0]
+        assert many > 1 and fla_tuning.first_configs_only() == many
+        assert tuner.configs == [first] and all(len(t.configs) == 1 for t in fla_tuning.autotuners().values())
+        assert fla_tuning.first_configs_only() == 0
+    finally:
+        for name, t in fla_tuning.autotuners().items():
+            t.configs = saved[name]

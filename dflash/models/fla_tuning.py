@@ -10,6 +10,7 @@ them in fla's autotuners before the target's first forward: a kernel called with
     harvest()          what fla's autotuners chose in this process, with the seconds each spent tuning
     seed(kept)         set kept choices in fla's autotuners (those not tuned yet); returns how many were set
     use_kept(log)      seed this GPU's kept file (or DFLASH_FLA_TUNED's); one line, or none where nothing is kept
+    first_configs_only()   a process that only loads the kernels (the memory probe) compiles one config each
     tuning_seconds()   the seconds fla's autotuners spent tuning in this process
 
 DFLASH_FLA_TUNED=FILE seeds from FILE instead (a harvest as JSON: `python -m dflash.train.fla_choices ARTIFACT FILE`
@@ -123,6 +124,18 @@ def seed(kept: dict) -> int:
                                              num_ctas=c.get("num_ctas", 1), maxnreg=c.get("maxnreg"))
             placed += 1
     return placed
+
+
+def first_configs_only() -> int:
+    """In a process that only loads fla's kernels (the memory probe), never tunes them: every loaded fla autotuner
+    keeps its first config, so each kernel compiles once instead of once per config. Returns the autotuners cut.
+    Never in a training process: the choice there is the tuned one."""
+    cut = 0
+    for tuner in autotuners().values():
+        if len(tuner.configs) > 1:
+            tuner.configs = tuner.configs[:1]
+            cut += 1
+    return cut
 
 
 def use_kept(gpu_name: str, log=print) -> int:

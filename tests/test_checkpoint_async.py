@@ -91,6 +91,43 @@ def test_a_save_from_reserved_buffers_writes_the_bytes_of_a_save_from_the_live_s
     assert fa.keys() == fb.keys() and [k for k in fa if fa[k] != fb[k] and k != rundir.META_NAME] == []
 
 
+def test_a_save_superseded_while_its_optimizer_state_is_written_is_given_up_not_failed(tmp_path, monkeypatch):
+    """A newer save (or a stop's) cancels the one in flight; when that lands inside torch.save of the optimizer state,
+    torch's zip writer ends the file on the way out and raises its own RuntimeError over the cancel. The write says
+    SaveCancelled (the run goes on), leaves no checkpoint and no .tmp; a real write error is still raised as it is."""
+    import threading
+
+    from dflash.train.trainer import Trainer
+
+    cfg, _ = tiny_config(tmp_path, max_steps=2)
+    trainer = Trainer.colocated(cfg, None, log=lambda *a, **k: None)
+    trainer.train_step(next(trainer.step_batches())[2])  # the optimizer has its state
+    snap = ckpt.snapshot(1, trainer.drafter, trainer.optimizer, {"step": 1, "rng_cpu": torch.get_rng_state()})
+    meta = {"path": "data", "samples": 1, "fingerprint": "f"}
+    cancel, writes = threading.Event(), []
+    write = ckpt._HashingFile.write
+
+    def superseded_on_the_third_write(self, data):
+        writes.append(len(memoryview(data).cast("B")))
+        if len(writes) == 3:
+            cancel.set()
+        return write(self, data)
+
+    monkeypatch.setattr(ckpt._HashingFile, "write", superseded_on_the_third_write)
+    with pytest.raises(ckpt.SaveCancelled):
+        ckpt.write_checkpoint(tmp_path / "a", snap, cfg, meta, 1, cancel=cancel)
+    assert len(writes) == 3 and rundir.list_checkpoints(tmp_path / "a") == []
+    assert not list(rundir.checkpoints_dir(tmp_path / "a").glob("*.tmp"))
+
+    def disk_error(self, data):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(ckpt._HashingFile, "write", disk_error)
+    with pytest.raises(Exception) as failed:
+        ckpt.write_checkpoint(tmp_path / "b", snap, cfg, meta, 1, cancel=threading.Event())
+    assert not isinstance(failed.value, ckpt.SaveCancelled)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (pinned host memory)")
 def test_on_cuda_the_first_snapshot_copies_into_the_reserved_pinned_block():

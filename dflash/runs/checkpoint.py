@@ -316,7 +316,12 @@ def write_checkpoint(output_dir: str | Path, snap: Snapshot, cfg: RunConfig, dat
         cancelled()
         with open(tmp / OPTIMIZER_NAME, "wb") as f:  # a file of ours: a failed write keeps its OSError (errno)
             through = _HashingFile(f, cancel, hashing)
-            torch.save(snap.optimizer_state, through)
+            try:
+                torch.save(snap.optimizer_state, through)
+            except RuntimeError as e:  # torch's zip writer ends the file on the way out, masking the cancel
+                if isinstance(e.__context__, SaveCancelled):
+                    raise e.__context__ from None
+                raise
         hashes[tmp / OPTIMIZER_NAME] = through.sha.hexdigest()
         lap("optimizer_s")
         save_trainer_state(tmp, snap.trainer_state)

@@ -82,8 +82,8 @@ def test_use_kept_reads_the_file_the_env_names_and_refuses_another_triton(tuner,
     assert fla_tuning.use_kept("NVIDIA H100 80GB HBM3", lines.append) == 0 and KEY not in tuner.cache
     assert lines == [f"fla: {other_fla} was tuned with fla 0.1.0, this is {fla_tuning.fla_version()}; its kernels "
                      "autotune"]
-    for value, line in ((str(tmp_path / "none.json"), f"fla: {fla_tuning.ENV}={tmp_path / 'none.json'}: no such file; "
-                                                      "its kernels autotune"), ("off", None)):
+    for value, line in ((str(tmp_path / "none.json"), f"fla: {fla_tuning.ENV}={tmp_path / 'none.json'}: not a file; "
+                                                      "its kernels autotune (name a harvest, or off)"), ("off", None)):
         monkeypatch.setenv(fla_tuning.ENV, value)
         lines.clear()
         assert fla_tuning.use_kept("NVIDIA H100 80GB HBM3", lines.append) == 0
@@ -124,6 +124,11 @@ def test_an_artifacts_recorded_choices_are_kept_and_one_without_is_refused(tuner
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and why in err and "--warm-cache" in err, err
     assert not (tmp_path / "x.json").exists()
+    blocked = tmp_path / "a-file"
+    blocked.write_text("")
+    assert main([str(made), str(blocked / "kept.json")]) == 2  # OUT under a file: one line, nothing written
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"fla_choices: cannot write {blocked / 'kept.json'} (")
     assert fla_kept.read_kept(made) == (None, "unreadable (UnicodeDecodeError)")  # an artifact is not a harvest
 
 

@@ -149,7 +149,7 @@ def use_kept(gpu_name: str, log=print) -> int:
     path = Path(choice) if choice else kept_path(gpu_name)
     if not path.is_file():
         if choice:
-            log(f"fla: {ENV}={choice}: no such file; its kernels autotune")
+            log(f"fla: {ENV}={choice}: not a file; its kernels autotune (name a harvest, or off)")
         return 0
     kept, problem = read_kept(path)
     if kept is None:

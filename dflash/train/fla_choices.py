@@ -45,10 +45,16 @@ def main(argv: list[str] | None = None) -> int:
               "--warm-cache", file=sys.stderr)
         return 2
     out = args.out or kept_path(gpu or "unknown")
-    out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.tmp")
-    tmp.write_text(json.dumps({"gpu_name": gpu, **choices}, indent=1) + "\n")
-    os.replace(tmp, out)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(json.dumps({"gpu_name": gpu, **choices}, indent=1) + "\n")
+        os.replace(tmp, out)
+    except OSError as e:
+        if tmp.parent.is_dir():
+            tmp.unlink(missing_ok=True)
+        print(f"fla_choices: cannot write {out} ({e.strerror or e}); name a writable OUT", file=sys.stderr)
+        return 2
     print(f"fla_choices: {len(choices['kernels'])} kernel(s)' choices for {gpu} (Triton {choices.get('triton')}, fla "
           f"{choices.get('fla')}) written to {out}")
     return 0

@@ -477,8 +477,8 @@ def main(argv=None) -> int:
     if args.fla_harvest:  # what fla chose here: DFLASH_FLA_TUNED=<this file> seeds a cold start with it
         from dflash.models.fla_tuning import harvest
 
-        choices = harvest()
-        write_json(args.fla_harvest, {"gpu_name": result["environment"].get("gpu"), **choices})
+        choices = harvest(result["environment"].get("gpu"))
+        write_json(args.fla_harvest, choices)
         print(f"fla: {len(choices['kernels'])} kernel(s)' choices written to {args.fla_harvest}")
     if args.out:
         write_json(args.out, result)

@@ -15,6 +15,7 @@ import os
 import subprocess
 import sys
 import tarfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -240,6 +241,7 @@ def test_a_run_from_an_artifact_primes_only_the_batches_its_warm_up_needed(tmp_p
 
     assert needed_batches([7, 7, 7]) == 1 and needed_batches([4, 4, 4, 6]) == 4 and needed_batches([2, 5, 5]) == 2
     assert needed_batches(None) is None and needed_batches([]) is None and needed_batches(["7"]) is None
+    assert needed_batches(5) is None and needed_batches({"a": 1}) is None and needed_batches([True]) is None
     cfg, _ = tiny_config(tmp_path, max_steps=1)
     lines: list[str] = []
     trainer = Trainer.colocated(cfg, None, log=lines.append)
@@ -247,9 +249,10 @@ def test_a_run_from_an_artifact_primes_only_the_batches_its_warm_up_needed(tmp_p
     assert "batches of" in lines[-1] and lines[-1].endswith(
         "; 3 more the artifact's warm-up showed build nothing were not run"), lines[-1]
     assert lines[-1].startswith("compile: 1 shape class(es) (rows >= 2) in 1 batches of "), lines[-1]
-    prime(trainer, None)
-    assert lines[-1].startswith("compile: 2 shape class(es) (rows >= 2, one row) in 4 batches of ") and \
-        "were not run" not in lines[-1], lines[-1]
+    for manifest in (None, {"cold": ["x"]}, {"cold": {"graphs_after": 5}}):  # no record, or a corrupt one: all
+        prime(trainer, manifest)
+        assert lines[-1].startswith("compile: 2 shape class(es) (rows >= 2, one row) in 4 batches of ") and \
+            "were not run" not in lines[-1], lines[-1]
 
 
 # ---------------------------------------------------------------- the round trip on the CPU, inductor compiling
@@ -302,3 +305,33 @@ def test_the_loss_comparison_says_how_far_apart_two_processes_are():
     assert losses_text({"same_losses": False, "losses_max_rel_diff": 5e-4}) == \
         "differ from this process's by at most 5.0e-04 (relative)"
     assert losses_text({"same_losses": False, "losses_max_rel_diff": None}) == "are not comparable with this process's"
+
+
+def _agreeing_rank(rank: int, port: int, out: str) -> None:
+    """One of two gloo ranks: the warm batches each says it needs, and what they agree on."""
+    import types
+
+    import torch.distributed as dist
+
+    from dflash.train.trainer import Trainer
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        me = types.SimpleNamespace(group=dist.group.WORLD, device=torch.device("cpu"))
+        asked = [(1, 4), (2, 2), (3, None)]  # (rank 0's, rank 1's): None, a rank whose artifact did not load
+        got = [Trainer.agreed_batches(me, pair[rank]) for pair in asked]
+        Path(out, f"rank{rank}.json").write_text(json.dumps(got))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_the_ranks_of_a_sharded_drafter_prime_the_same_batches(tmp_path):
+    """A sharded drafter's warm-up is collective: the ranks run the most batches any needs, all of them where a rank
+    loaded no artifact, so none waits on a collective the others never call."""
+    import torch.multiprocessing as mp
+
+    from trainkit import free_port
+
+    mp.spawn(_agreeing_rank, args=(free_port(), str(tmp_path)), nprocs=2, join=True)
+    for rank in (0, 1):
+        assert json.loads((tmp_path / f"rank{rank}.json").read_text()) == [4, 2, None]

@@ -56,6 +56,9 @@ def test_a_choice_is_harvested_and_set_again_in_a_cold_process(tuner):
     assert fla_tuning.seed(kept) == 0  # a key chosen already is left as it is
     other = {"kernels": {"fla.not.loaded_kernel": entry, KERNEL: {"entries": []}}}
     assert fla_tuning.seed(other) == 0
+    tuner.cache.clear()  # a config this kernel does not offer here (another GPU's list): never launched untried
+    foreign = {**entry["entries"][0], "config": {**entry["entries"][0]["config"], "num_warps": 64}}
+    assert fla_tuning.seed({"kernels": {KERNEL: {"entries": [foreign]}}}) == 0 and KEY not in tuner.cache
 
 
 def test_use_kept_reads_the_file_the_env_names_and_refuses_another_triton(tuner, tmp_path, monkeypatch):
@@ -88,6 +91,23 @@ def test_use_kept_reads_the_file_the_env_names_and_refuses_another_triton(tuner,
         lines.clear()
         assert fla_tuning.use_kept("NVIDIA H100 80GB HBM3", lines.append) == 0
         assert lines == ([line] if line else [])
+    elsewhere = tmp_path / "a100.json"
+    elsewhere.write_text(json.dumps({**kept, "gpu_name": "NVIDIA A100-SXM4-80GB"}))  # fla's configs differ per GPU
+    monkeypatch.setenv(fla_tuning.ENV, str(elsewhere))
+    lines.clear()
+    assert fla_tuning.use_kept("NVIDIA H100 80GB HBM3", lines.append) == 0 and KEY not in tuner.cache
+    assert lines == [f"fla: {elsewhere} was tuned on NVIDIA A100-SXM4-80GB, this is NVIDIA H100 80GB HBM3; its "
+                     "kernels autotune"]
+    entry = kept["kernels"][KERNEL]["entries"][0]
+    for broken in ({"entries": "x"}, {"entries": [{"key": list(KEY)}]}, {"entries": [{**entry, "key": [[1]]}]},
+                   [entry], {"entries": [{**entry, "config": {"kwargs": {}}}]}):
+        malformed = tmp_path / "malformed.json"
+        malformed.write_text(json.dumps({**kept, "kernels": {KERNEL: broken}}))
+        monkeypatch.setenv(fla_tuning.ENV, str(malformed))
+        lines.clear()  # one line and fla tunes, never a crash after the target's weights have loaded
+        assert fla_tuning.use_kept("NVIDIA H100 80GB HBM3", lines.append) == 0 and KEY not in tuner.cache
+        assert lines == [f"fla: {malformed}: malformed: {KERNEL}'s entries are not [{{'key': [...], 'config': "
+                         "{'kwargs': ..., ...}}]; its kernels autotune"], lines
     bad = tmp_path / "bad.json"
     bad.write_text("{not json")
     monkeypatch.setenv(fla_tuning.ENV, str(bad))
@@ -116,7 +136,7 @@ def test_an_artifacts_recorded_choices_are_kept_and_one_without_is_refused(tuner
     assert recorded(made) == (kept, "NVIDIA H100 80GB HBM3", None)
     out = tmp_path / "kept" / "h100.json"
     assert main([str(made), str(out)]) == 0
-    assert fla_kept.read_kept(out) == ({"gpu_name": "NVIDIA H100 80GB HBM3", **kept}, None)
+    assert fla_kept.read_kept(out) == ({**kept, "gpu_name": "NVIDIA H100 80GB HBM3"}, None)
     assert "1 kernel(s)' choices for NVIDIA H100 80GB HBM3" in capsys.readouterr().out
     bare = artifact.write(tmp_path / "cpu.dfcache", {"gpu_name": "cpu"}, {"torch": b"x"})
     for bad, why in ((bare, "it recorded no fla choices"), (tmp_path / "none.dfcache", "no such file")):

@@ -21,11 +21,8 @@ from __future__ import annotations
 
 import os
 import sys
-from pathlib import Path
 
-from dflash.models.fla_kept import kept_path, read_kept
-
-ENV = "DFLASH_FLA_TUNED"
+from dflash.models.fla_kept import ENV, chosen_file, read_kept, unusable
 
 
 def autotuners() -> dict:
@@ -84,9 +81,10 @@ def fla_version() -> str | None:
     return None
 
 
-def harvest() -> dict:
-    """{"triton": version, "fla": version, "kernels": {name: {"tuned_s": seconds tuning in this process or None
-    (taken from a cache), "entries": [{"key": [...], "config": {...}}]}}} for every fla kernel that chose a config."""
+def harvest(gpu_name: str | None = None) -> dict:
+    """{"gpu_name": gpu_name, "triton": version, "fla": version, "kernels": {name: {"tuned_s": seconds tuning in this
+    process or None (taken from a cache), "entries": [{"key": [...], "config": {...}}]}}} for every fla kernel that
+    chose a config."""
     import triton
 
     kernels = {}
@@ -96,7 +94,7 @@ def harvest() -> dict:
         if entries:
             seconds = getattr(tuner, "bench_time", None)
             kernels[name] = {"tuned_s": round(seconds, 2) if seconds is not None else None, "entries": entries}
-    return {"triton": triton.__version__, "fla": fla_version(), "kernels": kernels}
+    return {"gpu_name": gpu_name, "triton": triton.__version__, "fla": fla_version(), "kernels": kernels}
 
 
 def tuning_seconds() -> tuple[float, int]:
@@ -106,24 +104,29 @@ def tuning_seconds() -> tuple[float, int]:
 
 
 def seed(kept: dict) -> int:
-    """Set each kept choice in its loaded autotuner where that key has none yet; returns the choices set. A kept
-    kernel this process has not loaded, or a key of another shape, changes nothing."""
-    import triton
-
-    tuners = autotuners()
+    """Set each kept choice in its loaded autotuner where that key has none yet and the kernel offers that config
+    on this GPU (a config it does not list is never launched untried); returns the choices set. A kept kernel this
+    process has not loaded, or a key of another shape, changes nothing."""
     placed = 0
-    for name, kernel in kept.get("kernels", {}).items():
-        tuner = tuners.get(name)
-        if tuner is None:
+    for name, tuner in autotuners().items():
+        kernel = kept.get("kernels", {}).get(name)
+        if kernel is None:
             continue
-        for entry in kernel.get("entries", []):
-            key, c = tuple(entry["key"]), entry["config"]
-            if key in tuner.cache:
+        offered = [(c, config) for config in tuner.configs if (c := _config_dict(config)) is not None]
+        for entry in kernel["entries"]:
+            key = tuple(entry["key"])
+            config = next((config for c, config in offered if c == _normal(entry["config"])), None)
+            if config is None or key in tuner.cache:
                 continue
-            tuner.cache[key] = triton.Config(c["kwargs"], num_warps=c["num_warps"], num_stages=c["num_stages"],
-                                             num_ctas=c.get("num_ctas", 1), maxnreg=c.get("maxnreg"))
+            tuner.cache[key] = config
             placed += 1
     return placed
+
+
+def _normal(c: dict) -> dict:
+    """A kept config as _config_dict writes it (num_ctas and maxnreg may be left out)."""
+    return {"kwargs": c["kwargs"], "num_warps": c["num_warps"], "num_stages": c["num_stages"],
+            "num_ctas": c.get("num_ctas", 1), "maxnreg": c.get("maxnreg")}
 
 
 def first_configs_only() -> int:
@@ -140,29 +143,25 @@ def first_configs_only() -> int:
 
 def use_kept(gpu_name: str, log=print) -> int:
     """Before the target's first forward on a GPU: seed fla's autotuners from DFLASH_FLA_TUNED's file, else this GPU's
-    kept file, when its Triton and fla versions are these; one line when something is kept here, none otherwise."""
+    kept file, when it was tuned on this GPU model with this Triton and fla; one line when something is kept here,
+    none otherwise."""
     import triton
 
-    choice = os.environ.get(ENV, "")
-    if choice.lower() == "off" or not autotuners():
+    path = chosen_file(gpu_name, os.environ)
+    if path is None or not autotuners():
         return 0
-    path = Path(choice) if choice else kept_path(gpu_name)
     if not path.is_file():
-        if choice:
-            log(f"fla: {ENV}={choice}: not a file; its kernels autotune (name a harvest, or off)")
+        if os.environ.get(ENV):
+            log(f"fla: {ENV}={os.environ[ENV]}: not a file; its kernels autotune (name a harvest, or off)")
         return 0
     kept, problem = read_kept(path)
     if kept is None:
         log(f"fla: {path}: {problem}; its kernels autotune")
         return 0
-    if kept.get("triton") != triton.__version__:
-        log(f"fla: {path} was tuned with Triton {kept.get('triton')}, this is {triton.__version__}; its kernels "
-            "autotune")
-        return 0
-    if kept.get("fla") != fla_version():  # another fla may have other kernels behind the same names
-        log(f"fla: {path} was tuned with fla {kept.get('fla')}, this is {fla_version()}; its kernels autotune")
+    why = unusable(kept, gpu_name, triton.__version__, fla_version())
+    if why:
+        log(f"fla: {path} {why}; its kernels autotune")
         return 0
     placed = seed(kept)
     log(f"fla: {placed} kept kernel choice(s) for {gpu_name} set from {path.name} (the rest autotune)")
     return placed
-

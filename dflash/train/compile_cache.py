@@ -200,7 +200,7 @@ def warm_cache(cfg: RunConfig, colocated, check_argv: list[str], log=print) -> i
     from dflash.models.fla_kept import kept_path
     from dflash.models.fla_tuning import harvest
 
-    choices = harvest() if trainer.device.type == "cuda" else {"kernels": {}}
+    choices = harvest(manifest["gpu_name"]) if trainer.device.type == "cuda" else {"kernels": {}}
     if choices["kernels"]:  # what fla's autotuning chose: kept in dflash/models/fla_tuned/, a cold start skips it
         manifest["fla_choices"] = choices
         log(f"warm-cache: fla chose configs for {len(choices['kernels'])} kernel(s), recorded in the manifest: "

@@ -29,7 +29,7 @@ def recorded(artifact: Path) -> tuple[dict | None, str | None, str | None]:
     if not isinstance(choices, dict) or not isinstance(choices.get("kernels"), dict):
         return None, None, "it recorded no fla choices (made on a CPU, for a target without fla's kernels, or by an " \
                            "older dflash)"
-    return choices, manifest.get("gpu_name"), None
+    return choices, choices.get("gpu_name") or manifest.get("gpu_name"), None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     tmp = out.with_name(f".{out.name}.tmp")
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
-        tmp.write_text(json.dumps({"gpu_name": gpu, **choices}, indent=1) + "\n")
+        tmp.write_text(json.dumps({**choices, "gpu_name": gpu}, indent=1) + "\n")
         os.replace(tmp, out)
     except OSError as e:
         if tmp.parent.is_dir():

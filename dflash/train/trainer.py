@@ -564,6 +564,17 @@ class Trainer:
             self.source.expect(k, batch)
         return item
 
+    def agreed_batches(self, batches: int | None) -> int | None:
+        """The warm batches every drafter rank runs (a sharded drafter's warm-up is collective): the most any rank
+        needs, None (all) when one needs all, as a rank whose artifact did not load does."""
+        if self.group is None:
+            return batches
+        t = torch.tensor([-1 if batches is None else batches], device=self.device)
+        most = t.clone()
+        dist.all_reduce(most, op=dist.ReduceOp.MAX, group=self.group)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
+        return None if t.item() < 0 else int(most.item())
+
     def _agree(self, flag: bool) -> bool:
         """All drafter ranks stop together (a signal may reach only some of them)."""
         if self.group is None:

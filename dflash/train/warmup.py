@@ -29,16 +29,18 @@ def prime(trainer, manifest: dict | None = None) -> None:
     compile cache artifact the run loaded: its warm-up's graphs after each batch say how many batches built every
     graph (needed_batches), and only those run."""
     t0 = time.perf_counter()
-    after = ((manifest or {}).get("cold") or {}).get("graphs_after")
+    cold = manifest.get("cold") if isinstance(manifest, dict) else None
+    batches = needed_batches(cold.get("graphs_after") if isinstance(cold, dict) else None)
     warm_steps(trainer, lambda line: trainer.log(line.replace("warm-cache:", "compile:", 1)),
-               batches=needed_batches(after))
+               batches=trainer.agreed_batches(batches))
     trainer.startup["prime_s"] = round(time.perf_counter() - t0, 1)
 
 
 def needed_batches(graphs_after) -> int | None:
     """How many warm batches built every graph, from a warm-up's graphs after each batch ([7, 7, 7] -> 1,
     [4, 4, 4, 6] -> 4); None (all of them) when there is no such record."""
-    if not graphs_after or not all(isinstance(n, int) for n in graphs_after):
+    if not isinstance(graphs_after, list) or not graphs_after or \
+            not all(isinstance(n, int) and not isinstance(n, bool) for n in graphs_after):
         return None
     return graphs_after.index(graphs_after[-1]) + 1
 

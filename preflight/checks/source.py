@@ -15,18 +15,19 @@ WARM_CACHE_FIX = "dflash-train --config {config} --warm-cache"
 def fla_note(ctx: Context) -> str:
     """For a cold start of a hybrid target (fla's Gated DeltaNet kernels): whether fla's autotuning choices are kept
     for the target GPU's model and this Triton (dflash.models.fla_tuning), or how to keep them; "" otherwise."""
-    from dflash.models.fla_kept import kept_path, read_kept
+    from dflash.models.fla_kept import ENV, KEPT, chosen_file, read_kept, unusable
 
     gpus = target_gpus(ctx)
     gpu = gpus[0] if gpus else None
     if ctx.target_shape is None or not ctx.target_shape.linear_layers or gpu is None:
         return ""
-    path = kept_path(gpu.name)
-    kept, _ = read_kept(path) if path.is_file() else (None, None)
+    path = chosen_file(gpu.name, ctx.env)
+    kept, _ = read_kept(path) if path is not None and path.is_file() else (None, None)
     triton = (ctx.distributions.get("triton") or [None])[0]
     fla = (ctx.distributions.get("fla-core") or ctx.distributions.get("flash-linear-attention") or [None])[0]
-    if kept is not None and kept.get("triton") == triton and kept.get("fla") == fla:
-        return f"; fla's autotuning choices are kept for {gpu.name} (dflash/models/fla_tuned/{path.name}): it is skipped"
+    if kept is not None and unusable(kept, gpu.name, triton, fla) is None:
+        where = f"dflash/models/fla_tuned/{path.name}" if path.parent == KEPT else f"{ENV}={path}"
+        return f"; fla's autotuning choices are kept for {gpu.name} ({where}): it is skipped"
     return ("; fla autotunes its kernels at launch (50 s of the 27B target's first step on an H100; --warm-cache "
             "records its choices, python -m dflash.train.fla_choices ARTIFACT keeps them for this GPU model)")
 

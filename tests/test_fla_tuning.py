@@ -122,6 +122,11 @@ def test_use_kept_reads_the_file_the_env_names_and_refuses_another_triton(tuner,
 def test_the_kept_file_is_named_by_the_gpu_model():
     assert fla_kept.kept_path("NVIDIA H100 80GB HBM3").name == "NVIDIA_H100_80GB_HBM3.json"
     assert fla_kept.kept_path("NVIDIA H200").parent == fla_kept.KEPT
+    committed = sorted(fla_kept.KEPT.glob("*.json"))
+    assert committed  # each one a run reads: well formed, under its GPU model's name
+    for path in committed:
+        kept, problem = fla_kept.read_kept(path)
+        assert problem is None and kept["kernels"] and fla_kept.kept_path(kept["gpu_name"]) == path, (path, problem)
 
 
 def test_an_artifacts_recorded_choices_are_kept_and_one_without_is_refused(tuner, tmp_path, capsys):

@@ -4,8 +4,9 @@ fla (the Gated DeltaNet kernels of Qwen3.5-family targets) autotunes each of its
 process: every config compiled and timed, tens of configs a kernel. Triton keeps the choice in its cache dir, which
 the compile cache artifact carries (dflash.train.compile_cache); on a machine with empty caches it tunes again. The
 choice depends on the GPU model, the Triton and fla versions and the kernel's key (the model's head counts and widths, the
-dtypes; l2norm's also the batch's rows in blocks of 65,536), so dflash keeps each GPU's choices for the shapes it measured in dflash/models/fla_tuned/<GPU>.json and sets
-them in fla's autotuners before the target's first forward: a kernel called with another key tunes as before.
+dtypes; l2norm's also the batch's rows in blocks of 65,536), so dflash keeps each GPU's choices for the shapes it
+measured in dflash/models/fla_tuned/<GPU>.json and sets them in fla's autotuners before the target's first forward:
+a kernel called with another key tunes as before.
 
     harvest()          what fla's autotuners chose in this process, with the seconds each spent tuning
     seed(kept)         set kept choices in fla's autotuners (those not tuned yet); returns how many were set

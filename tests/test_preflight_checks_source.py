@@ -153,14 +153,14 @@ def test_a_cold_start_of_a_hybrid_target_says_whether_fla_will_autotune(tmp_path
     kept.write_text(json.dumps({"triton": "3.6.0", "fla": "0.6.0", "kernels": {}}))
     ctx.distributions["fla-core"] = ["0.6.0"]
     assert check_compile_cache(ctx).summary.endswith(
-        "; fla's autotuning choices are kept for NVIDIA H200 (dflash/models/fla_tuned/NVIDIA_H200.json): it is skipped")
+        "; fla's autotuning choices are kept for NVIDIA H200 (dflash/models/fla_tuned/NVIDIA_H200.json): fla tunes only shapes not kept there")
     ctx.env["DFLASH_FLA_TUNED"] = "off"  # the run will tune: so says its preflight
     assert "fla autotunes its kernels at launch" in check_compile_cache(ctx).summary
     mine = tmp_path / "mine.json"
     mine.write_text(kept.read_text())
     ctx.env["DFLASH_FLA_TUNED"] = str(mine)  # a file named for the run instead of the GPU's own
     assert check_compile_cache(ctx).summary.endswith(
-        f"; fla's autotuning choices are kept for NVIDIA H200 (DFLASH_FLA_TUNED={mine}): it is skipped")
+        f"; fla's autotuning choices are kept for NVIDIA H200 (DFLASH_FLA_TUNED={mine}): fla tunes only shapes not kept there")
     del ctx.env["DFLASH_FLA_TUNED"]
     for other in ({"triton": "3.1.0", "fla": "0.6.0"}, {"triton": "3.6.0", "fla": "0.5.0"},
                   {"triton": "3.6.0", "fla": "0.6.0", "gpu_name": "NVIDIA H100 80GB HBM3"}):  # tuned elsewhere

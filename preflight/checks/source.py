@@ -27,7 +27,7 @@ def fla_note(ctx: Context) -> str:
     fla = (ctx.distributions.get("fla-core") or ctx.distributions.get("flash-linear-attention") or [None])[0]
     if kept is not None and unusable(kept, gpu.name, triton, fla) is None:
         where = f"dflash/models/fla_tuned/{path.name}" if path.parent == KEPT else f"{ENV}={path}"
-        return f"; fla's autotuning choices are kept for {gpu.name} ({where}): it is skipped"
+        return f"; fla's autotuning choices are kept for {gpu.name} ({where}): fla tunes only shapes not kept there"
     return ("; fla autotunes its kernels at launch (50 s of the 27B target's first step on an H100; --warm-cache "
             "records its choices, python -m dflash.train.fla_choices ARTIFACT keeps them for this GPU model)")
 

@@ -175,3 +175,29 @@ def test_a_process_that_only_loads_fla_keeps_one_config_a_kernel(tuner):
     finally:
         for name, t in fla_tuning.autotuners().items():
             t.configs = saved[name]
+
+
+def test_a_pack_in_a_token_bucket_not_kept_takes_the_nearest_kept_choice():
+    """l2norm's key holds NB = cdiv(tokens x heads, 65,536): a kept file of the buckets one run met leaves a pack
+    of another length to tune mid-run; every bucket up to twice the largest kept finds the nearest kept choice."""
+    import fla.modules.norm.l2norm  # noqa: F401  (loads the kernel's autotuner)
+
+    name = "fla.modules.norm.l2norm.l2norm_fwd_kernel"
+    t = fla_tuning.autotuners()[name]
+    assert list(t.keys) == ["D", "NB"]  # fla's own key: the bucket's place is found by name
+    saved = dict(t.cache)
+    t.cache.clear()
+    try:
+        dtypes = ["torch.bfloat16", "torch.bfloat16", "torch.float32"]
+        low, high = fla_tuning._config_dict(t.configs[0]), fla_tuning._config_dict(t.configs[-1])
+        kept = {"kernels": {name: {"entries": [{"key": [128, 22, *dtypes], "config": low},
+                                               {"key": [128, 24, *dtypes], "config": high}]}}}
+        assert fla_tuning.seed(kept) == 48
+        assert t.cache[(128, 23, *dtypes)] is t.configs[0]  # a tie goes to the smaller bucket
+        assert t.cache[(128, 1, *dtypes)] is t.configs[0] and t.cache[(128, 48, *dtypes)] is t.configs[-1]
+        assert (128, 49, *dtypes) not in t.cache and (64, 23, *dtypes) not in t.cache  # another width tunes
+        assert fla_tuning.seed(kept) == 0
+    finally:
+        t.cache.clear()
+        t.cache.update(saved)
+    assert fla_tuning.buckets_filled(["B", "H"], {(1, 2): "c"}) == {}  # a key without a bucket: exact keys only

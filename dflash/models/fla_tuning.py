@@ -5,8 +5,9 @@ process: every config compiled and timed, tens of configs a kernel. Triton keeps
 the compile cache artifact carries (dflash.train.compile_cache); on a machine with empty caches it tunes again. The
 choice depends on the GPU model, the Triton and fla versions and the kernel's key (the model's head counts and widths, the
 dtypes; l2norm's also the batch's rows in blocks of 65,536), so dflash keeps each GPU's choices for the shapes it
-measured in dflash/models/fla_tuned/<GPU>.json and sets them in fla's autotuners before the target's first forward:
-a kernel called with another key tunes as before.
+measured in dflash/models/fla_tuned/<GPU>.json and sets them in fla's autotuners before the target's first forward;
+a token bucket (l2norm's NB) not kept takes the nearest kept one's choice. A kernel called with another key (other
+head counts, widths or dtypes) tunes as before.
 
     harvest()          what fla's autotuners chose in this process, with the seconds each spent tuning
     seed(kept)         set kept choices in fla's autotuners (those not tuned yet); returns how many were set
@@ -114,14 +115,38 @@ def seed(kept: dict) -> int:
         if kernel is None:
             continue
         offered = [(c, config) for config in tuner.configs if (c := _config_dict(config)) is not None]
+        chosen = {}
         for entry in kernel["entries"]:
-            key = tuple(entry["key"])
             config = next((config for c, config in offered if c == _normal(entry["config"])), None)
-            if config is None or key in tuner.cache:
-                continue
-            tuner.cache[key] = config
-            placed += 1
+            if config is not None:
+                chosen[tuple(entry["key"])] = config
+        for key, config in {**buckets_filled(tuner.keys, chosen), **chosen}.items():
+            if key not in tuner.cache:
+                tuner.cache[key] = config
+                placed += 1
     return placed
+
+
+BUCKETS = ("NB",)  # key names fla fills with a batch's rows in blocks (l2norm: cdiv(tokens x heads, 65,536))
+
+
+def buckets_filled(names, chosen: dict) -> dict:
+    """For a kernel whose key holds a token bucket (fla's NB), a choice for every bucket from 1 to twice the largest
+    kept one: the nearest kept bucket's with the same other leaves. Packs of every length then find a choice, where
+    an exact key alone left any pack in another 65,536-row block to tune mid-run (about 10 s on an H100)."""
+    at = next((i for i, name in enumerate(names) if name in BUCKETS), None)
+    if at is None:
+        return {}
+    groups: dict = {}
+    for key, config in chosen.items():
+        if len(key) > at and type(key[at]) is int and key[at] > 0:
+            groups.setdefault(key[:at] + key[at + 1:], {})[key[at]] = config
+    filled = {}
+    for rest, by_bucket in groups.items():
+        for bucket in range(1, 2 * max(by_bucket) + 1):
+            near = min(by_bucket, key=lambda kept: (abs(kept - bucket), kept))
+            filled[rest[:at] + (bucket,) + rest[at:]] = by_bucket[near]
+    return filled
 
 
 def _normal(c: dict) -> dict:

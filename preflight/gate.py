@@ -151,10 +151,10 @@ def check_run(
     if resume_intent not in (None, "resume", "fresh"):
         raise ValueError(f"resume intent must be 'resume', 'fresh' or None, got {resume_intent!r}")
     waivers = validate_waivers(waivers or {})
+    t0 = time.perf_counter()
     real_nvml = gpu_info is None and not (cfg is not None and cfg.device == "cpu")
     if real_nvml:
         gpu_info = NvmlGpuInfo()
-    t0 = time.perf_counter()
     ctx = gather(profile_name, cfg, resume_intent, gpu_info, config_path=config_path, verify_data=verify_data)
     ctx.own_gpus = gpu_override
     if probe is None and real_nvml:

@@ -121,7 +121,9 @@ def test_every_run_dir_holds_a_small_sorted_snapshot_and_its_outcome(runs):
     assert outcome["steady"]["tok_per_s"] > 0 and outcome["first_step_s"] > 0 and outcome["rows"] == 4
     assert outcome["peak"]["host_rss_bytes"] > 0 and outcome["last"]["loss"] > 0
     startup = outcome["startup"]  # seconds per phase from this process's start to its first step
-    assert set(startup) == {"before_s", "target_s", "setup_s", "first_step_s", "launch_to_first_step_s"}, startup
+    assert set(startup) == {"before_s", "preflight_s", "target_s", "setup_s", "first_step_s",
+                            "launch_to_first_step_s"}, startup
+    assert 0 < startup["preflight_s"] <= startup["before_s"]  # the gate's share of launch to the target's build
     assert startup["launch_to_first_step_s"] >= (startup["before_s"] + startup["target_s"] + startup["setup_s"]
                                                  + startup["first_step_s"] - 0.3)
     b = json.loads((runs["B"] / snapshot.SNAPSHOT_NAME).read_text())
@@ -360,5 +362,7 @@ def test_process_age_counts_from_this_process_start():
         == "startup: 52.1 s from launch: target 18.0 s, drafter, data and optimizer 2.3 s, first step 24.7 s"
     assert startup_line({"before_s": 6.1, "target_s": 18.0, "first_step_s": 24.7, "launch_to_first_step_s": 52.1}) \
         == "startup: 52.1 s from launch: imports and preflight 6.1 s, target 18.0 s, first step 24.7 s"
+    assert startup_line({"before_s": 6.1, "preflight_s": 4.04, "target_s": 18.0, "first_step_s": 24.7}) \
+        == "startup: imports and preflight 6.1 s (the gate 4.0 s), target 18.0 s, first step 24.7 s"
     assert startup_line({"setup_s": 1.0, "first_step_s": 2.0, "launch_to_first_step_s": None}) \
         == "startup: drafter, data and optimizer 1.0 s, first step 2.0 s"  # a split drafter rank, no /proc

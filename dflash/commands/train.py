@@ -159,7 +159,8 @@ def train_command(config_path, demo, resume, fresh, sets, max_steps, output_dir,
             from dflash.train.trainer import run
             from preflight.gate import provenance
 
-            code = run(cfg, resume_from, progress=False if no_progress else None, provenance=provenance(cfg.profile))
+            code = run(cfg, resume_from, progress=False if no_progress else None, provenance=provenance(cfg.profile),
+                       preflight_s=gate.report.host.get("preflight_seconds"))
         if code == 0 and rundir.read_stopped(cfg.output_dir):
             code = rundir.EXIT_STOPPED  # stopped by a signal after a checkpoint: unfinished, resumable
             for sig in (signal.SIGINT, signal.SIGTERM):  # a late duplicate of the stop's signal must not turn 75

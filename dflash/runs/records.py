@@ -32,8 +32,9 @@ outcome.json::
     {"format": "dflash-outcome/1", "gate_id", "started_utc", "updated_utc", "start_step", "step",
      "first_step_s", "to_first_step_s", "compiled_graphs": {"first_step", "last"}, "recompiles", "recompile_causes",
      "rows",
-     "startup": {"before_s", "target_s", "setup_s", "first_step_s", "launch_to_first_step_s"} (seconds; before_s:
-                 launch to the target's build, imports and preflight; a phase absent if not run),
+     "startup": {"before_s", "preflight_s", "target_s", "setup_s", "first_step_s", "launch_to_first_step_s"}
+                (seconds; before_s: launch to the target's build, imports and preflight; preflight_s: the gate's
+                share of it; a phase absent if not run),
      "compile": {"frames": [s], "dynamo_s", "aot_s", "inductor_s", "cache_load_s", "kernel_wait_s", "backward_s",
                  "total_s", "fla_autotune_s", "fla_kernels_tuned"} (torch.compile's seconds up to the first step, and
                  fla's autotuning outside it: dflash.train.compiled.compile_phases),

@@ -24,11 +24,14 @@ STEADY_ROWS = 100  # metrics rows kept for the source's summary at the end of th
 
 
 def startup_line(startup: dict) -> str:
-    """'startup: 52.1 s from launch: imports and preflight 6.1 s, target 18.0 s, drafter, data and optimizer 2.3 s,
-    first step 24.7 s'."""
+    """'startup: 52.1 s from launch: imports and preflight 6.1 s (the gate 4.0 s), target 18.0 s, drafter, data and
+    optimizer 2.3 s, first step 24.7 s'."""
     names = {"before_s": "imports and preflight", "target_s": "target", "setup_s": "drafter, data and optimizer",
              "first_step_s": "first step"}
-    parts = ", ".join(f"{label} {startup[k]:.1f} s" for k, label in names.items() if startup.get(k) is not None)
+    parts = [f"{label} {startup[k]:.1f} s" for k, label in names.items() if startup.get(k) is not None]
+    if startup.get("preflight_s") is not None and startup.get("before_s") is not None:
+        parts[0] += f" (the gate {startup['preflight_s']:.1f} s)"
+    parts = ", ".join(parts)
     launch = startup.get("launch_to_first_step_s")
     return f"startup: {f'{launch:.1f} s from launch: ' if launch is not None else ''}{parts}"
 

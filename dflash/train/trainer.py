@@ -766,10 +766,14 @@ def _sum_over_ranks(counters: dict, group, device) -> dict:
 
 
 def run(cfg: RunConfig, resume_from: Path | None, log=print, progress: bool | None = None,
-        provenance: dict | None = None) -> int:
-    """Co-located training: target and drafter in this process. Returns the exit code."""
+        provenance: dict | None = None, preflight_s: float | None = None) -> int:
+    """Co-located training: target and drafter in this process. Returns the exit code. preflight_s: the gate's
+    seconds, shown inside the startup line's "imports and preflight"."""
     out = Path(cfg.output_dir)
     with rundir.io_errors_in_one_line(out):  # a disk that fills or fails mid-run: one line, the path and the fix
         out.mkdir(parents=True, exist_ok=True)
         (out / rundir.CONFIG_NAME).write_text(dump_config(cfg))
-        return Trainer.colocated(cfg, resume_from, log, provenance).run(progress)
+        trainer = Trainer.colocated(cfg, resume_from, log, provenance)
+        if preflight_s is not None:
+            trainer.startup["preflight_s"] = round(preflight_s, 1)
+        return trainer.run(progress)

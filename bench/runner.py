@@ -684,7 +684,7 @@ def measure(recipe: Recipe, until: float, grace: float, out_dir: Path, env: dict
     with contextlib.suppress(OSError, ValueError):
         ended = json.loads((out / "outcome.json").read_text()).get("ended") or {}
         summary["ended"] = ended
-    records = ("metrics.jsonl", "outcome.json", "snapshot.json", "stopped.json", "preflight.json")
+    records = ("metrics.jsonl", "outcome.json", "snapshot.json", "stopped.json", "preflight.json", "fla_choices.json")
     bundle(out_dir / f"{recipe.name}.tar.gz", {n: out / n for n in records if (out / n).exists()},
            {"train.log": child.log.getvalue(), "estimate.txt": est, "nvml.csv": child.sampler.csv()})
     (out_dir / f"{recipe.name}.json").write_text(json.dumps(summary, indent=2) + "\n")

@@ -185,7 +185,7 @@ def test_a_pack_in_a_token_bucket_not_kept_takes_the_nearest_kept_choice():
     name = "fla.modules.norm.l2norm.l2norm_fwd_kernel"
     t = fla_tuning.autotuners()[name]
     assert list(t.keys) == ["D", "NB"]  # fla's own key: the bucket's place is found by name
-    saved = dict(t.cache)
+    saved, filled = dict(t.cache), dict(fla_tuning.FILLED)
     t.cache.clear()
     try:
         dtypes = ["torch.bfloat16", "torch.bfloat16", "torch.float32"]
@@ -197,7 +197,49 @@ def test_a_pack_in_a_token_bucket_not_kept_takes_the_nearest_kept_choice():
         assert t.cache[(128, 1, *dtypes)] is t.configs[0] and t.cache[(128, 48, *dtypes)] is t.configs[-1]
         assert (128, 49, *dtypes) not in t.cache and (64, 23, *dtypes) not in t.cache  # another width tunes
         assert fla_tuning.seed(kept) == 0
+        assert [e["key"][1] for e in fla_tuning.harvest()["kernels"][name]["entries"]] == [22, 24]  # kept, not filled
     finally:
         t.cache.clear()
         t.cache.update(saved)
+        fla_tuning.FILLED.clear()
+        fla_tuning.FILLED.update(filled)
     assert fla_tuning.buckets_filled(["B", "H"], {(1, 2): "c"}) == {}  # a key without a bucket: exact keys only
+
+
+def test_what_a_runs_first_step_tuned_fills_the_other_buckets_and_is_kept_in_its_run_dir(tmp_path, capsys):
+    """A GPU with no kept file: the first step tunes l2norm for its pack's bucket; keep_tuned lets every other
+    bucket take that choice (no 10 s tuning when a pack of another length comes) and writes fla_choices.json, which
+    fla_choices keeps; the filled buckets are never harvested as if tuned."""
+    import fla.modules.norm.l2norm  # noqa: F401
+
+    from dflash.train.fla_choices import main
+
+    name = "fla.modules.norm.l2norm.l2norm_fwd_kernel"
+    t = fla_tuning.autotuners()[name]
+    saved, filled = dict(t.cache), dict(fla_tuning.FILLED)
+    t.cache.clear()
+    key = (128, 22, "torch.bfloat16", "torch.bfloat16", "torch.float32")
+    try:
+        assert fla_tuning.keep_tuned("NVIDIA H200", tmp_path) is None  # fla tuned nothing: nothing said or written
+        t.cache[key] = t.configs[3]
+        t.bench_time = 10.5  # as Triton's autotuner records its tuning
+        line = fla_tuning.keep_tuned("NVIDIA H200", tmp_path)
+        path = tmp_path / "fla_choices.json"
+        assert line.startswith(f"fla: tuned 1 kernel(s) in 10.5 s; choices in {path}: `python -m dflash.train.")
+        assert t.cache[(128, 23, *key[2:])] is t.configs[3] and len(t.cache) == 44
+        written = json.loads(path.read_text())
+        assert written["gpu_name"] == "NVIDIA H200" and written["kernels"][name]["entries"] == [
+            {"key": list(key), "config": fla_tuning._config_dict(t.configs[3])}]  # the tuned key alone
+        out = tmp_path / "kept.json"
+        assert main([str(path), str(out)]) == 0 and json.loads(out.read_text())["kernels"] == written["kernels"]
+        assert "1 kernel(s)' choices for NVIDIA H200" in capsys.readouterr().out
+        (tmp_path / "bad.json").write_text("[]")
+        assert main([str(tmp_path / "bad.json"), str(out)]) == 2
+        assert "bad.json: not a harvest of fla's choices" in capsys.readouterr().err
+    finally:
+        t.cache.clear()
+        t.cache.update(saved)
+        fla_tuning.FILLED.clear()
+        fla_tuning.FILLED.update(filled)
+        if hasattr(t, "bench_time"):
+            del t.bench_time

@@ -11,6 +11,8 @@ head counts, widths or dtypes) tunes as before.
 
     harvest()          what fla's autotuners chose in this process, with the seconds each spent tuning
     seed(kept)         set kept choices in fla's autotuners (those not tuned yet); returns how many were set
+    keep_tuned(gpu, run_dir)   after a run's first step: what fla tuned fills its other token buckets and is written
+                               to RUN/fla_choices.json
     use_kept(log)      seed this GPU's kept file (or DFLASH_FLA_TUNED's); one line, or none where nothing is kept
     first_configs_only()   a process that only loads the kernels (the memory probe) compiles one config each
     tuning_seconds()   the seconds fla's autotuners spent tuning in this process
@@ -21,6 +23,7 @@ writes the one a compile cache artifact recorded); DFLASH_FLA_TUNED=off seeds no
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 
@@ -91,8 +94,9 @@ def harvest(gpu_name: str | None = None) -> dict:
 
     kernels = {}
     for name, tuner in sorted(autotuners().items()):
+        filled = FILLED.get(name, set())
         entries = [{"key": list(key), "config": c} for key, config in tuner.cache.items()
-                   if _plain(key) and (c := _config_dict(config)) is not None]
+                   if key not in filled and _plain(key) and (c := _config_dict(config)) is not None]
         if entries:
             seconds = getattr(tuner, "bench_time", None)
             kernels[name] = {"tuned_s": round(seconds, 2) if seconds is not None else None, "entries": entries}
@@ -124,7 +128,38 @@ def seed(kept: dict) -> int:
             if key not in tuner.cache:
                 tuner.cache[key] = config
                 placed += 1
+                if key not in chosen:
+                    FILLED.setdefault(name, set()).add(key)
     return placed
+
+
+FILLED: dict[str, set] = {}  # {kernel: keys} set from a nearby bucket's choice, not tuned: harvest leaves them out
+
+
+def keep_tuned(gpu_name: str, run_dir=None) -> str | None:
+    """After a run's first step, where fla tuned there: its fresh choices fill the other token buckets (a later
+    pack of another length tunes nothing) and, given `run_dir`, are written there as a harvest a later cold start
+    can seed from. The line to log, or None where fla tuned nothing."""
+    seconds, tuned = tuning_seconds()
+    if not tuned:
+        return None
+    choices = harvest(gpu_name)
+    seed(choices)
+    if run_dir is None:
+        return None
+    from pathlib import Path
+
+    from dflash.runs.rundir import FLA_CHOICES_NAME
+
+    path = Path(run_dir) / FLA_CHOICES_NAME
+    tmp = path.with_name(f".{FLA_CHOICES_NAME}.tmp")
+    try:
+        tmp.write_text(json.dumps(choices, indent=1) + "\n")
+        os.replace(tmp, path)
+    except OSError as e:
+        return f"fla: tuned {tuned} kernel(s) in {seconds:.1f} s; their choices not written to {path} ({e.strerror or e})"
+    return (f"fla: tuned {tuned} kernel(s) in {seconds:.1f} s; choices in {path}: `python -m dflash.train.fla_choices "
+            f"{path}` keeps them for every cold start on this GPU model")
 
 
 BUCKETS = ("NB",)  # key names fla fills with a batch's rows in blocks (l2norm: cdiv(tokens x heads, 65,536))

@@ -21,6 +21,8 @@ verification: dflash.runs.verify; the lock: dflash.runs.lock; metrics.jsonl: dfl
         (only real step_* folders count: a symlink named step_* is never listed, resumed or pruned through,
         and a folder whose meta.json names another step than its name does not verify)
         heldout.json                the held-out sample ids ([eval] holdout) the run never trains on
+        fla_choices.json            what fla's autotuning chose in the first step, where it tuned (a hybrid target
+                                    on a GPU): `python -m dflash.train.fla_choices` keeps it for its GPU model
         running.json                pid and host of the process training now (removed when it returns;
                                     left behind by a crash or a kill, with the error when there was one)
         .lock                       the run dir's exclusive lock (`dflash.runs.lock.lock_run_dir`): flock'ed by the one trainer
@@ -64,6 +66,7 @@ HELDOUT_NAME = "heldout.json"
 RUNNING_NAME = "running.json"
 RANKS_NAME = "ranks.json"  # the split launcher's rank plan (which GPU holds which role)
 LOCK_NAME = ".lock"  # flock'ed by the trainer using the run dir (dflash.runs.lock.lock_run_dir)
+FLA_CHOICES_NAME = "fla_choices.json"  # what fla tuned in the first step (dflash.models.fla_tuning.keep_tuned)
 REPORT_DIR = "report"
 TENSORBOARD_DIR = "tensorboard"  # --report-to tensorboard's event files
 STEP_PREFIX = "step_"

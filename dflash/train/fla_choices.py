@@ -2,9 +2,10 @@
 
     python -m dflash.train.fla_choices ARTIFACT          # dflash/models/fla_tuned/<its GPU>.json: every cold start
     python -m dflash.train.fla_choices ARTIFACT OUT      # OUT: DFLASH_FLA_TUNED=OUT for the runs that want it
+    python -m dflash.train.fla_choices RUN/fla_choices.json   # what a run's first step tuned
 
-`dflash-train --warm-cache` on a GPU records fla's choices in the artifact's manifest; they hold for any data mix of
-that target on that GPU model, Triton and fla.
+`dflash-train --warm-cache` on a GPU records fla's choices in the artifact's manifest, and a run whose first step
+tuned fla writes them to its run dir; they hold for any data mix of that target on that GPU model, Triton and fla.
 """
 
 from __future__ import annotations
@@ -15,12 +16,18 @@ import os
 import sys
 from pathlib import Path
 
-from dflash.models.fla_kept import kept_path
+from dflash.models.fla_kept import kept_path, read_kept
 from dflash.runs.compile_artifact import read_header
 
 
 def recorded(artifact: Path) -> tuple[dict | None, str | None, str | None]:
-    """(fla's choices the artifact recorded, its GPU's name, None) or (None, None, why not)."""
+    """(fla's choices the artifact (or a run's fla_choices.json) recorded, its GPU's name, None) or (None, None, why
+    not)."""
+    if artifact.suffix == ".json":
+        choices, problem = read_kept(artifact)
+        if choices is None:
+            return None, None, problem
+        return choices, choices.get("gpu_name"), None
     header, problem = read_header(artifact)
     if header is None:
         return None, None, problem or "no such file"
@@ -36,7 +43,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m dflash.train.fla_choices",
                                 description="Keep the fla choices a compile cache artifact recorded, for every cold "
                                             "start on its GPU model (dflash/models/fla_tuned/<GPU>.json) or in OUT.")
-    p.add_argument("artifact", type=Path, help="a compile cache artifact (dflash-train --warm-cache on a GPU)")
+    p.add_argument("artifact", type=Path, help="a compile cache artifact (dflash-train --warm-cache on a GPU), or a "
+                   "run's fla_choices.json")
     p.add_argument("out", type=Path, nargs="?", help="where to write the choices (default: the kept file of its GPU)")
     args = p.parse_args(argv)
     choices, gpu, problem = recorded(args.artifact)

@@ -81,6 +81,15 @@ class Recorder:
 
         if phases := compile_phases():  # torch.compile's seconds by phase, for the cold start's table
             self.log(phases_line(phases))
+        if self.trainer.device.type == "cuda":  # what fla tuned: its other token buckets filled, its choices kept
+            import torch
+
+            from dflash.models.fla_tuning import keep_tuned
+
+            note = keep_tuned(torch.cuda.get_device_name(self.trainer.device),
+                              self.trainer.out if self.is_logger else None)
+            if note:
+                self.log(note)
         if self.outcome:
             self.outcome.first_step(self.first_step_s, graphs, {k: v for k, v in startup.items() if v is not None},
                                     phases)

@@ -3,6 +3,7 @@ another's environment (the incident: syncing the inference stack into the traini
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import shlex
@@ -180,6 +181,8 @@ def test_sync_builds_the_standin_profile_from_its_lock_and_leaves_the_training_e
     env = tmp_path / ".venvs" / "standin"
     assert out.startswith(f"created {env} (profile standin, Python ") and "1 distribution from envs/standin.lock" in out
     assert env_drift(env, (envs_dir / "standin.lock").read_text()) == []
+    compiled = importlib.util.cache_from_source(str(next(envs.site_packages(env)[0].glob("mdurl/__init__.py"))))
+    assert Path(compiled).is_file()  # compiled at the sync (where bytecode goes here): a first start compiles nothing
     assert site_listing() == before, "syncing another profile changed the training environment"
     assert env_drift_verdict() == verdict  # dflash-preflight --profile train-cu128 judges env-drift as before
 

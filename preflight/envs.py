@@ -377,8 +377,8 @@ def sync(
             args += ["--reinstall-package", r]
         _uv([*args, str(env.lock)], project)
         log(f"profile {name}: installing the project from {project} (editable, no dependencies)")
-        _uv(["pip", "install", "--python", str(env.path), "--no-deps", "--link-mode", "copy", "--compile-bytecode",
-             "--editable", str(project)], project)
+        _uv(["pip", "install", "--python", str(env.path), "--no-deps", "--link-mode", "copy", "--editable", str(project)],
+            project)
     except (EnvError, LockToolError) as e:
         raise EnvError(f"profile {name}: {e.one_line()}; {env.path} may be half-built: rerun "
                        f"`{sync_command(name, reinstall)}`") from None

@@ -233,6 +233,18 @@ def test_what_a_runs_first_step_tuned_fills_the_other_buckets_and_is_kept_in_its
         out = tmp_path / "kept.json"
         assert main([str(path), str(out)]) == 0 and json.loads(out.read_text())["kernels"] == written["kernels"]
         assert "1 kernel(s)' choices for NVIDIA H200" in capsys.readouterr().out
+        cfg = written["kernels"][name]["entries"][0]["config"]  # a kept file adds what a run brings, drops nothing
+        prior = {**written, "kernels": {"fla.x.other_kernel": {"tuned_s": 1.0, "entries": [{"key": [1], "config": cfg}]},
+                                        name: {"entries": [{"key": [128, 24, *key[2:]], "config": cfg},
+                                                           {"key": list(key), "config": {**cfg, "num_warps": 1}}]}}}
+        out.write_text(json.dumps(prior))
+        assert main([str(path), str(out)]) == 0 and "(2 kept there before, kept with them)" in capsys.readouterr().out
+        got = json.loads(out.read_text())["kernels"]
+        assert set(got) == {name, "fla.x.other_kernel"}
+        assert got[name]["entries"] == [*written["kernels"][name]["entries"], prior["kernels"][name]["entries"][0]]
+        out.write_text(json.dumps({**prior, "triton": "3.1.0"}))  # another Triton's file: replaced, not merged
+        assert main([str(path), str(out)]) == 0 and json.loads(out.read_text())["kernels"] == written["kernels"]
+        capsys.readouterr()
         (tmp_path / "bad.json").write_text("[]")
         assert main([str(tmp_path / "bad.json"), str(out)]) == 2
         assert "bad.json: not a harvest of fla's choices" in capsys.readouterr().err
@@ -243,3 +255,16 @@ def test_what_a_runs_first_step_tuned_fills_the_other_buckets_and_is_kept_in_its
         fla_tuning.FILLED.update(filled)
         if hasattr(t, "bench_time"):
             del t.bench_time
+
+
+def test_keeping_what_fla_tuned_never_stops_a_run(tmp_path, monkeypatch):
+    """A run dir that cannot be written, or a harvest that fails: one line, nothing left behind, no exception."""
+    monkeypatch.setattr(fla_tuning, "tuning_seconds", lambda: (4.0, 1))
+    monkeypatch.setattr(fla_tuning, "harvest", lambda gpu: {"gpu_name": gpu, "kernels": {}})
+    line = fla_tuning.keep_tuned("NVIDIA H200", tmp_path / "gone")
+    assert line.startswith(f"fla: tuned 1 kernel(s) in 4.0 s; their choices not written to {tmp_path / 'gone'}")
+    assert not (tmp_path / "gone").exists()
+    monkeypatch.setattr(fla_tuning, "harvest", lambda gpu: 1 / 0)
+    assert fla_tuning.keep_tuned("NVIDIA H200", tmp_path) == \
+        "fla: its tuned choices were not kept (ZeroDivisionError: division by zero)"
+    assert list(tmp_path.iterdir()) == []

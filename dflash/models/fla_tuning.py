@@ -139,7 +139,14 @@ FILLED: dict[str, set] = {}  # {kernel: keys} set from a nearby bucket's choice,
 def keep_tuned(gpu_name: str, run_dir=None) -> str | None:
     """After a run's first step, where fla tuned there: its fresh choices fill the other token buckets (a later
     pack of another length tunes nothing) and, given `run_dir`, are written there as a harvest a later cold start
-    can seed from. The line to log, or None where fla tuned nothing."""
+    can seed from. The line to log, or None where fla tuned nothing. Never raises: a run never stops for it."""
+    try:
+        return _keep_tuned(gpu_name, run_dir)
+    except Exception as e:
+        return f"fla: its tuned choices were not kept ({type(e).__name__}: {' '.join(str(e).split())[:160]})"
+
+
+def _keep_tuned(gpu_name: str, run_dir) -> str | None:
     seconds, tuned = tuning_seconds()
     if not tuned:
         return None
@@ -157,12 +164,14 @@ def keep_tuned(gpu_name: str, run_dir=None) -> str | None:
         tmp.write_text(json.dumps(choices, indent=1) + "\n")
         os.replace(tmp, path)
     except OSError as e:
+        tmp.unlink(missing_ok=True)
         return f"fla: tuned {tuned} kernel(s) in {seconds:.1f} s; their choices not written to {path} ({e.strerror or e})"
     return (f"fla: tuned {tuned} kernel(s) in {seconds:.1f} s; choices in {path}: `python -m dflash.train.fla_choices "
             f"{path}` keeps them for every cold start on this GPU model")
 
 
-BUCKETS = ("NB",)  # key names fla fills with a batch's rows in blocks (l2norm: cdiv(tokens x heads, 65,536))
+BUCKETS = ("NB",)  # key names fla fills with a batch's rows in blocks (l2norm: cdiv(tokens x heads, 65,536); its
+# layernorm and fused norm-gate: cdiv(rows, 2,048))
 
 
 def buckets_filled(names, chosen: dict) -> dict:

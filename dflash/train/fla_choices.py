@@ -16,7 +16,7 @@ import os
 import sys
 from pathlib import Path
 
-from dflash.models.fla_kept import kept_path, read_kept
+from dflash.models.fla_kept import kept_path, read_kept, unusable
 from dflash.runs.compile_artifact import read_header
 
 
@@ -53,10 +53,11 @@ def main(argv: list[str] | None = None) -> int:
               "--warm-cache", file=sys.stderr)
         return 2
     out = args.out or kept_path(gpu or "unknown")
+    choices, added = merged(out, {**choices, "gpu_name": gpu})
     tmp = out.with_name(f".{out.name}.tmp")
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
-        tmp.write_text(json.dumps({**choices, "gpu_name": gpu}, indent=1) + "\n")
+        tmp.write_text(json.dumps(choices, indent=1) + "\n")
         os.replace(tmp, out)
     except OSError as e:
         if tmp.parent.is_dir():
@@ -64,8 +65,26 @@ def main(argv: list[str] | None = None) -> int:
         print(f"fla_choices: cannot write {out} ({e.strerror or e}); name a writable OUT", file=sys.stderr)
         return 2
     print(f"fla_choices: {len(choices['kernels'])} kernel(s)' choices for {gpu} (Triton {choices.get('triton')}, fla "
-          f"{choices.get('fla')}) written to {out}")
+          f"{choices.get('fla')}) written to {out}{f' ({added} kept there before, kept with them)' if added else ''}")
     return 0
+
+
+def merged(out: Path, choices: dict) -> tuple[dict, int]:
+    """`choices` with the entries `out` already keeps for the same GPU model, Triton and fla (a run that loaded other
+    kernels or met other shapes adds to the file, never drops from it); (the merge, entries kept from `out`)."""
+    if not out.is_file():
+        return choices, 0
+    kept, problem = read_kept(out)
+    if kept is None or unusable(kept, choices.get("gpu_name"), choices.get("triton"), choices.get("fla")):
+        return choices, 0  # another machine state's choices: replaced
+    kernels, added = {name: dict(k, entries=list(k["entries"])) for name, k in choices["kernels"].items()}, 0
+    for name, kernel in kept["kernels"].items():
+        mine = kernels.setdefault(name, {"tuned_s": kernel.get("tuned_s"), "entries": []})
+        keys = {tuple(e["key"]) for e in mine["entries"]}
+        new = [e for e in kernel["entries"] if tuple(e["key"]) not in keys]
+        mine["entries"] += new
+        added += len(new)
+    return {**choices, "kernels": kernels}, added
 
 
 if __name__ == "__main__":

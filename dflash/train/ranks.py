@@ -151,6 +151,10 @@ def _target_main(cfg: RunConfig, me: Rank, resume_from: Path | None, share_group
         if device.type == "cuda":  # this stream only: a device-wide sync would also wait for our queued NCCL sends
             torch.cuda.current_stream(device).synchronize()
         compute_s = time.perf_counter() - t0
+        if k == first and device.type == "cuda":  # what fla tuned fills its other token buckets (no file: no run dir)
+            from dflash.models.fla_tuning import keep_tuned
+
+            keep_tuned(torch.cuda.get_device_name(device))
         stats = torch.tensor([compute_s, wait_s], dtype=torch.float64)
         tensors = [stats.to(device), context.to(wire).contiguous()]
         if last is not None:

@@ -220,10 +220,10 @@ def test_what_a_runs_first_step_tuned_fills_the_other_buckets_and_is_kept_in_its
     t.cache.clear()
     key = (128, 22, "torch.bfloat16", "torch.bfloat16", "torch.float32")
     try:
-        assert fla_tuning.keep_tuned("NVIDIA H200", tmp_path) is None  # fla tuned nothing: nothing said or written
+        assert fla_tuning.keep_tuned("NVIDIA H200", tmp_path / "fla_choices.json") is None  # fla tuned nothing: nothing said or written
         t.cache[key] = t.configs[3]
         t.bench_time = 10.5  # as Triton's autotuner records its tuning
-        line = fla_tuning.keep_tuned("NVIDIA H200", tmp_path)
+        line = fla_tuning.keep_tuned("NVIDIA H200", tmp_path / "fla_choices.json")
         path = tmp_path / "fla_choices.json"
         assert line.startswith(f"fla: tuned 1 kernel(s) in 10.5 s; choices in {path}: `python -m dflash.train.")
         assert t.cache[(128, 23, *key[2:])] is t.configs[3] and len(t.cache) == 44
@@ -261,10 +261,10 @@ def test_keeping_what_fla_tuned_never_stops_a_run(tmp_path, monkeypatch):
     """A run dir that cannot be written, or a harvest that fails: one line, nothing left behind, no exception."""
     monkeypatch.setattr(fla_tuning, "tuning_seconds", lambda: (4.0, 1))
     monkeypatch.setattr(fla_tuning, "harvest", lambda gpu: {"gpu_name": gpu, "kernels": {}})
-    line = fla_tuning.keep_tuned("NVIDIA H200", tmp_path / "gone")
-    assert line.startswith(f"fla: tuned 1 kernel(s) in 4.0 s; their choices not written to {tmp_path / 'gone'}")
+    line = fla_tuning.keep_tuned("NVIDIA H200", tmp_path / "gone" / "fla_choices.json")
+    assert line.startswith(f"fla: tuned 1 kernel(s) in 4.0 s; their choices not written to {tmp_path / 'gone' / 'fla_choices.json'}")
     assert not (tmp_path / "gone").exists()
     monkeypatch.setattr(fla_tuning, "harvest", lambda gpu: 1 / 0)
-    assert fla_tuning.keep_tuned("NVIDIA H200", tmp_path) == \
+    assert fla_tuning.keep_tuned("NVIDIA H200", tmp_path / "fla_choices.json") == \
         "fla: its tuned choices were not kept (ZeroDivisionError: division by zero)"
     assert list(tmp_path.iterdir()) == []

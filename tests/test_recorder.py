@@ -7,6 +7,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+import torch
 
 from dflash.runs import rundir
 from dflash.train.recorder import Recorder
@@ -20,7 +21,7 @@ def recorder(tmp_path):
     trainer = SimpleNamespace(cfg=SimpleNamespace(report_to=[], model_dump=dict), out=tmp_path, step=0, total_steps=4,
                               log=lines.append, is_logger=True, source=SimpleNamespace(rates_line=lambda rec: ""),
                               writer=SimpleNamespace(written=lambda: finished.pop(0) if finished else []),
-                              stop_estimate_s=None, stop_measured=False)
+                              stop_estimate_s=None, stop_measured=False, device=torch.device("cpu"))
     rec = Recorder(trainer, progress=False)
     rec.lines = lines
     yield rec

@@ -11,8 +11,8 @@ head counts, widths or dtypes) tunes as before.
 
     harvest()          what fla's autotuners chose in this process, with the seconds each spent tuning
     seed(kept)         set kept choices in fla's autotuners (those not tuned yet); returns how many were set
-    keep_tuned(gpu, run_dir)   after a run's first step: what fla tuned fills its other token buckets and is written
-                               to RUN/fla_choices.json
+    keep_tuned(gpu, path)      after a run's first step: what fla tuned fills its other token buckets and is written
+                               to `path` (RUN/fla_choices.json)
     use_kept(log)      seed this GPU's kept file (or DFLASH_FLA_TUNED's); one line, or none where nothing is kept
     first_configs_only()   a process that only loads the kernels (the memory probe) compiles one config each
     tuning_seconds()   the seconds fla's autotuners spent tuning in this process
@@ -136,30 +136,29 @@ def seed(kept: dict) -> int:
 FILLED: dict[str, set] = {}  # {kernel: keys} set from a nearby bucket's choice, not tuned: harvest leaves them out
 
 
-def keep_tuned(gpu_name: str, run_dir=None) -> str | None:
+def keep_tuned(gpu_name: str, path=None) -> str | None:
     """After a run's first step, where fla tuned there: its fresh choices fill the other token buckets (a later
-    pack of another length tunes nothing) and, given `run_dir`, are written there as a harvest a later cold start
-    can seed from. The line to log, or None where fla tuned nothing. Never raises: a run never stops for it."""
+    pack of another length tunes nothing) and, given `path` (the run dir's fla_choices.json), are written there as a
+    harvest a later cold start can seed from. The line to log, or None where fla tuned nothing. Never raises: a run
+    never stops for it."""
     try:
-        return _keep_tuned(gpu_name, run_dir)
+        return _keep_tuned(gpu_name, path)
     except Exception as e:
         return f"fla: its tuned choices were not kept ({type(e).__name__}: {' '.join(str(e).split())[:160]})"
 
 
-def _keep_tuned(gpu_name: str, run_dir) -> str | None:
+def _keep_tuned(gpu_name: str, path) -> str | None:
     seconds, tuned = tuning_seconds()
     if not tuned:
         return None
     choices = harvest(gpu_name)
     seed(choices)
-    if run_dir is None:
+    if path is None:
         return None
     from pathlib import Path
 
-    from dflash.runs.rundir import FLA_CHOICES_NAME
-
-    path = Path(run_dir) / FLA_CHOICES_NAME
-    tmp = path.with_name(f".{FLA_CHOICES_NAME}.tmp")
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp")
     try:
         tmp.write_text(json.dumps(choices, indent=1) + "\n")
         os.replace(tmp, path)

@@ -87,7 +87,7 @@ class Recorder:
             from dflash.models.fla_tuning import keep_tuned
 
             note = keep_tuned(torch.cuda.get_device_name(self.trainer.device),
-                              self.trainer.out if self.is_logger else None)
+                              self.trainer.out / rundir.FLA_CHOICES_NAME if self.is_logger else None)
             if note:
                 self.log(note)
         if self.outcome:

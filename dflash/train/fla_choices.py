@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     choices, gpu, problem = recorded(args.artifact)
     if choices is None:
         print(f"fla_choices: {args.artifact}: {problem}; make one on the GPU with dflash-train --config RUN.toml "
-              "--warm-cache", file=sys.stderr)
+              "--warm-cache, or name a run's fla_choices.json", file=sys.stderr)
         return 2
     out = args.out or kept_path(gpu or "unknown")
     choices, added = merged(out, {**choices, "gpu_name": gpu})

@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -252,7 +253,7 @@ def test_verify_records_catches_an_edited_file_inside_site_packages(tmp_path, mo
     fake_dist(site, "fakenorecord", {"fakenorecord/a.py": b""})
     (site / "fakenorecord-1.0.dist-info" / "RECORD").unlink()
     monkeypatch.syspath_prepend(str(site))
-    clean = verify_records(["faketransformers", "fakenorecord"], workers=2)
+    clean = verify_records(["faketransformers", "fakenorecord"], workers=2, hashed_in=tmp_path / "hashed")
     a, b = sorted(clean.checks, key=lambda c: c.name)
     assert (b.name, b.hashed, b.sized, b.modified, b.missing, b.error) == ("faketransformers", 2, 1, [], [], None)
     assert a.error.startswith("no RECORD") and clean.seconds > 0
@@ -261,7 +262,7 @@ def test_verify_records_catches_an_edited_file_inside_site_packages(tmp_path, mo
     (site / "faketransformers" / "__pycache__" / "x.cpython-311.pyc").write_bytes(b"recompiled")  # never hashed
     (site / "faketransformers" / "__init__.py").unlink()
     (site / "faketransformers" / "lib" / "libkern.so.12").write_bytes(b"\x7fELF" * 9)  # another build: other size
-    hit = verify_records(["faketransformers"]).checks[0]
+    hit = verify_records(["faketransformers"], hashed_in=tmp_path / "hashed").checks[0]
     assert hit.modified == [modeling, "faketransformers/lib/libkern.so.12"]
     assert hit.missing == ["faketransformers/__init__.py"]
 
@@ -564,3 +565,34 @@ def test_gather_records_a_target_that_needs_its_own_code_without_importing_torch
             "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=REPO_ROOT)
     assert out.returncode == 0 and out.stdout == "[]\n", out.stdout + out.stderr
+
+
+def test_a_file_found_matching_and_unchanged_since_is_not_read_again(tmp_path, monkeypatch):
+    """verify_records keeps what it found matching by inode, size, mtime and ctime: the next check reads only what
+    changed, and an edit in place (even one that puts the size and mtime back) is read and caught."""
+    from preflight.facts import environment
+
+    site = fake_dist(tmp_path / "site", "faketorch", {"faketorch/a.py": b"x = 1\n", "faketorch/b.py": b"y = 2\n"})
+    monkeypatch.syspath_prepend(str(site))
+    read = []
+    real = environment._verify_entry
+    monkeypatch.setattr(environment, "_verify_entry", lambda e: read.append(e.rel) or real(e))
+    kept = tmp_path / "cache"
+    first = verify_records(["faketorch"], hashed_in=kept).checks[0]
+    assert (first.hashed, first.modified, sorted(read)) == (2, [], ["faketorch/a.py", "faketorch/b.py"])
+    assert len(list(kept.glob("*.json"))) == 1
+    read.clear()
+    again = verify_records(["faketorch"], hashed_in=kept).checks[0]
+    assert (again.hashed, again.modified, read) == (2, [], [])  # nothing read: both unchanged
+    target = site / "faketorch" / "a.py"
+    st = target.stat()
+    target.write_bytes(b"x = 9\n")  # the same size
+    os.utime(target, ns=(st.st_atime_ns, st.st_mtime_ns))  # and the mtime put back: the ctime still moved
+    edited = verify_records(["faketorch"], hashed_in=kept).checks[0]
+    assert (edited.modified, read) == (["faketorch/a.py"], ["faketorch/a.py"])
+    read.clear()
+    assert verify_records(["faketorch"], hashed_in=kept).checks[0].modified == ["faketorch/a.py"]  # never kept
+    assert read == ["faketorch/a.py"]
+    next(kept.glob("*.json")).write_text("{broken")  # an unreadable cache: everything read again
+    read.clear()
+    assert verify_records(["faketorch"], hashed_in=kept).checks[0].hashed == 2 and len(read) == 2

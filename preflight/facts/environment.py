@@ -168,29 +168,96 @@ def _verify_entry(e: _RecordEntry) -> str | None:
     return None if base64.urlsafe_b64encode(digest).rstrip(b"=").decode() == e.digest else "modified"
 
 
-def verify_records(names: list[str], workers: int | None = None) -> Records:
+HASHED_FOLDER = "records"  # under $DFLASH_CACHE: the files a check found matching their RECORD, by their stat
+
+
+def _stamp(path: str) -> list[int] | None:
+    """What changes when a file is edited in place or replaced: inode, size, mtime and ctime (the last set by the
+    kernel on any write or metadata change; no tool sets it back)."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return [st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
+
+
+def _hashed_file(folder: Path | None, names: list[str]) -> Path:
+    """One file per environment and set of distributions checked (the gate checks the same set every time)."""
+    import sys
+
+    from dflash.models.smollm2 import cache_root
+
+    key = hashlib.sha256("\n".join([os.path.realpath(sys.prefix), *sorted(names)]).encode()).hexdigest()[:16]
+    return (folder or cache_root() / HASHED_FOLDER) / f"{key}.json"
+
+
+def _read_hashed(path: Path) -> dict:
+    import json
+
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _write_hashed(path: Path, hashed: dict) -> None:
+    """Atomically; a cache that cannot be written only costs the next check its hashing."""
+    import json
+
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(json.dumps(hashed, separators=(",", ":")))
+        os.replace(tmp, path)
+    except OSError:
+        tmp.unlink(missing_ok=True)
+
+
+def verify_records(names: list[str], workers: int | None = None, hashed_in: Path | None = None,
+                   remember: bool = True) -> Records:
     """Check the installed files of distributions `names` against their RECORD: sha256 for every file but
-    .pyc caches and native libraries (those by size), read in parallel batches (hashlib releases the GIL)."""
+    .pyc caches and native libraries (those by size), read in parallel batches (hashlib releases the GIL).
+    A file an earlier check found matching, unchanged since (the same inode, size, mtime and ctime), is not read
+    again: those are kept per environment under $DFLASH_CACHE/records/ (`hashed_in`: another folder)."""
     from concurrent.futures import ThreadPoolExecutor
 
     t0 = time.perf_counter()
+    store = _hashed_file(hashed_in, names) if remember else None
+    before = _read_hashed(store) if store else {}
+    after: dict = {}
     checks, jobs = [], []
     for name in sorted(names):
         check, entries = _record_entries(name)
         checks.append(check)
         jobs += [(check, e) for e in entries]
+
+    def verdict(e: _RecordEntry) -> str | None:
+        if e.native:
+            return _verify_entry(e)
+        stamp = _stamp(e.path)
+        if stamp is not None and before.get(e.path) == [*stamp, e.digest]:
+            after[e.path] = before[e.path]
+            return None
+        found = _verify_entry(e)
+        if found is None and stamp is not None and _stamp(e.path) == stamp:  # unchanged while it was read
+            after[e.path] = [*stamp, e.digest]
+        return found
+
     batches = [jobs[i:i + 512] for i in range(0, len(jobs), 512)]
     with ThreadPoolExecutor(workers or min(8, os.cpu_count() or 1)) as pool:
-        for batch, verdicts in zip(batches, pool.map(lambda b: [_verify_entry(e) for _, e in b], batches)):
-            for (check, e), verdict in zip(batch, verdicts):
+        for batch, verdicts in zip(batches, pool.map(lambda b: [verdict(e) for _, e in b], batches)):
+            for (check, e), verdict_ in zip(batch, verdicts):
                 if e.native:
                     check.sized += 1
                 else:
                     check.hashed += 1
-                if verdict == "missing":
+                if verdict_ == "missing":
                     check.missing.append(e.rel)
-                elif verdict == "modified":
+                elif verdict_ == "modified":
                     check.modified.append(e.rel)
+    if store and after != before:
+        _write_hashed(store, after)
     return Records(checks, time.perf_counter() - t0)
 
 

@@ -23,6 +23,10 @@ Run (from the repository root; no install needed besides the packages):
 skipped); --timeout-s bounds each worker. The JSON is rewritten after every measurement.
 --fit reads a measurement file, prints each prediction error with the committed Calibration,
 then the fitted constants (paste them into dflash/memory/parts.py's Calibration defaults).
+--breakdown (CUDA) records torch's allocation history in each worker and adds "peak_breakdown" to each
+measurement: the tensors alive at torch's allocated peak, summed by where they were allocated (the innermost
+dflash/bench frame, else the innermost Python frame: compiled graphs, autograd), largest first, so a residual
+against the model can be traced to the term that misses it.
 """
 
 from __future__ import annotations
@@ -127,9 +131,16 @@ def worker(spec: dict) -> dict:
         nvml = Nvml(gpu_uuid(torch), enabled=True)
     t0 = time.perf_counter()
     steps = []
+    traced = spec.get("breakdown") and device.type == "cuda"
+    if traced:  # host-side bookkeeping only: the GPU peaks are the same with it on
+        torch.cuda.memory._record_memory_history(max_entries=HISTORY_ENTRIES, context="alloc", stacks="python")
     with NvmlPeak(nvml) as peak:
         run = _target_role if spec["role"] == "target" else _drafter_role
         shape = run(cfg, device, steps, nvml, torch)
+    breakdown = None
+    if traced:
+        breakdown = peak_breakdown(torch.cuda.memory._snapshot(), int(torch.cuda.max_memory_allocated()))
+        torch.cuda.memory._record_memory_history(enabled=None)
     result = {
         "nvml_used_bytes": max([peak.peak or 0] + [s["nvml_used_bytes"] or 0 for s in steps]) or None,
         "max_allocated_bytes": int(torch.cuda.max_memory_allocated()) if device.type == "cuda" else None,
@@ -141,7 +152,69 @@ def worker(spec: dict) -> dict:
         "steps": steps,
         "worker_s": round(time.perf_counter() - t0, 2),
     }
+    if breakdown is not None:
+        result["peak_breakdown"] = breakdown
     return result
+
+
+HISTORY_ENTRIES = 2_000_000  # allocation events kept; a step of the 27B drafter makes some thousands
+OURS = ("/dflash/", "/bench/")
+
+
+def _where(frames: list[dict]) -> str:
+    """Where an allocation was made: the innermost frame of this project's code, else the innermost Python frame."""
+    for f in frames:
+        name = f.get("filename", "").replace(os.sep, "/")
+        for root in OURS:
+            if root in name:
+                return f"{root.strip('/')}/{name.split(root, 1)[1]}:{f.get('line')} {f.get('name')}"
+    if frames:
+        f = frames[0]
+        tail = "/".join(f.get("filename", "?").replace(os.sep, "/").split("/")[-2:])
+        return f"{tail}:{f.get('line')} {f.get('name')}"
+    return "(no Python frame: autograd's engine or a C++ caller)"
+
+
+def peak_breakdown(snapshot: dict, max_allocated: int | None = None, top: int = 30) -> dict:
+    """The allocations alive at the traced peak of one device's allocation history, summed by where they were made.
+
+    snapshot: torch.cuda.memory._snapshot() taken with _record_memory_history on ("device_traces": per device a list
+    of events with action, addr, size, frames). Two passes: the first finds the peak of the running total of
+    'alloc' minus 'free_completed', the second replays up to it. Allocations made before the history started (none,
+    when it starts before the model is built) are not in it: "untraced_bytes" is torch's max_allocated less the
+    traced peak. "truncated" says the history hit its entry limit, so early allocations may be missing.
+    """
+    traces = snapshot.get("device_traces") or []
+    trace = max(traces, key=len) if traces else []
+    total = peak = peak_at = 0
+    sizes: dict[int, int] = {}
+    for i, e in enumerate(trace):
+        if e["action"] == "alloc":
+            sizes[e["addr"]] = e["size"]
+            total += e["size"]
+            if total > peak:
+                peak, peak_at = total, i
+        elif e["action"] == "free_completed":
+            total -= sizes.pop(e["addr"], 0)
+    live: dict[int, dict] = {}
+    for e in trace[:peak_at + 1]:
+        if e["action"] == "alloc":
+            live[e["addr"]] = e
+        elif e["action"] == "free_completed":
+            live.pop(e["addr"], None)
+    groups: dict[str, list[int]] = {}
+    for e in live.values():
+        g = groups.setdefault(_where(e.get("frames") or []), [0, 0])
+        g[0] += e["size"]
+        g[1] += 1
+    rows = sorted(({"where": k, "bytes": b, "count": c} for k, (b, c) in groups.items()), key=lambda r: -r["bytes"])
+    shown = rows[:top]
+    rest = rows[top:]
+    if rest:
+        shown.append({"where": f"({len(rest)} other places)", "bytes": sum(r["bytes"] for r in rest),
+                      "count": sum(r["count"] for r in rest)})
+    return {"traced_peak_bytes": peak, "untraced_bytes": None if max_allocated is None else max_allocated - peak,
+            "events": len(trace), "truncated": len(trace) >= HISTORY_ENTRIES, "live": shown}
 
 
 def _record(steps: list, nvml: Nvml, torch, device, t0: float, **extra) -> None:
@@ -255,6 +328,8 @@ def parse_args(argv=None):
     ap.add_argument("--timeout-s", type=float, default=180.0, help="wall limit of one worker")
     ap.add_argument("--merge", metavar="JSON", help="keep this file's measurements of (configuration, role) pairs "
                     "not measured now (each measurement keeps the command that produced it)")
+    ap.add_argument("--breakdown", action="store_true", help="CUDA: record the allocation history and add each "
+                    "measurement's tensors alive at the peak by where they were allocated (peak_breakdown)")
     ap.add_argument("--fit", metavar="JSON", help="no measuring: fit and print the calibration for this file")
     ap.add_argument("--worker", metavar="SPEC", help=argparse.SUPPRESS)
     return ap.parse_args(argv)
@@ -351,7 +426,7 @@ def measure_all(args) -> int:
         entry["config"] = config_from_dict(cfg, {"device": args.device}, source=name).model_dump()
         entry["nvml_baseline_bytes"] = settled_used(nvml, idle_used)
         print(f"[{name} / {role}] running ({elapsed:.0f} s elapsed)", flush=True)
-        spec = {"name": name, "role": role, "device": args.device, "config": cfg}
+        spec = {"name": name, "role": role, "device": args.device, "config": cfg, "breakdown": args.breakdown}
         result = run_worker(spec, min(args.timeout_s, max(10.0, left)))
         entry.update(result)
         if result.get("ok"):
@@ -359,6 +434,8 @@ def measure_all(args) -> int:
             print(f"[{name} / {role}] {result['wall_s']} s: NVML used {gib(result['nvml_used_bytes'])} GiB, "
                   f"reserved {gib(result['max_reserved_bytes'])}, allocated {gib(result['max_allocated_bytes'])}",
                   flush=True)
+            for row in (result.get("peak_breakdown") or {}).get("live", [])[:12]:
+                print(f"    {gib(row['bytes']):>7} GiB {row['count']:>5}x  {row['where']}", flush=True)
         else:
             print(f"[{name} / {role}] FAILED{' (out of memory)' if result.get('oom') else ''}: {result['error']}\n"
                   f"{result.get('traceback') or result.get('stderr_tail') or ''}", flush=True)

@@ -296,11 +296,11 @@ RECIPES = {r.name: r for r in [
                  f"{RATE} --config {Q36} --rows 8 --steps 4 --compile off --padding-mask --out "
                  "{work}/rate_q36_mask.json"]),
     Commands("cal-drafter", "the drafter role's memory calibration points (each in a fresh process, torch and NVML "
-             "peaks), as many as 200 s allow", [f"{CAL} --roles drafter --budget-s 200 --timeout-s 120 --out {{work}}"],
+             "peaks), as many as 200 s allow", [f"{CAL} --roles drafter --budget-s 200 --timeout-s 120 --breakdown --out {{work}}"],
              env=COLD, expect_s=240),
     Commands("cal-target", "every target-role memory calibration point, merged into a copy of "
              "tests/data/memory_calibration.json", [
-                 f"{CAL} --roles target --budget-s 300 --timeout-s 120 --merge tests/data/memory_calibration.json "
+                 f"{CAL} --roles target --budget-s 300 --timeout-s 120 --breakdown --merge tests/data/memory_calibration.json "
                  "--out {work}"], expect_s=330),
     Commands("cal-target-q36", "the hybrid 27B target role's calibration point at 49,152 tokens (fla-core kernels)",
              [f"{CAL} --roles target --only q36-27b-49k-a1024-b32-d5-kl-off --timeout-s 100 --out {{work}}"],

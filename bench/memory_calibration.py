@@ -162,17 +162,24 @@ OURS = ("/dflash/", "/bench/")
 
 
 def _where(frames: list[dict]) -> str:
-    """Where an allocation was made: the innermost frame of this project's code, else the innermost Python frame."""
+    """Where an allocation was made: the innermost frame of this project's code, then the innermost Python frame
+    when that is elsewhere (a compiled graph's generated code, torch's autograd), or only the latter."""
+    def tail(f: dict) -> str:
+        return "/".join(f.get("filename", "?").replace(os.sep, "/").split("/")[-2:]) + f":{f.get('line')} {f.get('name')}"
+
+    ours = ""
     for f in frames:
         name = f.get("filename", "").replace(os.sep, "/")
-        for root in OURS:
-            if root in name:
-                return f"{root.strip('/')}/{name.split(root, 1)[1]}:{f.get('line')} {f.get('name')}"
-    if frames:
-        f = frames[0]
-        tail = "/".join(f.get("filename", "?").replace(os.sep, "/").split("/")[-2:])
-        return f"{tail}:{f.get('line')} {f.get('name')}"
-    return "(no Python frame: autograd's engine or a C++ caller)"
+        root = next((r for r in OURS if r in name), None)
+        if root:
+            ours = f"{root.strip('/')}/{name.split(root, 1)[1]}:{f.get('line')} {f.get('name')}"
+            break
+    if not frames:
+        return "(no Python frame: autograd's engine or a C++ caller)"
+    inner = frames[0]
+    if ours and any(r in inner.get("filename", "").replace(os.sep, "/") for r in OURS):
+        return ours
+    return f"{ours} > {tail(inner)}" if ours else tail(inner)
 
 
 def peak_breakdown(snapshot: dict, max_allocated: int | None = None, top: int = 30) -> dict:

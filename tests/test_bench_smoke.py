@@ -119,22 +119,25 @@ def test_the_peak_breakdown_replays_the_allocation_history_to_its_peak():
 
     ours = [{"filename": str(REPO / "dflash" / "models" / "drafter.py"), "line": 7, "name": "forward"},
             {"filename": "x/torch/nn/modules/module.py", "line": 1, "name": "_call_impl"}]
-    compiled = [{"filename": "tmp/torchinductor_u/ab/cab12.py", "line": 40, "name": "call"}]
+    compiled = [{"filename": "tmp/torchinductor_u/ab/cab12.py", "line": 40, "name": "call"}]  # backward: no frame of ours
+    graph = [compiled[0], *ours]  # a compiled forward called from our code
 
     def ev(action, addr, size, frames=()):
         return {"action": action, "addr": addr, "size": size, "frames": list(frames)}
 
     trace = [ev("alloc", 1, 100, ours), ev("alloc", 2, 50, compiled), ev("alloc", 3, 30),
              ev("free_requested", 2, 50), ev("free_completed", 2, 50),  # freed before the peak: not in it
-             ev("alloc", 4, 80, ours), ev("alloc", 5, 10, compiled),  # the peak: 100 + 30 + 80 + 10 = 220
-             ev("free_completed", 4, 80), ev("alloc", 6, 60, compiled)]  # 200 after it: lower, not the peak
+             ev("alloc", 4, 80, ours), ev("alloc", 7, 5, compiled),
+             ev("alloc", 5, 10, graph),  # the peak: 100 + 30 + 80 + 5 + 10 = 225
+             ev("free_completed", 4, 80), ev("alloc", 6, 60, compiled)]  # 205 after it: lower, not the peak
     out = peak_breakdown({"device_traces": [[], trace]}, max_allocated=250)
-    assert out["traced_peak_bytes"] == 220 and out["untraced_bytes"] == 30 and not out["truncated"]
+    assert out["traced_peak_bytes"] == 225 and out["untraced_bytes"] == 25 and not out["truncated"]
     assert [(r["where"], r["bytes"], r["count"]) for r in out["live"]] == [
         ("dflash/models/drafter.py:7 forward", 180, 2),
         ("(no Python frame: autograd's engine or a C++ caller)", 30, 1),
-        ("ab/cab12.py:40 call", 10, 1)]
-    assert len(peak_breakdown({"device_traces": [trace]}, top=1)["live"]) == 2  # the first, then "(2 other places)"
+        ("dflash/models/drafter.py:7 forward > ab/cab12.py:40 call", 10, 1),
+        ("ab/cab12.py:40 call", 5, 1)]
+    assert len(peak_breakdown({"device_traces": [trace]}, top=1)["live"]) == 2  # the first, then "(3 other places)"
 
 
 def test_data_check_bench_runs_small(tmp_path):

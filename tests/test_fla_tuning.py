@@ -177,7 +177,7 @@ def test_a_process_that_only_loads_fla_keeps_one_config_a_kernel(tuner):
             t.configs = saved[name]
 
 
-def test_a_pack_in_a_token_bucket_not_kept_takes_the_nearest_kept_choice():
+def test_a_pack_in_a_token_bucket_not_kept_takes_the_nearest_kept_choice(tmp_path, monkeypatch):
     """l2norm's key holds NB = cdiv(tokens x heads, 65,536): a kept file of the buckets one run met leaves a pack
     of another length to tune mid-run; every bucket up to twice the largest kept finds the nearest kept choice."""
     import fla.modules.norm.l2norm  # noqa: F401  (loads the kernel's autotuner)
@@ -198,6 +198,15 @@ def test_a_pack_in_a_token_bucket_not_kept_takes_the_nearest_kept_choice():
         assert (128, 49, *dtypes) not in t.cache and (64, 23, *dtypes) not in t.cache  # another width tunes
         assert fla_tuning.seed(kept) == 0
         assert [e["key"][1] for e in fla_tuning.harvest()["kernels"][name]["entries"]] == [22, 24]  # kept, not filled
+        t.cache.clear()
+        fla_tuning.FILLED.clear()
+        file = tmp_path / "kept.json"
+        file.write_text(json.dumps({**fla_tuning.harvest("NVIDIA H200"), **kept}))
+        monkeypatch.setenv(fla_tuning.ENV, str(file))
+        lines = []
+        assert fla_tuning.use_kept("NVIDIA H200", lines.append) == 48
+        assert lines == ["fla: 2 kept kernel choice(s) for NVIDIA H200 set from kept.json, 46 other token bucket(s) "
+                         "from the nearest kept (the rest autotune)"]  # the filled ones are not counted as kept
     finally:
         t.cache.clear()
         t.cache.update(saved)

@@ -578,6 +578,11 @@ def test_a_file_found_matching_and_unchanged_since_is_not_read_again(tmp_path, m
     real = environment._verify_entry
     monkeypatch.setattr(environment, "_verify_entry", lambda e: read.append(e.rel) or real(e))
     kept = tmp_path / "cache"
+    verify_records(["faketorch"], hashed_in=kept)  # files changed within RACY_NS (just written) are not kept ...
+    read.clear()
+    assert verify_records(["faketorch"], hashed_in=kept).checks[0].hashed == 2 and len(read) == 2  # ... so read again
+    monkeypatch.setattr(environment, "RACY_NS", 0)  # older than that from here on
+    read.clear()
     first = verify_records(["faketorch"], hashed_in=kept).checks[0]
     assert (first.hashed, first.modified, sorted(read)) == (2, [], ["faketorch/a.py", "faketorch/b.py"])
     assert len(list(kept.glob("*.json"))) == 1
@@ -596,3 +601,5 @@ def test_a_file_found_matching_and_unchanged_since_is_not_read_again(tmp_path, m
     next(kept.glob("*.json")).write_text("{broken")  # an unreadable cache: everything read again
     read.clear()
     assert verify_records(["faketorch"], hashed_in=kept).checks[0].hashed == 2 and len(read) == 2
+    (tmp_path / "a-file").write_text("")  # a cache folder that cannot be made: checked as before, no error
+    assert verify_records(["faketorch"], hashed_in=tmp_path / "a-file" / "records").checks[0].hashed == 2

@@ -155,6 +155,8 @@ def _keep_tuned(gpu_name: str, path) -> str | None:
     seed(choices)
     if path is None:
         return None
+    if not choices["kernels"]:  # every tuned config has a pre-hook (code) or a key that is not plain data
+        return f"fla: tuned {tuned} kernel(s) in {seconds:.1f} s; none of their choices can be written to a file"
     from pathlib import Path
 
     path = Path(path)
@@ -231,6 +233,9 @@ def use_kept(gpu_name: str, log=print) -> int:
     if why:
         log(f"fla: {path} {why}; its kernels autotune")
         return 0
+    before = sum(map(len, FILLED.values()))
     placed = seed(kept)
-    log(f"fla: {placed} kept kernel choice(s) for {gpu_name} set from {path.name} (the rest autotune)")
+    filled = sum(map(len, FILLED.values())) - before
+    more = f", {filled} other token bucket(s) from the nearest kept" if filled else ""
+    log(f"fla: {placed - filled} kept kernel choice(s) for {gpu_name} set from {path.name}{more} (the rest autotune)")
     return placed

@@ -143,6 +143,7 @@ def _target_main(cfg: RunConfig, me: Rank, resume_from: Path | None, share_group
                 batch = collate(dataset, indices, pad, cfg.data.packing)
                 yield k, ({key: v.pin_memory() for key, v in batch.items()} if device.type == "cuda" else batch)
 
+    kept = False  # each target rank's first batch: ranks see every n_targets-th batch, so not one index for all
     for k, batch in prefetch(my_batches()):
         t0 = time.perf_counter()
         batch = to_device(batch, device)
@@ -151,10 +152,11 @@ def _target_main(cfg: RunConfig, me: Rank, resume_from: Path | None, share_group
         if device.type == "cuda":  # this stream only: a device-wide sync would also wait for our queued NCCL sends
             torch.cuda.current_stream(device).synchronize()
         compute_s = time.perf_counter() - t0
-        if k == first and device.type == "cuda":  # what fla tuned fills its other token buckets (no file: no run dir)
+        if not kept and device.type == "cuda":  # what fla tuned fills its other token buckets (no file: no run dir)
             from dflash.models.fla_tuning import keep_tuned
 
             keep_tuned(torch.cuda.get_device_name(device))
+            kept = True
         stats = torch.tensor([compute_s, wait_s], dtype=torch.float64)
         tensors = [stats.to(device), context.to(wire).contiguous()]
         if last is not None:

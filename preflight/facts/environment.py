@@ -4,6 +4,7 @@ and every GPU-stack and target-code distribution's files against the hashes its 
 from __future__ import annotations
 
 import base64
+import contextlib
 import csv
 import hashlib
 import os
@@ -168,6 +169,7 @@ def _verify_entry(e: _RecordEntry) -> str | None:
     return None if base64.urlsafe_b64encode(digest).rstrip(b"=").decode() == e.digest else "modified"
 
 
+RACY_NS = 2_000_000_000  # a file changed this recently is hashed again next time (a coarse clock could hide a write)
 HASHED_FOLDER = "records"  # under $DFLASH_CACHE: the files a check found matching their RECORD, by their stat
 
 
@@ -211,7 +213,8 @@ def _write_hashed(path: Path, hashed: dict) -> None:
         tmp.write_text(json.dumps(hashed, separators=(",", ":")))
         os.replace(tmp, path)
     except OSError:
-        tmp.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):  # a read-only mount or a file where the folder should be: no cache
+            tmp.unlink(missing_ok=True)
 
 
 def verify_records(names: list[str], workers: int | None = None, hashed_in: Path | None = None,
@@ -240,7 +243,8 @@ def verify_records(names: list[str], workers: int | None = None, hashed_in: Path
             after[e.path] = before[e.path]
             return None
         found = _verify_entry(e)
-        if found is None and stamp is not None and _stamp(e.path) == stamp:  # unchanged while it was read
+        if (found is None and stamp is not None and _stamp(e.path) == stamp  # unchanged while it was read
+                and time.time_ns() - stamp[3] > RACY_NS):  # and not changed so recently that a write could share its tick
             after[e.path] = [*stamp, e.digest]
         return found
 

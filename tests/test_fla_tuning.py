@@ -270,6 +270,9 @@ def test_keeping_what_fla_tuned_never_stops_a_run(tmp_path, monkeypatch):
     """A run dir that cannot be written, or a harvest that fails: one line, nothing left behind, no exception."""
     monkeypatch.setattr(fla_tuning, "tuning_seconds", lambda: (4.0, 1))
     monkeypatch.setattr(fla_tuning, "harvest", lambda gpu: {"gpu_name": gpu, "kernels": {}})
+    assert fla_tuning.keep_tuned("NVIDIA H200", tmp_path / "fla_choices.json") == \
+        "fla: tuned 1 kernel(s) in 4.0 s; none of their choices can be written to a file"  # no empty file offered
+    monkeypatch.setattr(fla_tuning, "harvest", lambda gpu: {"gpu_name": gpu, "kernels": {"k": {"entries": []}}})
     line = fla_tuning.keep_tuned("NVIDIA H200", tmp_path / "gone" / "fla_choices.json")
     assert line.startswith(f"fla: tuned 1 kernel(s) in 4.0 s; their choices not written to {tmp_path / 'gone' / 'fla_choices.json'}")
     assert not (tmp_path / "gone").exists()

@@ -162,8 +162,11 @@ RECIPES = {r.name: r for r in [
            "(sigma 0.6): the packed rate's claim, one epoch of packs after step 10 and 60 steps after it (one H200)",
            Q36, Q36_EPOCH, 72, 40, [*SHAPES, *PACKED], expect_s=520),
     Recipe("q36-packed-mix-fp8", "q36-packed-mix with target.precision = fp8: the same packs, the fp8 target's pace "
-           "beside bf16 (issue #55; one H200)", Q36, Q36_EPOCH, 72, 40, [*SHAPES, *PACKED, "target.precision=fp8"],
+           "beside bf16 (issue #55; one H200; alone, it fits one H100)", Q36, Q36_EPOCH, 72, 40, [*SHAPES, *PACKED, "target.precision=fp8"],
            expect_s=450),
+    Recipe("q36-packed-one-fp8", "q36-packed-one with target.precision = fp8: the reference beside q36-packed-mix-fp8, "
+           "which fits one H100 at the preset's budget (the 27B packed ratio where no H200 is lent)", Q36, Q36_ONE, 40,
+           30, [*SHAPES, *PACKED, "target.precision=fp8"], expect_s=260),
     Recipe("q36-packed-one", "the same, every sample 2,826 tokens: the reference beside the mix (one H200)", Q36,
            Q36_ONE, 40, 30, [*SHAPES, *PACKED], expect_s=260),  # beside gpu-tests in one call
     Recipe("q36-packed-mix-gamma", "q36-packed-mix with train.slot_weights = gamma (the preset's is cap): the "

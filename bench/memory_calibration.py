@@ -18,11 +18,15 @@ Run (from the repository root; no install needed besides the packages):
     PYTHONPATH=. python3 bench/memory_calibration.py --out out/ --only 8b-48k-a1024-b32-d1
     PYTHONPATH=. python3 bench/memory_calibration.py --device cpu --tiny --out .cache/cal   # smoke run
     PYTHONPATH=. python3 bench/memory_calibration.py --fit tests/data/memory_calibration.json
+    PYTHONPATH=. python3 bench/memory_calibration.py --residuals tests/data/memory_calibration.json
 
 --budget-s stops launching workers once the next one would not finish in time (recorded as
 skipped); --timeout-s bounds each worker. The JSON is rewritten after every measurement.
 --fit reads a measurement file, prints each prediction error with the committed Calibration,
 then the fitted constants (paste them into dflash/memory/parts.py's Calibration defaults).
+--residuals splits each prediction's error into its three layers: the model's tensors (scaled) against torch's
+allocated peak, its fragmentation margin against reserved less allocated, and its terms outside torch (CUDA context,
+NCCL) against NVML less reserved (the card's own baseline included).
 --breakdown (CUDA) records torch's allocation history in each worker and adds "peak_breakdown" to each
 measurement: the tensors alive at torch's allocated peak, summed by where they were allocated (the innermost
 dflash/bench frame, else the innermost Python frame: compiled graphs, autograd), largest first, so a residual
@@ -337,6 +341,8 @@ def parse_args(argv=None):
                     "not measured now (each measurement keeps the command that produced it)")
     ap.add_argument("--breakdown", action="store_true", help="CUDA: record the allocation history and add each "
                     "measurement's tensors alive at the peak by where they were allocated (peak_breakdown)")
+    ap.add_argument("--residuals", metavar="JSON", help="no measuring: each prediction's error split into tensors, "
+                    "allocator margin and what is outside torch, for this file")
     ap.add_argument("--fit", metavar="JSON", help="no measuring: fit and print the calibration for this file")
     ap.add_argument("--worker", metavar="SPEC", help=argparse.SUPPRESS)
     return ap.parse_args(argv)
@@ -492,10 +498,58 @@ def print_table(measurements: list[dict]) -> None:
         print(f"max |error|: committed {max(abs(x) for x in errs):.1%}, fitted {max(abs(x) for x in after):.1%}")
 
 
+def residuals(measurements: list[dict]) -> list[dict]:
+    """Per usable measurement, where the model's error sits (GiB): tensors (every part but the margin and the fixed
+    ones, scaled as the model scales them) against torch's max allocated; the fragmentation margin against max
+    reserved less max allocated; the fixed parts (CUDA context, NCCL) against NVML used less max reserved."""
+    from dflash.memory.calibration import Measurement, current_measurements
+    from dflash.memory.parts import DEFAULT_CALIBRATION, recompute_mode, role_parts
+
+    usable, _ = current_measurements([m for m in measurements if m.get("ok") and m.get("nvml_used_bytes")
+                                      and m.get("max_allocated_bytes") and m.get("max_reserved_bytes")])
+    rows = []
+    for raw in usable:
+        m = Measurement.model_validate(raw)
+        cfg, shape = m.model_inputs()
+        parts = role_parts(cfg, shape, m.role, m.cuda, DEFAULT_CALIBRATION, m.expandable)
+        by = {kind: sum(p.bytes for p in parts if p.kind == kind) for kind in ("margin", "fixed")}
+        tensors = sum(p.bytes for p in parts) - by["margin"] - by["fixed"]
+        alloc, res, nvml = raw["max_allocated_bytes"], raw["max_reserved_bytes"], raw["nvml_used_bytes"]
+        g = 1 << 30
+        rows.append({"name": raw["name"], "role": raw["role"], "gpu": raw.get("gpu", ""),
+                     "recompute": recompute_mode(cfg) if raw["role"] != "target" else "-", "tensors": tensors / g, "allocated": alloc / g,
+                     "margin": by["margin"] / g, "slack": (res - alloc) / g, "fixed": by["fixed"] / g,
+                     "outside": (nvml - res) / g, "predicted": sum(p.bytes for p in parts) / g, "nvml": nvml / g})
+    return rows
+
+
+def print_residuals(measurements: list[dict]) -> None:
+    rows = residuals(measurements)
+    print(f"{'configuration':<40} {'role':<8} {'rc':<5} {'tensors/alloc':>15} {'margin/slack':>13} "
+          f"{'fixed/outside':>14} {'total/NVML':>15} {'error':>6}")
+    for r in rows:
+        print(f"{r['name'][:40]:<40} {r['role']:<8} {r['recompute'][:5]:<5} "
+              f"{r['tensors']:>6.2f}/{r['allocated']:<6.2f}{r['tensors'] - r['allocated']:+5.2f} "
+              f"{r['margin']:>5.2f}/{r['slack']:<5.2f}{r['margin'] - r['slack']:+5.2f} "
+              f"{r['fixed']:>5.2f}/{r['outside']:<5.2f}{r['fixed'] - r['outside']:+5.2f} "
+              f"{r['predicted']:>6.2f}/{r['nvml']:<6.2f}{r['predicted'] - r['nvml']:+5.2f} "
+              f"{(r['predicted'] / r['nvml'] - 1):>+6.1%}")
+    print("(GiB: model / measured, then model less measured; tensors vs torch's max allocated, margin vs reserved "
+          "less allocated, fixed vs NVML less reserved)")
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.worker:
         return worker_main(args.worker)
+    if args.residuals:
+        try:
+            doc = json.loads(Path(args.residuals).read_text())
+        except (OSError, ValueError) as e:
+            print(f"--residuals {args.residuals}: cannot read it ({e}); give a memory_calibration.json", file=sys.stderr)
+            return 2
+        print_residuals(doc.get("measurements", []) if isinstance(doc, dict) else [])
+        return 0
     if args.fit:
         doc = json.loads(Path(args.fit).read_text())
         print_table(doc["measurements"])

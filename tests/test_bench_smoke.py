@@ -140,6 +140,26 @@ def test_the_peak_breakdown_replays_the_allocation_history_to_its_peak():
     assert len(peak_breakdown({"device_traces": [trace]}, top=1)["live"]) == 2  # the first, then "(3 other places)"
 
 
+def test_the_residuals_split_each_prediction_into_tensors_margin_and_what_is_outside_torch():
+    sys.path.insert(0, str(REPO))
+    from bench.memory_calibration import residuals
+    from dflash.memory.calibration import Measurement, current_measurements
+    from dflash.memory.parts import DEFAULT_CALIBRATION
+
+    doc = json.loads((REPO / "tests" / "data" / "memory_calibration.json").read_text())
+    rows = residuals(doc["measurements"])
+    used, _ = current_measurements([m for m in doc["measurements"] if m.get("ok") and m.get("max_allocated_bytes")])
+    assert len(rows) == len(used) >= 10
+    for r, m in zip(rows, used):
+        assert r["tensors"] + r["margin"] + r["fixed"] == pytest.approx(r["predicted"], abs=1e-6)
+        assert r["predicted"] == pytest.approx(Measurement.model_validate(m).predicted_bytes(DEFAULT_CALIBRATION) / 2**30)
+        assert r["allocated"] + r["slack"] + r["outside"] == pytest.approx(m["nvml_used_bytes"] / 2**30)
+    off = next(r for r in rows if r["name"] == "q36-27b-49k-a1024-b32-d5-kl-off" and r["role"] == "drafter")
+    assert off["recompute"] == "off" and off["tensors"] - off["allocated"] < -3  # docs/estimate.md's largest miss
+    proc = _run(["bench/memory_calibration.py", "--residuals", "no-such.json"], REPO)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "no-such.json" in proc.stderr
+
+
 def test_data_check_bench_runs_small(tmp_path):
     out = tmp_path / "data_check.json"
     proc = _run(["bench/data_check.py", "--tokens", "2e6", "--out", str(tmp_path / "data"), "--json", str(out),

@@ -523,8 +523,7 @@ def residuals(measurements: list[dict]) -> list[dict]:
     return rows
 
 
-def print_residuals(measurements: list[dict]) -> None:
-    rows = residuals(measurements)
+def print_residuals(rows: list[dict]) -> None:
     print(f"{'configuration':<40} {'role':<8} {'rc':<5} {'tensors/alloc':>15} {'margin/slack':>13} "
           f"{'fixed/outside':>14} {'total/NVML':>15} {'error':>6}")
     for r in rows:
@@ -548,7 +547,17 @@ def main(argv=None) -> int:
         except (OSError, ValueError) as e:
             print(f"--residuals {args.residuals}: cannot read it ({e}); give a memory_calibration.json", file=sys.stderr)
             return 2
-        print_residuals(doc.get("measurements", []) if isinstance(doc, dict) else [])
+        try:
+            rows = residuals(doc.get("measurements", []) if isinstance(doc, dict) else [])
+        except (ValueError, KeyError, TypeError) as e:  # a measurement without its config or target_config
+            print(f"--residuals {args.residuals}: a measurement cannot be read ({type(e).__name__}: "
+                  f"{' '.join(str(e).split())[:160]}); give a memory_calibration.json", file=sys.stderr)
+            return 2
+        if not rows:
+            print(f"--residuals {args.residuals}: no measurement with NVML, torch's allocated and reserved peaks; give "
+                  "a memory_calibration.json that bench/memory_calibration.py wrote on a GPU", file=sys.stderr)
+            return 2
+        print_residuals(rows)
         return 0
     if args.fit:
         doc = json.loads(Path(args.fit).read_text())

@@ -140,7 +140,7 @@ def test_the_peak_breakdown_replays_the_allocation_history_to_its_peak():
     assert len(peak_breakdown({"device_traces": [trace]}, top=1)["live"]) == 2  # the first, then "(3 other places)"
 
 
-def test_the_residuals_split_each_prediction_into_tensors_margin_and_what_is_outside_torch():
+def test_the_residuals_split_each_prediction_into_tensors_margin_and_what_is_outside_torch(tmp_path):
     sys.path.insert(0, str(REPO))
     from bench.memory_calibration import residuals
     from dflash.memory.calibration import Measurement, current_measurements
@@ -156,8 +156,16 @@ def test_the_residuals_split_each_prediction_into_tensors_margin_and_what_is_out
         assert r["allocated"] + r["slack"] + r["outside"] == pytest.approx(m["nvml_used_bytes"] / 2**30)
     off = next(r for r in rows if r["name"] == "q36-27b-49k-a1024-b32-d5-kl-off" and r["role"] == "drafter")
     assert off["recompute"] == "off" and off["tensors"] - off["allocated"] < -3  # docs/estimate.md's largest miss
-    proc = _run(["bench/memory_calibration.py", "--residuals", "no-such.json"], REPO)
-    assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "no-such.json" in proc.stderr
+    for bad in ("no-such.json", "README.md"):  # missing, not JSON
+        proc = _run(["bench/memory_calibration.py", "--residuals", bad], REPO)
+        assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and bad in proc.stderr, proc.stderr
+    for i, doc in enumerate([{"measurements": []}, {"measurements": [{"name": "a", "role": "drafter", "ok": True,
+                                                                      "nvml_used_bytes": 1, "max_allocated_bytes": 1,
+                                                                      "max_reserved_bytes": 1}]}]):
+        path = tmp_path / f"cal{i}.json"  # none usable; one without its config
+        path.write_text(json.dumps(doc))
+        proc = _run(["bench/memory_calibration.py", "--residuals", str(path)], tmp_path)
+        assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr, proc.stderr
 
 
 def test_data_check_bench_runs_small(tmp_path):
